@@ -1,0 +1,1 @@
+"""DeepInfer Gateway: the serving layer around DeepSeek's DeepInfer engine."""

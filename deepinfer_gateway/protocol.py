@@ -1,0 +1,236 @@
+"""Worker protocol v1: the token-level contract between the gateway and engine workers.
+
+The only module the gateway and the workers share (see docs/worker-protocol.md, which is
+the normative description; keep both in step and bump PROTOCOL_VERSION on a breaking
+change).
+
+Request bodies are validated with pydantic once per request. The streamed reply is
+NDJSON: one JSON object per line, built as plain dicts by the helpers below, because
+it is the per-token hot path and pydantic there would cost more than the rest of the
+relay.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+KV_BLOCK_TOKENS = 128  # DeepInfer V4.1-Flash resolved_tokens_per_block
+
+# Paths (all HTTP/1.1 on the worker's port).
+GENERATE_PATH = "/v1/worker/generate"
+ABORT_PATH = "/v1/worker/abort"
+LOAD_PATH = "/v1/worker/load"
+KV_EVENTS_PATH = "/v1/worker/kv_events"
+INFO_PATH = "/v1/worker/info"
+HEALTH_PATH = "/health"
+
+NDJSON = "application/x-ndjson"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class Role(StrEnum):
+    UNIFIED = "unified"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Hardware(StrEnum):
+    SM100 = "sm100"
+    ASCEND950 = "ascend950"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class ErrorKind(StrEnum):
+    """Why a request ended with FinishReason.ERROR; `retryable` says whether another
+    worker may succeed (only meaningful before the first token reached the client)."""
+
+    PROMPT_TOO_LONG = "prompt_too_long"  # client error
+    INVALID_TOKENS = "invalid_tokens"  # client error
+    INVALID_REQUEST = "invalid_request"  # client error
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # retryable
+    STRUCTURED_OUTPUT = "structured_output"
+    VISION_ENCODER = "vision_encoder"
+    KV_TRANSFER = "kv_transfer"  # retryable
+    ENGINE = "engine"  # retryable
+    SHUTTING_DOWN = "shutting_down"  # retryable
+
+
+RETRYABLE_ERRORS = frozenset(
+    {ErrorKind.RESOURCE_EXHAUSTED, ErrorKind.KV_TRANSFER, ErrorKind.ENGINE, ErrorKind.SHUTTING_DOWN}
+)
+CLIENT_ERRORS = frozenset({ErrorKind.PROMPT_TOO_LONG, ErrorKind.INVALID_TOKENS, ErrorKind.INVALID_REQUEST})
+
+
+class KvTier(StrEnum):
+    MEMORY = "memory"  # the worker's own HBM/DRAM blocks
+    STORE = "store"  # the shared KV store (3FS-like)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StructuredOutput(_Model):
+    """DeepInfer `SamplingParams.so_args`."""
+
+    schema_type: Literal["json", "regex", "ebnf", "tool_call", "tool_call_required"]
+    schema_: str = Field("", alias="schema")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Sampling(_Model):
+    """Mirrors DeepInfer `SamplingParams` (names kept)."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(16, ge=1)
+    ignore_eos: bool = False
+    top_logprobs: int = Field(0, ge=0, le=1000)
+    logprobs: bool = False
+    seq_seed: int | None = None
+    so_args: StructuredOutput | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class KvHandoff(_Model):
+    """Where a decode worker finds the KV a prefill worker produced."""
+
+    handle: str
+    source_worker: str
+    kv_format: str
+    num_tokens: int = Field(ge=0)
+    block_hashes: tuple[int, ...] = ()
+
+
+class GenerateRequest(_Model):
+    request_id: str = Field(min_length=1, max_length=256)
+    token_ids: list[int] = Field(min_length=1)
+    sampling: Sampling = Sampling()
+    role: Role = Role.UNIFIED
+    # Prefill role: return after the first token with a KV hand-off handle.
+    # Decode role: continue from `kv_handoff`; `token_ids` is prompt + first token.
+    kv_handoff: KvHandoff | None = None
+    workload_class: Literal["chat", "agent"] = "chat"
+    # Number of image placeholder tokens beyond one per placeholder (vision encoder cost).
+    image_token_adjustment: int = Field(0, ge=0)
+    images: list[str] = Field(default_factory=list)  # base64 preprocessed images
+    arrival_time: float | None = None
+
+
+class AbortRequest(_Model):
+    request_id: str
+
+
+class DpRankLoad(_Model):
+    dp_rank: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+
+
+class LoadReport(_Model):
+    worker_id: str
+    role: Role
+    hardware: Hardware
+    kv_format: str
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    kv_usage: float = Field(ge=0.0, le=1.0)
+    memory_capacity_blocks: int
+    dp_ranks: list[DpRankLoad]
+    # Counters since start, for engine-side hit-rate dashboards.
+    prompt_tokens_total: int = 0
+    cached_tokens_total: dict[KvTier, int] = Field(default_factory=dict)
+    epoch: str = ""
+
+
+class WorkerInfo(_Model):
+    protocol_version: int = PROTOCOL_VERSION
+    worker_id: str
+    engine: Literal["sim", "deepinfer"]
+    role: Role
+    hardware: Hardware
+    kv_format: str
+    model: str
+    dp_size: int = 1
+    block_tokens: int = KV_BLOCK_TOKENS
+    epoch: str  # changes on every (re)start; a consumer seeing a new epoch drops the worker's memory tier
+
+
+class KvEventKind(StrEnum):
+    STORED = "stored"
+    EVICTED = "evicted"
+    CLEARED = "cleared"  # all blocks of `tier` are gone (worker restart)
+
+
+class KvEvent(_Model):
+    seq: int  # per worker, per epoch, gap-free from 1
+    kind: KvEventKind
+    tier: KvTier
+    block_hashes: list[int] = Field(default_factory=list)
+    expires_at: float | None = None  # store tier: unix time of TTL expiry
+
+
+class KvEventBatch(_Model):
+    worker_id: str
+    epoch: str
+    events: list[KvEvent]
+    last_seq: int  # highest seq the worker has issued so far (gap detection)
+    oldest_seq: int  # oldest seq still retained; asking for `after` < oldest_seq - 1 means resync
+
+
+# --- streamed reply: one JSON object per line -------------------------------------------
+
+
+def ready_event(prompt_tokens: int, cached_memory: int, cached_store: int) -> dict[str, Any]:
+    return {
+        "event": "ready",
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": {"memory": cached_memory, "store": cached_store},
+    }
+
+
+def tokens_event(token_ids: list[int], logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """`logprobs`, when asked for: one `[logprob, [[token_id, logprob], ...]]` per token."""
+    event: dict[str, Any] = {"event": "tokens", "token_ids": token_ids}
+    if logprobs is not None:
+        event["logprobs"] = logprobs
+    return event
+
+
+def finish_event(
+    reason: FinishReason,
+    *,
+    error_kind: ErrorKind | None = None,
+    message: str | None = None,
+    kv_handoff: KvHandoff | None = None,
+    num_output_tokens: int = 0,
+) -> dict[str, Any]:
+    event: dict[str, Any] = {"event": "finish", "reason": str(reason), "num_output_tokens": num_output_tokens}
+    if error_kind is not None:
+        event["error"] = {
+            "kind": str(error_kind),
+            "message": message or str(error_kind),
+            "retryable": error_kind in RETRYABLE_ERRORS,
+        }
+    if kv_handoff is not None:
+        event["kv_handoff"] = kv_handoff.model_dump(by_alias=True)
+    return event
+
+
+def encode_line(event: dict[str, Any]) -> bytes:
+    return orjson.dumps(event) + b"\n"
