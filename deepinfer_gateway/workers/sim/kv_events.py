@@ -1,0 +1,50 @@
+"""A worker's KV event log: what the prefix index learns about its blocks.
+
+Events get gap-free sequence numbers from 1 within an epoch (a uuid fresh at every
+start); the first event is `cleared` for the memory tier, so a consumer that sees a new
+epoch drops everything it believed about this worker's memory. Retention is bounded: a
+consumer that fell further behind than `oldest_seq` must resync (drop and rebuild from
+the events still held). Events are kept as tuples and turned into pydantic models only
+when read, because appends sit on the scheduler's hot path.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+
+from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+
+_Row = tuple[int, KvEventKind, KvTier, list[int], float | None]
+
+
+class KvEventLog:
+    def __init__(self, worker_id: str, retention: int = 100_000) -> None:
+        self.worker_id = worker_id
+        self.epoch = uuid.uuid4().hex
+        self._rows: deque[_Row] = deque(maxlen=retention)
+        self._last_seq = 0
+        self.append(KvEventKind.CLEARED, KvTier.MEMORY, [])
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    def append(self, kind: KvEventKind, tier: KvTier, hashes: list[int], expires_at: float | None = None) -> None:
+        if not hashes and kind is not KvEventKind.CLEARED:
+            return
+        self._last_seq += 1
+        self._rows.append((self._last_seq, kind, tier, hashes, expires_at))
+
+    def batch(self, after: int, limit: int = 10_000) -> KvEventBatch:
+        """Events with seq > after, oldest first, at most `limit`."""
+        oldest = self._rows[0][0] if self._rows else self._last_seq + 1
+        start = max(0, after + 1 - oldest)  # seqs are contiguous, so index arithmetic works
+        end = min(len(self._rows), start + max(0, limit))
+        events = [
+            KvEvent(seq=seq, kind=kind, tier=tier, block_hashes=hashes, expires_at=expires)
+            for seq, kind, tier, hashes, expires in (self._rows[i] for i in range(start, end))
+        ]
+        return KvEventBatch(
+            worker_id=self.worker_id, epoch=self.epoch, events=events, last_seq=self._last_seq, oldest_seq=oldest
+        )

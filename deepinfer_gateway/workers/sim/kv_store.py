@@ -1,0 +1,74 @@
+"""The shared KV store tier (3FS-like), as a seam with an in-process implementation.
+
+DeepSeek's production store keeps KV blocks on SSD for days (TTL by workload class:
+3 days agent, 7 days chat) and serves them at ~400 Gbps per 8 GPUs, so loading a
+cached prefix is far cheaper than recomputing it. Read bandwidth belongs to the
+reading instance (its profile), not to the store, so the store only answers "which
+leading blocks do you hold" and "keep these".
+
+`InMemoryKvStore` is shared by all sim workers of one process (the demo runs them all
+in one process). Its LRU capacity and lazy TTL expiry are exact; contention for read
+bandwidth between workers is not modelled. Blocks are keyed by chained, format-salted
+hashes, so SM100 and Ascend blocks never match each other.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+WorkloadClass = Literal["chat", "agent"]
+DAY = 86_400.0
+DEFAULT_TTL_S: dict[str, float] = {"agent": 3 * DAY, "chat": 7 * DAY}
+
+
+@dataclass(frozen=True)
+class StorePut:
+    stored: list[int]  # newly written blocks
+    evicted: list[int]  # blocks dropped to make room (capacity, not TTL)
+    expires_at: float
+
+
+class KvStore(Protocol):
+    def match(self, hashes: Sequence[int], now: float) -> int:
+        """Number of leading blocks of `hashes` held and unexpired at `now` (unix time)."""
+
+    def put(self, hashes: Sequence[int], workload_class: WorkloadClass, now: float) -> StorePut:
+        """Write (or refresh the TTL of) a chain of blocks."""
+
+
+@dataclass
+class InMemoryKvStore:
+    capacity_blocks: int = 10_000_000
+    ttl_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_S))
+    _blocks: OrderedDict[int, float] = field(default_factory=OrderedDict, repr=False)  # hash -> expires_at
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Sequence[int], now: float) -> int:
+        n = 0
+        for h in hashes:
+            expires = self._blocks.get(h)
+            if expires is None:
+                break
+            if expires <= now:
+                del self._blocks[h]
+                break
+            n += 1
+        return n
+
+    def put(self, hashes: Sequence[int], workload_class: WorkloadClass, now: float) -> StorePut:
+        expires_at = now + self.ttl_s[workload_class]
+        chain = hashes[: self.capacity_blocks]
+        stored: list[int] = []
+        for h in reversed(chain):  # back to front: prefixes outlive their extensions
+            old = self._blocks.pop(h, None)
+            if old is None or old <= now:
+                stored.append(h)
+            self._blocks[h] = max(expires_at, old or 0.0)
+        stored.reverse()
+        evicted = [self._blocks.popitem(last=False)[0] for _ in range(len(self._blocks) - self.capacity_blocks)]
+        return StorePut(stored, evicted, expires_at)

@@ -1,0 +1,62 @@
+"""A worker's memory-tier prefix cache: LRU over chained block hashes.
+
+Because hashes are chained, a block is only useful when every block before it is also
+cached, so `match` counts leading hits. To keep that property under eviction, a chain
+is inserted and touched back to front: its first block becomes the most recent, and
+LRU eviction then takes a prefix's extensions before the prefix itself.
+
+Every insertion and eviction is appended to the worker's KvEventLog (tier `memory`).
+Cost: O(blocks) per call, dict operations only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from deepinfer_gateway.protocol import KvEventKind, KvTier
+from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+
+
+class PrefixCache:
+    def __init__(self, capacity_blocks: int, events: KvEventLog) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity = capacity_blocks
+        self._events = events
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def match(self, hashes: Sequence[int], touch: bool = True) -> int:
+        """Number of leading blocks of `hashes` cached; touching them keeps them longer."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        if touch:
+            for h in reversed(hashes[:n]):
+                self._lru.move_to_end(h)
+        return n
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Cache a chain (or refresh it). Emits `stored` for new blocks, `evicted` for victims."""
+        # Blocks past the capacity could not survive their own insertion: skip them, so
+        # the victims below always belong to other, older chains.
+        chain = hashes[: self.capacity]
+        stored: list[int] = []
+        for h in reversed(chain):
+            if h in self._lru:
+                self._lru.move_to_end(h)
+            else:
+                self._lru[h] = None
+                stored.append(h)
+        stored.reverse()
+        evicted = [self._lru.popitem(last=False)[0] for _ in range(len(self._lru) - self.capacity)]
+        self._events.append(KvEventKind.STORED, KvTier.MEMORY, stored)
+        self._events.append(KvEventKind.EVICTED, KvTier.MEMORY, evicted)
