@@ -1,0 +1,75 @@
+"""Gateway configuration: one frozen, validated pydantic object, passed in (never a global).
+
+Loaded from TOML (`serve --config FILE`); environment variables `DGW_<FIELD>` override
+top-level scalar fields (e.g. `DGW_PORT=9000`, `DGW_REDIS_URL=redis://...`).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from deepinfer_gateway.protocol import Hardware, Role
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerSpec(_Frozen):
+    url: str
+    role: Role = Role.UNIFIED
+    hardware: Hardware = Hardware.SM100
+    kv_format: str = ""  # "" = learn from the worker's info endpoint
+    pool: str = ""  # "" = the role's default pool
+    id: str = ""  # "" = derived from the URL
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("worker url must start with http:// or https://")
+        return v.rstrip("/")
+
+    @property
+    def worker_id(self) -> str:
+        return self.id or self.url.split("://", 1)[1]
+
+
+class HealthSettings(_Frozen):
+    interval_s: float = Field(1.0, gt=0)
+    failures_to_eject: int = Field(2, ge=1)
+    successes_to_readmit: int = Field(1, ge=1)
+
+
+class GatewaySettings(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
+    tokenizer_path: str | None = None
+    context_limit: int = Field(131_072, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    redis_url: str | None = None
+    workers: tuple[WorkerSpec, ...] = ()
+    max_attempts: int = Field(3, ge=1)  # tries before the first token reaches the client
+    health: HealthSettings = HealthSettings()
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_event_timeout_s: float = Field(30.0, gt=0)
+    between_events_timeout_s: float = Field(120.0, gt=0)
+
+
+def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GatewaySettings:
+    data: dict[str, Any] = {}
+    if path:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    for name, field in GatewaySettings.model_fields.items():
+        env = os.environ.get(f"DGW_{name.upper()}")
+        if env is not None and field.annotation in (str, int, float, bool, str | None):
+            data[name] = env
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return GatewaySettings.model_validate(data)

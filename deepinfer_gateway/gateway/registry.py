@@ -1,0 +1,128 @@
+"""Worker registry: who the workers are, whether they are healthy, and their last load report.
+
+Active health checks poll each worker's info and load endpoints every `interval_s`;
+`failures_to_eject` consecutive failures eject a worker, `successes_to_readmit` readmit
+it. Request failures count as health failures too (passive checks), so a dead worker
+is ejected at the first failed request rather than at the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.config import HealthSettings, WorkerSpec
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    spec: WorkerSpec
+    healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    info: wp.WorkerInfo | None = None
+    load: wp.LoadReport | None = None
+    inflight: int = 0  # requests this gateway has open on the worker
+    inflight_prefill_tokens: int = 0  # prompt tokens sent and not yet answered with a first token
+    epoch_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def kv_format(self) -> str:
+        return self.spec.kv_format or (self.info.kv_format if self.info else "")
+
+    @property
+    def pool(self) -> str:
+        return self.spec.pool or str(self.spec.role)
+
+
+class WorkerRegistry:
+    def __init__(self, specs: tuple[WorkerSpec, ...], client: WorkerClient, settings: HealthSettings,
+                 metrics: GatewayMetrics):
+        self.workers: dict[str, WorkerState] = {s.worker_id: WorkerState(s) for s in specs}
+        self._client = client
+        self._settings = settings
+        self._metrics = metrics
+        self._task: asyncio.Task[None] | None = None
+
+    def healthy(self, role: wp.Role | None = None) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.healthy and (role is None or w.spec.role == role)]
+
+    def add(self, spec: WorkerSpec) -> WorkerState:
+        state = self.workers.setdefault(spec.worker_id, WorkerState(spec))
+        return state
+
+    def remove(self, worker_id: str) -> bool:
+        state = self.workers.pop(worker_id, None)
+        if state is not None:
+            self._metrics.worker_healthy.labels(worker_id).set(0)
+        return state is not None
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="worker-health")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+
+    async def _check(self, worker: WorkerState) -> None:
+        try:
+            if worker.info is None or not worker.healthy:
+                worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
+            load = wp.LoadReport.model_validate(await self._client.get_json(worker.url, wp.LOAD_PATH))
+        except (UpstreamError, ValueError) as exc:
+            self.record_failure(worker, f"health check: {exc}")
+            return
+        if worker.info is not None and load.epoch and load.epoch != worker.info.epoch:
+            # Restarted behind our back: its memory tier is gone; re-read its info.
+            worker.info = None
+            worker.epoch_changed.set()
+        worker.load = load
+        self._metrics.worker_queue_tokens.labels(worker.worker_id).set(load.queued_prefill_tokens)
+        self._metrics.worker_running.labels(worker.worker_id).set(load.running)
+        self._metrics.worker_kv_usage.labels(worker.worker_id).set(load.kv_usage)
+        self.record_success(worker)
+
+    def record_success(self, worker: WorkerState) -> None:
+        worker.consecutive_failures = 0
+        worker.consecutive_successes += 1
+        if not worker.healthy and worker.consecutive_successes >= self._settings.successes_to_readmit:
+            worker.healthy = True
+            log.info("worker %s admitted", worker.worker_id)
+        self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)
+
+    def record_failure(self, worker: WorkerState, why: str, *, eject_now: bool = False) -> None:
+        """`eject_now` for definitive failures (connection refused) seen on a live request."""
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        if worker.healthy and (eject_now or worker.consecutive_failures >= self._settings.failures_to_eject):
+            worker.healthy = False
+            log.warning("worker %s ejected after %d failures: %s", worker.worker_id,
+                        worker.consecutive_failures, why)
+        self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)

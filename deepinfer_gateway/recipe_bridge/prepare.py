@@ -1,0 +1,150 @@
+"""Client request -> one internal request (token ids + sampling + parsing options).
+
+The only place a protocol payload is parsed ("parse at the edge, once"): deepseek-recipe
+converts Chat Completions, Responses and Anthropic Messages into a ConversationRequest,
+encodes the prompt with the tokenizer, and resolves `max_tokens` against the context
+limit. Downstream code reads `PreparedRequest` only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import deepseek_recipe as dr
+import orjson
+
+from deepinfer_gateway.protocol import Sampling, StructuredOutput
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+
+
+class ApiProtocol(StrEnum):
+    CHAT = "chat"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+
+
+class BridgeError(Exception):
+    """A request the bridge refuses: carries the HTTP status and a message for the client."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code or ("invalid_request_error" if status_code < 500 else "internal_error")
+
+    @classmethod
+    def from_conversion(cls, error: dr.ConversionError) -> BridgeError:
+        try:
+            detail = orjson.loads(error.body)["error"]
+            return cls(error.status_code, detail.get("message", str(error)), param=detail.get("param"))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return cls(error.status_code, str(error))
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
+    context_limit: int = 131_072
+    max_tokens_upper_bound: int = 393_216
+
+
+_REQUEST_TYPES: dict[ApiProtocol, Any] = {
+    ApiProtocol.CHAT: dr.ChatCompletionRequest,
+    ApiProtocol.RESPONSES: dr.ResponsesRequest,
+    ApiProtocol.MESSAGES: dr.MessagesRequest,
+}
+
+
+@dataclass
+class PreparedRequest:
+    protocol: ApiProtocol
+    model: str
+    conversation: dr.ConversationRequest
+    token_ids: list[int]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    # Responses only: settings echoed back and namespace tool names.
+    responses_echo: Any = None
+    namespace_tool_map: dict[str, tuple[str, str]] | None = None
+    user: str | None = None
+
+
+def _conversion_options(config: BridgeConfig) -> dr.ConversionOptions:
+    options = (
+        dr.ConversionOptions()
+        .with_thinking_max_tokens_upper_bound(config.max_tokens_upper_bound)
+        .with_non_thinking_max_tokens_upper_bound(config.max_tokens_upper_bound)
+    )
+    table = {name: dr.ModelVersion.DeepseekV41Flash for name in config.model_names}
+    return options.with_model_versions_by_name(table)
+
+
+def _sampling(conv: dr.ConversationRequest, max_tokens: int) -> Sampling:
+    opts = conv.inference_options
+    constraint = opts.output_constraint
+    so_args = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None
+    return Sampling(
+        temperature=opts.temperature if opts.temperature is not None else 1.0,
+        top_p=opts.top_p if opts.top_p is not None else 1.0,
+        max_tokens=max_tokens,
+        logprobs=opts.logprobs,
+        top_logprobs=opts.top_logprobs or 0,
+        seq_seed=opts.seed,
+        so_args=so_args,
+    )
+
+
+class RequestPreparer:
+    """Stateless apart from configuration and the (cached) prompt encoder; share one per process."""
+
+    def __init__(self, encoder: PromptEncoder, config: BridgeConfig = BridgeConfig()):
+        self.encoder = encoder
+        self.config = config
+        self._options = _conversion_options(config)
+
+    def prepare(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BridgeError(400, f"Request body is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise BridgeError(400, "Request body must be a JSON object")
+        request_type = _REQUEST_TYPES[protocol]
+        try:
+            request = request_type(body)
+            model = request.model
+            echo = namespace_map = None
+            if protocol is ApiProtocol.RESPONSES:
+                echo = request.echo()
+                namespace_map = request.namespace_tool_map(self._options)
+            conv = request.convert(self._options)
+        except dr.ConversionError as exc:
+            raise BridgeError.from_conversion(exc) from None
+        except ValueError as exc:  # malformed body the library cannot even read
+            raise BridgeError(400, str(exc)) from None
+        token_ids = self.encoder.encode(conv.conversation)
+        try:
+            max_tokens = conv.resolve_max_tokens(len(token_ids), self.config.context_limit)
+        except dr.ConversionError as exc:
+            raise BridgeError.from_conversion(exc) from None
+        stream_options = parsed.get("stream_options")
+        include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
+        user = parsed.get("user") if isinstance(parsed.get("user"), str) else None
+        return PreparedRequest(
+            protocol=protocol,
+            model=model,
+            conversation=conv,
+            token_ids=token_ids,
+            sampling=_sampling(conv, max_tokens),
+            stream=conv.stream,
+            include_usage=include_usage,
+            responses_echo=echo,
+            namespace_tool_map=namespace_map,
+            user=user,
+        )

@@ -1,0 +1,138 @@
+"""Engine tokens -> protocol chunks (SSE frames) or one accumulated response body.
+
+Wraps deepseek-recipe's StreamProcessor, which decodes token ids and parses reasoning,
+answer text and DSML tool calls for each protocol. This module only frames what the
+library emits (SSE event names and the final `[DONE]` come from the library too).
+
+Cost: ~1 us per relayed token when the engine sends tokens in batches (measured by
+bench/preprocess.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepseek_recipe as dr
+import orjson
+
+from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
+from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
+
+_FINISH = {
+    "stop": dr.InferenceFinishReason.Stop,
+    "length": dr.InferenceFinishReason.Length,
+    "content_filter": dr.InferenceFinishReason.ContentFilter,
+}
+
+_RESPONSE_TYPES: dict[ApiProtocol, Any] = {
+    ApiProtocol.CHAT: dr.ChatCompletionResponse,
+    ApiProtocol.RESPONSES: dr.ResponsesResponse,
+    ApiProtocol.MESSAGES: dr.MessagesResponse,
+}
+
+ID_PREFIX = {ApiProtocol.CHAT: "chatcmpl-", ApiProtocol.RESPONSES: "resp_", ApiProtocol.MESSAGES: "msg_"}
+
+
+def _generator(prepared: PreparedRequest, response_id: str) -> Any:
+    conv = prepared.conversation
+    if prepared.protocol is ApiProtocol.CHAT:
+        return dr.ChatCompletionRequest.chunk_generator(conv, response_id, prepared.model)
+    if prepared.protocol is ApiProtocol.RESPONSES:
+        generator = dr.ResponsesRequest.chunk_generator(conv, response_id, prepared.model)
+        if prepared.namespace_tool_map:
+            generator = generator.with_namespace_tool_map(prepared.namespace_tool_map)
+        if prepared.responses_echo is not None:
+            generator = generator.with_echo(prepared.responses_echo)
+        return generator
+    return dr.MessagesRequest.chunk_generator(conv, response_id, prepared.model)
+
+
+class ResponseStream:
+    """One request's output path. Feed it worker events in order; it returns bytes to send.
+
+    Streaming mode returns SSE frames from every call; non-streaming mode returns b""
+    until `body()` is asked for the accumulated JSON response.
+    """
+
+    def __init__(self, prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str):
+        self.prepared = prepared
+        self.response_id = response_id
+        self._response_type = _RESPONSE_TYPES[prepared.protocol]
+        self._processor = dr.StreamProcessor(
+            _generator(prepared, response_id), prepared.conversation.parsing_options, bundle.tokenizer
+        )
+        self._accumulator: Any = None
+        self._stream = prepared.stream
+        self._split_usage = prepared.protocol is ApiProtocol.CHAT and prepared.include_usage
+        self.completion_tokens = 0
+        self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
+
+    def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        if not self._stream:
+            self._accumulator = self._response_type(
+                self.response_id, self.prepared.model, self.prepared.created, prompt_tokens, cached_tokens
+            )
+        usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
+        return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
+
+    def tokens(self, token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
+        self.completion_tokens += len(token_ids)
+        if logprobs is not None:
+            pairs = [(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs]
+            chunk = dr.InferenceChunk.tokens(token_ids, pairs)
+        else:
+            chunk = dr.InferenceChunk.tokens(token_ids)
+        out = self._emit(self._processor.push(chunk))
+        if self._processor.finished:  # a stop sequence matched: the parser already closed the answer
+            out += self._done()
+        return out
+
+    def finish(self, reason: str) -> bytes:
+        """End normally (`stop`, `length`, `content_filter`); emits the usage chunk and `[DONE]`."""
+        if self.done:
+            return b""
+        finish = dr.InferenceChunk.finish(_FINISH.get(reason, _FINISH["stop"]))
+        out = self._emit(self._processor.push(finish), final=True)
+        out += self._emit(self._processor.finish(), final=True)
+        return out + self._done()
+
+    def _done(self) -> bytes:
+        self.done = True
+        if self._stream:
+            done = self._response_type.sse_done_data()
+            if done is not None:
+                return b"data: " + done.encode() + b"\n\n"
+        return b""
+
+    def close(self) -> None:
+        self._processor.close()
+
+    def body(self) -> bytes:
+        return self._accumulator.to_json().encode()
+
+    def _emit(self, chunks: list[Any], final: bool = False) -> bytes:
+        if not chunks:
+            return b""
+        if not self._stream:
+            for chunk in chunks:
+                self._accumulator.accumulate(chunk)
+            return b""
+        parts: list[bytes] = []
+        name_of = self._response_type.sse_event_name
+        for chunk in chunks:
+            data = chunk.to_json()
+            if self._split_usage and (final or self._processor.finished) and '"usage":' in data:
+                parts.extend(self._chat_usage_frames(data))
+                continue
+            name = name_of(chunk)
+            if name:
+                parts.append(b"event: " + name.encode() + b"\n")
+            parts.append(b"data: " + data.encode() + b"\n\n")
+        return b"".join(parts)
+
+    def _chat_usage_frames(self, data: str) -> list[bytes]:
+        """OpenAI `include_usage`: usage goes in its own final chunk with empty `choices`."""
+        chunk = orjson.loads(data)
+        usage = chunk.pop("usage")
+        usage_chunk = {**chunk, "choices": [], "usage": usage}
+        return [b"data: " + orjson.dumps(chunk) + b"\n\n", b"data: " + orjson.dumps(usage_chunk) + b"\n\n"]
