@@ -1,0 +1,167 @@
+"""`deepinfer-gateway` console script: demo, serve, worker, bench, simulate.
+
+Argument parsing only; each command builds a validated settings object and hands it
+to the module that does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run_gateway(settings: object, log_level: str) -> None:
+    import uvicorn
+
+    from deepinfer_gateway.gateway.app import create_app
+
+    app = create_app(settings)  # type: ignore[arg-type]
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(),  # type: ignore[attr-defined]
+                access_log=False, loop="auto", http="auto", timeout_graceful_shutdown=5)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.config import load_settings
+
+    settings = load_settings(args.config, {"host": args.host, "port": args.port, "redis_url": args.redis_url})
+    _run_gateway(settings, args.log_level)
+    return 0
+
+
+DEMO_TOPOLOGIES = {
+    "unified": ["unified:sm100", "unified:sm100", "unified:ascend950"],
+}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.config import GatewaySettings, WorkerSpec
+    from deepinfer_gateway.workers.cluster import parse_worker_list
+
+    specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
+    ports = [args.worker_base_port + i for i in range(len(specs))]
+    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "sim-cluster",
+                   "--workers", ",".join(DEMO_TOPOLOGIES[args.topology]),
+                   "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale),
+                   "--log-level", args.log_level]
+    child = subprocess.Popen(cluster_cmd, start_new_session=True)
+
+    def stop_child(*_: object) -> None:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+
+    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=spec.role, hardware=spec.hardware)
+                    for spec, port in zip(specs, ports, strict=True))
+    settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url)
+    base = f"http://{args.host}:{args.port}/v1"
+    print(
+        f"\nDeepInfer Gateway demo: {len(workers)} simulated workers "
+        f"({', '.join(DEMO_TOPOLOGIES[args.topology])}), OpenAI base URL {base}\n\n"
+        "  from openai import OpenAI\n"
+        f"  client = OpenAI(base_url=\"{base}\", api_key=\"demo\")\n"
+        f"  print(client.chat.completions.create(model=\"{DEFAULT_MODEL}\", "
+        "messages=[{\"role\": \"user\", \"content\": \"Hello!\"}]).choices[0].message.content)\n",
+        flush=True,
+    )
+    try:
+        _run_gateway(settings, args.log_level)
+    finally:
+        stop_child()
+    return 0
+
+
+def cmd_sim_cluster(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.workers.cluster import parse_worker_list, run_sim_cluster
+
+    run_sim_cluster(parse_worker_list(args.workers), host=args.host, base_port=args.base_port,
+                    time_scale=args.time_scale, profiles_path=args.profiles, store=not args.no_store)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.workers.cluster import run_worker
+
+    run_worker(engine=args.engine, role=args.role, hardware=args.hardware, host=args.host, port=args.port,
+               time_scale=args.time_scale, profiles_path=args.profiles, model_path=args.model,
+               worker_id=args.worker_id)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="gateway + a simulated SM100/Ascend cluster on embedded defaults")
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--redis-url", default=None, help="share the prefix index through Redis")
+    demo.add_argument("--topology", choices=sorted(DEMO_TOPOLOGIES), default="unified")
+    demo.add_argument("--worker-base-port", type=int, default=8100)
+    demo.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by this")
+    demo.set_defaults(func=cmd_demo)
+
+    serve = sub.add_parser("serve", help="the gateway alone (TOML config; DGW_* environment overrides)")
+    serve.add_argument("--config", default=None)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--redis-url", default=None)
+    serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser("worker", help="one engine worker speaking worker protocol v1")
+    worker.add_argument("--engine", choices=["sim", "deepinfer"], default="sim")
+    worker.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
+    worker.add_argument("--hardware", choices=["sm100", "ascend950"], default="sm100")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=8100)
+    worker.add_argument("--worker-id", default=None)
+    worker.add_argument("--time-scale", type=float, default=1.0)
+    worker.add_argument("--profiles", default=None, help="hardware profile TOML (default: the packaged one)")
+    worker.add_argument("--model", default=None, help="deepinfer engine: model checkpoint path")
+    worker.set_defaults(func=cmd_worker)
+
+    cluster = sub.add_parser("sim-cluster", help="several sim workers in one process sharing one KV store")
+    cluster.add_argument("--workers", required=True, help="e.g. unified:sm100,unified:sm100,prefill:ascend950")
+    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--base-port", type=int, default=8100)
+    cluster.add_argument("--time-scale", type=float, default=1.0)
+    cluster.add_argument("--profiles", default=None)
+    cluster.add_argument("--no-store", action="store_true", help="memory-only cluster: no shared KV store tier")
+    cluster.set_defaults(func=cmd_sim_cluster)
+    return parser
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops like Ctrl-C, so `finally` blocks stop child processes."""
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_level)
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.monotonic()
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        logging.getLogger(__name__).info("stopped after %.0fs", time.monotonic() - started)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
