@@ -1,0 +1,268 @@
+"""The simulated engine's continuous-batching scheduler: a pure discrete-event object.
+
+No clock, no sleeping, no I/O: the caller passes `now` (unix seconds, used only for
+store TTLs) and gets back how long the step took and what each request produced. The
+real-time engine (engine.py) sleeps that long; an offline simulator can advance a
+virtual clock instead.
+
+Per step and per DP rank (ranks step in lockstep; the instance's step lasts as long as
+its slowest rank), like DeepInfer/vLLM with chunked prefill:
+1. admit waiting requests (FIFO) while the rank has fewer than `max_num_seqs` running
+   and the instance has KV blocks for the whole request (prompt + planned output: the
+   sim knows its output length, so it never needs to preempt). Admission looks the
+   prompt up in the memory prefix cache, then in the shared store: memory hits are
+   free, store hits cost their KV bytes at the profile's store read bandwidth;
+2. every running request past prefill decodes (`decode_tokens_per_step` tokens);
+3. the rest of the `max_num_batched_tokens` budget prefills waiting prompt tokens in
+   chunks, oldest first; a request whose prefill completes emits its first token.
+After prefill the prompt's blocks enter the memory cache and the store; at finish the
+full sequence's blocks do (multi-turn prompts re-send the previous answer).
+
+Simplifications (documented, deliberate): one prefix cache per instance, not per DP
+rank; cached blocks and running requests' blocks are accounted separately; store
+bandwidth is not shared between readers; TTL expiry emits no events (the index has
+`expires_at`). Every returned duration is divided by `time_scale`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, DpRankLoad, ErrorKind, FinishReason, KvEventKind, KvTier
+from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_store import KvStore, WorkloadClass
+from deepinfer_gateway.workers.sim.prefix_cache import PrefixCache
+from deepinfer_gateway.workers.sim.profiles import HardwareProfile
+from deepinfer_gateway.workers.sim.step_model import decode_seconds, kv_load_seconds, prefill_seconds
+
+
+class AdmissionError(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    token_ids: list[int]  # the prompt (decode role: prompt + first token)
+    output: list[int]  # every token this worker will emit, in order
+    finish_reason: FinishReason  # once `output` is exhausted
+    workload_class: WorkloadClass = "chat"
+    stop_after_first: bool = False  # prefill role
+    kv_loaded_seconds: float | None = None  # decode role: KV arrives by transfer at this cost
+
+
+@dataclass
+class RequestUpdate:
+    """What one request produced during a step."""
+
+    request_id: str
+    ready: tuple[int, int] | None = None  # (cached memory tokens, cached store tokens)
+    token_ids: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    handoff: bool = False  # finished after the first token; the rest continues on a decode worker
+    num_output_tokens: int = 0
+
+
+@dataclass
+class _Seq:
+    req: SimRequest
+    rank: int
+    hashes: list[int]
+    blocks: int  # KV blocks reserved while running
+    computed: int = 0  # prompt tokens with KV
+    emitted: int = 0
+    prefilled: bool = False
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.req.token_ids) - self.computed
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // KV_BLOCK_TOKENS)
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        events: KvEventLog,
+        model: str,
+        store: KvStore | None = None,
+        time_scale: float = 1.0,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        self.profile = profile
+        self.events = events
+        self.cache = PrefixCache(profile.memory_capacity_blocks, events)
+        self.store = store
+        self.time_scale = time_scale
+        self.salt = kv_salt(model, profile.kv_format)
+        self._waiting: list[deque[_Seq]] = [deque() for _ in range(profile.dp_ranks)]
+        self._running: list[list[_Seq]] = [[] for _ in range(profile.dp_ranks)]
+        self._seqs: dict[str, _Seq] = {}
+        self._used_blocks = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = {KvTier.MEMORY: 0, KvTier.STORE: 0}
+
+    # --- requests ---------------------------------------------------------------------
+
+    def hashes(self, token_ids: list[int]) -> list[int]:
+        return block_hashes(token_ids, self.salt)
+
+    def add_request(self, req: SimRequest, hashes: list[int] | None = None) -> None:
+        """Queue a request; raises AdmissionError when it can never run here."""
+        if req.request_id in self._seqs:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request {req.request_id!r} is already in flight")
+        total = len(req.token_ids) + len(req.output)
+        if len(req.token_ids) >= self.profile.max_model_len:
+            raise AdmissionError(ErrorKind.PROMPT_TOO_LONG, f"prompt of {len(req.token_ids)} tokens exceeds max_model_len")
+        blocks = _blocks(total)
+        if blocks > self.profile.memory_capacity_blocks:
+            raise AdmissionError(ErrorKind.RESOURCE_EXHAUSTED, f"request needs {blocks} KV blocks, worker has fewer")
+        rank = min(range(self.profile.dp_ranks), key=self._rank_pressure)
+        seq = _Seq(req, rank, hashes if hashes is not None else self.hashes(req.token_ids), blocks)
+        self._seqs[req.request_id] = seq
+        self._waiting[rank].append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq in self._waiting[seq.rank]:
+            self._waiting[seq.rank].remove(seq)
+        else:
+            self._running[seq.rank].remove(seq)
+            self._used_blocks -= seq.blocks
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    # --- one iteration ----------------------------------------------------------------
+
+    def step(self, now: float) -> tuple[float, list[RequestUpdate]]:
+        updates: dict[str, RequestUpdate] = {}
+        slowest = 0.0
+        for rank in range(self.profile.dp_ranks):
+            slowest = max(slowest, self._step_rank(rank, now, updates))
+        return slowest / self.time_scale, list(updates.values())
+
+    def _step_rank(self, rank: int, now: float, updates: dict[str, RequestUpdate]) -> float:
+        load_s = self._admit(rank, now, updates)
+        running = self._running[rank]
+        decoding = [s for s in running if s.prefilled]
+        budget = self.profile.max_num_batched_tokens - len(decoding)
+        chunk = 0
+        completed: list[_Seq] = []
+        for seq in running:
+            if budget <= 0:
+                break
+            if seq.prefilled or seq.remaining_prefill == 0:
+                continue
+            take = min(seq.remaining_prefill, budget)
+            seq.computed += take
+            chunk += take
+            budget -= take
+            if seq.remaining_prefill == 0:
+                completed.append(seq)
+        for seq in decoding:
+            self._emit(seq, self.profile.decode_tokens_per_step, now, updates)
+        for seq in completed:
+            seq.prefilled = True
+            self._cache_blocks(seq.hashes, seq.req.workload_class, now)
+            self._emit(seq, 1, now, updates)
+        return load_s + prefill_seconds(self.profile, chunk) + decode_seconds(self.profile, len(decoding))
+
+    def _admit(self, rank: int, now: float, updates: dict[str, RequestUpdate]) -> float:
+        """Move waiting requests into the batch; returns the KV load time they cost."""
+        waiting, running = self._waiting[rank], self._running[rank]
+        load_s = 0.0
+        while waiting and len(running) < self.profile.max_num_seqs:
+            seq = waiting[0]
+            if self._used_blocks + seq.blocks > self.profile.memory_capacity_blocks:
+                break  # wait for running requests to finish
+            waiting.popleft()
+            running.append(seq)
+            self._used_blocks += seq.blocks
+            prompt = len(seq.req.token_ids)
+            if seq.req.kv_loaded_seconds is not None:  # decode role: KV handed over
+                seq.computed = prompt
+                seq.prefilled = True
+                self.cache.insert(seq.hashes)
+                load_s += seq.req.kv_loaded_seconds
+                updates[seq.req.request_id] = RequestUpdate(seq.req.request_id, ready=(0, 0))
+                continue
+            # At least one prompt token is always computed (it yields the first token).
+            usable = seq.hashes[: (prompt - 1) // KV_BLOCK_TOKENS]
+            in_memory = self.cache.match(usable)
+            in_store = self.store.match(usable, now) if self.store is not None else 0
+            mem_tokens = in_memory * KV_BLOCK_TOKENS
+            store_tokens = max(0, in_store - in_memory) * KV_BLOCK_TOKENS
+            seq.computed = mem_tokens + store_tokens
+            load_s += kv_load_seconds(self.profile, store_tokens, self.profile.store_read_bytes_per_s)
+            self.prompt_tokens_total += prompt
+            self.cached_tokens_total[KvTier.MEMORY] += mem_tokens
+            self.cached_tokens_total[KvTier.STORE] += store_tokens
+            updates[seq.req.request_id] = RequestUpdate(seq.req.request_id, ready=(mem_tokens, store_tokens))
+        return load_s
+
+    def _emit(self, seq: _Seq, n: int, now: float, updates: dict[str, RequestUpdate]) -> None:
+        req = seq.req
+        new = req.output[seq.emitted : seq.emitted + n]
+        seq.emitted += len(new)
+        update = updates.setdefault(req.request_id, RequestUpdate(req.request_id))
+        update.token_ids.extend(new)
+        done = seq.emitted >= len(req.output)
+        if req.stop_after_first and not done:
+            update.handoff = True
+        elif not done:
+            return
+        update.finish = req.finish_reason if done else FinishReason.STOP
+        update.num_output_tokens = seq.emitted
+        self._finish(seq, now)
+
+    def _finish(self, seq: _Seq, now: float) -> None:
+        del self._seqs[seq.req.request_id]
+        self._running[seq.rank].remove(seq)
+        self._used_blocks -= seq.blocks
+        prompt = seq.req.token_ids
+        if (len(prompt) + seq.emitted) // KV_BLOCK_TOKENS > len(seq.hashes):
+            self._cache_blocks(self.hashes(prompt + seq.req.output[: seq.emitted]), seq.req.workload_class, now)
+
+    def _cache_blocks(self, hashes: list[int], workload_class: WorkloadClass, now: float) -> None:
+        self.cache.insert(hashes)
+        if self.store is not None and hashes:
+            put = self.store.put(hashes, workload_class, now)
+            self.events.append(KvEventKind.STORED, KvTier.STORE, put.stored, put.expires_at)
+            self.events.append(KvEventKind.EVICTED, KvTier.STORE, put.evicted)
+
+    # --- load -------------------------------------------------------------------------
+
+    def _rank_pressure(self, rank: int) -> tuple[int, int]:
+        return len(self._running[rank]) + len(self._waiting[rank]), self._queued_tokens(rank)
+
+    def _queued_tokens(self, rank: int) -> int:
+        return sum(s.remaining_prefill for s in self._waiting[rank]) + sum(
+            s.remaining_prefill for s in self._running[rank] if not s.prefilled
+        )
+
+    def rank_loads(self) -> list[DpRankLoad]:
+        return [
+            DpRankLoad(
+                dp_rank=r,
+                running=len(self._running[r]),
+                waiting=len(self._waiting[r]),
+                queued_prefill_tokens=self._queued_tokens(r),
+            )
+            for r in range(self.profile.dp_ranks)
+        ]
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self._used_blocks / self.profile.memory_capacity_blocks)

@@ -1,0 +1,149 @@
+"""The pure scheduler: cached prefixes shorten prefill, batching, aborts free capacity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from deepinfer_gateway.protocol import FinishReason, KvEventKind, KvTier
+from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SchedulerCore, SimRequest
+from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
+from deepinfer_gateway.workers.sim.profiles import load_profile
+from deepinfer_gateway.workers.sim.step_model import decode_seconds, prefill_seconds
+
+SM100 = load_profile("sm100")
+ONE_RANK = replace(SM100, dp_ranks=1, gpus_per_instance=1)
+
+
+def core(profile=ONE_RANK, store=None, time_scale=1.0) -> SchedulerCore:  # type: ignore[no-untyped-def]
+    return SchedulerCore(profile, KvEventLog("w"), "m", store=store, time_scale=time_scale)
+
+
+def req(rid: str, prompt: list[int], n_out: int = 3, **kw) -> SimRequest:  # type: ignore[no-untyped-def]
+    return SimRequest(rid, prompt, list(range(500, 500 + n_out)), FinishReason.STOP, **kw)
+
+
+def run(c: SchedulerCore, now: float = 0.0) -> tuple[float, dict[str, list[RequestUpdate]]]:
+    """Step until idle; returns total time and every update per request."""
+    total, seen = 0.0, {}
+    while c.has_work():
+        d, ups = c.step(now)
+        total += d
+        for u in ups:
+            seen.setdefault(u.request_id, []).append(u)
+    return total, seen
+
+
+def test_request_streams_ready_tokens_finish() -> None:
+    c = core()
+    c.add_request(req("a", list(range(1000)), n_out=4))
+    _, seen = run(c)
+    ups = seen["a"]
+    assert ups[0].ready == (0, 0)
+    assert [t for u in ups for t in u.token_ids] == [500, 501, 502, 503]
+    assert ups[-1].finish is FinishReason.STOP and ups[-1].num_output_tokens == 4
+    assert c.kv_usage == 0
+
+
+def test_cached_prefix_shortens_prefill() -> None:
+    c = core()
+    prompt = list(range(8000))
+    c.add_request(req("a", prompt, n_out=1))
+    cold, _ = run(c)
+    c.add_request(req("b", prompt + [7, 8, 9], n_out=1))
+    warm, seen = run(c)
+    mem, store = seen["b"][0].ready  # type: ignore[misc]
+    assert mem == 62 * 128 and store == 0  # all full blocks of the shared 8,000 tokens
+    assert warm < cold / 10
+    assert c.cached_tokens_total[KvTier.MEMORY] == mem
+
+
+def test_store_hits_cost_bandwidth_and_emit_store_events() -> None:
+    store = InMemoryKvStore()
+    a, b = core(store=store), core(store=store)
+    prompt = list(range(128 * 100 + 5))
+    a.add_request(req("x", prompt, n_out=1, workload_class="agent"))
+    run(a, now=1000.0)
+    stored = [e for e in a.events.batch(0).events if e.tier is KvTier.STORE and e.kind is KvEventKind.STORED]
+    assert stored and stored[0].expires_at == pytest.approx(1000 + 3 * 86400)
+    b.add_request(req("y", prompt, n_out=1))
+    d, ups = b.step(1001.0)
+    assert ups[0].ready == (0, 100 * 128)
+    load = 100 * 128 * 890 / SM100.store_read_bytes_per_s
+    assert d == pytest.approx(load + prefill_seconds(ONE_RANK, 5))
+
+
+def test_chunked_prefill_and_decode_batching() -> None:
+    c = core()
+    c.add_request(req("long", list(range(40000)), n_out=2))
+    d1, ups = c.step(0)
+    assert ups[0].token_ids == [] and d1 == pytest.approx(prefill_seconds(ONE_RANK, 16384))
+    assert c.rank_loads()[0].queued_prefill_tokens == 40000 - 16384
+    for i in range(4):
+        c.add_request(req(f"s{i}", [i] * 100, n_out=5))
+    run(c)
+    # Four short requests decoding together take one batched step each, not four.
+    c2 = core()
+    for i in range(4):
+        c2.add_request(req(f"t{i}", [i] * 10, n_out=3))
+    c2.step(0)
+    d, ups = c2.step(0)
+    assert len(ups) == 4 and d == pytest.approx(decode_seconds(ONE_RANK, 4))
+
+
+def test_time_scale_divides_durations() -> None:
+    slow, fast = core(), core(time_scale=100.0)
+    for c in (slow, fast):
+        c.add_request(req("a", list(range(5000))))
+    assert fast.step(0)[0] == pytest.approx(slow.step(0)[0] / 100)
+
+
+def test_abort_frees_capacity_and_max_num_seqs() -> None:
+    c = core(replace(ONE_RANK, max_num_seqs=1))
+    c.add_request(req("a", [1] * 10, n_out=50))
+    c.add_request(req("b", [2] * 10, n_out=50))
+    c.step(0)
+    loads = c.rank_loads()[0]
+    assert (loads.running, loads.waiting) == (1, 1) and c.kv_usage > 0
+    assert c.abort("a") and not c.abort("a")
+    _, ups = c.step(0)
+    assert ups[0].request_id == "b" and ups[0].ready is not None
+    assert c.abort("b") and not c.has_work() and c.kv_usage == 0
+
+
+def test_memory_capacity_makes_requests_wait() -> None:
+    c = core(replace(ONE_RANK, memory_capacity_blocks=3))
+    c.add_request(req("a", [1] * 200, n_out=100))  # 3 blocks
+    c.add_request(req("b", [2] * 200, n_out=100))
+    c.step(0)
+    assert c.rank_loads()[0].waiting == 1
+    with pytest.raises(AdmissionError):
+        c.add_request(req("c", [3] * 1000))
+
+
+def test_prefill_role_hands_off_after_first_token() -> None:
+    c = core()
+    c.add_request(req("p", list(range(300)), n_out=10, stop_after_first=True))
+    _, seen = run(c)
+    last = seen["p"][-1]
+    assert last.token_ids == [500] and last.handoff and last.finish is FinishReason.STOP
+
+
+def test_decode_role_starts_with_transferred_kv() -> None:
+    c = core()
+    c.add_request(req("d", list(range(300)), n_out=3, kv_loaded_seconds=0.002))
+    d, ups = c.step(0)
+    # The transfer and the first decode iteration share the step.
+    assert ups[0].ready == (0, 0) and ups[0].token_ids == [500]
+    assert d == pytest.approx(0.002 + decode_seconds(ONE_RANK, 1))
+    _, seen = run(c)
+    assert [t for u in seen["d"] for t in u.token_ids] == [501, 502]
+
+
+def test_dp_ranks_share_the_load() -> None:
+    c = core(SM100)
+    for i in range(8):
+        c.add_request(req(f"r{i}", [i] * 50))
+    assert [r.waiting for r in c.rank_loads()] == [2, 2, 2, 2]
