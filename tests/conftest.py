@@ -77,3 +77,35 @@ def redis_server() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+DEMO_WORKERS = "unified:sm100,unified:sm100,unified:ascend950"
+
+
+@pytest.fixture(scope="session")
+def sim_cluster() -> Iterator["SimCluster"]:
+    """The demo's unified cluster (2 sm100 + 1 ascend950) in one process, 20x faster than real time."""
+    from tests.procs import SimCluster
+
+    cluster = SimCluster(DEMO_WORKERS, time_scale=20.0)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
+    from tests.procs import Gateway
+
+    roles = [spec.split(":") for spec in sim_cluster.specs]
+    gw = Gateway(tmp_path_factory.mktemp("gw"), [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles)])
+    gw.wait_ready(len(roles))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def openai_client(gateway: "Gateway"):  # type: ignore[no-untyped-def]
+    import openai
+
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="test", max_retries=0, timeout=60) as client:
+        yield client

@@ -1,0 +1,99 @@
+"""Starting real processes for end-to-end tests: sim workers and gateways on loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import free_port, wait_for_port
+
+CLI = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "warning"]
+
+
+class Proc:
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})})
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash, not a shutdown."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class SimCluster:
+    """`sim-cluster` child process: several sim workers in one process, consecutive ports."""
+
+    def __init__(self, workers: str, time_scale: float = 20.0, extra: list[str] | None = None):
+        self.specs = workers.split(",")
+        self.base_port = _free_port_block(len(self.specs))
+        self.urls = [f"http://127.0.0.1:{self.base_port + i}" for i in range(len(self.specs))]
+        self.proc = Proc(CLI + ["sim-cluster", "--workers", workers, "--base-port", str(self.base_port),
+                                "--time-scale", str(time_scale)] + (extra or []))
+        for i in range(len(self.specs)):
+            wait_for_port(self.base_port + i, timeout=30)
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class Gateway:
+    def __init__(self, tmp: Path, workers: list[tuple[str, str, str]], extra_toml: str = "",
+                 env: dict[str, str] | None = None):
+        """workers: (url, role, hardware)."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = tmp / f"gateway-{self.port}.toml"
+        lines = [f"port = {self.port}", extra_toml, "[health]", "interval_s = 0.2", ""]
+        for url, role, hardware in workers:
+            lines += ["[[workers]]", f'url = "{url}"', f'role = "{role}"', f'hardware = "{hardware}"', ""]
+        config.write_text("\n".join(lines))
+        self.proc = Proc(CLI + ["serve", "--config", str(config)], env=env)
+        wait_for_port(self.port, timeout=30)
+
+    def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.get(self.url + "/ready")
+            if r.status_code == 200 and r.json()["healthy_workers"] >= healthy:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"gateway never saw {healthy} healthy workers")
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def _free_port_block(n: int) -> int:
+    import socket
+
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")

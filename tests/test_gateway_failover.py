@@ -1,0 +1,53 @@
+"""Faults on the request path: dead workers before the request, and the gateway staying up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import free_port, wait_for_port
+from tests.procs import CLI, Gateway, Proc
+
+MODEL = "DeepSeek-V4.1-Flash"
+
+
+@pytest.fixture
+def two_workers() -> list[tuple[Proc, str]]:
+    workers = []
+    for hardware in ("sm100", "ascend950"):
+        port = free_port()
+        proc = Proc(CLI + ["worker", "--engine", "sim", "--hardware", hardware, "--port", str(port),
+                           "--time-scale", "20"])
+        workers.append((proc, f"http://127.0.0.1:{port}"))
+    for _, url in workers:
+        wait_for_port(int(url.rsplit(":", 1)[1]), timeout=30)
+    yield workers
+    for proc, _ in workers:
+        proc.kill()
+
+
+def test_dead_worker_is_retried_then_503_when_none_left(tmp_path: Path, two_workers) -> None:  # type: ignore[no-untyped-def]
+    (dead, _), (alive, _) = two_workers
+    gw = Gateway(tmp_path, [(url, "unified", "sm100") for _, url in two_workers])
+    try:
+        gw.wait_ready(2)
+        dead.kill()  # killed before the requests; the health check has not noticed yet
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        for i in range(4):  # round robin sends some of these to the dead worker first
+            out = client.chat.completions.create(model=MODEL, max_tokens=4,
+                                                 messages=[{"role": "user", "content": f"q{i}"}])
+            assert out.choices[0].message.content is not None
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert "dgw_upstream_errors_total" in metrics
+        alive.kill()
+        r = httpx.post(gw.url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code in (502, 503)
+        assert r.json()["error"]["message"]
+        assert httpx.get(gw.url + "/health").status_code == 200  # the gateway stays up
+        assert httpx.get(gw.url + "/ready").status_code == 503
+    finally:
+        gw.stop()
