@@ -4,29 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+from deepinfer_gateway.launch import free_port, wait_for_port
 
 
 class RedisServer:
@@ -85,7 +68,7 @@ DEMO_WORKERS = "unified:sm100,unified:sm100,unified:ascend950"
 @pytest.fixture(scope="session")
 def sim_cluster() -> Iterator["SimCluster"]:
     """The demo's unified cluster (2 sm100 + 1 ascend950) in one process, 20x faster than real time."""
-    from tests.procs import SimCluster
+    from deepinfer_gateway.launch import SimCluster
 
     cluster = SimCluster(DEMO_WORKERS, time_scale=20.0)
     yield cluster
@@ -94,7 +77,7 @@ def sim_cluster() -> Iterator["SimCluster"]:
 
 @pytest.fixture(scope="session")
 def gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
-    from tests.procs import Gateway
+    from deepinfer_gateway.launch import Gateway
 
     roles = [spec.split(":") for spec in sim_cluster.specs]
     gw = Gateway(tmp_path_factory.mktemp("gw"), [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles)])

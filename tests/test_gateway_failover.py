@@ -8,8 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port, wait_for_port
-from tests.procs import CLI, Gateway, Proc
+from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 

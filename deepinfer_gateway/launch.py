@@ -1,4 +1,4 @@
-"""Starting real processes for end-to-end tests: sim workers and gateways on loopback ports."""
+"""Starting real processes on loopback: sim workers and gateways (tests, benchmarks, bench CLI)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,29 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import json
+import socket
+import urllib.error
+import urllib.request
 
-from tests.conftest import free_port, wait_for_port
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
 
 CLI = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "warning"]
 
@@ -69,9 +89,12 @@ class Gateway:
     def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = httpx.get(self.url + "/ready")
-            if r.status_code == 200 and r.json()["healthy_workers"] >= healthy:
-                return
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if json.load(r)["healthy_workers"] >= healthy:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
             time.sleep(0.05)
         raise TimeoutError(f"gateway never saw {healthy} healthy workers")
 
@@ -80,8 +103,6 @@ class Gateway:
 
 
 def _free_port_block(n: int) -> int:
-    import socket
-
     for _ in range(50):
         base = free_port()
         socks = []
