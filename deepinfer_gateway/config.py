@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,6 +18,24 @@ from deepinfer_gateway.protocol import Hardware, Role
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+WorkloadClass = Literal["chat", "agent"]
+
+
+class ApiKey(_Frozen):
+    """An API key record; the key itself is stored only as its SHA-256 hex digest."""
+
+    name: str
+    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    models: tuple[str, ...] = ()  # empty: every served model
+    workload_class: WorkloadClass = "chat"  # selects the KV store TTL class
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    admin: bool = False
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
 
 
 class WorkerSpec(_Frozen):
@@ -60,6 +78,7 @@ class GatewaySettings(_Frozen):
     connect_timeout_s: float = Field(2.0, gt=0)
     first_event_timeout_s: float = Field(30.0, gt=0)
     between_events_timeout_s: float = Field(120.0, gt=0)
+    api_keys: tuple[ApiKey, ...] = ()  # empty (and no Redis): authentication off
 
 
 def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GatewaySettings:

@@ -7,10 +7,11 @@ build their own app from their own settings.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -21,14 +22,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import GatewaySettings
-from deepinfer_gateway.gateway.errors import GatewayError, error_response
+from deepinfer_gateway.config import ApiKey, GatewaySettings
+from deepinfer_gateway.gateway.auth import KeyStore, presented_key
+from deepinfer_gateway.gateway.errors import (
+    Forbidden,
+    GatewayError,
+    PayloadTooLarge,
+    RateLimited,
+    Unauthorized,
+    error_response,
+)
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving import RequestServer
 from deepinfer_gateway.gateway.worker_client import Timeouts, WorkerClient
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
-from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, BridgeError, RequestPreparer
+from deepinfer_gateway.recipe_bridge.prepare import (
+    ApiProtocol,
+    BridgeConfig,
+    BridgeError,
+    PreparedRequest,
+    RequestPreparer,
+)
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.router.policies import make_policy
 
@@ -42,11 +58,28 @@ class GatewayState:
     preparer: RequestPreparer
     registry: WorkerRegistry
     server: RequestServer
+    keys: KeyStore
+    limiter: MemoryRateLimiter | RedisRateLimiter
     started_at: int
 
 
-class PayloadTooLarge(GatewayError):
-    status_code = 413
+async def _admit(state: GatewayState, key: ApiKey, prepared: PreparedRequest
+                 ) -> tuple[dict[str, str], Callable[[int], None] | None]:
+    """Rate limits: (x-ratelimit headers, a callback debiting output tokens at the end), or 429."""
+    limits = (key.requests_per_minute, key.tokens_per_minute)
+    if limits == (None, None):
+        return {}, None
+    verdict = await state.limiter.admit(key.name, limits, len(prepared.token_ids))
+    headers = verdict.headers()
+    if not verdict.allowed:
+        raise RateLimited(f"Rate limit reached for API key {key.name}; retry after {headers['retry-after']}s.",
+                          headers=headers)
+    limiter = state.limiter
+
+    def debit(tokens: int) -> None:
+        asyncio.get_running_loop().create_task(limiter.debit(key.name, tokens))
+
+    return headers, debit
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -77,16 +110,27 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
                                        first_event_s=settings.first_event_timeout_s,
                                        between_events_s=settings.between_events_timeout_s))
         await client.start()
+        redis = None
+        if settings.redis_url:
+            import redis.asyncio as aioredis
+
+            redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        keys = KeyStore(settings.api_keys, redis)
+        limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
+                   else MemoryRateLimiter())
         registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
         await registry.start()
         server = RequestServer(registry, client, make_policy("round_robin"), bundle, metrics,
                                settings.max_attempts)
-        app.state.gateway = GatewayState(settings, metrics, preparer, registry, server, int(time.time()))
+        app.state.gateway = GatewayState(settings, metrics, preparer, registry, server, keys, limiter,
+                                         int(time.time()))
         try:
             yield
         finally:
             await registry.stop()
             await client.close()
+            if redis is not None:
+                await redis.aclose()
 
     app = FastAPI(title="DeepInfer Gateway", version="0.1.0", lifespan=lifespan)
 
@@ -96,11 +140,18 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
         request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
         model = "unknown"
         try:
+            key = await state.keys.lookup(presented_key(request.headers))
+            if key is None:
+                raise Unauthorized("Missing or invalid API key.")
             body = await _read_body(request, settings.max_body_bytes)
             prepared = preparer.prepare(protocol, body)
             model = prepared.model
             metrics.preprocess.observe(time.perf_counter() - arrival)
-            return await state.server.serve(prepared, request_id, arrival)
+            if not key.allows(model):
+                raise Forbidden(f"This API key may not use model {model}.")
+            headers, on_done = await _admit(state, key, prepared)
+            return await state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
+                                            headers=headers, on_done=on_done)
         except BridgeError as exc:
             error = GatewayError(exc.message, status_code=exc.status_code, param=exc.param, code=exc.code)
         except GatewayError as exc:

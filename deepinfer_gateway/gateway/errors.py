@@ -5,6 +5,9 @@
     NoHealthyWorker(GatewayError)   503 no worker can take the request
     Overloaded(GatewayError)        429 admission control; carries Retry-After
     UpstreamFailed(GatewayError)    502/503 every attempt failed before the first token
+    Unauthorized / Forbidden        401 / 403 API key missing or unknown / model not allowed
+    RateLimited(GatewayError)       429 per-key limits; carries Retry-After and x-ratelimit-*
+    PayloadTooLarge(GatewayError)   413 body over `max_body_bytes`
 
 Upstream (aiohttp) failures are mapped to `UpstreamError` in gateway/worker_client.py,
 the one place that knows the HTTP client.
@@ -72,6 +75,22 @@ class Overloaded(GatewayError):
 
 class UpstreamFailed(GatewayError):
     status_code = 502
+
+
+class Unauthorized(GatewayError):
+    status_code = 401
+
+
+class Forbidden(GatewayError):
+    status_code = 403
+
+
+class RateLimited(GatewayError):
+    status_code = 429
+
+
+class PayloadTooLarge(GatewayError):
+    status_code = 413
 
 
 def error_payload(protocol: ApiProtocol | None, status: int, message: str, param: str | None = None,

@@ -51,5 +51,7 @@ class GatewayMetrics:
         self.client_disconnects = Counter("dgw_client_disconnects", "Clients gone before the end of their stream",
                                           registry=r)
         self.inflight = Gauge("dgw_inflight_requests", "Requests in flight in this gateway process", registry=r)
+        self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",
+                                    ["component"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)

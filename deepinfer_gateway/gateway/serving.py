@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +56,14 @@ class _Upstream:
     finish: dict[str, Any] | None  # set when the whole answer arrived with the first message
     prompt_tokens: int
     released: bool = False
+    on_done: Callable[[int], None] | None = None
 
     def release(self, client: WorkerClient, request_id: str, metrics: GatewayMetrics) -> None:
         if self.released:
             return
         self.released = True
+        if self.on_done is not None:
+            self.on_done(self.response.completion_tokens)
         self.worker.inflight -= 1
         metrics.inflight.dec()
         self.stream.close()
@@ -78,16 +81,21 @@ class RequestServer:
         self.metrics = metrics
         self.max_attempts = max_attempts
 
-    async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float) -> Response:
+    async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
+                    workload_class: str = "chat", headers: dict[str, str] | None = None,
+                    on_done: Callable[[int], None] | None = None) -> Response:
+        """`on_done(completion_tokens)` runs once when the request ends, however it ends."""
         response_id = ID_PREFIX[prepared.protocol] + uuid.uuid4().hex
         body = {
             "request_id": request_id,
             "token_ids": prepared.token_ids,
             "sampling": prepared.sampling.model_dump(by_alias=True, exclude_defaults=True),
             "role": "unified",
+            "workload_class": workload_class,
         }
         upstream = await self._first_token(prepared, body, request_id, response_id)
-        headers = {wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: upstream.worker.worker_id}
+        headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: upstream.worker.worker_id}
+        upstream.on_done = on_done
         if prepared.stream:
             return StreamingResponse(self._relay(prepared, upstream, request_id, arrival),
                                      media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

@@ -1,0 +1,83 @@
+"""API keys: who is calling, which models they may use, and their workload class.
+
+Keys are never stored in clear: configuration (and Redis) hold the SHA-256 hex digest;
+a presented key is hashed and looked up. Clients present keys the way their SDK does:
+`Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic).
+
+With no key configured, authentication is off (the demo); the caller is `anonymous`
+with the default workload class.
+
+Keys may also live in Redis (hash `dgw:apikey:{sha256}` with fields name, models
+(comma-separated), workload_class, requests_per_minute, tokens_per_minute, admin) so an
+operator can add one without restarting any gateway replica; lookups are cached for
+`cache_ttl_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+from deepinfer_gateway.config import ApiKey
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = ApiKey(name="anonymous", key_sha256="0" * 64)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def presented_key(headers: Any) -> str | None:
+    authorization = headers.get("authorization")
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+class KeyStore:
+    def __init__(self, keys: tuple[ApiKey, ...], redis: Any = None, cache_ttl_s: float = 10.0):
+        self._keys = {k.key_sha256: k for k in keys}
+        self._redis = redis
+        self._cache: dict[str, tuple[float, ApiKey | None]] = {}
+        self._cache_ttl_s = cache_ttl_s
+        self.enabled = bool(keys) or redis is not None
+
+    async def lookup(self, key: str | None) -> ApiKey | None:
+        """The key's record, ANONYMOUS when auth is off, None when unknown."""
+        if not self.enabled:
+            return ANONYMOUS
+        if not key:
+            return None
+        digest = hash_key(key)
+        found = self._keys.get(digest)
+        if found is not None or self._redis is None:
+            return found
+        cached = self._cache.get(digest)
+        if cached and cached[0] > time.monotonic():
+            return cached[1]
+        record = await self._from_redis(digest)
+        self._cache[digest] = (time.monotonic() + self._cache_ttl_s, record)
+        return record
+
+    async def _from_redis(self, digest: str) -> ApiKey | None:
+        try:
+            fields = await self._redis.hgetall(f"dgw:apikey:{digest}")
+        except Exception as exc:  # Redis down: configured keys still work; unknown keys are refused
+            log.warning("API key lookup in Redis failed: %s", exc)
+            return None
+        if not fields:
+            return None
+        f = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+             for k, v in fields.items()}
+        return ApiKey(
+            name=f.get("name", digest[:8]), key_sha256=digest,
+            models=tuple(m for m in f.get("models", "").split(",") if m),
+            workload_class=f.get("workload_class", "chat"),  # type: ignore[arg-type]
+            requests_per_minute=int(f["requests_per_minute"]) if f.get("requests_per_minute") else None,
+            tokens_per_minute=int(f["tokens_per_minute"]) if f.get("tokens_per_minute") else None,
+            admin=f.get("admin", "false").lower() in ("1", "true", "yes"),
+        )

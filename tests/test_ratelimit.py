@@ -1,0 +1,94 @@
+"""Rate-limit buckets: the pure arithmetic, and one contract suite over memory and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
+
+
+def test_take_admits_until_the_request_bucket_is_empty() -> None:
+    levels: tuple = (None, None)
+    last = None
+    for _ in range(3):
+        verdict, levels = take(levels, last, 100.0, (3, None), 10)
+        last = 100.0
+        assert verdict.allowed
+    verdict, _ = take(levels, last, 100.0, (3, None), 10)
+    assert not verdict.allowed
+    assert verdict.retry_after_s == pytest.approx(20.0)  # one request refills in 60/3 s
+
+
+def test_take_refills_with_time_and_caps_at_the_limit() -> None:
+    verdict, levels = take((0.0, None), 0.0, 30.0, (4, None), 0)
+    assert verdict.allowed and levels[0] == pytest.approx(1.0)  # 2 refilled, 1 taken
+    verdict, levels = take((0.0, None), 0.0, 6000.0, (4, None), 0)
+    assert levels[0] == pytest.approx(3.0)  # capped at 4 before taking one
+
+
+def test_take_never_blocks_a_prompt_larger_than_the_whole_token_limit() -> None:
+    verdict, levels = take((None, None), None, 0.0, (None, 1000), 5000)
+    assert verdict.allowed and levels[1] == pytest.approx(-4000)
+    verdict, _ = take(levels, 0.0, 1.0, (None, 1000), 10)
+    assert not verdict.allowed and verdict.retry_after_s > 0
+
+
+def test_verdict_headers() -> None:
+    verdict, _ = take((0.0, None), 0.0, 0.0, (2, None), 0)
+    headers = verdict.headers()
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(headers["retry-after"]) >= 1
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limiter(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[object]:
+    if request.param == "memory":
+        yield MemoryRateLimiter()
+        return
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    yield RedisRateLimiter(client)
+    await client.aclose()
+
+
+async def test_contract_request_limit(limiter) -> None:  # type: ignore[no-untyped-def]
+    verdicts = [await limiter.admit("k1", (5, None), 1) for _ in range(7)]
+    assert [v.allowed for v in verdicts] == [True] * 5 + [False] * 2
+    assert (await limiter.admit("other", (5, None), 1)).allowed  # keys are independent
+
+
+async def test_contract_token_limit_and_debit(limiter) -> None:  # type: ignore[no-untyped-def]
+    assert (await limiter.admit("k2", (None, 1000), 600)).allowed
+    await limiter.debit("k2", 300)  # output tokens of the finished request
+    verdict = await limiter.admit("k2", (None, 1000), 200)
+    assert not verdict.allowed
+    assert verdict.retry_after_s > 0
+
+
+async def test_redis_limit_is_atomic_across_concurrent_callers(redis_url: str) -> None:
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
+    await clients[0].delete("dgw:rl:{burst}")
+    limiters = [RedisRateLimiter(c) for c in clients]  # two "replicas"
+    verdicts = await asyncio.gather(*(limiters[i % 2].admit("burst", (10, None), 1) for i in range(40)))
+    assert sum(v.allowed for v in verdicts) == 10
+    for c in clients:
+        await c.aclose()
+
+
+async def test_redis_down_fails_open(redis_server) -> None:  # type: ignore[no-untyped-def]
+    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
+    errors = []
+    limiter = RedisRateLimiter(client, on_error=lambda: errors.append(1))
+    assert (await limiter.admit("k", (1, None), 1)).allowed
+    redis_server.stop()
+    assert (await limiter.admit("k", (1, None), 1)).allowed  # would be refused if Redis answered
+    assert errors
+    redis_server.start()  # a fresh, empty server on the same port: limits apply again
+    assert (await limiter.admit("k", (1, None), 1)).allowed
+    assert not (await limiter.admit("k", (1, None), 1)).allowed
+    await client.aclose()
