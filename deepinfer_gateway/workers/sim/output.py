@@ -105,8 +105,9 @@ class OutputPlanner:
 
     def __init__(self, bundle: TokenizerBundle) -> None:
         self._tokenizer = bundle.tokenizer
-        self._detok = Detokenizer(bundle.json_text)
+        self._detok = _detokenizer(bundle.json_text)
         self.eos_id = bundle.eos_token_id
+        self.vocab_size = bundle.vocab_size
         self._encode = lru_cache(maxsize=4096)(self._encode_uncached)
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
@@ -144,6 +145,11 @@ class OutputPlanner:
             if match is not None:
                 return head + match
         return head + pick(_ANSWERS)
+
+
+@lru_cache(maxsize=2)
+def _detokenizer(tokenizer_json: str) -> Detokenizer:
+    return Detokenizer(tokenizer_json)  # ~0.4 s to build: once per vocabulary
 
 
 class _Pick:

@@ -1,0 +1,155 @@
+"""A simulated cluster in one process: N sim workers on N ports sharing one KV store.
+
+The demo and the HTTP tests run every sim worker in the caller's event loop, each
+behind its own uvicorn server on its own port, so they look to the gateway exactly like
+separate worker processes, while sharing one in-process KvStore (the "3FS" tier) and
+one tokenizer/output planner.
+
+    cluster = await serve_sim_cluster([SimWorkerSpec("p0", Role.PREFILL), ...])
+    cluster.urls  # {"p0": "http://127.0.0.1:41234", ...}
+    await cluster.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import uvicorn
+from fastapi import FastAPI
+
+from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.workers.compat import compat_router
+from deepinfer_gateway.workers.server import create_worker_app
+from deepinfer_gateway.workers.sim.engine import DEFAULT_MODEL, Failures, SimEngine
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore, KvStore
+from deepinfer_gateway.workers.sim.output import OutputPlanner
+from deepinfer_gateway.workers.sim.profiles import load_profiles
+
+
+@dataclass(frozen=True)
+class SimWorkerSpec:
+    worker_id: str
+    role: Role = Role.UNIFIED
+    hardware: str = "sm100"  # a profile name from the profiles TOML
+    port: int = 0  # 0: any free port
+    time_scale: float = 1.0
+    memory_capacity_blocks: int | None = None  # override the profile's
+    failures: Failures = Failures()
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the host process (many run at once)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class ServedApp:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> ServedApp:
+    """Serve `app` in the running loop; returns once it accepts connections."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on")
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises the start-up error
+            raise RuntimeError(f"worker server on {host}:{port} exited during start-up")
+        await asyncio.sleep(0.01)
+    return ServedApp(server, task, host, sock.getsockname()[1])
+
+
+@dataclass
+class SimCluster:
+    engines: dict[str, SimEngine]
+    served: dict[str, ServedApp]
+    store: KvStore | None
+    specs: list[SimWorkerSpec] = field(default_factory=list)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {wid: app.url for wid, app in self.served.items()}
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {wid: app.port for wid, app in self.served.items()}
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(app.stop() for app in self.served.values()))
+
+
+def build_sim_engine(
+    spec: SimWorkerSpec,
+    *,
+    store: KvStore | None,
+    planner: OutputPlanner,
+    profiles_path: str | None = None,
+    model: str = DEFAULT_MODEL,
+) -> SimEngine:
+    profile = load_profiles(profiles_path)[spec.hardware]
+    if spec.memory_capacity_blocks is not None:
+        profile = replace(profile, memory_capacity_blocks=spec.memory_capacity_blocks)
+    return SimEngine(
+        worker_id=spec.worker_id,
+        profile=profile,
+        role=spec.role,
+        model=model,
+        store=store,
+        time_scale=spec.time_scale,
+        planner=planner,
+        failures=spec.failures,
+    )
+
+
+async def serve_sim_cluster(
+    specs: list[SimWorkerSpec],
+    host: str = "127.0.0.1",
+    *,
+    with_store: bool = True,
+    store: KvStore | None = None,
+    profiles_path: str | None = None,
+    model: str = DEFAULT_MODEL,
+    tokenizer_path: str | None = None,
+    compat: bool = True,
+) -> SimCluster:
+    """Start every worker of `specs`; `with_store=False` makes a memory-only cluster."""
+    if len({s.worker_id for s in specs}) != len(specs):
+        raise ValueError("worker ids must be unique")
+    bundle = load_tokenizer(tokenizer_path)
+    planner = OutputPlanner(bundle)
+    shared = (store or InMemoryKvStore()) if with_store else None
+    engines = {s.worker_id: build_sim_engine(s, store=shared, planner=planner, profiles_path=profiles_path, model=model) for s in specs}
+    served: dict[str, ServedApp] = {}
+    try:
+        for spec in specs:
+            engine = engines[spec.worker_id]
+            routers = [compat_router(engine, bundle, model)] if compat else []
+            served[spec.worker_id] = await serve_app(create_worker_app(engine, routers), host, spec.port)
+    except BaseException:
+        await asyncio.gather(*(app.stop() for app in served.values()))
+        raise
+    return SimCluster(engines, served, shared, list(specs))
+

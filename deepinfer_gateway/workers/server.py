@@ -1,0 +1,117 @@
+"""The worker HTTP server: any `Engine` exposed over worker protocol v1.
+
+`create_worker_app(engine)` builds the app; its lifespan starts and stops the engine.
+The generate reply is NDJSON (`protocol.encode_line` per event). A client that
+disconnects mid-stream cancels the response task (Starlette listens for
+`http.disconnect`), which closes the engine's iterator, which aborts the request:
+scope-bound, no bookkeeping by hand. Bad bodies get 400 (not JSON) or 422 (not a
+valid request) with an error JSON, never a 500.
+
+Optional extra routers (the OpenAI/SGLang compatibility layer, workers/compat.py)
+are mounted beside the protocol endpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from deepinfer_gateway.protocol import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    INFO_PATH,
+    KV_EVENTS_PATH,
+    LOAD_PATH,
+    NDJSON,
+    AbortRequest,
+    ErrorKind,
+    GenerateRequest,
+    encode_line,
+)
+from deepinfer_gateway.workers.engine import Engine
+
+JSON = "application/json"
+
+
+def json_response(payload: Any, status_code: int = 200) -> Response:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json", by_alias=True)
+    return Response(orjson.dumps(payload), status_code=status_code, media_type=JSON)
+
+
+def error_response(err: ValidationError) -> Response:
+    not_json = any(e["type"] == "json_invalid" for e in err.errors())
+    details = err.errors(include_url=False, include_context=False, include_input=False)
+    body = {"error": {"kind": str(ErrorKind.INVALID_REQUEST), "message": "invalid request body", "details": details}}
+    return json_response(body, 400 if not_json else 422)
+
+
+async def ndjson_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield encode_line(event)
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()  # runs the engine's finally: abort when unfinished
+
+
+def protocol_router(engine: Engine) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(GENERATE_PATH)
+    async def generate(request: Request) -> Response:
+        try:
+            body = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as err:
+            return error_response(err)
+        return StreamingResponse(ndjson_stream(engine.generate(body)), media_type=NDJSON)
+
+    @router.post(ABORT_PATH)
+    async def abort(request: Request) -> Response:
+        try:
+            body = AbortRequest.model_validate_json(await request.body())
+        except ValidationError as err:
+            return error_response(err)
+        return json_response({"aborted": await engine.abort(body.request_id)})
+
+    @router.get(LOAD_PATH)
+    async def load() -> Response:
+        return json_response(engine.load())
+
+    @router.get(KV_EVENTS_PATH)
+    async def kv_events(after: int = Query(0, ge=0), limit: int = Query(10_000, ge=1, le=100_000)) -> Response:
+        return json_response(engine.kv_events(after, limit))
+
+    @router.get(INFO_PATH)
+    async def info() -> Response:
+        return json_response(engine.info)
+
+    @router.get(HEALTH_PATH)
+    async def health() -> Response:
+        return json_response({"status": "ok", "epoch": engine.info.epoch})
+
+    return router
+
+
+def create_worker_app(engine: Engine, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title=f"DeepInfer worker {engine.info.worker_id}", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(protocol_router(engine))
+    for router in extra_routers:
+        app.include_router(router)
+    return app

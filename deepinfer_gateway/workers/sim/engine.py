@@ -1,0 +1,304 @@
+"""SimEngine: the simulated DeepInfer engine in real time, behind the Engine seam.
+
+An asyncio task drives the pure scheduler (core.py): it runs a step, sleeps the step's
+(scaled) duration, then delivers what the step produced to per-request queues. When
+steps are shorter than `min_sleep_s` (a large `time_scale`), several run back to back
+before one sleep and their tokens go out as one `tokens` event: the same shape as
+speculative decoding, and far fewer wake-ups. Sleeping towards a running deadline keeps
+the simulated clock from drifting by the loop's own overhead.
+
+Roles: `unified` serves any request; a `prefill` worker stops after the first token
+and returns a KvHandoff (KV written to the shared store when there is one, otherwise
+kept for a direct transfer); a `decode` worker starts from a KvHandoff, paying the KV
+bytes at the store's or the direct link's bandwidth. Failure knobs (`Failures`) let
+tests make a worker fail mid-stream or hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer_gateway.protocol import (
+    ErrorKind,
+    FinishReason,
+    GenerateRequest,
+    KvEventBatch,
+    KvHandoff,
+    LoadReport,
+    Role,
+    WorkerInfo,
+    finish_event,
+    ready_event,
+    tokens_event,
+)
+from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SchedulerCore, SimRequest
+from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_store import KvStore
+from deepinfer_gateway.workers.sim.output import OutputPlanner
+from deepinfer_gateway.workers.sim.profiles import HardwareProfile
+from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
+
+DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
+STORE_HANDLE, DIRECT_HANDLE = "store", "direct"
+
+
+@dataclass(frozen=True)
+class Failures:
+    """Failure injection for tests and chaos demos."""
+
+    fail_after_tokens: int | None = None  # end every request with an `engine` error after N tokens
+    hang: bool = False  # accept requests, never step (a wedged engine)
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[dict[str, Any]]
+    prompt_len: int
+    hashes: list[int]
+    streamed: int = 0
+    done: bool = False
+
+
+class SimEngine:
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        profile: HardwareProfile,
+        role: Role = Role.UNIFIED,
+        model: str = DEFAULT_MODEL,
+        store: KvStore | None = None,
+        time_scale: float = 1.0,
+        planner: OutputPlanner | None = None,
+        failures: Failures = Failures(),
+        min_sleep_s: float = 0.002,
+    ) -> None:
+        self.profile = profile
+        self.role = role
+        self.store = store
+        self.failures = failures
+        self._worker_id = worker_id
+        self._model = model
+        self._planner = planner or OutputPlanner(load_tokenizer())
+        self._min_sleep = min_sleep_s
+        self._events = KvEventLog(worker_id)
+        self._core = SchedulerCore(profile, self._events, model, store=store, time_scale=time_scale)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self._worker_id,
+            engine="sim",
+            role=self.role,
+            hardware=self.profile.hardware,
+            kv_format=self.profile.kv_format,
+            model=self._model,
+            dp_size=self.profile.dp_ranks,
+            epoch=self._events.epoch,
+        )
+
+    @property
+    def core(self) -> SchedulerCore:
+        return self._core
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"sim-step-loop-{self._worker_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for rid, stream in list(self._streams.items()):
+            self._core.abort(rid)
+            self._close(stream, finish_event(FinishReason.ERROR, error_kind=ErrorKind.SHUTTING_DOWN))
+
+    # --- requests ---------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        rid = request.request_id
+        try:
+            stream = self._admit(request)
+        except AdmissionError as err:
+            yield finish_event(FinishReason.ERROR, error_kind=err.kind, message=str(err))
+            return
+        try:
+            while True:
+                event = await stream.queue.get()
+                yield event
+                if event["event"] == "finish":
+                    return
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+            if not stream.done:  # the consumer left early: free the engine
+                self._core.abort(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.done:
+            return False
+        self._core.abort(request_id)
+        self._close(stream, finish_event(FinishReason.ABORT, num_output_tokens=stream.streamed))
+        return True
+
+    def _admit(self, request: GenerateRequest) -> _Stream:
+        if request.request_id in self._streams:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request {request.request_id!r} is already in flight")
+        if self._task is None:
+            raise AdmissionError(ErrorKind.SHUTTING_DOWN, "engine is not running")
+        tokens = request.token_ids
+        if min(tokens) < 0 or max(tokens) >= self._planner.vocab_size:
+            raise AdmissionError(ErrorKind.INVALID_TOKENS, "token id outside the vocabulary")
+        role = request.role
+        if self.role is not Role.UNIFIED and role is not self.role:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST, f"a {self.role} worker cannot serve a {role} request")
+        if role is Role.DECODE:
+            sim = self._decode_request(request)
+        else:
+            plan = self._planner.plan(tokens, request.sampling)
+            sim = SimRequest(
+                request.request_id,
+                tokens,
+                plan.token_ids,
+                plan.finish_reason,
+                request.workload_class,
+                stop_after_first=role is Role.PREFILL,
+            )
+        hashes = self._core.hashes(tokens)
+        self._core.add_request(sim, hashes)
+        stream = _Stream(asyncio.Queue(), len(tokens), hashes)
+        self._streams[request.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def _decode_request(self, request: GenerateRequest) -> SimRequest:
+        handoff = request.kv_handoff
+        if handoff is None or len(request.token_ids) < 2:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST, "a decode request needs kv_handoff and prompt + first token")
+        if handoff.kv_format != self.profile.kv_format:
+            raise AdmissionError(ErrorKind.KV_TRANSFER, f"KV format {handoff.kv_format} is not {self.profile.kv_format}")
+        if handoff.handle.startswith(STORE_HANDLE + ":") and self.store is not None:
+            bandwidth = self.profile.store_read_bytes_per_s
+            if self.store.match(handoff.block_hashes, time.time()) < len(handoff.block_hashes):
+                raise AdmissionError(ErrorKind.KV_TRANSFER, "handed-off KV is no longer in the store")
+        else:
+            bandwidth = self.profile.transfer_bytes_per_s
+        # The output is planned from the prompt alone, so it continues the prefill's first token.
+        plan = self._planner.plan(request.token_ids[:-1], request.sampling)
+        return SimRequest(
+            request.request_id,
+            request.token_ids,
+            plan.token_ids[1:],
+            plan.finish_reason,
+            request.workload_class,
+            kv_loaded_seconds=kv_load_seconds(self.profile, handoff.num_tokens, bandwidth),
+        )
+
+    # --- step loop --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            if not self._core.has_work() or self.failures.hang:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()
+                continue
+            elapsed, merged = 0.0, {}
+            while self._core.has_work() and elapsed < self._min_sleep:
+                duration, updates = self._core.step(time.time())
+                elapsed += duration
+                for update in updates:
+                    _merge(merged, update)
+            deadline = max(deadline, loop.time()) + elapsed
+            await asyncio.sleep(deadline - loop.time())
+            for update in merged.values():
+                self._deliver(update)
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        stream = self._streams.get(update.request_id)
+        if stream is None or stream.done:
+            return
+        put = stream.queue.put_nowait
+        if update.ready is not None:
+            put(ready_event(stream.prompt_len, *update.ready))
+        tokens = update.token_ids
+        limit = self.failures.fail_after_tokens
+        if limit is not None and stream.streamed + len(tokens) > limit:
+            if limit > stream.streamed:
+                put(tokens_event(tokens[: limit - stream.streamed]))
+            stream.streamed = limit
+            self._core.abort(update.request_id)
+            self._close(stream, finish_event(FinishReason.ERROR, error_kind=ErrorKind.ENGINE, message="injected failure"))
+            return
+        if tokens:
+            stream.streamed += len(tokens)
+            put(tokens_event(tokens))
+        if update.finish is not None:
+            handoff = self._handoff(update.request_id, stream) if update.handoff else None
+            self._close(stream, finish_event(update.finish, kv_handoff=handoff, num_output_tokens=stream.streamed))
+
+    def _handoff(self, request_id: str, stream: _Stream) -> KvHandoff:
+        # The scheduler already wrote the prompt's blocks to the store (when there is one).
+        kind = STORE_HANDLE if self.store is not None else DIRECT_HANDLE
+        return KvHandoff(
+            handle=f"{kind}:{self._worker_id}:{request_id}",
+            source_worker=self._worker_id,
+            kv_format=self.profile.kv_format,
+            num_tokens=stream.prompt_len,
+            block_hashes=tuple(stream.hashes),
+        )
+
+    @staticmethod
+    def _close(stream: _Stream, event: dict[str, Any]) -> None:
+        stream.done = True
+        stream.queue.put_nowait(event)
+
+    # --- reports ----------------------------------------------------------------------
+
+    def load(self) -> LoadReport:
+        ranks = self._core.rank_loads()
+        return LoadReport(
+            worker_id=self._worker_id,
+            role=self.role,
+            hardware=self.profile.hardware,
+            kv_format=self.profile.kv_format,
+            running=sum(r.running for r in ranks),
+            waiting=sum(r.waiting for r in ranks),
+            queued_prefill_tokens=sum(r.queued_prefill_tokens for r in ranks),
+            kv_usage=self._core.kv_usage,
+            memory_capacity_blocks=self.profile.memory_capacity_blocks,
+            dp_ranks=ranks,
+            prompt_tokens_total=self._core.prompt_tokens_total,
+            cached_tokens_total=dict(self._core.cached_tokens_total),
+            epoch=self._events.epoch,
+        )
+
+    def kv_events(self, after: int, limit: int = 10_000) -> KvEventBatch:
+        return self._events.batch(after, limit)
+
+
+def _merge(merged: dict[str, RequestUpdate], update: RequestUpdate) -> None:
+    """Fold the updates of back-to-back steps into one per request."""
+    prev = merged.get(update.request_id)
+    if prev is None:
+        merged[update.request_id] = update
+        return
+    prev.ready = prev.ready or update.ready
+    prev.token_ids.extend(update.token_ids)
+    prev.finish = update.finish or prev.finish
+    prev.handoff = prev.handoff or update.handoff
+    prev.num_output_tokens = update.num_output_tokens or prev.num_output_tokens
