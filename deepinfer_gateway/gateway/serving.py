@@ -122,6 +122,7 @@ class RequestServer:
             session_key=prepared.user,
         )
         decision = self.policy.choose(view)
+        self.policy.observe(view, decision)
         chosen = next(w for w in workers if w.worker_id == decision.worker_id)
         self.metrics.routing_decisions.labels(chosen.pool, str(chosen.spec.hardware), str(decision.reason)).inc()
         return chosen

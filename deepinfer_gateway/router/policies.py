@@ -1,30 +1,242 @@
-"""Routing policies (see router/policy.py for the interface)."""
+"""Routing policies, all behind `Policy.choose(view) -> Decision` (router/policy.py).
+
+| policy           | uses                                 | choose it when                                   |
+|------------------|--------------------------------------|--------------------------------------------------|
+| round_robin      | nothing                              | baseline; identical stateless workers            |
+| least_load       | queued prefill tokens, running seqs  | no prefix reuse in the workload                  |
+| power_of_two     | load of two random candidates        | many gateways, stale load reports                |
+| prefix_approx    | this gateway's own routing history   | no KV events from engines (SGLang router's way)  |
+| cache_aware      | KV index overlap (memory tier)       | prefix reuse, homogeneous hardware               |
+| estimated_ttft   | overlap per tier, queue, hw speed    | default: mixed SM100/Ascend, tiered KV           |
+
+Estimated TTFT of a candidate (seconds), from the view only:
+
+    mem   = min(memory_hit_blocks * B, P)                  tokens already in its memory
+    store = max(0, min(store_hit_blocks * B, P) - mem)     tokens it can load from the store
+    ttft  = queued_prefill_tokens / prefill_tokens_per_s   queue wait
+          + (P - mem - store) / prefill_tokens_per_s       compute of what no tier holds
+          + store * kv_bytes_per_token / kv_load_bytes_per_s   KV load at store bandwidth
+
+P = prompt tokens, B = 128-token blocks. The guard: when the cheapest candidate's queue
+exceeds `guard_ratio` x the mean queue + `guard_tokens`, the cheapest candidate under that
+bound wins instead (reason load_fallback), so a stale load report cannot pile a
+popular prefix onto one worker.
+"""
 
 from __future__ import annotations
 
-import itertools
+import random
+from collections import OrderedDict
+from collections.abc import Callable
 
-from deepinfer_gateway.router.policy import Decision, Reason, RoutingView
+from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+
+
+def estimated_ttft_s(c: Candidate, view: RoutingView) -> tuple[float, int, int]:
+    """(seconds, predicted memory-tier tokens, predicted store-tier tokens) for candidate c."""
+    prompt = view.prompt_tokens
+    mem = min(c.memory_hit_blocks * view.block_tokens, prompt)
+    store = max(0, min(c.store_hit_blocks * view.block_tokens, prompt) - mem)
+    seconds = (
+        c.queued_prefill_tokens / c.prefill_tokens_per_s
+        + (prompt - mem - store) / c.prefill_tokens_per_s
+        + store * c.kv_bytes_per_token / c.kv_load_bytes_per_s
+    )
+    return seconds, mem, store
+
+
+def _load_key(c: Candidate) -> tuple[int, int, str]:
+    return (c.queued_prefill_tokens, c.running, c.worker_id)
 
 
 class RoundRobin:
-    """Cycles through candidates; ignores cache and load. The baseline every other policy beats."""
+    """Cycles through candidates; ignores cache and load."""
 
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._next = 0
 
     def choose(self, view: RoutingView) -> Decision:
         ordered = sorted(view.candidates, key=lambda c: c.worker_id)
-        return Decision(ordered[next(self._counter) % len(ordered)].worker_id, Reason.ROUND_ROBIN)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Decision(chosen.worker_id, Reason.ROUND_ROBIN)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        pass
 
 
-POLICIES = {RoundRobin.name: RoundRobin}
+class LeastLoad:
+    """Fewest queued prefill tokens, then fewest running sequences."""
+
+    name = "least_load"
+
+    def choose(self, view: RoutingView) -> Decision:
+        return Decision(min(view.candidates, key=_load_key).worker_id, Reason.LEAST_LOAD)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        pass
 
 
-def make_policy(name: str) -> RoundRobin:
+class PowerOfTwo:
+    """The less loaded of two random candidates: robust to stale load without herding."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, view: RoutingView) -> Decision:
+        pair = self._rng.sample(view.candidates, min(2, len(view.candidates)))
+        return Decision(min(pair, key=_load_key).worker_id, Reason.POWER_OF_TWO)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        pass
+
+
+class _OverlapThenLoad:
+    """SGLang's cache-aware rule: balance when imbalanced, else the longest prefix match
+    (if it covers at least `min_match` of the prompt), else the least loaded."""
+
+    def __init__(self, overlap: Callable[[Candidate, RoutingView], int], balance_abs_tokens: int = 32_768,
+                 balance_rel: float = 1.5, min_match: float = 0.1):
+        self._overlap = overlap
+        self.balance_abs_tokens = balance_abs_tokens
+        self.balance_rel = balance_rel
+        self.min_match = min_match
+
+    def decide(self, view: RoutingView) -> Decision:
+        loads = [c.queued_prefill_tokens for c in view.candidates]
+        if max(loads) - min(loads) > self.balance_abs_tokens and max(loads) > self.balance_rel * min(loads):
+            return Decision(min(view.candidates, key=_load_key).worker_id, Reason.LOAD_FALLBACK)
+        blocks = {c.worker_id: self._overlap(c, view) for c in view.candidates}
+        best = max(view.candidates, key=lambda c: (blocks[c.worker_id], -c.queued_prefill_tokens, c.worker_id))
+        matched = blocks[best.worker_id] * view.block_tokens
+        if view.prompt_tokens and matched / view.prompt_tokens >= self.min_match:
+            return Decision(best.worker_id, Reason.PREFIX_HIT, predicted_memory_tokens=min(matched, view.prompt_tokens))
+        return Decision(min(view.candidates, key=_load_key).worker_id, Reason.LEAST_LOAD)
+
+
+class CacheAware:
+    """Precise memory-tier overlap from the KV index (engine KV events)."""
+
+    name = "cache_aware"
+
+    def __init__(self, **guard: float) -> None:
+        self._rule = _OverlapThenLoad(lambda c, view: c.memory_hit_blocks, **guard)  # type: ignore[arg-type]
+
+    def choose(self, view: RoutingView) -> Decision:
+        return self._rule.decide(view)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        pass
+
+
+class PrefixApprox:
+    """The gateway's own record of which worker it sent each block chain to; no engine
+    feedback (what SGLang's router does with its radix tree). Bounded: `capacity` block
+    hashes, least recently routed evicted first."""
+
+    name = "prefix_approx"
+
+    def __init__(self, capacity: int = 1_000_000, **guard: float) -> None:
+        self._where: OrderedDict[int, str] = OrderedDict()
+        self.capacity = capacity
+        self._rule = _OverlapThenLoad(self._overlap, **guard)  # type: ignore[arg-type]
+
+    def _overlap(self, c: Candidate, view: RoutingView) -> int:
+        n = 0
+        for h in view.block_hashes:
+            if self._where.get(h) != c.worker_id:
+                break
+            n += 1
+        return n
+
+    def choose(self, view: RoutingView) -> Decision:
+        return self._rule.decide(view)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        where = self._where
+        for h in reversed(view.block_hashes):  # prefix blocks end up most recent: evicted last
+            where[h] = decision.worker_id
+            where.move_to_end(h)
+        while len(where) > self.capacity:
+            where.popitem(last=False)
+
+
+class EstimatedTtft:
+    """Minimum estimated TTFT (module docstring), with a load-balance guard."""
+
+    name = "estimated_ttft"
+
+    def __init__(self, guard_ratio: float = 2.0, guard_tokens: int = 65_536) -> None:
+        self.guard_ratio = guard_ratio
+        self.guard_tokens = guard_tokens
+
+    def choose(self, view: RoutingView) -> Decision:
+        scored = {c.worker_id: estimated_ttft_s(c, view) for c in view.candidates}
+        ranked = sorted(view.candidates, key=lambda c: (scored[c.worker_id][0], c.worker_id))
+        mean_queue = sum(c.queued_prefill_tokens for c in view.candidates) / len(view.candidates)
+        bound = self.guard_ratio * mean_queue + self.guard_tokens
+        chosen, reason = ranked[0], None
+        if chosen.queued_prefill_tokens > bound:
+            under = [c for c in ranked if c.queued_prefill_tokens <= bound]
+            if under:
+                chosen, reason = under[0], Reason.LOAD_FALLBACK
+        _, mem, store = scored[chosen.worker_id]
+        if reason is None:
+            reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
+        costs = {w: round(s[0], 6) for w, s in scored.items()}
+        return Decision(chosen.worker_id, reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        pass
+
+
+class SessionAffinity:
+    """Keeps a session (the request's `user`, or a header) on its last worker while that
+    worker's queue stays under the inner policy's guard; otherwise defers to `inner`."""
+
+    def __init__(self, inner: Policy, max_queue_tokens: int = 65_536, capacity: int = 100_000):
+        self.inner = inner
+        self.name = inner.name
+        self.max_queue_tokens = max_queue_tokens
+        self.capacity = capacity
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def choose(self, view: RoutingView) -> Decision:
+        worker = self._sessions.get(view.session_key) if view.session_key else None
+        for c in view.candidates:
+            if c.worker_id == worker and c.queued_prefill_tokens <= self.max_queue_tokens:
+                inner = self.inner.choose(view)
+                if inner.worker_id == worker:
+                    return inner
+                return Decision(worker, Reason.AFFINITY, inner.costs)
+        return self.inner.choose(view)
+
+    def observe(self, view: RoutingView, decision: Decision) -> None:
+        self.inner.observe(view, decision)
+        if view.session_key:
+            self._sessions[view.session_key] = decision.worker_id
+            self._sessions.move_to_end(view.session_key)
+            if len(self._sessions) > self.capacity:
+                self._sessions.popitem(last=False)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    RoundRobin.name: RoundRobin,
+    LeastLoad.name: LeastLoad,
+    PowerOfTwo.name: PowerOfTwo,
+    PrefixApprox.name: PrefixApprox,
+    CacheAware.name: CacheAware,
+    EstimatedTtft.name: EstimatedTtft,
+}
+
+
+def make_policy(name: str, session_affinity: bool = False) -> Policy:
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return SessionAffinity(policy) if session_affinity else policy

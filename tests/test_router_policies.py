@@ -1,0 +1,140 @@
+"""Routing policies as pure functions of hand-built views, plus properties over random views."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer_gateway.router.policies import (
+    POLICIES,
+    CacheAware,
+    EstimatedTtft,
+    LeastLoad,
+    PrefixApprox,
+    RoundRobin,
+    SessionAffinity,
+    estimated_ttft_s,
+    make_policy,
+)
+from deepinfer_gateway.router.policy import Candidate, Reason, RoutingView
+
+
+def cand(wid: str, **kw: object) -> Candidate:
+    return Candidate(worker_id=wid, hardware=str(kw.pop("hardware", "sm100")), pool="prefill", kv_format="f", **kw)  # type: ignore[arg-type]
+
+
+def test_round_robin_cycles() -> None:
+    view = RoutingView(100, (cand("b"), cand("a"), cand("c")))
+    rr = RoundRobin()
+    assert [rr.choose(view).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_load_prefers_short_queue() -> None:
+    view = RoutingView(100, (cand("a", queued_prefill_tokens=5000), cand("b", queued_prefill_tokens=10)))
+    assert LeastLoad().choose(view).worker_id == "b"
+
+
+def test_estimated_ttft_formula() -> None:
+    c = cand("a", queued_prefill_tokens=30_000, memory_hit_blocks=10, store_hit_blocks=20,
+             prefill_tokens_per_s=100_000.0, kv_load_bytes_per_s=1e9, kv_bytes_per_token=1000.0)
+    seconds, mem, store = estimated_ttft_s(c, RoutingView(4000, (c,)))
+    assert (mem, store) == (1280, 1280)
+    assert seconds == 0.3 + (4000 - 2560) / 100_000 + 1280 * 1000 / 1e9
+
+
+def test_estimated_ttft_prefers_memory_hit_over_idle_cold_worker() -> None:
+    hot = cand("hot", memory_hit_blocks=500, queued_prefill_tokens=8000)
+    cold = cand("cold")
+    decision = EstimatedTtft().choose(RoutingView(64_000, (hot, cold)))
+    assert decision.worker_id == "hot" and decision.reason is Reason.PREFIX_HIT
+    assert decision.predicted_memory_tokens == 64_000
+
+
+def test_estimated_ttft_weighs_hardware_speed() -> None:
+    fast = cand("fast", prefill_tokens_per_s=340_000.0)
+    slow = cand("slow", hardware="ascend950", prefill_tokens_per_s=204_000.0)
+    assert EstimatedTtft().choose(RoutingView(20_000, (slow, fast))).worker_id == "fast"
+
+
+def test_estimated_ttft_store_hit_beats_recompute() -> None:
+    a = cand("a", store_hit_blocks=400, queued_prefill_tokens=1000)
+    b = cand("b")
+    decision = EstimatedTtft().choose(RoutingView(51_200, (a, b)))
+    assert decision.worker_id == "a" and decision.reason is Reason.STORE_HIT
+    assert decision.predicted_store_tokens == 51_200
+
+
+def test_guard_overrides_cache_on_a_swamped_worker() -> None:
+    swamped = cand("s", memory_hit_blocks=1000, queued_prefill_tokens=2_000_000, prefill_tokens_per_s=1e9)
+    idle = [cand(f"i{i}") for i in range(3)]
+    decision = EstimatedTtft().choose(RoutingView(128_000, (swamped, *idle)))
+    assert decision.worker_id != "s" and decision.reason is Reason.LOAD_FALLBACK
+
+
+def test_prefix_approx_learns_from_its_own_routing() -> None:
+    policy = PrefixApprox()
+    view = RoutingView(1280, (cand("a"), cand("b", queued_prefill_tokens=5)), block_hashes=tuple(range(10)))
+    first = policy.choose(view)
+    policy.observe(view, first)
+    # "a" becomes busier, but the prefix is remembered on it
+    busier = RoutingView(1280, (cand("a", queued_prefill_tokens=100), cand("b")), block_hashes=tuple(range(10)))
+    assert policy.choose(busier).worker_id == first.worker_id == "a"
+    assert policy.choose(busier).reason is Reason.PREFIX_HIT
+
+
+def test_prefix_approx_is_bounded() -> None:
+    policy = PrefixApprox(capacity=5)
+    view = RoutingView(1280, (cand("a"),), block_hashes=tuple(range(10)))
+    policy.observe(view, policy.choose(view))
+    assert len(policy._where) == 5
+    assert 0 in policy._where  # the prefix's first block is kept, its extensions evicted
+
+
+def test_cache_aware_balances_when_imbalanced() -> None:
+    view = RoutingView(1280, (cand("a", memory_hit_blocks=10, queued_prefill_tokens=500_000), cand("b")))
+    assert CacheAware().choose(view).worker_id == "b"
+
+
+def test_session_affinity_sticks_and_yields_to_load() -> None:
+    policy = SessionAffinity(LeastLoad(), max_queue_tokens=1000)
+    view = RoutingView(100, (cand("a"), cand("b", queued_prefill_tokens=10)), session_key="u1")
+    policy.observe(view, policy.choose(view))  # -> a
+    later = RoutingView(100, (cand("a", queued_prefill_tokens=500), cand("b")), session_key="u1")
+    assert policy.choose(later).worker_id == "a"
+    assert policy.choose(later).reason is Reason.AFFINITY
+    swamped = RoutingView(100, (cand("a", queued_prefill_tokens=5000), cand("b")), session_key="u1")
+    assert policy.choose(swamped).worker_id == "b"
+
+
+candidates = st.lists(
+    st.builds(
+        cand,
+        st.text("abcdefgh", min_size=1, max_size=3),
+        queued_prefill_tokens=st.integers(0, 2_000_000),
+        running=st.integers(0, 256),
+        memory_hit_blocks=st.integers(0, 1024),
+        store_hit_blocks=st.integers(0, 1024),
+        prefill_tokens_per_s=st.floats(1e4, 1e6),
+    ),
+    min_size=1, max_size=12, unique_by=lambda c: c.worker_id,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates, st.integers(1, 131_072), st.sampled_from(sorted(POLICIES)))
+def test_every_policy_chooses_a_candidate(cands: list[Candidate], prompt: int, name: str) -> None:
+    policy = make_policy(name)
+    view = RoutingView(prompt, tuple(cands), block_hashes=tuple(range(prompt // 128)))
+    decision = policy.choose(view)
+    policy.observe(view, decision)
+    assert decision.worker_id in {c.worker_id for c in cands}
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates, st.integers(1, 131_072))
+def test_estimated_ttft_guard_bounds_imbalance(cands: list[Candidate], prompt: int) -> None:
+    policy = EstimatedTtft()
+    decision = policy.choose(RoutingView(prompt, tuple(cands)))
+    chosen = next(c for c in cands if c.worker_id == decision.worker_id)
+    mean = sum(c.queued_prefill_tokens for c in cands) / len(cands)
+    assert chosen.queued_prefill_tokens <= policy.guard_ratio * mean + policy.guard_tokens
