@@ -1,0 +1,2 @@
+from ..core import RequestOutput as RequestOutput
+from ..core import Sequence as Sequence
