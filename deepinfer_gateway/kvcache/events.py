@@ -1,0 +1,131 @@
+"""Gateway-side KV event feeder: polls every worker's event log into a PrefixIndex.
+
+One asyncio task per worker loops `GET {base_url}/v1/worker/kv_events?after=C&limit=N`
+(reply: `protocol.KvEventBatch` JSON) and hands the batch to `index.apply`, whose return
+value is the next cursor C. The index owns all sequencing decisions (new epoch, gap,
+falling behind `oldest_seq` -> drop the worker's memory tier, cursor 0 = re-read from
+the oldest retained event); the feeder only fetches, so it behaves the same over both
+backends.
+
+Cost and bounds: one HTTP request per worker per `interval_s` while idle (default 50 ms:
+the index lags the workers by about that much); back-to-back requests while a worker has
+more than `limit` events pending; at most `limit` events per request and one request in
+flight per worker. A failing worker is retried with exponential backoff up to
+`max_backoff_s` and logged once per outage. Cancel-safe: `aclose()` stops every task.
+The `aiohttp.ClientSession` is injected (the gateway's shared upstream session; tests
+pass their own) and never closed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+from pydantic import ValidationError
+
+from deepinfer_gateway.kvcache.types import PrefixIndex
+from deepinfer_gateway.protocol import KV_EVENTS_PATH, KvEventBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Worker:
+    worker_id: str
+    base_url: str
+    cursor: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class KvEventFeeder:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float = 0.05,
+        limit: int = 2000,
+        timeout_s: float = 2.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.index = index
+        self._session = session
+        self.interval_s = interval_s
+        self.limit = limit
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_backoff_s = max_backoff_s
+        self._workers: dict[str, _Worker] = {}
+
+    def add_worker(self, worker_id: str, base_url: str) -> None:
+        """Start feeding from a worker (idempotent; a new URL restarts its task)."""
+        known = self._workers.get(worker_id)
+        if known is not None and known.base_url == base_url.rstrip("/"):
+            return
+        if known is not None and known.task is not None:
+            known.task.cancel()
+        worker = _Worker(worker_id, base_url.rstrip("/"))
+        worker.task = asyncio.get_running_loop().create_task(self._run(worker), name=f"kv-events:{worker_id}")
+        self._workers[worker_id] = worker
+
+    async def remove_worker(self, worker_id: str, *, forget: bool = True) -> None:
+        """Stop feeding; with `forget`, also drop the worker from the index."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None and worker.task is not None:
+            worker.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker.task
+        if forget:
+            await self.index.remove_worker(worker_id)
+
+    def cursor(self, worker_id: str) -> int | None:
+        worker = self._workers.get(worker_id)
+        return None if worker is None else worker.cursor
+
+    async def poll_once(self, worker_id: str) -> bool:
+        """Fetch and apply one batch; True when the worker has more events waiting."""
+        worker = self._workers[worker_id]
+        return await self._poll(worker)
+
+    async def aclose(self) -> None:
+        tasks = [w.task for w in self._workers.values() if w.task is not None]
+        self._workers.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _poll(self, worker: _Worker) -> bool:
+        params = {"after": str(worker.cursor), "limit": str(self.limit)}
+        async with self._session.get(worker.base_url + KV_EVENTS_PATH, params=params, timeout=self._timeout) as resp:
+            resp.raise_for_status()
+            body = await resp.read()
+        batch = KvEventBatch.model_validate_json(body)
+        worker.cursor = await self.index.apply(worker.worker_id, batch)
+        return bool(batch.events) and worker.cursor < batch.last_seq
+
+    async def _run(self, worker: _Worker) -> None:
+        failures = 0
+        while True:
+            try:
+                more = await self._poll(worker)
+            except (aiohttp.ClientError, TimeoutError, ValidationError) as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("kv events: polling %s failed (%s); retrying with backoff", worker.worker_id, exc)
+                await asyncio.sleep(min(self.max_backoff_s, self.interval_s * 2**failures))
+                continue
+            except Exception:  # a bug must not silently stop this worker's feed
+                failures += 1
+                if failures == 1:
+                    log.exception("kv events: applying %s's events failed; retrying with backoff", worker.worker_id)
+                await asyncio.sleep(min(self.max_backoff_s, self.interval_s * 2**failures))
+                continue
+            if failures:
+                log.warning("kv events: %s reachable again after %d failed polls", worker.worker_id, failures)
+                failures = 0
+            if not more:
+                await asyncio.sleep(self.interval_s)

@@ -1,0 +1,192 @@
+"""The Redis index's Lua scripts and a one-round-trip script runner.
+
+Scripts touch only keys passed in KEYS (all under one hash tag: Redis Cluster safe).
+Block hashes travel as one blob of 8-byte little-endian words per event or prompt (one
+argument instead of a thousand), split with string.sub inside Redis; set and zset
+members are those 8-byte strings.
+
+`Script.run` sends EVALSHA (EVALSHA_RO for lookups, which Redis may serve from a
+replica) and falls back to EVAL only when Redis answers NOSCRIPT (a restarted Redis):
+one round trip in the steady state, two right after a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+_HELPERS = """
+local function split(blob)
+  local t = {}
+  for i = 1, #blob, 8 do t[#t + 1] = string.sub(blob, i, i + 7) end
+  return t
+end
+local function each_chunk(t, fn)
+  for i = 1, #t, 4000 do fn(unpack(t, i, math.min(i + 3999, #t))) end
+end
+"""
+
+# KEYS: mem, cur, store, alive
+# ARGV: epoch, oldest_seq, now, mem_cap, store_cap, idle_ttl_ms, default_expires_at,
+#       then per event: seq, code (ms|me|mc|ss|se|sc), expires_at or "", hashes blob
+# Returns {status, last_seq}: 0 applied, 1 gap (push a snapshot), 2 Redis lost its data.
+# The sequencing rule mirrors memory.InMemoryPrefixIndex.apply_now.
+APPLY_SCRIPT = (
+    _HELPERS
+    + """
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  redis.call('SET', KEYS[4], '1')
+  return {2, -1}
+end
+local epoch, oldest, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local cur = redis.call('HMGET', KEYS[2], 'e', 's')
+local last = -1
+if cur[1] == epoch then
+  last = tonumber(cur[2])
+else
+  redis.call('DEL', KEYS[1])
+end
+if last ~= -1 and oldest > last + 1 then
+  redis.call('DEL', KEYS[1]); last = -1
+end
+local function accepts(seq)
+  if last == -1 then return seq == 1 or seq == oldest end
+  return seq == last + 1
+end
+local status = 0
+for i = 8, #ARGV, 4 do
+  local seq = tonumber(ARGV[i])
+  if last == -1 or seq > last then
+    if not accepts(seq) then
+      redis.call('DEL', KEYS[1]); last = -1
+      if not accepts(seq) then status = 1; break end
+    end
+    local code, hs = ARGV[i + 1], split(ARGV[i + 3])
+    if code == 'ms' then
+      each_chunk(hs, function(...) redis.call('SADD', KEYS[1], ...) end)
+    elseif code == 'me' then
+      each_chunk(hs, function(...) redis.call('SREM', KEYS[1], ...) end)
+    elseif code == 'mc' then
+      redis.call('DEL', KEYS[1])
+    elseif code == 'ss' then
+      local exp = ARGV[i + 2]
+      if exp == '' then exp = ARGV[7] end
+      local args = {}
+      for _, h in ipairs(hs) do args[#args + 1] = exp; args[#args + 1] = h end
+      each_chunk(args, function(...) redis.call('ZADD', KEYS[3], ...) end)
+    elseif code == 'se' then
+      each_chunk(hs, function(...) redis.call('ZREM', KEYS[3], ...) end)
+    elseif code == 'sc' then
+      redis.call('DEL', KEYS[3])
+    end
+    last = seq
+  end
+end
+redis.call('HSET', KEYS[2], 'e', epoch, 's', last)
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local excess = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[5])
+if excess > 0 then redis.call('ZPOPMIN', KEYS[3], excess) end
+excess = redis.call('SCARD', KEYS[1]) - tonumber(ARGV[4])
+if excess > 0 then redis.call('SPOP', KEYS[1], excess) end
+return {status, last}
+"""
+)
+
+# KEYS: mem, cur, alive.  ARGV: epoch, last_seq, idle_ttl_ms, hashes blob.
+# Replaces the worker's memory tier unless Redis already holds a newer state of the same epoch.
+SNAPSHOT_SCRIPT = (
+    _HELPERS
+    + """
+local cur = redis.call('HMGET', KEYS[2], 'e', 's')
+local last = tonumber(ARGV[2])
+if cur[1] == ARGV[1] and last >= 0 and tonumber(cur[2]) >= last then return 0 end
+redis.call('DEL', KEYS[1])
+each_chunk(split(ARGV[4]), function(...) redis.call('SADD', KEYS[1], ...) end)
+redis.call('HSET', KEYS[2], 'e', ARGV[1], 's', last)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[3], '1')
+return 1
+"""
+)
+
+# KEYS: store, then one mem key per candidate worker.
+# ARGV: now, n_groups, then per kv_format group: hashes blob, n_workers, KEYS index of each.
+# Returns per group: leading store blocks, then each worker's leading memory blocks.
+# Membership is checked in growing chunks (16, 32, .., 512) and a worker leaves the
+# walk at its first miss, so the cost follows the longest cached prefix.
+LOOKUP_SCRIPT = """
+local now = tonumber(ARGV[1])
+local out = {}
+local a = 3
+for g = 1, tonumber(ARGV[2]) do
+  local blob, nw = ARGV[a], tonumber(ARGV[a + 1])
+  a = a + 2
+  local n = #blob / 8
+  local hs = {}
+  local function upto(k)
+    for i = #hs + 1, k do hs[i] = string.sub(blob, i * 8 - 7, i * 8) end
+  end
+  local count, pos, step = 0, 1, 16
+  while pos <= n do
+    local last = math.min(n, pos + step - 1)
+    upto(last)
+    local sc = redis.call('ZMSCORE', KEYS[1], unpack(hs, pos, last))
+    local full = true
+    for j = 1, last - pos + 1 do
+      if sc[j] and tonumber(sc[j]) > now then count = count + 1 else full = false; break end
+    end
+    if not full then break end
+    pos, step = last + 1, math.min(step * 2, 512)
+  end
+  out[#out + 1] = count
+  local alive = {}
+  for w = 1, nw do
+    out[#out + 1] = 0
+    alive[#alive + 1] = {tonumber(ARGV[a]), #out}
+    a = a + 1
+  end
+  pos, step = 1, 16
+  while pos <= n and #alive > 0 do
+    local last = math.min(n, pos + step - 1)
+    upto(last)
+    local still = {}
+    for _, w in ipairs(alive) do
+      local m = redis.call('SMISMEMBER', KEYS[w[1]], unpack(hs, pos, last))
+      local c = 0
+      for j = 1, #m do
+        if m[j] == 1 then c = c + 1 else break end
+      end
+      out[w[2]] = out[w[2]] + c
+      if c == #m then still[#still + 1] = w end
+    end
+    alive = still
+    pos, step = last + 1, math.min(step * 2, 512)
+  end
+end
+return out
+"""
+
+
+class Script:
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def run(
+        self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any], *, read_only: bool = False
+    ) -> Any:
+        try:
+            if read_only:
+                return await client.evalsha_ro(self.sha, len(keys), *keys, *args)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            if read_only:
+                return await client.eval_ro(self.source, len(keys), *keys, *args)
+            return await client.eval(self.source, len(keys), *keys, *args)
