@@ -1,0 +1,53 @@
+"""Single-worker entry point: `deepinfer-gateway worker --engine sim ...` calls `run_worker`.
+
+Blocks until SIGINT/SIGTERM (uvicorn's own handling), then stops the engine (in-flight
+requests get a `shutting_down` finish). A lone sim worker has no shared KV store unless
+`with_store` is set, in which case it keeps a private in-process one (a separate process
+cannot share another's memory); prefill hand-offs are then `direct:` handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import uvicorn
+
+from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.workers.cluster import SimWorkerSpec, build_sim_engine
+from deepinfer_gateway.workers.compat import compat_router
+from deepinfer_gateway.workers.server import create_worker_app
+from deepinfer_gateway.workers.sim.engine import DEFAULT_MODEL
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
+from deepinfer_gateway.workers.sim.output import OutputPlanner
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    engine: str = "sim"  # "sim" | "deepinfer"
+    role: Role = Role.UNIFIED
+    hardware: str = "sm100"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    worker_id: str | None = None  # default: "<hardware>-<role>-<port>"
+    profiles_path: str | None = None
+    time_scale: float = 1.0
+    model: str = DEFAULT_MODEL
+    tokenizer_path: str | None = None
+    with_store: bool = False
+    compat: bool = True  # OpenAI/SGLang-compatible endpoints for third-party routers
+
+
+def run_worker(options: WorkerOptions) -> None:
+    if options.engine != "sim":
+        raise ValueError(f"engine {options.engine!r} is served by deepinfer_gateway.workers.deepinfer, not run_worker")
+    worker_id = options.worker_id or f"{options.hardware}-{options.role}-{options.port}"
+    spec = SimWorkerSpec(worker_id, options.role, options.hardware, options.port, options.time_scale)
+    bundle = load_tokenizer(options.tokenizer_path)
+    store = InMemoryKvStore() if options.with_store else None
+    engine = build_sim_engine(
+        spec, store=store, planner=OutputPlanner(bundle), profiles_path=options.profiles_path, model=options.model
+    )
+    routers = [compat_router(engine, bundle, options.model)] if options.compat else []
+    app = create_worker_app(engine, routers)
+    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
