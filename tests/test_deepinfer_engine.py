@@ -321,7 +321,7 @@ async def test_prefill_store_decode_matches_unified(started: Any) -> None:
     assert "pd" in core.INSTANCES[0].aborted  # the prefill engine's sequence was freed
 
     d_request = GenerateRequest(
-        request_id="pd", token_ids=prompt + first, sampling=Sampling(max_tokens=11), role=Role.DECODE, kv_handoff=handoff
+        request_id="pd", token_ids=prompt + first, sampling=Sampling(max_tokens=12), role=Role.DECODE, kv_handoff=handoff
     )
     d_events = await collect(decode, d_request)
     assert d_events[0]["cached_tokens"] == {"memory": 0, "store": 300}

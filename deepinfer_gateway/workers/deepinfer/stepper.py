@@ -247,8 +247,11 @@ class Stepper:
         decode = self._role is Role.DECODE
         if decode != (request.kv_handoff is not None):
             raise RequestError(ErrorKind.INVALID_REQUEST, "kv_handoff is required on decode workers and only there")
+        sampling = request.sampling
+        if decode:  # max_tokens is the whole answer's budget; prefill already produced one token
+            sampling = sampling.model_copy(update={"max_tokens": max(1, sampling.max_tokens - 1)})
         try:
-            params = self._api.SamplingParams(**sampling_kwargs(request.sampling))
+            params = self._api.SamplingParams(**sampling_kwargs(sampling))
         except (ValueError, TypeError) as exc:
             raise RequestError(ErrorKind.INVALID_REQUEST, f"sampling: {exc}") from exc
         try:
