@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from tests.deepinfer_double import DoubleKvTransfer, core, install_as_deepinfer
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.protocol import GenerateRequest, KvHandoff, Role, Sampling
@@ -21,13 +20,18 @@ from deepinfer_gateway.workers.deepinfer import (
     KvStore,
     MemoryKvStore,
 )
+from tests.deepinfer_double import DoubleKvTransfer, core, install_as_deepinfer
 
 Event = dict[str, Any]
 
 
-def make(role: Role = Role.UNIFIED, store: KvStore | None = None, **cfg: Any) -> DeepInferEngine:
+def make(
+    role: Role = Role.UNIFIED, store: KvStore | None = None, clock: Callable[[], float] = time.time, **cfg: Any
+) -> DeepInferEngine:
     config = DeepInferConfig(model="/models/v4.1-flash", role=role, worker_id=f"w-{role.value}", **cfg)
-    return DeepInferEngine(config, api_root="tests.deepinfer_double", kv_store=store, kv_transfer=DoubleKvTransfer())
+    return DeepInferEngine(
+        config, api_root="tests.deepinfer_double", kv_store=store, kv_transfer=DoubleKvTransfer(), clock=clock
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +144,9 @@ async def test_generate_streams_every_token_including_the_flushed_last(started: 
 async def test_many_concurrent_requests(started: Any) -> None:
     engine = await started(max_num_seqs=16)
     prompts = {f"r{i}": [10 + i, 20 + i, 30 + i] for i in range(60)}
-    results = await asyncio.gather(*(collect(engine, req(rid, p, max_tokens=6 + i % 5)) for i, (rid, p) in enumerate(prompts.items())))
+    results = await asyncio.gather(
+        *(collect(engine, req(rid, p, max_tokens=6 + i % 5)) for i, (rid, p) in enumerate(prompts.items()))
+    )
     for i, ((rid, prompt), events) in enumerate(zip(prompts.items(), results, strict=True)):
         assert_shape(events)
         assert tokens_of(events) == expected(prompt, 6 + i % 5), rid
@@ -212,7 +218,9 @@ async def test_stop_token_ids_end_the_request_in_the_engine(started: Any) -> Non
         ([5, 6], {"top_k": 0}, "invalid_request"),  # SamplingParams validation
     ],
 )
-async def test_invalid_requests_are_client_errors(started: Any, tokens: list[int], sampling: dict[str, Any], kind: str) -> None:
+async def test_invalid_requests_are_client_errors(
+    started: Any, tokens: list[int], sampling: dict[str, Any], kind: str
+) -> None:
     engine = await started()
     events = await collect(engine, req("bad", tokens, **sampling))
     assert [e["event"] for e in events] == ["ready", "finish"]
@@ -321,7 +329,11 @@ async def test_prefill_store_decode_matches_unified(started: Any) -> None:
     assert "pd" in core.INSTANCES[0].aborted  # the prefill engine's sequence was freed
 
     d_request = GenerateRequest(
-        request_id="pd", token_ids=prompt + first, sampling=Sampling(max_tokens=12), role=Role.DECODE, kv_handoff=handoff
+        request_id="pd",
+        token_ids=prompt + first,
+        sampling=Sampling(max_tokens=12),
+        role=Role.DECODE,
+        kv_handoff=handoff,
     )
     d_events = await collect(decode, d_request)
     assert d_events[0]["cached_tokens"] == {"memory": 0, "store": 300}
@@ -332,8 +344,7 @@ async def test_prefill_store_decode_matches_unified(started: Any) -> None:
 async def test_prefill_emits_store_events_with_workload_ttl(started: Any) -> None:
     now = 1_000_000.0
     store = MemoryKvStore(clock=lambda: now)
-    prefill = make(Role.PREFILL, store)
-    prefill._clock = lambda: now  # noqa: SLF001 - fixed time for the TTL assertion
+    prefill = make(Role.PREFILL, store, clock=lambda: now)
     await prefill.start()
     try:
         prompt = list(range(10, 10 + 256))
@@ -384,7 +395,12 @@ async def test_load_report_and_info(started: Any, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(core, "STEP_DELAY_S", 0.002)
     engine = await started(max_num_seqs=2, hardware="ascend950")
     info = engine.info
-    assert (info.engine, info.role, info.kv_format, info.dp_size) == ("deepinfer", "unified", "v4.1-flash/ascend950-int8", 1)
+    assert (info.engine, info.role, info.kv_format, info.dp_size) == (
+        "deepinfer",
+        "unified",
+        "v4.1-flash/ascend950-int8",
+        1,
+    )
     idle = engine.load()
     assert idle.running == idle.waiting == idle.queued_prefill_tokens == 0 and idle.memory_capacity_blocks == 1024
     tasks = [asyncio.create_task(collect(engine, req(f"q{i}", [5] * 100, max_tokens=100_000))) for i in range(5)]

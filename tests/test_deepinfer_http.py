@@ -10,7 +10,15 @@ import aiohttp
 import orjson
 import pytest
 
-from deepinfer_gateway.protocol import ABORT_PATH, GENERATE_PATH, HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH, Role
+from deepinfer_gateway.protocol import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    INFO_PATH,
+    KV_EVENTS_PATH,
+    LOAD_PATH,
+    Role,
+)
 from deepinfer_gateway.workers.cluster import ServedApp, serve_app
 from deepinfer_gateway.workers.deepinfer import DeepInferConfig, DeepInferEngine, MemoryKvStore
 from deepinfer_gateway.workers.server import create_worker_app
@@ -24,7 +32,9 @@ async def workers(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict[str, Se
     served: dict[str, ServedApp] = {}
     for role in (Role.UNIFIED, Role.PREFILL, Role.DECODE):
         config = DeepInferConfig(model="/m", role=role, worker_id=f"di-{role.value}", drain_timeout_s=0)
-        engine = DeepInferEngine(config, api_root="tests.deepinfer_double", kv_store=store, kv_transfer=DoubleKvTransfer())
+        engine = DeepInferEngine(
+            config, api_root="tests.deepinfer_double", kv_store=store, kv_transfer=DoubleKvTransfer()
+        )
         served[role.value] = await serve_app(create_worker_app(engine))
     yield served
     await asyncio.gather(*(app.stop() for app in served.values()))
@@ -43,8 +53,14 @@ def tokens(events: list[dict[str, Any]]) -> list[int]:
 async def test_generate_abort_and_reports_over_http(workers: dict[str, ServedApp]) -> None:
     url = workers["unified"].url
     async with aiohttp.ClientSession() as http:
-        events = await generate(http, url, {"request_id": "g", "token_ids": [11, 12, 13], "sampling": {"max_tokens": 6}})
-        assert events[0]["event"] == "ready" and events[-1] == {"event": "finish", "reason": "length", "num_output_tokens": 6}
+        events = await generate(
+            http, url, {"request_id": "g", "token_ids": [11, 12, 13], "sampling": {"max_tokens": 6}}
+        )
+        assert events[0]["event"] == "ready" and events[-1] == {
+            "event": "finish",
+            "reason": "length",
+            "num_output_tokens": 6,
+        }
 
         body = {"request_id": "ab", "token_ids": [11, 12, 13], "sampling": {"max_tokens": 100_000}}
         async with http.post(url + GENERATE_PATH, json=body) as resp:
@@ -72,9 +88,13 @@ async def test_prefill_decode_over_http(workers: dict[str, ServedApp]) -> None:
     prompt = [10 + (i * 13) % 900 for i in range(260)]
     sampling = {"max_tokens": 9}
     async with aiohttp.ClientSession() as http:
-        whole = await generate(http, workers["unified"].url, {"request_id": "w", "token_ids": prompt, "sampling": sampling})
+        whole = await generate(
+            http, workers["unified"].url, {"request_id": "w", "token_ids": prompt, "sampling": sampling}
+        )
         pre = await generate(
-            http, workers["prefill"].url, {"request_id": "p", "token_ids": prompt, "sampling": sampling, "role": "prefill"}
+            http,
+            workers["prefill"].url,
+            {"request_id": "p", "token_ids": prompt, "sampling": sampling, "role": "prefill"},
         )
         first = tokens(pre)
         body = {

@@ -11,7 +11,15 @@ from .core import DoubleKvTransfer
 
 __all__ = ["DoubleKvTransfer", "install_as_deepinfer"]
 
-_SUBMODULES = ["engine", "engine.llm_engine", "engine.arg_utils", "engine.engine_type", "sampling_params", "_C", "_C.engine"]
+_SUBMODULES = [
+    "engine",
+    "engine.llm_engine",
+    "engine.arg_utils",
+    "engine.engine_type",
+    "sampling_params",
+    "_C",
+    "_C.engine",
+]
 
 
 def install_as_deepinfer(monkeypatch: Any) -> None:

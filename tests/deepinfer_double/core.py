@@ -405,7 +405,13 @@ class LLMEngine:
     def _emit(self, seq: Sequence, token: int, reason: str = "") -> int:
         h = next(_HANDLES)
         _POOL[h] = _Out(
-            seq.request_id, token, bool(reason), reason, seq.num_output, seq.prompt_len, seq.sampling_params.top_logprobs
+            seq.request_id,
+            token,
+            bool(reason),
+            reason,
+            seq.num_output,
+            seq.prompt_len,
+            seq.sampling_params.top_logprobs,
         )
         return h
 

@@ -1,1 +1,3 @@
-from .core import SamplingParams as SamplingParams
+from .core import SamplingParams
+
+__all__ = ["SamplingParams"]

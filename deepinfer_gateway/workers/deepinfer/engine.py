@@ -77,7 +77,13 @@ class DeepInferEngine:
         self._loop = asyncio.get_running_loop()
         self._events.restart()
         self._stepper = Stepper(
-            self._config, self._api, self._deliver_threadsafe, self._events, self._kv_store, self._kv_transfer, self._clock
+            self._config,
+            self._api,
+            self._deliver_threadsafe,
+            self._events,
+            self._kv_store,
+            self._kv_transfer,
+            self._clock,
         )
         self._stepper.start()
         await asyncio.to_thread(self._stepper.started.wait)
@@ -141,8 +147,12 @@ class DeepInferEngine:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bool] = loop.create_future()
 
+        def settle(was_live: bool) -> None:
+            if not done.done():
+                done.set_result(was_live)
+
         def reply(was_live: bool) -> None:  # step thread
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(was_live))
+            loop.call_soon_threadsafe(settle, was_live)
 
         if not stepper.submit(Abort(request_id, reply)):
             return False

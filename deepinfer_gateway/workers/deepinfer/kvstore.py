@@ -40,7 +40,9 @@ class KvStore(Protocol):
         """The block's bytes, or None when absent or expired."""
 
 
-def tail_hash(token_ids: Sequence[int], full_block_hashes: Sequence[int], block_tokens: int = KV_BLOCK_TOKENS) -> int | None:
+def tail_hash(
+    token_ids: Sequence[int], full_block_hashes: Sequence[int], block_tokens: int = KV_BLOCK_TOKENS
+) -> int | None:
     """Key of the trailing partial block (chained on the last full block's hash), None when
     the prompt ends on a block boundary. Partial blocks are never in the prefix index, so
     this key only ever travels inside a `KvHandoff.handle`."""

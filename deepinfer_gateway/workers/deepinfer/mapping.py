@@ -10,7 +10,10 @@ from deepinfer_gateway.protocol import ErrorKind, FinishReason, Sampling
 _ERRORS: dict[str, tuple[ErrorKind, str]] = {
     "prompt_length_exceeded": (ErrorKind.PROMPT_TOO_LONG, "prompt is longer than the engine accepts"),
     "insufficient_system_resource": (ErrorKind.RESOURCE_EXHAUSTED, "KV cache about to overflow: request preempted"),
-    "xgrammar runtime errors or timeout": (ErrorKind.STRUCTURED_OUTPUT, "structured output grammar failed or timed out"),
+    "xgrammar runtime errors or timeout": (
+        ErrorKind.STRUCTURED_OUTPUT,
+        "structured output grammar failed or timed out",
+    ),
     "ve_error": (ErrorKind.VISION_ENCODER, "vision encoder failed on this request's images"),
 }
 _PLAIN = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}

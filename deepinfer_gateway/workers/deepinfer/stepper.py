@@ -124,7 +124,9 @@ class Stepper:
         engine_type = {Role.UNIFIED: "NORMAL", Role.PREFILL: "PROMPT", Role.DECODE: "COMPLETION"}[config.role]
         self._engine_type = getattr(api.EngineType, engine_type)
         base = api.LLMEngine
-        self._engine_cls = pd_engine_class(base, kv_transfer, self._on_prompt_kv) if config.role is Role.PREFILL else base
+        self._engine_cls = (
+            pd_engine_class(base, kv_transfer, self._on_prompt_kv) if config.role is Role.PREFILL else base
+        )
         self._cmds: deque[Command] = deque()
         self._closed = False
         self._wake = threading.Condition()
@@ -177,7 +179,7 @@ class Stepper:
         self.started.set()
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - the engine is broken: fail everything in flight
+        except BaseException as exc:
             log.exception("DeepInfer engine failed; worker is now unhealthy")
             self.failure = exc
             for rid in list(self._live):
@@ -277,7 +279,7 @@ class Stepper:
         if blocks is not None:
             try:
                 self._transfer.import_prompt_kv(self._llm, seq, blocks)
-            except Exception as exc:  # noqa: BLE001 - one request's KV, not the engine
+            except Exception as exc:
                 raise RequestError(ErrorKind.KV_TRANSFER, f"loading KV failed: {exc!r}") from exc
             assert request.kv_handoff is not None
             live.cached_store = request.kv_handoff.num_tokens
@@ -383,7 +385,9 @@ class Stepper:
         """Prefill returns after the first token: free the sequence, hand off its KV."""
         self._llm.abort_request(rid)
         if live.handoff is None:
-            self._finish(rid, FinishReason.ERROR, ErrorKind.KV_TRANSFER, live.handoff_error or "prompt KV was not saved")
+            self._finish(
+                rid, FinishReason.ERROR, ErrorKind.KV_TRANSFER, live.handoff_error or "prompt KV was not saved"
+            )
         else:
             self._finish(rid, FinishReason.STOP, kv_handoff=live.handoff)
 
@@ -408,7 +412,9 @@ class Stepper:
     ) -> None:
         live = self._live.pop(rid)
         self._send_ready(live)
-        event = finish_event(reason, error_kind=kind, message=message, kv_handoff=kv_handoff, num_output_tokens=live.num_out)
+        event = finish_event(
+            reason, error_kind=kind, message=message, kv_handoff=kv_handoff, num_output_tokens=live.num_out
+        )
         self._batch.append((rid, event))
 
     def _reject(self, request: GenerateRequest, kind: ErrorKind, message: str) -> None:
@@ -472,5 +478,5 @@ class Stepper:
         if self._llm is not None:
             try:
                 self._llm.close()
-            except Exception:  # noqa: BLE001 - best effort on the way out
+            except Exception:
                 log.exception("LLMEngine.close() failed")

@@ -1,2 +1,3 @@
-from ..core import RequestOutput as RequestOutput
-from ..core import Sequence as Sequence
+from ..core import RequestOutput, Sequence
+
+__all__ = ["RequestOutput", "Sequence"]

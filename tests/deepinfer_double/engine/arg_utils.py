@@ -1,1 +1,3 @@
-from ..core import EngineArgs as EngineArgs
+from ..core import EngineArgs
+
+__all__ = ["EngineArgs"]

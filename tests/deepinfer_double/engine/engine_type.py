@@ -1,1 +1,3 @@
-from ..core import EngineType as EngineType
+from ..core import EngineType
+
+__all__ = ["EngineType"]

@@ -1,1 +1,3 @@
-from ..core import LLMEngine as LLMEngine
+from ..core import LLMEngine
+
+__all__ = ["LLMEngine"]
