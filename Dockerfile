@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1.7
+# DeepInfer Gateway image: one image for every role.
+#
+#   docker build -t deepinfer-gateway:local .
+#   docker run --rm -p 8000:8000 deepinfer-gateway:local                      # demo (default CMD)
+#   docker run ... deepinfer-gateway:local serve --config /etc/deepinfer-gateway/gateway.toml
+#   docker run ... deepinfer-gateway:local worker --engine sim --role prefill --hardware sm100 \
+#                                             --host 0.0.0.0 --port 8100
+#
+# The real `worker --engine deepinfer` needs DeepInfer (Python 3.12, CUDA 13 or CANN 9.2)
+# in the image: build FROM your accelerator base image instead (see docs/deploy.md).
+#
+# Build args:
+#   PYTHON_VERSION  3.12 (DeepInfer's version; the gateway itself needs >= 3.11)
+#   EXTRAS          optional extras of the package, e.g. "[bench]"
+# Wheels that are not on your index (private builds, air-gapped sites) can be dropped
+# into deploy/wheels/ before the build: the builder looks there first.
+
+ARG PYTHON_VERSION=3.12
+
+# ---------------------------------------------------------------- builder: wheels only
+FROM python:${PYTHON_VERSION}-slim-bookworm AS builder
+ARG EXTRAS=""
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+WORKDIR /build
+COPY deploy/wheels/ /build/local-wheels/
+COPY pyproject.toml README.md ./
+COPY deepinfer_gateway/ ./deepinfer_gateway/
+# The project's wheel plus every dependency's wheel; the runtime installs from here only.
+RUN python -m pip wheel --wheel-dir /wheels --find-links /build/local-wheels ".${EXTRAS}"
+
+# ---------------------------------------------------------------- runtime: slim, non-root
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+ARG EXTRAS=""
+LABEL org.opencontainers.image.title="deepinfer-gateway" \
+      org.opencontainers.image.description="OpenAI/Anthropic gateway, KV-cache-aware router and simulated engine workers for DeepInfer" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --system --gid 10001 dgw \
+ && useradd --system --uid 10001 --gid dgw --home-dir /home/dgw --create-home --shell /usr/sbin/nologin dgw \
+ && mkdir -p /etc/deepinfer-gateway
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    python -m pip install --no-index --find-links /wheels "deepinfer-gateway${EXTRAS}" \
+ && deepinfer-gateway --help > /dev/null
+
+USER 10001:10001
+WORKDIR /home/dgw
+# 8000: gateway (serve, demo); 8100: a worker's default port
+EXPOSE 8000 8100
+
+# No curl in the image: the probe is Python. HEALTHCHECK_URL overrides the target (workers:
+# http://127.0.0.1:8100/health); otherwise the gateway's port from DGW_PORT (default 8000).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request as u; url = os.environ.get('HEALTHCHECK_URL') or 'http://127.0.0.1:%s/health' % os.environ.get('DGW_PORT', '8000'); u.urlopen(url, timeout=2).close()"]
+
+ENTRYPOINT ["deepinfer-gateway"]
+CMD ["demo", "--host", "0.0.0.0", "--port", "8000"]
