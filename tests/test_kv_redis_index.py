@@ -1,0 +1,188 @@
+"""Redis backend specifics: one round trip per lookup, shared view across replicas,
+Redis killed and restarted during traffic (local view, error counter, one log line, resync)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from deepinfer_gateway.kvcache.factory import create_prefix_index
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, redis_client
+from deepinfer_gateway.kvcache.types import KvIndexMetrics
+from tests.conftest import RedisServer
+from tests.kv_helpers import EventLog
+
+H = list(range(1000, 1128))
+
+
+def top_level_calls(stats: dict[str, dict[str, float]]) -> dict[str, float]:
+    inner = {"cmdstat_smismember", "cmdstat_zmscore", "cmdstat_info"}
+    return {k: v["calls"] for k, v in stats.items() if k not in inner}
+
+
+async def test_one_round_trip_per_lookup(redis_server: RedisServer) -> None:
+    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="rt")
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        logs = [EventLog(f"w{i}") for i in range(8)]
+        for i, log in enumerate(logs):
+            log.store_mem(H[: i * 16])
+            await index.apply(log.worker_id, log.batch())
+        await index.lookup({"f1": H}, {"w0": "f1"})  # loads the script once
+        before = top_level_calls(await admin.info("commandstats"))
+        for _ in range(20):
+            got = await index.lookup({"f1": H, "f2": H[:3]}, {log.worker_id: "f1" for log in logs} | {"z": "f2"})
+        after = top_level_calls(await admin.info("commandstats"))
+        delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        assert delta == {"cmdstat_evalsha_ro": 20}
+        assert dict(got.memory) == {f"w{i}": i * 16 for i in range(8)} | {"z": 0}
+    finally:
+        await index.aclose()
+        await admin.aclose()
+
+
+async def test_replicas_share_one_view_and_write_each_event_once(redis_url: str) -> None:
+    namespace = f"rep:{uuid.uuid4().hex[:8]}"
+    a = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    b = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    try:
+        log = EventLog("w")
+        log.store_mem(H[:32])
+        assert await a.apply("w", log.batch()) == 1
+        # Replica b never polled the worker, yet routes by what a learned.
+        assert (await b.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 32}
+        # b polls later and re-applies the same events: a no-op in Redis.
+        log.evict_mem(H[8:9])
+        await a.apply("w", log.batch(after=1))
+        assert await b.apply("w", log.batch()) == 2
+        assert (await a.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 8}
+        # b ahead of a: a's stale batch must not roll Redis back.
+        log.store_mem(H[8:9])
+        await b.apply("w", log.batch(after=2))
+        await a.apply("w", log.only(2))
+        assert (await a.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 32}
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_replica_with_a_gap_in_redis_pushes_its_snapshot(redis_url: str) -> None:
+    namespace = f"gap:{uuid.uuid4().hex[:8]}"
+    a = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    b = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    try:
+        log = EventLog("w")
+        log.store_mem(H[:10])
+        await a.apply("w", log.batch())  # Redis at seq 1
+        log.store_mem(H[10:20])
+        log.store_mem(H[20:30])
+        await b.apply("w", log.batch())  # b's local view at 3; Redis: 1 -> 2 -> 3 applied in order
+        await b.apply("w", log.batch(after=3))
+        local_only = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+        assert (await local_only.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 30}
+        await local_only.aclose()
+        # c's local view learned seq 4 while Redis did not (e.g. Redis was briefly away):
+        # its next batch leaves a gap in Redis, which c fills with its snapshot.
+        log.store_mem(H[30:40])
+        log.store_mem(H[40:50])
+        c = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+        c.local.apply_now("w", log.only(1, 2, 3, 4))
+        assert await c.apply("w", log.only(5)) == 5
+        fresh = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+        assert (await fresh.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 50}
+        await c.aclose()
+        await fresh.aclose()
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_redis_killed_and_restarted_during_traffic(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = KvIndexMetrics()
+    index = RedisPrefixIndex(
+        redis_client(redis_server.url, timeout_s=0.2), namespace="outage", metrics=metrics, retry_interval_s=0.1
+    )
+    logs = [EventLog(f"w{i}") for i in range(4)]
+    cursors = dict.fromkeys((log.worker_id for log in logs), 0)
+    stop = asyncio.Event()
+    wrong: list[object] = []
+    step = 0
+
+    async def traffic() -> None:
+        nonlocal step
+        while not stop.is_set():
+            log = logs[step % len(logs)]
+            i = step // len(logs)
+            if i < len(H):
+                log.store_mem([H[i]])
+            cursors[log.worker_id] = await index.apply(log.worker_id, log.batch(after=cursors[log.worker_id]))
+            expected = min(len(H), i + 1)
+            got = await index.lookup({"f1": H}, {log.worker_id: "f1"})
+            if got.memory[log.worker_id] != expected:
+                wrong.append((step, got.memory, expected))
+            step += 1
+            await asyncio.sleep(0.002)
+
+    caplog.set_level(logging.WARNING, logger="deepinfer_gateway.kvcache.redis_index")
+    task = asyncio.create_task(traffic())
+    try:
+        await asyncio.sleep(0.3)
+        redis_server.stop()
+        await asyncio.sleep(0.6)
+        assert not index.healthy
+        during_outage = step
+        redis_server.start()  # empty: no persistence
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if index.healthy and step > during_outage + 20:
+                break
+        await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await task
+    assert not wrong, wrong[:5]  # lookups stayed correct throughout (local view during the outage)
+    assert index.healthy
+    assert metrics.error_count("apply") + metrics.error_count("lookup") >= 1
+    outage_logs = [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
+    assert len(outage_logs) == 1
+    # Redis itself holds the full state again: a replica with an empty local view sees it.
+    fresh = RedisPrefixIndex(redis_client(redis_server.url), namespace="outage")
+    want = {log.worker_id: min(len(H), (step - 1 - k) // len(logs) + 1) for k, log in enumerate(logs)}
+    got = await fresh.lookup({"f1": H}, {log.worker_id: "f1" for log in logs})
+    assert dict(got.memory) == want
+    await fresh.aclose()
+    await index.aclose()
+
+
+async def test_wiped_redis_is_refilled_without_an_observed_failure(redis_server: RedisServer) -> None:
+    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="wipe")
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        log = EventLog("w")
+        log.store_mem(H[:20])
+        log.store_store(H[:40], None)
+        cursor = await index.apply("w", log.batch())
+        await admin.flushall()
+        assert (await index.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 0}  # under-prediction only
+        log.store_mem(H[20:30])
+        await index.apply("w", log.batch(after=cursor))
+        got = await index.lookup({"f1": H}, {"w": "f1"})
+        assert dict(got.memory) == {"w": 30} and dict(got.store) == {"f1": 40}
+    finally:
+        await index.aclose()
+        await admin.aclose()
+
+
+async def test_factory_picks_the_backend(redis_url: str) -> None:
+    memory = create_prefix_index(None)
+    shared = create_prefix_index(redis_url, namespace=f"f:{uuid.uuid4().hex[:6]}")
+    assert type(memory).__name__ == "InMemoryPrefixIndex"
+    assert isinstance(shared, RedisPrefixIndex)
+    await memory.aclose()
+    await shared.aclose()
