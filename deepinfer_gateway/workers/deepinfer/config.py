@@ -23,7 +23,7 @@ class DeepInferConfig(BaseModel):
     kv_format: str = Field("", description="empty: the hardware's default (DEFAULT_KV_FORMAT)")
     tokenizer: str | None = None
     max_model_len: int | None = Field(None, ge=1)
-    data_parallel_size: int = Field(0, ge=0, description="DeepInfer's default 0 = no DP group")
+    data_parallel_size: int = Field(0, ge=0, description="0: DeepInfer derives max(1, EP // CP)")
     context_parallel_size: int = Field(1, ge=1)
     expert_parallel_size: int = Field(1, ge=1)
     engine_rank: int = Field(0, ge=0)
@@ -50,7 +50,8 @@ class DeepInferConfig(BaseModel):
 
     @property
     def dp_size(self) -> int:
-        return max(1, self.data_parallel_size)
+        """As deepinfer's ParallelConfig: 0 means max(1, EP // CP)."""
+        return self.data_parallel_size or max(1, self.expert_parallel_size // self.context_parallel_size)
 
     def engine_args_kwargs(self, engine_type: Any) -> dict[str, Any]:
         return {
