@@ -46,6 +46,8 @@ from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
 
 DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
 STORE_HANDLE, DIRECT_HANDLE = "store", "direct"
+# Bounds the event loop's busy time per wake-up when time_scale makes steps near-free.
+MAX_STEPS_PER_SLEEP = 64
 
 
 @dataclass(frozen=True)
@@ -217,24 +219,30 @@ class SimEngine:
                 await self._wake.wait()
                 deadline = loop.time()
                 continue
-            elapsed, merged = 0.0, {}
-            while self._core.has_work() and elapsed < self._min_sleep:
+            elapsed, merged, steps = 0.0, {}, 0
+            while self._core.has_work() and elapsed < self._min_sleep and steps < MAX_STEPS_PER_SLEEP:
                 duration, updates = self._core.step(time.time())
-                elapsed += duration
+                elapsed, steps = elapsed + duration, steps + 1
                 for update in updates:
                     _merge(merged, update)
+            for update in merged.values():  # scheduled now: say so before the step's time passes
+                self._deliver_ready(update)
             deadline = max(deadline, loop.time()) + elapsed
             await asyncio.sleep(deadline - loop.time())
             for update in merged.values():
                 self._deliver(update)
+
+    def _deliver_ready(self, update: RequestUpdate) -> None:
+        stream = self._streams.get(update.request_id)
+        if update.ready is not None and stream is not None and not stream.done:
+            stream.queue.put_nowait(ready_event(stream.prompt_len, *update.ready))
+        update.ready = None
 
     def _deliver(self, update: RequestUpdate) -> None:
         stream = self._streams.get(update.request_id)
         if stream is None or stream.done:
             return
         put = stream.queue.put_nowait
-        if update.ready is not None:
-            put(ready_event(stream.prompt_len, *update.ready))
         tokens = update.token_ids
         limit = self.failures.fail_after_tokens
         if limit is not None and stream.streamed + len(tokens) > limit:
