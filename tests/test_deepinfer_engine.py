@@ -17,6 +17,7 @@ from deepinfer_gateway.workers.deepinfer import (
     DeepInferConfig,
     DeepInferEngine,
     DeepInferNotInstalled,
+    FileKvStore,
     KvStore,
     MemoryKvStore,
 )
@@ -311,8 +312,9 @@ async def test_stop_lets_short_requests_finish(monkeypatch: pytest.MonkeyPatch) 
 # --- PD hand-off -------------------------------------------------------------------------------
 
 
-async def test_prefill_store_decode_matches_unified(started: Any) -> None:
-    store = MemoryKvStore()
+@pytest.mark.parametrize("store_kind", ["memory", "file"])
+async def test_prefill_store_decode_matches_unified(started: Any, store_kind: str, tmp_path: Any) -> None:
+    store: Any = MemoryKvStore() if store_kind == "memory" else FileKvStore(tmp_path)
     prefill = await started(Role.PREFILL, store)
     decode = await started(Role.DECODE, store)
     unified = await started()
@@ -325,7 +327,8 @@ async def test_prefill_store_decode_matches_unified(started: Any) -> None:
     salt = kv_salt("DeepSeek-V4.1-Flash", "v4.1-flash/sm100-fp8")
     assert p_events[-1]["reason"] == "stop" and handoff.num_tokens == 300
     assert list(handoff.block_hashes) == block_hashes(prompt, salt) and handoff.source_worker == "w-prefill"
-    assert len(store) == 3
+    stored = len([p for p in tmp_path.rglob("*") if p.is_file()]) if store_kind == "file" else len(store)
+    assert stored == 3  # 2 full blocks + the tail
     assert "pd" in core.INSTANCES[0].aborted  # the prefill engine's sequence was freed
 
     d_request = GenerateRequest(
