@@ -102,6 +102,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.bench.command import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
@@ -143,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--profiles", default=None)
     cluster.add_argument("--no-store", action="store_true", help="memory-only cluster: no shared KV store tier")
     cluster.set_defaults(func=cmd_sim_cluster)
+
+    from deepinfer_gateway.bench.command import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="replay a trace through the OpenAI/Anthropic SDK; `bench report DIR...`")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

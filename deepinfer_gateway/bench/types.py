@@ -79,7 +79,7 @@ class RequestRecord:
     expected_input_tokens: int | None = None
     expected_output_tokens: int | None = None
     worker: str | None = None
-    client_cpu_s: float | None = None
+    send_lag_s: float | None = None  # open loop: actual send time minus scheduled time
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,205 @@
+"""Streaming requests through the real SDKs, one `RequestRecord` per call.
+
+One `ProtocolClient` per run, holding one SDK client with a connection pool sized for
+the run's concurrency (the SDKs' default pools would queue requests client-side and be
+measured as server latency). Headers (worker id) come from `with_raw_response`.
+
+- chat:      openai `chat.completions`, stream + `stream_options.include_usage`;
+             cached tokens from `usage.prompt_tokens_details.cached_tokens`
+             (DeepSeek's `usage.prompt_cache_hit_tokens` as a fallback).
+- responses: openai `responses`, stream; `usage.input_tokens_details.cached_tokens`.
+- messages:  anthropic `messages`, stream; `usage.cache_read_input_tokens`.
+
+Timing: TTFT = first chunk carrying output (text, reasoning or tool-call delta); each
+later output chunk adds one inter-chunk gap to `itl_s`; e2e = end of the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from deepinfer_gateway.bench.types import ErrorKind, RequestRecord
+
+WORKER_HEADER = "x-dgw-worker"
+PROTOCOLS = ("chat", "responses", "messages")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str  # server root or .../v1
+    model: str
+    protocol: str = "chat"
+    api_key: str = "bench"
+    max_connections: int = 1024
+    request_timeout_s: float = 600.0
+    ignore_eos: bool = False
+
+    @property
+    def root(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1")
+
+
+def _http_client(config: ClientConfig, cls: type[httpx.AsyncClient]) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
+    return cls(limits=limits, timeout=httpx.Timeout(config.request_timeout_s, connect=30.0))
+
+
+def classify(exc: BaseException) -> tuple[str, int | None]:
+    """SDK/transport exception -> (ErrorKind, HTTP status or None)."""
+    status = getattr(exc, "status_code", None)
+    name = type(exc).__name__
+    if isinstance(exc, asyncio.CancelledError):
+        return ErrorKind.CANCELLED, None
+    if "Timeout" in name or isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
+        return ErrorKind.TIMEOUT, None
+    if isinstance(status, int):
+        if status == 429:
+            return ErrorKind.RATE_LIMITED, status
+        return (ErrorKind.HTTP_5XX if status >= 500 else ErrorKind.HTTP_4XX), status
+    if "Connection" in name or isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError)):
+        return ErrorKind.CONNECTION, None
+    if isinstance(exc, (httpx.HTTPError, ValueError, KeyError)):
+        return ErrorKind.STREAM, None
+    return ErrorKind.CLIENT, None
+
+
+async def _parsed(raw: Any) -> Any:
+    parsed = raw.parse()
+    return await parsed if inspect.isawaitable(parsed) else parsed
+
+
+class _Timer:
+    """Marks output chunks: first one sets TTFT, later ones append gaps."""
+
+    def __init__(self, record: RequestRecord, start: float):
+        self.record = record
+        self.start = start
+        self.last: float | None = None
+
+    def output(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.record.ttft_s = now - self.start
+        else:
+            self.record.itl_s.append(now - self.last)
+        self.last = now
+
+
+class ProtocolClient:
+    def __init__(self, config: ClientConfig):
+        if config.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}")
+        self.config = config
+        if config.protocol == "messages":
+            import anthropic
+
+            self._sdk: Any = anthropic.AsyncAnthropic(
+                base_url=config.root, api_key=config.api_key, max_retries=0,
+                http_client=_http_client(config, anthropic.DefaultAsyncHttpxClient))
+        else:
+            import openai
+
+            self._sdk = openai.AsyncOpenAI(
+                base_url=config.root + "/v1", api_key=config.api_key, max_retries=0,
+                http_client=_http_client(config, openai.DefaultAsyncHttpxClient))
+
+    async def aclose(self) -> None:
+        await self._sdk.close()
+
+    async def send(self, prompt: str, max_tokens: int, record: RequestRecord) -> None:
+        """Run one streamed request, filling `record`; never raises except CancelledError."""
+        start = time.perf_counter()
+        timer = _Timer(record, start)
+        try:
+            stream = getattr(self, f"_{self.config.protocol}")(prompt, max_tokens, record)
+            async for _ in stream:
+                timer.output()
+            record.e2e_s = time.perf_counter() - start
+            record.status = "ok"
+        except asyncio.CancelledError:
+            record.status, record.error = "error", ErrorKind.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a record
+            record.status = "error"
+            record.error, record.http_status = classify(exc)
+            record.ttft_s = record.e2e_s = None
+
+    def _extra(self) -> dict[str, Any]:
+        return {"ignore_eos": True} if self.config.ignore_eos else {}
+
+    # Each protocol method yields once per output chunk and fills usage fields.
+    async def _chat(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+        raw = await self._sdk.chat.completions.with_raw_response.create(
+            model=self.config.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True}, extra_body=self._extra() or None)
+        record.http_status = raw.status_code
+        record.worker = raw.headers.get(WORKER_HEADER)
+        async with await _parsed(raw) as stream:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    _chat_usage(chunk.usage, record)
+                if chunk.choices:
+                    delta = chunk.choices[0].delta
+                    if delta.content or delta.tool_calls or getattr(delta, "reasoning_content", None):
+                        yield
+
+    async def _responses(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+        raw = await self._sdk.responses.with_raw_response.create(
+            model=self.config.model, input=prompt, max_output_tokens=max_tokens, stream=True,
+            extra_body=self._extra() or None)
+        record.http_status = raw.status_code
+        record.worker = raw.headers.get(WORKER_HEADER)
+        async with await _parsed(raw) as stream:
+            async for event in stream:
+                kind = event.type
+                if kind.endswith(".delta") and kind != "response.audio.delta":
+                    yield
+                elif kind in ("response.completed", "response.incomplete") and event.response.usage:
+                    usage = event.response.usage
+                    record.prompt_tokens = usage.input_tokens
+                    record.output_tokens = usage.output_tokens
+                    details = usage.input_tokens_details
+                    record.cached_tokens = getattr(details, "cached_tokens", None) if details else None
+                elif kind in ("response.failed", "error"):
+                    raise ValueError(f"stream reported {kind}")
+
+    async def _messages(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+        raw = await self._sdk.messages.with_raw_response.create(
+            model=self.config.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            stream=True, extra_body=self._extra() or None)
+        record.http_status = raw.status_code
+        record.worker = raw.headers.get(WORKER_HEADER)
+        stream = await _parsed(raw)
+        async with stream:
+            async for event in stream:
+                kind = event.type
+                if kind == "content_block_delta":
+                    yield
+                elif kind == "message_start":
+                    usage = event.message.usage
+                    cached = getattr(usage, "cache_read_input_tokens", None)
+                    created = getattr(usage, "cache_creation_input_tokens", None) or 0
+                    # Anthropic's input_tokens excludes cache reads and writes.
+                    record.prompt_tokens = usage.input_tokens + (cached or 0) + created
+                    record.cached_tokens = cached
+                elif kind == "message_delta" and event.usage is not None:
+                    record.output_tokens = event.usage.output_tokens
+                elif kind == "error":
+                    raise ValueError("stream reported an error event")
+
+
+def _chat_usage(usage: Any, record: RequestRecord) -> None:
+    record.prompt_tokens = usage.prompt_tokens
+    record.output_tokens = usage.completion_tokens
+    details = usage.prompt_tokens_details
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    if cached is None:
+        cached = (getattr(usage, "model_extra", None) or {}).get("prompt_cache_hit_tokens")
+    record.cached_tokens = cached

@@ -1,0 +1,102 @@
+"""The `bench` and `bench report` subcommands: argument definitions and dispatch.
+
+`cli.py` adds the `bench` parser and calls `add_arguments` / `main`; everything else
+lives here so the CLI module stays a thin table of commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def duration(text: str) -> float:
+    """`2s`, `50ms`, `1.5`, `10m` -> seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 2s, 50ms, 10m)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command")
+    report = sub.add_parser("report", help="side-by-side table of bench summaries")
+    report.add_argument("dirs", nargs="+", type=Path)
+    report.add_argument("--markdown", action="store_true")
+
+    parser.add_argument("--url", help="server root or OpenAI base URL (http://host:port[/v1])")
+    parser.add_argument("--trace", help="trace file (Mooncake .jsonl[.gz], Azure .csv) or synthetic:chat|agent[:k=v,...]")
+    parser.add_argument("--out", type=Path, help="output directory")
+    parser.add_argument("--protocol", choices=["chat", "responses", "messages"], default="chat")
+    parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--speedup", type=float, default=1.0, help="open loop: trace clock x SPEEDUP")
+    parser.add_argument("--concurrency", type=int, default=None, help="closed loop at this many concurrent users")
+    parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests")
+    parser.add_argument("--duration", type=duration, default=None, help="send no request after this (e.g. 5m)")
+    parser.add_argument("--drain-timeout", type=duration, default=60.0, help="grace after --duration, then cancel")
+    parser.add_argument("--request-timeout", type=duration, default=600.0)
+    parser.add_argument("--max-connections", type=int, default=1024)
+    parser.add_argument("--slo-ttft", type=duration, default=None)
+    parser.add_argument("--slo-tpot", type=duration, default=None)
+    parser.add_argument("--gpu-hour-usd", type=float, default=None)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs serving the target (cost, per-GPU throughput)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json for prompt synthesis (default: DeepSeek)")
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang) to get full outputs")
+    parser.add_argument("--hit-window", type=duration, default=None, help="hit-rate-over-time window")
+    parser.add_argument("--sweep", choices=["rate", "concurrency", "policy"], default=None)
+    parser.add_argument("--sweep-values", default=None, help="comma list: speedups, concurrencies or policy names")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-plots", action="store_true")
+
+
+def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from deepinfer_gateway.bench.replay import ReplayConfig
+    from deepinfer_gateway.bench.run import BenchConfig
+    from deepinfer_gateway.bench.summary import CostModel, Slo
+
+    missing = [flag for flag, value in (("--url", args.url), ("--trace", args.trace), ("--out", args.out)) if not value]
+    if missing:
+        raise SystemExit(f"bench: {', '.join(missing)} required")
+    if args.gpu_hour_usd is not None and args.gpus is None:
+        raise SystemExit("bench: --gpu-hour-usd needs --gpus")
+    replay = ReplayConfig(
+        mode="closed" if args.concurrency else "open", speedup=args.speedup, concurrency=args.concurrency or 16,
+        duration_s=args.duration, drain_timeout_s=args.drain_timeout, progress=not args.no_progress)
+    slo = Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft or args.slo_tpot else None
+    cost = CostModel(args.gpus, args.gpu_hour_usd) if args.gpus else None
+    return BenchConfig(
+        url=args.url, trace=args.trace, out=args.out, protocol=args.protocol, model=args.model, api_key=args.api_key,
+        replay=replay, max_requests=args.max_requests, slo=slo, cost=cost, tokenizer=args.tokenizer,
+        max_connections=args.max_connections, request_timeout_s=args.request_timeout, ignore_eos=args.ignore_eos,
+        hit_window_s=args.hit_window, plots=not args.no_plots)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.bench_command == "report":
+        from deepinfer_gateway.bench.report import load_summaries, table
+
+        print(table(load_summaries(args.dirs), markdown=args.markdown))
+        return 0
+    config = _config(args)
+    if args.sweep:
+        from deepinfer_gateway.bench.sweep import run_sweep
+
+        if not args.sweep_values:
+            raise SystemExit("bench: --sweep needs --sweep-values")
+        try:
+            result = run_sweep(config, args.sweep, [v.strip() for v in args.sweep_values.split(",") if v.strip()])
+        except NotImplementedError as exc:
+            raise SystemExit(f"bench: {exc}") from None
+    else:
+        from deepinfer_gateway.bench.run import run_bench
+
+        result = run_bench(config)
+    sys.stdout.write(json.dumps(result, separators=(",", ":")) + "\n")
+    return 0

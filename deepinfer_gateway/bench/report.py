@@ -1,0 +1,93 @@
+"""`bench report DIR...`: summaries side by side, one column per run directory.
+
+A sweep directory (with sweep.json) expands to its points. Rows are the headline
+figures; a missing or null figure prints as `-`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROWS: tuple[tuple[str, str, str], ...] = (
+    # (label, dotted path in summary.json, format)
+    ("target", "target", "s"),
+    ("protocol", "protocol", "s"),
+    ("trace", "trace", "s"),
+    ("mode", "mode", "s"),
+    ("speedup", "speedup", "g"),
+    ("concurrency", "concurrency", "g"),
+    ("requests", "requests", "d"),
+    ("completed", "completed", "d"),
+    ("errors", "errors", "errors"),
+    ("wall s", "wall_s", ".1f"),
+    ("TTFT p50 s", "ttft_s.p50", ".3f"),
+    ("TTFT p90 s", "ttft_s.p90", ".3f"),
+    ("TTFT p99 s", "ttft_s.p99", ".3f"),
+    ("ITL p50 ms", "itl_s.p50", "ms"),
+    ("ITL p99 ms", "itl_s.p99", "ms"),
+    ("TPOT p50 ms", "tpot_s.p50", "ms"),
+    ("TPOT p99 ms", "tpot_s.p99", "ms"),
+    ("e2e p50 s", "e2e_s.p50", ".2f"),
+    ("e2e p99 s", "e2e_s.p99", ".2f"),
+    ("req/s", "throughput.requests_per_s", ".2f"),
+    ("output tok/s", "throughput.output_tokens_per_s", ".0f"),
+    ("output tok/s/GPU", "throughput.output_tokens_per_s_per_gpu", ".0f"),
+    ("hit rate total", "cache_hit_rate.total", ".3f"),
+    ("hit rate memory", "cache_hit_rate.memory", ".3f"),
+    ("hit rate store", "cache_hit_rate.store", ".3f"),
+    ("oracle hit rate", "oracle_hit_rate", ".3f"),
+    ("goodput req/s", "goodput.requests_per_s", ".2f"),
+    ("goodput fraction", "goodput.fraction", ".3f"),
+    ("$/M input tok", "cost.usd_per_million_input_tokens", ".3f"),
+    ("$/M output tok", "cost.usd_per_million_output_tokens", ".2f"),
+    ("client CPU ms/req", "client_cpu.per_request_ms", ".2f"),
+    ("client cores", "client_cpu.cores_used", ".2f"),
+)
+
+
+def _get(summary: dict[str, Any], path: str) -> Any:
+    value: Any = summary
+    for key in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if spec == "errors":
+        return ",".join(f"{k}:{v}" for k, v in value.items()) or "0"
+    if spec == "ms":
+        return f"{value * 1e3:.1f}"
+    if spec == "s":
+        return str(value)
+    return format(value, spec)
+
+
+def load_summaries(dirs: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for d in dirs:
+        sweep = d / "sweep.json"
+        if sweep.exists() and not (d / "summary.json").exists():
+            for point in json.loads(sweep.read_text())["points"]:
+                out.append((f"{d.name}/{point['dir']}", json.loads((d / point["dir"] / "summary.json").read_text())))
+        else:
+            out.append((d.name or str(d), json.loads((d / "summary.json").read_text())))
+    return out
+
+
+def table(runs: Sequence[tuple[str, dict[str, Any]]], markdown: bool = False) -> str:
+    header = ["", *(name for name, _ in runs)]
+    rows = [header] + [[label, *(_fmt(_get(s, path), spec) for _, s in runs)] for label, path, spec in ROWS]
+    if markdown:
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        lines.insert(1, "|" + "---|" * len(header))
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)

@@ -1,0 +1,140 @@
+"""One bench run: load and slice the trace, replay it, write results, summary and plots.
+
+Output directory layout:
+  results.jsonl   one `RequestRecord` per line (trace order)
+  summary.json    `summarize(...)` plus run metadata (schema: docs/bench.md)
+  ttft_cdf.png, hit_rate.png
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from deepinfer_gateway.bench import gateway_metrics, plots
+from deepinfer_gateway.bench.client import ClientConfig, ProtocolClient
+from deepinfer_gateway.bench.oracle import oracle_hit_rate
+from deepinfer_gateway.bench.replay import ReplayConfig, ReplayResult, replay
+from deepinfer_gateway.bench.summary import CostModel, Slo, summarize
+from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
+from deepinfer_gateway.bench.traces import load_trace
+from deepinfer_gateway.bench.types import RequestRecord, Trace
+
+DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str
+    trace: str
+    out: Path
+    protocol: str = "chat"
+    model: str | None = None
+    api_key: str = "bench"
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    max_requests: int | None = None
+    slo: Slo | None = None
+    cost: CostModel | None = None
+    tokenizer: str | None = None
+    max_connections: int = 1024
+    request_timeout_s: float = 600.0
+    ignore_eos: bool = False
+    hit_window_s: float | None = None
+    plots: bool = True
+
+
+def _root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def detect_model(url: str, api_key: str) -> str:
+    """The first model the server lists at /v1/models, else DeepInfer Gateway's default."""
+    request = urllib.request.Request(_root(url) + "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return str(json.load(response)["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError):
+        return DEFAULT_MODEL
+
+
+def _synthesizer(trace: Trace, tokenizer: str | None) -> PromptSynthesizer:
+    from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+
+    bundle = load_tokenizer(tokenizer)
+    return PromptSynthesizer(Vocabulary.from_tokenizer(bundle.tokenizer, bundle.json_text), trace.block_size)
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+async def _replay(config: BenchConfig, trace: Trace, model: str) -> ReplayResult:
+    synthesizer = _synthesizer(trace, config.tokenizer)
+    client = ProtocolClient(ClientConfig(
+        url=config.url, model=model, protocol=config.protocol, api_key=config.api_key,
+        max_connections=config.max_connections, request_timeout_s=config.request_timeout_s,
+        ignore_eos=config.ignore_eos))
+    try:
+        return await replay(trace.requests, synthesizer.content, client, config.replay)
+    finally:
+        await client.aclose()
+
+
+def write_records(path: Path, records: list[RequestRecord]) -> None:
+    with open(path, "wb") as f:
+        for record in records:
+            f.write(orjson.dumps(record.to_dict()) + b"\n")
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    with open(path, "rb") as f:
+        return [RequestRecord.from_dict(orjson.loads(line)) for line in f if line.strip()]
+
+
+def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None) -> dict[str, Any]:
+    trace = load_trace(config.trace).head(config.max_requests)
+    model = config.model or detect_model(config.url, config.api_key)
+    config.out.mkdir(parents=True, exist_ok=True)
+    if before_run is not None:
+        before_run()
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    tiers_before = gateway_metrics.scrape(_root(config.url))
+    result: ReplayResult = _run_loop(_replay(config, trace, model))
+    tiers = gateway_metrics.delta(tiers_before, gateway_metrics.scrape(_root(config.url)))
+    sent = {r.index for r in result.records}
+    oracle = oracle_hit_rate([r for r in trace.requests if r.index in sent], trace.block_size)
+    replay_cfg = config.replay
+    meta = {
+        "target": config.url, "protocol": config.protocol, "model": model, "trace": trace.name,
+        "trace_requests_selected": len(trace.requests), "started_at": started,
+        "mode": replay_cfg.mode,
+        "speedup": replay_cfg.speedup if replay_cfg.mode == "open" else None,
+        "concurrency": replay_cfg.concurrency if replay_cfg.mode == "closed" else None,
+        "prompt_synthesis": (
+            "one user message; content = input_length tokens in trace block order; the chat template "
+            "adds a fixed header (28 tokens with DeepSeek-V4.1) before it and 2 tokens after"),
+    }
+    summary = summarize(result.records, wall_s=result.wall_s, oracle_hit_rate=oracle, slo=config.slo,
+                        cost=config.cost, tiers=tiers, client_cpu_s=result.client_cpu_s,
+                        hit_window_s=config.hit_window_s, meta=meta)
+    write_records(config.out / "results.jsonl", result.records)
+    (config.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if config.plots:
+        plots.ttft_cdf(result.records, config.out / "ttft_cdf.png", f"TTFT CDF: {trace.name}")
+        plots.hit_rate_over_time(summary, config.out / "hit_rate.png")
+    return summary
