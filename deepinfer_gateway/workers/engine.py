@@ -3,7 +3,8 @@
 A worker server (workers/server.py) exposes any `Engine` over worker protocol v1.
 Events yielded by `generate` are the protocol's dicts (`protocol.ready_event`,
 `tokens_event`, `finish_event`): exactly one `ready` first, any number of `tokens`,
-exactly one `finish` last. Leaving the iterator early (client gone) must abort the
+exactly one `finish` last; a request refused before scheduling yields only a `finish`
+with an error (docs/worker-protocol.md). Leaving the iterator early (client gone) must abort the
 request inside the engine; `abort` does the same from another connection.
 """
 
