@@ -1,0 +1,445 @@
+"""Deployment files (Dockerfile, deploy/**): parse everything and check it against the code.
+
+No Docker engine or Kubernetes cluster is needed: container commands are parsed by the
+real CLI parser, gateway TOML files by the real settings loader, dashboard and alert
+expressions are checked against the metric names `GatewayMetrics` registers. When the
+`docker compose` / `docker-compose` or `kubectl` clients are on PATH, their offline
+checks (`compose config`, `kubectl kustomize`) run too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deepinfer_gateway.cli import build_parser
+from deepinfer_gateway.config import GatewaySettings, load_settings
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "deepinfer-gateway.json"
+
+GATEWAY_PORT = 8000
+WORKER_PORT = 8100
+POOL = {("prefill", "sm100"): 2, ("prefill", "ascend950"): 1, ("decode", "sm100"): 2, ("decode", "ascend950"): 1}
+CONTRACT_METRICS = [  # docs/architecture.md, "Metrics (contract)"
+    "dgw_requests_total", "dgw_time_to_first_token_seconds", "dgw_inter_token_latency_seconds",
+    "dgw_request_duration_seconds", "dgw_prompt_tokens_total", "dgw_cached_prompt_tokens_total",
+    "dgw_generation_tokens_total", "dgw_routing_decisions_total", "dgw_worker_healthy",
+    "dgw_worker_queue_tokens", "dgw_prefix_index_lookup_seconds", "dgw_upstream_errors_total",
+    "dgw_predicted_cached_tokens_total",
+]
+KNOWN_API_VERSIONS = {
+    "Namespace": "v1", "Service": "v1", "ConfigMap": "v1", "ServiceAccount": "v1",
+    "Deployment": "apps/v1", "StatefulSet": "apps/v1",
+    "HorizontalPodAutoscaler": "autoscaling/v2", "PodDisruptionBudget": "policy/v1",
+}
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def k8s_objects() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [doc for name in kustomization["resources"] for doc in yaml_docs(K8S / name)]
+
+
+def by_kind(kind: str) -> list[dict[str, Any]]:
+    return [o for o in k8s_objects() if o["kind"] == kind]
+
+
+def parse_cli(argv: list[str]) -> Any:
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse reports unknown subcommands/flags this way
+        raise AssertionError(f"not a valid deepinfer-gateway command line: {argv}") from exc
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the gateway's registry can expose (labelled metrics included even
+    before their first child exists)."""
+    names: set[str] = set()
+    for family in GatewayMetrics().registry.collect():
+        if family.type == "counter":
+            names |= {family.name + "_total", family.name + "_created"}
+        elif family.type == "histogram":
+            names |= {family.name + s for s in ("_bucket", "_sum", "_count", "_created")}
+        else:
+            names.add(family.name)
+    return names
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bdgw_[A-Za-z0-9_]+\b", expr))
+
+
+def dashboard_exprs() -> list[str]:
+    exprs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                exprs.append(node["expr"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    return exprs
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return dict(workload["spec"]["template"]["metadata"]["labels"])
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+# ------------------------------------------------------------------------------ every file parses
+
+def test_every_deploy_file_parses() -> None:
+    files = sorted(p for p in DEPLOY.rglob("*") if p.suffix in {".yml", ".yaml", ".json", ".toml"})
+    assert len(files) >= 10
+    for path in files:
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".toml":
+            tomllib.loads(path.read_text())
+        else:
+            assert yaml_docs(path), f"{path} holds no YAML document"
+
+
+def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in GatewaySettings.model_fields:
+        monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
+    configs = sorted(DEPLOY.rglob("*.toml"))
+    simulated = {DEPLOY / "gateway" / "compose.toml", K8S / "gateway.toml"}
+    assert simulated <= set(configs)
+    for path in configs:
+        settings = load_settings(path)
+        assert settings.host == "0.0.0.0" and settings.port == GATEWAY_PORT, path
+        assert settings.workers, path
+        if path not in simulated:
+            continue
+        counts: dict[tuple[str, str], int] = {}
+        for w in settings.workers:
+            key = (str(w.role), str(w.hardware))
+            counts[key] = counts.get(key, 0) + 1
+        assert counts == POOL, path
+        assert len({w.worker_id for w in settings.workers}) == len(settings.workers), path
+
+
+# ------------------------------------------------------------------------------ Dockerfile
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_multistage_nonroot_healthcheck_entrypoint() -> None:
+    instr = dockerfile_instructions()
+    froms = [rest for word, rest in instr if word == "FROM"]
+    assert len(froms) >= 2 and any(" AS builder" in f for f in froms)
+    users = [rest for word, rest in instr if word == "USER"]
+    assert users and users[-1].split(":")[0] not in {"root", "0"}
+    health = [rest for word, rest in instr if word == "HEALTHCHECK"]
+    assert len(health) == 1 and "/health" in health[0] and "urllib" in health[0] and "curl" not in health[0]
+    entrypoint = json.loads(next(rest for word, rest in instr if word == "ENTRYPOINT"))
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entrypoint == ["deepinfer-gateway"] and "deepinfer-gateway" in scripts
+    cmd = json.loads(next(rest for word, rest in instr if word == "CMD"))
+    assert parse_cli(cmd).command == "demo"
+
+
+def test_dockerfile_copies_only_what_dockerignore_lets_in() -> None:
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert ignore[0] == "*", "the .dockerignore is an allow-list"
+    allowed = {p.lstrip("!").rstrip("/") for p in ignore if p.startswith("!")}
+    for word, rest in dockerfile_instructions():
+        if word == "COPY" and "--from" not in rest:
+            for src in rest.split()[:-1]:
+                src = src.rstrip("/")
+                assert src in allowed, f"COPY {src} is excluded by .dockerignore"
+                assert (ROOT / src).exists(), src
+
+
+# ------------------------------------------------------------------------------ docker compose
+
+def test_compose_services_and_images() -> None:
+    services = compose()["services"]
+    workers = {f"{role}-{hw}-{i}" for (role, hw), n in POOL.items() for i in range(1, n + 1)}
+    assert set(services) >= {"redis", "gateway-1", "gateway-2", "lb", "prometheus", "grafana"} | workers
+    for name, svc in services.items():
+        assert svc.get("image") or svc.get("build"), name
+        for dep in svc.get("depends_on", {}) or {}:
+            assert dep in services, f"{name} depends on unknown service {dep}"
+
+
+def test_compose_commands_are_real_cli_invocations() -> None:
+    services = compose()["services"]
+    seen: dict[tuple[str, str], int] = {}
+    for name, svc in services.items():
+        if "deepinfer-gateway" not in str(svc.get("image", "")):
+            continue
+        args = parse_cli(svc["command"])
+        if args.command == "worker":
+            assert args.engine == "sim" and args.host == "0.0.0.0" and args.port == WORKER_PORT, name
+            assert args.worker_id == name and name == f"{args.role}-{args.hardware}-{name.rsplit('-', 1)[1]}"
+            assert svc["environment"]["HEALTHCHECK_URL"] == f"http://127.0.0.1:{WORKER_PORT}/health"
+            seen[(args.role, args.hardware)] = seen.get((args.role, args.hardware), 0) + 1
+        else:
+            assert args.command == "serve" and name.startswith("gateway-"), name
+            assert svc["environment"]["DGW_REDIS_URL"].startswith("redis://redis:")
+    assert seen == POOL
+
+
+def test_compose_gateway_config_lists_the_compose_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DGW_REDIS_URL", raising=False)
+    services = compose()["services"]
+    gateway = services["gateway-1"]
+    config_path = parse_cli(gateway["command"]).config
+    mounts = {target: src for src, target, *_ in (v.split(":") for v in gateway["volumes"])}
+    src = DEPLOY / mounts[config_path]
+    assert src.exists()
+    settings = load_settings(src)
+    for w in settings.workers:
+        host, port = w.url.split("://", 1)[1].split(":")
+        assert host in services and int(port) == WORKER_PORT
+        args = parse_cli(services[host]["command"])
+        assert (str(w.role), str(w.hardware), w.worker_id) == (args.role, args.hardware, args.worker_id)
+    assert services["gateway-2"]["command"] == gateway["command"]
+
+
+def test_compose_bind_mounts_exist() -> None:
+    for name, svc in compose()["services"].items():
+        for volume in svc.get("volumes", []):
+            src = volume.split(":")[0]
+            if src.startswith("."):
+                assert (DEPLOY / src).exists(), f"{name}: {src}"
+
+
+def test_nginx_balances_the_gateway_services() -> None:
+    conf = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    upstreams = set(re.findall(r"server\s+([\w.-]+):(\d+)", conf))
+    assert upstreams == {("gateway-1", str(GATEWAY_PORT)), ("gateway-2", str(GATEWAY_PORT))}
+    assert "proxy_buffering off" in conf
+    assert re.search(r"listen\s+8080", conf) and any(p.endswith(":8080") for p in compose()["services"]["lb"]["ports"])
+
+
+def test_prometheus_scrapes_the_gateways() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = {t for sc in jobs["dgw-gateway"]["static_configs"] for t in sc["targets"]}
+    assert targets == {f"gateway-1:{GATEWAY_PORT}", f"gateway-2:{GATEWAY_PORT}"}
+    k8s = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    assert any(job["job_name"] == "dgw-gateway" for job in k8s["scrape_configs"])
+
+
+def test_alert_rules_use_exported_metrics() -> None:
+    names = exported_metric_names()
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules" / "dgw-alerts.yml").read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    assert exprs
+    for expr in exprs:
+        assert promql_metric_names(expr) <= names, expr
+
+
+# ------------------------------------------------------------------------------ Grafana
+
+def test_dashboard_metrics_exist_in_the_registry() -> None:
+    names = exported_metric_names()
+    exprs = dashboard_exprs()
+    used = set().union(*(promql_metric_names(e) for e in exprs))
+    assert used, "the dashboard queries no dgw_ metric"
+    assert used <= names, f"not exported by GatewayMetrics: {sorted(used - names)}"
+    for contract in CONTRACT_METRICS:  # every contract metric is on the dashboard
+        assert any(n == contract or n.startswith(contract + "_") for n in used), contract
+
+
+def test_dashboard_shape_and_provisioning() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and dash["panels"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dash["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+    exprs = "\n".join(dashboard_exprs())
+    assert "histogram_quantile(0.99, sum by (le) (rate(dgw_time_to_first_token_seconds_bucket" in exprs
+    assert "histogram_quantile(0.5, sum by (le) (rate(dgw_time_to_first_token_seconds_bucket" in exprs
+
+    prov = DEPLOY / "grafana" / "provisioning"
+    datasource = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    default_ds = next(v for v in dash["templating"]["list"] if v["type"] == "datasource")
+    assert default_ds["current"]["value"] == datasource["uid"]
+    provider = yaml.safe_load((prov / "dashboards" / "deepinfer-gateway.yml").read_text())["providers"][0]
+    grafana_mounts = {t: s for s, t, *_ in (v.split(":") for v in compose()["services"]["grafana"]["volumes"])}
+    assert (DEPLOY / grafana_mounts[provider["options"]["path"]] / DASHBOARD.name).exists()
+    assert grafana_mounts["/etc/grafana/provisioning"] == "./grafana/provisioning"
+
+
+# ------------------------------------------------------------------------------ Kubernetes
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+    generated = {f for g in kustomization["configMapGenerator"] for f in g["files"]}
+    assert all((K8S / f).exists() for f in generated)
+
+
+def test_k8s_objects_have_known_kinds_and_api_versions() -> None:
+    objects = k8s_objects()
+    for obj in objects:
+        assert KNOWN_API_VERSIONS.get(obj["kind"]) == obj["apiVersion"], obj.get("metadata")
+        assert obj["metadata"]["name"]
+    kinds = {o["kind"] for o in objects}
+    assert kinds >= {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"}
+
+
+def test_k8s_workloads_selectors_security_resources() -> None:
+    workloads = by_kind("Deployment") + by_kind("StatefulSet")
+    for w in workloads:
+        name = w["metadata"]["name"]
+        assert selects(w["spec"]["selector"]["matchLabels"], pod_labels(w)), name
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0, name
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], name
+            assert set(c["resources"]) == {"requests", "limits"}, name
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]) & set(c["resources"]["limits"]), name
+            assert c.get("readinessProbe") and c.get("livenessProbe"), name
+
+
+def _http_probe(container: dict[str, Any], probe: str) -> tuple[str, int]:
+    get = container[probe]["httpGet"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    return get["path"], ports.get(get["port"], get["port"])
+
+
+def test_k8s_gateway_probes_command_and_config() -> None:
+    (gateway,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "gateway"]
+    (c,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert _http_probe(c, "readinessProbe") == ("/ready", GATEWAY_PORT)
+    assert _http_probe(c, "livenessProbe") == ("/health", GATEWAY_PORT)
+    args = parse_cli(c["args"])
+    assert args.command == "serve"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["DGW_REDIS_URL"].startswith("redis://redis:")
+    (redis_svc,) = [s for s in by_kind("Service") if s["metadata"]["name"] == "redis"]
+    assert redis_svc["spec"]["ports"][0]["port"] == int(env["DGW_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    generator = next(g for g in kustomization["configMapGenerator"] if g["name"] == volume["configMap"]["name"])
+    assert Path(args.config).name in generator["files"]
+
+
+def test_k8s_workers_are_addressable_and_listed_in_gateway_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in GatewaySettings.model_fields:
+        monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
+    services = {s["metadata"]["name"]: s for s in by_kind("Service")}
+    expected_urls: dict[str, tuple[str, str]] = {}
+    for sts in by_kind("StatefulSet"):
+        name = sts["metadata"]["name"]
+        headless = services[sts["spec"]["serviceName"]]
+        assert headless["spec"]["clusterIP"] == "None"
+        assert selects(headless["spec"]["selector"], pod_labels(sts))
+        (c,) = sts["spec"]["template"]["spec"]["containers"]
+        args = parse_cli(c["args"])
+        assert args.command == "worker" and args.engine == "sim" and args.host == "0.0.0.0"
+        assert args.worker_id == "$(POD_NAME)" and any(e["name"] == "POD_NAME" for e in c["env"])
+        assert _http_probe(c, "readinessProbe") == ("/health", args.port)
+        assert _http_probe(c, "livenessProbe") == ("/health", args.port)
+        labels = pod_labels(sts)
+        assert (labels["deepinfer.ai/role"], labels["deepinfer.ai/hardware"]) == (args.role, args.hardware)
+        for i in range(sts["spec"]["replicas"]):
+            expected_urls[f"http://{name}-{i}.{headless['metadata']['name']}:{args.port}"] = (args.role, args.hardware)
+    settings = load_settings(K8S / "gateway.toml")
+    listed = {w.url: (str(w.role), str(w.hardware)) for w in settings.workers}
+    assert listed == expected_urls
+    assert all(w.worker_id == w.url.split("://")[1].split(".")[0] for w in settings.workers)
+
+
+def test_k8s_services_and_pdbs_select_real_pods() -> None:
+    pods = [pod_labels(w) for w in by_kind("Deployment") + by_kind("StatefulSet")]
+    for svc in by_kind("Service"):
+        assert any(selects(svc["spec"]["selector"], labels) for labels in pods), svc["metadata"]["name"]
+    pdbs = by_kind("PodDisruptionBudget")
+    assert {p["metadata"]["name"] for p in pdbs} >= {"gateway", "prefill-workers", "decode-workers"}
+    for pdb in pdbs:
+        assert any(selects(pdb["spec"]["selector"]["matchLabels"], labels) for labels in pods), pdb["metadata"]
+        assert ("minAvailable" in pdb["spec"]) != ("maxUnavailable" in pdb["spec"])
+
+
+def test_k8s_hpa_targets_the_gateway_deployment() -> None:
+    (hpa,) = by_kind("HorizontalPodAutoscaler")
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", "gateway")
+    assert any(d["metadata"]["name"] == "gateway" for d in by_kind("Deployment"))
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    assert hpa["spec"]["metrics"]
+    (gateway,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "gateway"]
+    assert all("cpu" in c["resources"]["requests"] for c in gateway["spec"]["template"]["spec"]["containers"])
+
+
+# ------------------------------------------------------------------------------ external clients, when present
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_docker_compose_config_when_client_available() -> None:
+    cmd = _compose_command()
+    if cmd is None:
+        pytest.skip("no docker compose client on PATH")
+    result = subprocess.run(cmd + ["-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_kubectl_kustomize_when_client_available() -> None:
+    if not shutil.which("kubectl"):
+        pytest.skip("no kubectl on PATH")
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    (config_map,) = [d for d in rendered if d["kind"] == "ConfigMap"]
+    assert config_map["metadata"]["name"].startswith("gateway-config-")
+    assert all(d["metadata"].get("namespace") == "deepinfer-gateway" for d in rendered if d["kind"] != "Namespace")
+    tomllib.loads(config_map["data"]["gateway.toml"])
