@@ -1,0 +1,63 @@
+"""Replay scheduling with an in-process sender (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from deepinfer_gateway.bench.replay import ReplayConfig, replay
+from deepinfer_gateway.bench.types import RequestRecord, TraceRequest
+
+
+class FakeSender:
+    def __init__(self, latency_s: float):
+        self.latency_s = latency_s
+        self.inflight = self.peak = 0
+        self.sent: list[tuple[float, str, int]] = []
+
+    async def send(self, prompt: str, max_tokens: int, record: RequestRecord) -> None:
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        self.sent.append((time.perf_counter(), prompt, max_tokens))
+        try:
+            await asyncio.sleep(self.latency_s)
+            record.ttft_s, record.e2e_s, record.output_tokens = 0.001, self.latency_s, max_tokens
+        except asyncio.CancelledError:
+            record.status, record.error = "error", "cancelled"
+            raise
+        finally:
+            self.inflight -= 1
+
+
+def trace(n: int, gap_s: float) -> list[TraceRequest]:
+    return [TraceRequest(i, i * gap_s, 10, 5, None) for i in range(n)]
+
+
+async def test_open_loop_follows_the_trace_clock_with_speedup() -> None:
+    sender = FakeSender(0.01)
+    result = await replay(trace(5, 1.0), lambda r: f"p{r.index}", sender,
+                          ReplayConfig(mode="open", speedup=20.0, progress=False))
+    starts = [t for t, _, _ in sender.sent]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(0.04 <= g <= 0.09 for g in gaps), gaps
+    assert [r.index for r in result.records] == list(range(5)) and all(r.ok for r in result.records)
+    assert [p for _, p, _ in sender.sent] == [f"p{i}" for i in range(5)]
+    assert 0.2 <= result.wall_s < 0.5 and result.client_cpu_s >= 0
+
+
+async def test_closed_loop_holds_concurrency() -> None:
+    sender = FakeSender(0.02)
+    result = await replay(trace(20, 100.0), lambda r: "x", sender,
+                          ReplayConfig(mode="closed", concurrency=4, progress=False))
+    assert sender.peak == 4 and len(result.records) == 20
+    assert result.wall_s < 0.5  # arrival times ignored
+
+
+async def test_duration_bounds_sending_and_cancels_stragglers() -> None:
+    sender = FakeSender(5.0)
+    t0 = time.perf_counter()
+    result = await replay(trace(100, 0.01), lambda r: "x", sender,
+                          ReplayConfig(mode="open", duration_s=0.1, drain_timeout_s=0.1, progress=False))
+    assert time.perf_counter() - t0 < 1.0
+    assert 5 <= len(result.records) <= 12
+    assert all(r.error == "cancelled" for r in result.records)

@@ -1,0 +1,42 @@
+"""`bench report` table and the sweep chart helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from deepinfer_gateway.bench import plots
+from deepinfer_gateway.bench.report import load_summaries, table
+from deepinfer_gateway.bench.summary import summarize
+from deepinfer_gateway.bench.types import RequestRecord
+
+
+def write_run(d: Path, ttft: float, target: str) -> dict:  # type: ignore[type-arg]
+    records = [RequestRecord(index=i, arrival_s=float(i), ttft_s=ttft, e2e_s=ttft + 1.0, output_tokens=101,
+                             prompt_tokens=1000, cached_tokens=400, itl_s=[0.01] * 100) for i in range(4)]
+    s = summarize(records, wall_s=4.0, meta={"target": target, "protocol": "chat"})
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps(s))
+    return s
+
+
+def test_report_side_by_side(tmp_path: Path) -> None:
+    write_run(tmp_path / "ours", 0.25, "http://a")
+    write_run(tmp_path / "theirs", 0.5, "http://b")
+    text = table(load_summaries([tmp_path / "ours", tmp_path / "theirs"]))
+    lines = text.splitlines()
+    assert lines[0].split() == ["ours", "theirs"]
+    assert next(line for line in lines if line.startswith("TTFT p50 s")).split()[-2:] == ["0.250", "0.500"]
+    assert next(line for line in lines if line.startswith("hit rate total")).split()[-2:] == ["0.400", "0.400"]
+    assert next(line for line in lines if line.startswith("hit rate memory")).split()[-2:] == ["-", "-"]
+    md = table(load_summaries([tmp_path / "ours"]), markdown=True)
+    assert md.splitlines()[1].startswith("|---|")
+
+
+def test_pareto_frontier_and_chart(tmp_path: Path) -> None:
+    pts = [("a", 100.0, 10.0), ("b", 50.0, 30.0), ("c", 40.0, 20.0), ("d", 10.0, 40.0)]
+    assert [p[0] for p in plots.frontier(pts)] == ["d", "b", "a"]
+    s1 = write_run(tmp_path / "p1", 0.2, "x")
+    s2 = write_run(tmp_path / "p2", 0.4, "x")
+    plots.pareto([("rate=1", s1), ("rate=2", s2)], tmp_path / "pareto.png", "rate")
+    assert (tmp_path / "pareto.png").stat().st_size > 1000
