@@ -30,7 +30,7 @@ local function each_chunk(t, fn)
 end
 """
 
-# KEYS: mem, cur, store, alive
+# KEYS: mem, cur, store (zset: expiry), store_set (set: membership), alive
 # ARGV: epoch, oldest_seq, now, mem_cap, store_cap, idle_ttl_ms, default_expires_at,
 #       then per event: seq, code (ms|me|mc|ss|se|sc), expires_at or "", hashes blob
 # Returns {status, last_seq}: 0 applied, 1 gap (push a snapshot), 2 Redis lost its data.
@@ -38,8 +38,8 @@ end
 APPLY_SCRIPT = (
     _HELPERS
     + """
-if redis.call('EXISTS', KEYS[4]) == 0 then
-  redis.call('SET', KEYS[4], '1')
+if redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('SET', KEYS[5], '1')
   return {2, -1}
 end
 local epoch, oldest, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -78,10 +78,12 @@ for i = 8, #ARGV, 4 do
       local args = {}
       for _, h in ipairs(hs) do args[#args + 1] = exp; args[#args + 1] = h end
       each_chunk(args, function(...) redis.call('ZADD', KEYS[3], ...) end)
+      each_chunk(hs, function(...) redis.call('SADD', KEYS[4], ...) end)
     elseif code == 'se' then
       each_chunk(hs, function(...) redis.call('ZREM', KEYS[3], ...) end)
+      each_chunk(hs, function(...) redis.call('SREM', KEYS[4], ...) end)
     elseif code == 'sc' then
-      redis.call('DEL', KEYS[3])
+      redis.call('DEL', KEYS[3], KEYS[4])
     end
     last = seq
   end
@@ -89,9 +91,17 @@ end
 redis.call('HSET', KEYS[2], 'e', epoch, 's', last)
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local function forget(members)
+  each_chunk(members, function(...) redis.call('ZREM', KEYS[3], ...) end)
+  each_chunk(members, function(...) redis.call('SREM', KEYS[4], ...) end)
+end
+forget(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 4000))  -- bounded purge
 local excess = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[5])
-if excess > 0 then redis.call('ZPOPMIN', KEYS[3], excess) end
+if excess > 0 then  -- cap: the soonest-expiring entries go first
+  local popped, members = redis.call('ZPOPMIN', KEYS[3], excess), {}
+  for j = 1, #popped, 2 do members[#members + 1] = popped[j] end
+  each_chunk(members, function(...) redis.call('SREM', KEYS[4], ...) end)
+end
 excess = redis.call('SCARD', KEYS[1]) - tonumber(ARGV[4])
 if excess > 0 then redis.call('SPOP', KEYS[1], excess) end
 return {status, last}
@@ -116,58 +126,56 @@ return 1
 """
 )
 
-# KEYS: store, then one mem key per candidate worker.
-# ARGV: now, n_groups, then per kv_format group: hashes blob, n_workers, KEYS index of each.
+# KEYS: store (zset), store_set, then one mem key per candidate worker, grouped by format.
+# ARGV: now, n_groups, then per kv_format group: hashes blob, number of its workers.
 # Returns per group: leading store blocks, then each worker's leading memory blocks.
-# Membership is checked in growing chunks (16, 32, .., 512) and a worker leaves the
-# walk at its first miss, so the cost follows the longest cached prefix.
+# Membership is checked with SMISMEMBER in growing chunks (2, 8, 32, 128, 512) that
+# stop at the first miss, so the cost follows the longest cached prefix. Store expiry is
+# checked by score only when some entry outlived its TTL without being purged yet
+# (apply purges continuously), because scores cost ~3x more per block than membership.
 LOOKUP_SCRIPT = """
 local now = tonumber(ARGV[1])
 local out = {}
-local a = 3
+local a, k = 3, 3
+local stale = #redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1) > 0
 for g = 1, tonumber(ARGV[2]) do
   local blob, nw = ARGV[a], tonumber(ARGV[a + 1])
   a = a + 2
   local n = #blob / 8
   local hs = {}
-  local function upto(k)
-    for i = #hs + 1, k do hs[i] = string.sub(blob, i * 8 - 7, i * 8) end
+  local function upto(m)
+    for i = #hs + 1, m do hs[i] = string.sub(blob, i * 8 - 7, i * 8) end
   end
-  local count, pos, step = 0, 1, 16
-  while pos <= n do
-    local last = math.min(n, pos + step - 1)
-    upto(last)
-    local sc = redis.call('ZMSCORE', KEYS[1], unpack(hs, pos, last))
-    local full = true
-    for j = 1, last - pos + 1 do
-      if sc[j] and tonumber(sc[j]) > now then count = count + 1 else full = false; break end
-    end
-    if not full then break end
-    pos, step = last + 1, math.min(step * 2, 512)
-  end
-  out[#out + 1] = count
-  local alive = {}
-  for w = 1, nw do
-    out[#out + 1] = 0
-    alive[#alive + 1] = {tonumber(ARGV[a]), #out}
-    a = a + 1
-  end
-  pos, step = 1, 16
-  while pos <= n and #alive > 0 do
-    local last = math.min(n, pos + step - 1)
-    upto(last)
-    local still = {}
-    for _, w in ipairs(alive) do
-      local m = redis.call('SMISMEMBER', KEYS[w[1]], unpack(hs, pos, last))
-      local c = 0
+  local function leading(key, limit)
+    local count, pos, step = 0, 1, 2
+    while pos <= limit do
+      local last = math.min(limit, pos + step - 1)
+      upto(last)
+      local m = redis.call('SMISMEMBER', key, unpack(hs, pos, last))
       for j = 1, #m do
-        if m[j] == 1 then c = c + 1 else break end
+        if m[j] == 1 then count = count + 1 else return count end
       end
-      out[w[2]] = out[w[2]] + c
-      if c == #m then still[#still + 1] = w end
+      pos, step = last + 1, math.min(step * 4, 512)
     end
-    alive = still
-    pos, step = last + 1, math.min(step * 2, 512)
+    return count
+  end
+  local c = leading(KEYS[2], n)
+  if stale and c > 0 then
+    local fresh, pos = 0, 1
+    while pos <= c do
+      local last = math.min(c, pos + 511)
+      local sc = redis.call('ZMSCORE', KEYS[1], unpack(hs, pos, last))
+      for j = 1, #sc do
+        if sc[j] and tonumber(sc[j]) > now then fresh = fresh + 1 else pos = c + 1; break end
+      end
+      pos = last + 1
+    end
+    c = fresh
+  end
+  out[#out + 1] = c
+  for w = 1, nw do
+    out[#out + 1] = leading(KEYS[k], n)
+    k = k + 1
   end
 end
 return out

@@ -25,6 +25,7 @@ lookups again.
 Keys (all under one hash tag, so scripts work on Redis Cluster): block hashes are stored
 as 8-byte little-endian strings.
   {ns}:store         ZSET  member=hash, score=expires_at (unix s); capped, purged on apply
+  {ns}:store:set     SET   the same members (lookups test membership: 3x cheaper than scores)
   {ns}:mem:<worker>  SET   the worker's memory-tier hashes; capped; idle TTL
   {ns}:cur:<worker>  HASH  e=epoch, s=last applied seq (-1: fresh); idle TTL
   {ns}:alive         STR   marker; missing means Redis lost its data -> full resync
@@ -131,6 +132,10 @@ class RedisPrefixIndex:
         return f"{self._tag}:store"
 
     @property
+    def store_set_key(self) -> str:
+        return f"{self._tag}:store:set"
+
+    @property
     def alive_key(self) -> str:
         return f"{self._tag}:alive"
 
@@ -176,15 +181,13 @@ class RedisPrefixIndex:
     async def lookup(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> Overlap:
         if self._needs_full_resync or not self._redis_due():
             return self.local.lookup_now(hashes, workers)
-        keys: list[str] = [self.store_key]
+        keys: list[str] = [self.store_key, self.store_set_key]
         args: list[Any] = [self._clock(), len(hashes)]
         order: list[tuple[str, list[str]]] = []
         for fmt, hs in hashes.items():
             members = [w for w, f in workers.items() if f == fmt]
             args += [pack_hashes(hs), len(members)]
-            for w in members:
-                keys.append(self.mem_key(w))
-                args.append(len(keys))
+            keys += [self.mem_key(w) for w in members]
             order.append((fmt, members))
         try:
             reply = await self._lookup.run(self._r, keys, args, read_only=True)
@@ -217,6 +220,7 @@ class RedisPrefixIndex:
                     chunk = items[i : i + _SNAPSHOT_CHUNK]
                     mapping = {pack_hashes([h]): exp for h, exp in chunk}
                     pipe.zadd(self.store_key, mapping, gt=True)
+                    pipe.sadd(self.store_set_key, *mapping)
                 pipe.set(self.alive_key, b"1")
                 await pipe.execute()
             self._needs_full_resync = False
@@ -248,7 +252,7 @@ class RedisPrefixIndex:
         for event in batch.events:
             expires = b"" if event.expires_at is None else event.expires_at
             args += [event.seq, _EVENT_CODES[(event.tier, event.kind)], expires, pack_hashes(event.block_hashes)]
-        keys = [self.mem_key(worker_id), self.cur_key(worker_id), self.store_key, self.alive_key]
+        keys = [self.mem_key(worker_id), self.cur_key(worker_id), self.store_key, self.store_set_key, self.alive_key]
         status, _last = await self._apply.run(self._r, keys, args)
         return int(status)
 
