@@ -45,9 +45,19 @@ DEMO_TOPOLOGIES = {
 }
 
 
+def parse_worker_list(text: str) -> list[tuple[str, str]]:
+    """`unified:sm100,prefill:ascend950` -> [(role, hardware), ...]."""
+    out = []
+    for item in text.split(","):
+        role, _, hardware = item.strip().partition(":")
+        if role not in ("unified", "prefill", "decode") or hardware not in ("sm100", "ascend950"):
+            raise SystemExit(f"bad worker {item!r}: expected ROLE:HARDWARE, e.g. prefill:sm100")
+        out.append((role, hardware))
+    return out
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import GatewaySettings, WorkerSpec
-    from deepinfer_gateway.workers.cluster import parse_worker_list
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
     ports = [args.worker_base_port + i for i in range(len(specs))]
@@ -65,8 +75,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
 
-    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=spec.role, hardware=spec.hardware)
-                    for spec, port in zip(specs, ports, strict=True))
+    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)  # type: ignore[arg-type]
+                    for (role, hardware), port in zip(specs, ports, strict=True))
     settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url)
     base = f"http://{args.host}:{args.port}/v1"
     print(
@@ -86,19 +96,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_cluster(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.workers.cluster import parse_worker_list, run_sim_cluster
+    import asyncio
 
-    run_sim_cluster(parse_worker_list(args.workers), host=args.host, base_port=args.base_port,
-                    time_scale=args.time_scale, profiles_path=args.profiles, store=not args.no_store)
+    from deepinfer_gateway.protocol import Role
+    from deepinfer_gateway.workers.cluster import SimWorkerSpec, serve_sim_cluster
+
+    specs = [
+        SimWorkerSpec(f"{hardware}-{role}-{args.base_port + i}", Role(role), hardware, args.base_port + i,
+                      args.time_scale, args.memory_blocks)
+        for i, (role, hardware) in enumerate(parse_worker_list(args.workers))
+    ]
+
+    async def serve_until_stopped() -> None:
+        cluster = await serve_sim_cluster(specs, args.host, with_store=not args.no_store,
+                                          profiles_path=args.profiles)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await cluster.stop()
+
+    asyncio.run(serve_until_stopped())
     return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.workers.cluster import run_worker
+    from deepinfer_gateway.protocol import Role
 
-    run_worker(engine=args.engine, role=args.role, hardware=args.hardware, host=args.host, port=args.port,
-               time_scale=args.time_scale, profiles_path=args.profiles, model_path=args.model,
-               worker_id=args.worker_id)
+    if args.engine == "deepinfer":
+        import uvicorn
+
+        from deepinfer_gateway.protocol import Hardware
+        from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
+        from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
+        from deepinfer_gateway.workers.server import create_worker_app
+
+        if not args.model:
+            raise SystemExit("--engine deepinfer needs --model CHECKPOINT_DIR")
+        config = DeepInferConfig(model=args.model, role=Role(args.role), hardware=Hardware(args.hardware),
+                                 worker_id=args.worker_id or f"{args.hardware}-{args.role}-{args.port}",
+                                 kv_store_dir=args.kv_store_dir)
+        app = create_worker_app(build_deepinfer_engine(config))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+        return 0
+    from deepinfer_gateway.workers.run import WorkerOptions, run_worker
+
+    run_worker(WorkerOptions(role=Role(args.role), hardware=args.hardware, host=args.host, port=args.port,
+                             worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale))
     return 0
 
 
@@ -139,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--time-scale", type=float, default=1.0)
     worker.add_argument("--profiles", default=None, help="hardware profile TOML (default: the packaged one)")
     worker.add_argument("--model", default=None, help="deepinfer engine: model checkpoint path")
+    worker.add_argument("--kv-store-dir", default=None, help="deepinfer engine: shared KV store directory (PD)")
     worker.set_defaults(func=cmd_worker)
 
     cluster = sub.add_parser("sim-cluster", help="several sim workers in one process sharing one KV store")
@@ -148,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--time-scale", type=float, default=1.0)
     cluster.add_argument("--profiles", default=None)
     cluster.add_argument("--no-store", action="store_true", help="memory-only cluster: no shared KV store tier")
+    cluster.add_argument("--memory-blocks", type=int, default=None, help="per-worker memory tier capacity (blocks)")
     cluster.set_defaults(func=cmd_sim_cluster)
 
     from deepinfer_gateway.bench.command import add_arguments as add_bench_arguments

@@ -96,6 +96,8 @@ def protocol_router(engine: Engine) -> APIRouter:
 
     @router.get(HEALTH_PATH)
     async def health() -> Response:
+        if not getattr(engine, "healthy", True):  # e.g. DeepInfer's step loop died
+            return json_response({"status": "unhealthy", "epoch": engine.info.epoch}, status_code=503)
         return json_response({"status": "ok", "epoch": engine.info.epoch})
 
     return router
