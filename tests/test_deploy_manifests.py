@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+UNIFIED_OVERRIDE = DEPLOY / "docker-compose.unified.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "deepinfer-gateway.json"
 
 GATEWAY_PORT = 8000
@@ -135,11 +136,14 @@ def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.Mo
         monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
     configs = sorted(DEPLOY.rglob("*.toml"))
     simulated = {DEPLOY / "gateway" / "compose.toml", K8S / "gateway.toml"}
+    unified = DEPLOY / "gateway" / "compose-unified.toml"
     assert simulated <= set(configs)
     for path in configs:
         settings = load_settings(path)
         assert settings.host == "0.0.0.0" and settings.port == GATEWAY_PORT, path
         assert settings.workers, path
+        if path == unified:
+            assert {str(w.role) for w in settings.workers} == {"unified"}
         if path not in simulated:
             continue
         counts: dict[tuple[str, str], int] = {}
@@ -236,6 +240,22 @@ def test_compose_gateway_config_lists_the_compose_workers(monkeypatch: pytest.Mo
         args = parse_cli(services[host]["command"])
         assert (str(w.role), str(w.hardware), w.worker_id) == (args.role, args.hardware, args.worker_id)
     assert services["gateway-2"]["command"] == gateway["command"]
+
+
+def test_unified_override_switches_workers_and_gateway_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DGW_REDIS_URL", raising=False)
+    base = compose()["services"]
+    override = yaml.safe_load(UNIFIED_OVERRIDE.read_text())["services"]
+    assert set(override) <= set(base)
+    (mount,) = override["gateway-1"]["volumes"]
+    src, target, *_ = mount.split(":")
+    assert target == parse_cli(base["gateway-1"]["command"]).config
+    settings = load_settings(DEPLOY / src)
+    for w in settings.workers:
+        host = w.url.split("://", 1)[1].split(":")[0]
+        args = parse_cli(override[host]["command"])
+        assert (args.role, str(w.role), args.hardware, args.worker_id) == ("unified", "unified", str(w.hardware), host)
+        assert args.hardware == parse_cli(base[host]["command"]).hardware
 
 
 def test_compose_bind_mounts_exist() -> None:
@@ -428,9 +448,10 @@ def test_docker_compose_config_when_client_available() -> None:
     cmd = _compose_command()
     if cmd is None:
         pytest.skip("no docker compose client on PATH")
-    result = subprocess.run(cmd + ["-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
+    for files in ([COMPOSE_FILE], [COMPOSE_FILE, UNIFIED_OVERRIDE]):
+        args = [a for f in files for a in ("-f", str(f))]
+        result = subprocess.run(cmd + args + ["config", "--quiet"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
 
 
 def test_kubectl_kustomize_when_client_available() -> None:
