@@ -1,0 +1,209 @@
+"""KV index benchmark: hashing, lookups (memory, Redis), Redis event ingestion.
+
+    python bench/kv_index.py [--redis-url redis://127.0.0.1:6379/0] [--blocks 1000000]
+
+Indexes `--blocks` memory-tier blocks over 64 workers (plus the prompt's own blocks:
+fully cached on one worker, half on another, three quarters in the store), then
+measures: hashing a 131,072-token prompt (median), a lookup for that prompt with all 64
+workers as candidates (p99) in memory and through Redis (round trips counted by the
+connection: requests actually written per lookup), and the rate of block events
+ingested into the Redis-backed index (local view + Redis). Without --redis-url it starts
+its own redis-server on a free port. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
+from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+
+WORKERS = 64
+PROMPT_TOKENS = 131_072
+HASHES_PER_EVENT = 16
+EVENTS_PER_BATCH = 250  # 4,000 block events per poll
+
+
+class CountingConnection(Connection):
+    """Counts writes to the socket: one per round trip (a pipeline is one write)."""
+
+    writes = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.writes += 1
+        await super().send_packed_command(command, check_health)
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server not found; pass --redis-url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", tempfile.gettempdir()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def batches(n_blocks: int, prompt: list[int], rng: random.Random) -> dict[str, list[KvEventBatch]]:
+    """Per worker, its event batches: `n_blocks` random blocks spread over the workers,
+    plus the prompt (all on w0, half on w1) and 3/4 of it in the store."""
+    per_worker: dict[str, list[KvEvent]] = {f"w{i}": [] for i in range(WORKERS)}
+    seqs = dict.fromkeys(per_worker, 0)
+
+    def add(worker: str, kind: KvEventKind, tier: KvTier, hashes: list[int], exp: float | None = None) -> None:
+        seqs[worker] += 1
+        per_worker[worker].append(KvEvent(seq=seqs[worker], kind=kind, tier=tier, block_hashes=hashes, expires_at=exp))
+
+    for i in range(0, len(prompt), HASHES_PER_EVENT):
+        add("w0", KvEventKind.STORED, KvTier.MEMORY, prompt[i : i + HASHES_PER_EVENT])
+    for i in range(0, len(prompt) // 2, HASHES_PER_EVENT):
+        add("w1", KvEventKind.STORED, KvTier.MEMORY, prompt[i : i + HASHES_PER_EVENT])
+    exp = time.time() + 3 * 86400
+    for i in range(0, len(prompt) * 3 // 4, HASHES_PER_EVENT):
+        add("w2", KvEventKind.STORED, KvTier.STORE, prompt[i : i + HASHES_PER_EVENT], exp)
+    remaining = n_blocks - len(prompt) - len(prompt) // 2
+    per = remaining // WORKERS
+    for w in per_worker:
+        for i in range(0, per, HASHES_PER_EVENT):
+            hs = [rng.getrandbits(63) for _ in range(min(HASHES_PER_EVENT, per - i))]
+            add(w, KvEventKind.STORED, KvTier.MEMORY, hs)
+    out: dict[str, list[KvEventBatch]] = {}
+    for w, events in per_worker.items():
+        out[w] = [
+            KvEventBatch(worker_id=w, epoch="e1", events=events[i : i + EVENTS_PER_BATCH],
+                         last_seq=len(events), oldest_seq=1)
+            for i in range(0, len(events), EVENTS_PER_BATCH)
+        ]
+    return out
+
+
+async def ingest(index: Any, per_worker: dict[str, list[KvEventBatch]]) -> tuple[int, float]:
+    """Apply every batch, workers concurrently (as the feeder does); returns block events, seconds."""
+    n = sum(len(e.block_hashes) for bs in per_worker.values() for b in bs for e in b.events)
+
+    async def feed(worker: str, bs: list[KvEventBatch]) -> None:
+        for b in bs:
+            await index.apply(worker, b)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(feed(w, bs) for w, bs in per_worker.items()))
+    return n, time.perf_counter() - t0
+
+
+async def time_lookups(index: Any, hashes: dict[str, list[int]], workers: dict[str, str], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await index.lookup(hashes, workers)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url")
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--lookups", type=int, default=2000)
+    args = parser.parse_args()
+    proc = None
+    url = args.redis_url
+    if url is None:
+        proc, url = start_redis()
+        print(f"started redis-server at {url}")
+    try:
+        rng = random.Random(7)
+        salt = kv_salt("DeepSeek-V4.1-Flash", "sm100")
+        tokens = [rng.randrange(129_280) for _ in range(PROMPT_TOKENS)]
+        samples = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            prompt = block_hashes(tokens, salt)
+            samples.append(time.perf_counter() - t0)
+        hash_ms = statistics.median(samples) * 1e3
+        print(f"hash 131,072 tokens ({len(prompt)} blocks): median {hash_ms:.3f} ms, p99 {pct(samples, 0.99) * 1e3:.3f} ms")
+
+        per_worker = batches(args.blocks, prompt, rng)
+        workers = {f"w{i}": "sm100" for i in range(WORKERS)}
+        hashes = {"sm100": prompt}
+
+        memory = InMemoryPrefixIndex()
+        n, secs = await ingest(memory, per_worker)
+        print(f"in-memory ingest: {n:,} block events in {secs:.2f} s ({n / secs:,.0f}/s)")
+        got = await memory.lookup(hashes, workers)
+        print(f"overlap: w0={got.memory['w0']} w1={got.memory['w1']} store={got.store['sm100']} blocks")
+        lat = await time_lookups(memory, hashes, workers, args.lookups)
+        mem_p99 = pct(lat, 0.99) * 1e3
+        print(f"lookup in memory, 64 candidates: p50 {pct(lat, 0.5) * 1e3:.3f} ms, p99 {mem_p99:.3f} ms")
+        del memory
+
+        client = aioredis.Redis.from_url(
+            url, connection_class=CountingConnection, retry=Retry(NoBackoff(), 0), socket_timeout=5, max_connections=64
+        )
+        index = RedisPrefixIndex(client, namespace=f"bench:{uuid.uuid4().hex[:8]}")
+        n, secs = await ingest(index, per_worker)
+        events_per_s = n / secs
+        print(f"Redis-backed ingest (local view + Redis, 64 workers concurrently): {n:,} block events "
+              f"in {secs:.2f} s ({events_per_s:,.0f}/s)")
+        got = await index.lookup(hashes, workers)  # warm: loads the script
+        assert got.memory["w0"] == len(prompt) and got.store["sm100"] == len(prompt) * 3 // 4, got
+        writes0 = CountingConnection.writes
+        lat = await time_lookups(index, hashes, workers, args.lookups)
+        round_trips = (CountingConnection.writes - writes0) / args.lookups
+        redis_p99 = pct(lat, 0.99) * 1e3
+        print(f"lookup through Redis, 64 candidates: p50 {pct(lat, 0.5) * 1e3:.3f} ms, p99 {redis_p99:.3f} ms, "
+              f"{round_trips:.2f} round trips per lookup")
+        info = await client.info("memory")
+        print(f"Redis used_memory: {info['used_memory_human']}")
+        await client.flushdb()
+        await index.aclose()
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+    print(json.dumps({
+        "hash_131k_ms": round(hash_ms, 3),
+        "lookup_memory_p99_ms": round(mem_p99, 3),
+        "lookup_redis_p99_ms": round(redis_p99, 3),
+        "redis_round_trips_per_lookup": round(round_trips, 3),
+        "events_per_s": round(events_per_s),
+    }))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
