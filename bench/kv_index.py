@@ -66,8 +66,19 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", tempfile.gettempdir()],
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tempfile.gettempdir(),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -106,8 +117,9 @@ def batches(n_blocks: int, prompt: list[int], rng: random.Random) -> dict[str, l
     out: dict[str, list[KvEventBatch]] = {}
     for w, events in per_worker.items():
         out[w] = [
-            KvEventBatch(worker_id=w, epoch="e1", events=events[i : i + EVENTS_PER_BATCH],
-                         last_seq=len(events), oldest_seq=1)
+            KvEventBatch(
+                worker_id=w, epoch="e1", events=events[i : i + EVENTS_PER_BATCH], last_seq=len(events), oldest_seq=1
+            )
             for i in range(0, len(events), EVENTS_PER_BATCH)
         ]
     return out
@@ -156,7 +168,10 @@ async def main() -> None:
             prompt = block_hashes(tokens, salt)
             samples.append(time.perf_counter() - t0)
         hash_ms = statistics.median(samples) * 1e3
-        print(f"hash 131,072 tokens ({len(prompt)} blocks): median {hash_ms:.3f} ms, p99 {pct(samples, 0.99) * 1e3:.3f} ms")
+        print(
+            f"hash 131,072 tokens ({len(prompt)} blocks): "
+            f"median {hash_ms:.3f} ms, p99 {pct(samples, 0.99) * 1e3:.3f} ms"
+        )
 
         per_worker = batches(args.blocks, prompt, rng)
         workers = {f"w{i}": "sm100" for i in range(WORKERS)}
@@ -178,16 +193,20 @@ async def main() -> None:
         index = RedisPrefixIndex(client, namespace=f"bench:{uuid.uuid4().hex[:8]}")
         n, secs = await ingest(index, per_worker)
         events_per_s = n / secs
-        print(f"Redis-backed ingest (local view + Redis, 64 workers concurrently): {n:,} block events "
-              f"in {secs:.2f} s ({events_per_s:,.0f}/s)")
+        print(
+            f"Redis-backed ingest (local view + Redis, 64 workers concurrently): {n:,} block events "
+            f"in {secs:.2f} s ({events_per_s:,.0f}/s)"
+        )
         got = await index.lookup(hashes, workers)  # warm: loads the script
         assert got.memory["w0"] == len(prompt) and got.store["sm100"] == len(prompt) * 3 // 4, got
         writes0 = CountingConnection.writes
         lat = await time_lookups(index, hashes, workers, args.lookups)
         round_trips = (CountingConnection.writes - writes0) / args.lookups
         redis_p99 = pct(lat, 0.99) * 1e3
-        print(f"lookup through Redis, 64 candidates: p50 {pct(lat, 0.5) * 1e3:.3f} ms, p99 {redis_p99:.3f} ms, "
-              f"{round_trips:.2f} round trips per lookup")
+        print(
+            f"lookup through Redis, 64 candidates: p50 {pct(lat, 0.5) * 1e3:.3f} ms, p99 {redis_p99:.3f} ms, "
+            f"{round_trips:.2f} round trips per lookup"
+        )
         info = await client.info("memory")
         print(f"Redis used_memory: {info['used_memory_human']}")
         await client.flushdb()
@@ -196,13 +215,17 @@ async def main() -> None:
         if proc is not None:
             proc.kill()
             proc.wait()
-    print(json.dumps({
-        "hash_131k_ms": round(hash_ms, 3),
-        "lookup_memory_p99_ms": round(mem_p99, 3),
-        "lookup_redis_p99_ms": round(redis_p99, 3),
-        "redis_round_trips_per_lookup": round(round_trips, 3),
-        "events_per_s": round(events_per_s),
-    }))
+    print(
+        json.dumps(
+            {
+                "hash_131k_ms": round(hash_ms, 3),
+                "lookup_memory_p99_ms": round(mem_p99, 3),
+                "lookup_redis_p99_ms": round(redis_p99, 3),
+                "redis_round_trips_per_lookup": round(round_trips, 3),
+                "events_per_s": round(events_per_s),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

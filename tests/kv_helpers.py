@@ -15,9 +15,7 @@ class EventLog:
         self.events: list[KvEvent] = []
         self.last_seq = 0
 
-    def add(
-        self, kind: KvEventKind, tier: KvTier, hashes: list[int], expires_at: float | None = None
-    ) -> KvEvent:
+    def add(self, kind: KvEventKind, tier: KvTier, hashes: list[int], expires_at: float | None = None) -> KvEvent:
         self.last_seq += 1
         event = KvEvent(seq=self.last_seq, kind=kind, tier=tier, block_hashes=hashes, expires_at=expires_at)
         self.events.append(event)
@@ -46,12 +44,20 @@ class EventLog:
     def batch(self, after: int = 0, limit: int = 1_000_000) -> KvEventBatch:
         events = [e for e in self.events if e.seq > after][:limit]
         return KvEventBatch(
-            worker_id=self.worker_id, epoch=self.epoch, events=events, last_seq=self.last_seq, oldest_seq=self.oldest_seq
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            events=events,
+            last_seq=self.last_seq,
+            oldest_seq=self.oldest_seq,
         )
 
     def only(self, *seqs: int) -> KvEventBatch:
         """A batch holding just these events (to fabricate gaps)."""
         events = [e for e in self.events if e.seq in seqs]
         return KvEventBatch(
-            worker_id=self.worker_id, epoch=self.epoch, events=events, last_seq=self.last_seq, oldest_seq=self.oldest_seq
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            events=events,
+            last_seq=self.last_seq,
+            oldest_seq=self.oldest_seq,
         )

@@ -48,4 +48,3 @@ def create_prefix_index(
         default_store_ttl_s=default_store_ttl_s,
         clock=clock,
     )
-

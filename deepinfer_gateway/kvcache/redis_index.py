@@ -271,4 +271,3 @@ class RedisPrefixIndex:
         if not self.healthy and not self._needs_full_resync:
             self.healthy = True
             log.warning("prefix index: Redis is back; lookups use Redis again")
-
