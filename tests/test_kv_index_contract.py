@@ -219,3 +219,25 @@ async def test_concurrent_applies_and_lookups(make_index: Factory) -> None:
     await asyncio.gather(*(feed(log, i * 2) for i, log in enumerate(logs)))
     got = await lookup(index, {log.worker_id: "f1" for log in logs})
     assert dict(got.memory) == {f"w{i}": min(64, i * 2) for i in range(32)}
+
+
+async def test_store_tier_is_capped(make_index: Factory) -> None:
+    index = make_index(max_store_blocks=10)
+    a = EventLog("a")
+    base = time.time() + 3600
+    for i, h in enumerate(H[:30]):  # written in expiry order: both eviction policies agree
+        a.store_store([h], base + i)
+    await index.apply("a", a.batch())
+    assert (await lookup(index, {}, H[20:30])).store == {"f1": 10}
+    assert (await lookup(index, {}, H[19:30])).store == {"f1": 0}
+
+
+async def test_store_cleared_event_drops_the_store_tier(make_index: Factory) -> None:
+    index = make_index()
+    a = EventLog("a")
+    a.store_store(H, time.time() + 3600)
+    a.store_mem(H)
+    a.add(KvEventKind.CLEARED, KvTier.STORE, [])
+    await index.apply("a", a.batch())
+    got = await lookup(index, {"a": "f1"})
+    assert dict(got.store) == {"f1": 0} and dict(got.memory) == {"a": 64}

@@ -155,13 +155,14 @@ class RedisPrefixIndex:
                 return cursor
             try:
                 if self._needs_full_resync:
-                    await self.resync()
-                else:
-                    status = await self._apply_redis(worker_id, batch)
-                    if status == _STATUS_GAP:
-                        await self._push_worker(worker_id)
-                    elif status == _STATUS_WIPED:
-                        await self.resync()
+                    await self._push_all()
+                # Idempotent: a no-op when the push above already carried this batch.
+                status = await self._apply_redis(worker_id, batch)
+                if status == _STATUS_GAP:
+                    await self._push_worker(worker_id)
+                elif status == _STATUS_WIPED:
+                    self._needs_full_resync = True
+                    await self._push_all()
             except RedisError as exc:
                 self._failed("apply", exc)
             else:
@@ -179,7 +180,9 @@ class RedisPrefixIndex:
             self._failed("remove_worker", exc, writes_lost=False)
 
     async def lookup(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> Overlap:
-        if self._needs_full_resync or not self._redis_due():
+        if not self.healthy or self._needs_full_resync:
+            # Only `apply` (the feeders, in the background) probes a failed Redis, so a
+            # lookup never waits on a connect timeout.
             return self.local.lookup_now(hashes, workers)
         keys: list[str] = [self.store_key, self.store_set_key]
         args: list[Any] = [self._clock(), len(hashes)]
@@ -194,7 +197,6 @@ class RedisPrefixIndex:
         except RedisError as exc:
             self._failed("lookup", exc, writes_lost=False)
             return self.local.lookup_now(hashes, workers)
-        self._recovered()
         memory = dict.fromkeys(workers, 0)
         store: dict[str, int] = {}
         it = iter(reply)
@@ -209,9 +211,11 @@ class RedisPrefixIndex:
 
     # --- resync -----------------------------------------------------------------------------
 
-    async def resync(self) -> None:
-        """Push the whole local view to Redis (after an outage or a wiped Redis)."""
+    async def _push_all(self) -> None:
+        """Push the whole local view to Redis (after a failed write or a wiped Redis)."""
         async with self._resync_lock:
+            if not self._needs_full_resync:
+                return  # another task just did it
             for worker_id in self.local.workers():
                 await self._push_worker(worker_id)
             items = self.local.store_items()
