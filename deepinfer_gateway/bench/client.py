@@ -17,13 +17,12 @@ later output chunk adds one inter-chunk gap to `itl_s`; e2e = end of the stream.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
-
-import httpx
 
 from deepinfer_gateway.bench.types import ErrorKind, RequestRecord
 
@@ -46,26 +45,35 @@ class ClientConfig:
         return self.url.rstrip("/").removesuffix("/v1")
 
 
-def _http_client(config: ClientConfig, cls: type[httpx.AsyncClient]) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
-    return cls(limits=limits, timeout=httpx.Timeout(config.request_timeout_s, connect=30.0))
+def _http_client(config: ClientConfig, cls: type) -> Any:
+    """The SDK's own default async HTTP client class with a pool sized for the run.
+
+    The SDKs ship their own httpx flavour (httpx or its fork httpx2); `Limits` must come
+    from the same package as the client class.
+    """
+    base = next(c for c in cls.__mro__ if c.__name__ == "AsyncClient")
+    transport = importlib.import_module(base.__module__.split(".")[0])
+    limits = transport.Limits(max_connections=config.max_connections,
+                              max_keepalive_connections=config.max_connections)
+    return cls(limits=limits, timeout=transport.Timeout(config.request_timeout_s, connect=30.0))
 
 
 def classify(exc: BaseException) -> tuple[str, int | None]:
-    """SDK/transport exception -> (ErrorKind, HTTP status or None)."""
+    """SDK/transport exception -> (ErrorKind, HTTP status or None), by type names so that it
+    holds for openai, anthropic and either httpx flavour."""
     status = getattr(exc, "status_code", None)
-    name = type(exc).__name__
+    names = " ".join(c.__name__ for c in type(exc).__mro__)
     if isinstance(exc, asyncio.CancelledError):
         return ErrorKind.CANCELLED, None
-    if "Timeout" in name or isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
+    if "Timeout" in names:
         return ErrorKind.TIMEOUT, None
     if isinstance(status, int):
         if status == 429:
             return ErrorKind.RATE_LIMITED, status
         return (ErrorKind.HTTP_5XX if status >= 500 else ErrorKind.HTTP_4XX), status
-    if "Connection" in name or isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError)):
+    if "Connect" in names:
         return ErrorKind.CONNECTION, None
-    if isinstance(exc, (httpx.HTTPError, ValueError, KeyError)):
+    if any(n in names for n in ("RemoteProtocolError", "ReadError", "StreamError", "DecodingError", "ValueError")):
         return ErrorKind.STREAM, None
     return ErrorKind.CLIENT, None
 
@@ -128,7 +136,9 @@ class ProtocolClient:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a record
             record.status = "error"
-            record.error, record.http_status = classify(exc)
+            record.error, status = classify(exc)
+            record.http_status = status or record.http_status
+            record.detail = f"{type(exc).__name__}: {exc}"[:300]
             record.ttft_s = record.e2e_s = None
 
     def _extra(self) -> dict[str, Any]:

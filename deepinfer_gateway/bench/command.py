@@ -95,8 +95,11 @@ def main(args: argparse.Namespace) -> int:
         except NotImplementedError as exc:
             raise SystemExit(f"bench: {exc}") from None
     else:
-        from deepinfer_gateway.bench.run import run_bench
+        from deepinfer_gateway.bench.run import TargetUnreachable, run_bench
 
-        result = run_bench(config)
+        try:
+            result = run_bench(config)
+        except TargetUnreachable as exc:
+            raise SystemExit(f"bench: {exc}") from None
     sys.stdout.write(json.dumps(result, separators=(",", ":")) + "\n")
     return 0

@@ -41,7 +41,8 @@ class ReplayConfig:
 class ReplayResult:
     records: list[RequestRecord]
     wall_s: float
-    client_cpu_s: float
+    client_cpu_s: float  # the whole process over the run, prompt synthesis included
+    synthesis_cpu_s: float  # of which: building prompt texts
 
 
 class _Progress:
@@ -69,6 +70,14 @@ async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRe
     start = time.perf_counter()
     deadline = start + config.duration_s if config.duration_s else None
     ends: list[float] = []
+    synthesis_cpu = 0.0
+
+    def prompt(request: TraceRequest) -> str:
+        nonlocal synthesis_cpu
+        t0 = time.process_time()
+        text = prompt_for(request)
+        synthesis_cpu += time.process_time() - t0
+        return text
 
     async def one(request: TraceRequest, lag: float | None) -> None:
         record = RequestRecord(index=request.index, arrival_s=time.perf_counter() - start, send_lag_s=lag,
@@ -76,7 +85,7 @@ async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRe
                                expected_output_tokens=request.output_length)
         records.append(record)
         try:
-            await sender.send(prompt_for(request), max(1, request.output_length), record)
+            await sender.send(prompt(request), max(1, request.output_length), record)
         finally:
             ends.append(time.perf_counter())
             progress.done(record)
@@ -127,4 +136,4 @@ async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRe
         progress.close()
     wall = (max(ends) if ends else time.perf_counter()) - start
     records.sort(key=lambda r: r.index)
-    return ReplayResult(records, wall, time.process_time() - cpu0)
+    return ReplayResult(records, wall, time.process_time() - cpu0, synthesis_cpu)

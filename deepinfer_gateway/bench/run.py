@@ -24,7 +24,7 @@ from deepinfer_gateway.bench import gateway_metrics, plots
 from deepinfer_gateway.bench.client import ClientConfig, ProtocolClient
 from deepinfer_gateway.bench.oracle import oracle_hit_rate
 from deepinfer_gateway.bench.replay import ReplayConfig, ReplayResult, replay
-from deepinfer_gateway.bench.summary import CostModel, Slo, summarize
+from deepinfer_gateway.bench.summary import CostModel, Slo, TierTokens, summarize
 from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
 from deepinfer_gateway.bench.traces import load_trace
 from deepinfer_gateway.bench.types import RequestRecord, Trace
@@ -83,14 +83,32 @@ def _run_loop(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-async def _replay(config: BenchConfig, trace: Trace, model: str) -> ReplayResult:
+class TargetUnreachable(RuntimeError):
+    pass
+
+
+async def _warm_up(client: ProtocolClient) -> None:
+    """One tiny request before the clock starts: connection set-up and the SDK's lazy
+    imports and model classes would otherwise delay the first trace requests."""
+    record = RequestRecord(index=-1, arrival_s=0.0)
+    await client.send(" warm up", 1, record)
+    if not record.ok:
+        raise TargetUnreachable(f"warm-up request failed ({record.error}): {record.detail}")
+
+
+async def _replay(config: BenchConfig, trace: Trace, model: str) -> tuple[ReplayResult, TierTokens | None]:
+    """Returns the replay and the gateway's per-tier token deltas over it (None if unknown)."""
     synthesizer = _synthesizer(trace, config.tokenizer)
     client = ProtocolClient(ClientConfig(
         url=config.url, model=model, protocol=config.protocol, api_key=config.api_key,
         max_connections=config.max_connections, request_timeout_s=config.request_timeout_s,
         ignore_eos=config.ignore_eos))
     try:
-        return await replay(trace.requests, synthesizer.content, client, config.replay)
+        await _warm_up(client)
+        before = await asyncio.to_thread(gateway_metrics.scrape, _root(config.url))
+        result = await replay(trace.requests, synthesizer.content, client, config.replay)
+        after = await asyncio.to_thread(gateway_metrics.scrape, _root(config.url))
+        return result, gateway_metrics.delta(before, after)
     finally:
         await client.aclose()
 
@@ -113,9 +131,7 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
     if before_run is not None:
         before_run()
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    tiers_before = gateway_metrics.scrape(_root(config.url))
-    result: ReplayResult = _run_loop(_replay(config, trace, model))
-    tiers = gateway_metrics.delta(tiers_before, gateway_metrics.scrape(_root(config.url)))
+    result, tiers = _run_loop(_replay(config, trace, model))
     sent = {r.index for r in result.records}
     oracle = oracle_hit_rate([r for r in trace.requests if r.index in sent], trace.block_size)
     replay_cfg = config.replay
@@ -131,6 +147,7 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
     }
     summary = summarize(result.records, wall_s=result.wall_s, oracle_hit_rate=oracle, slo=config.slo,
                         cost=config.cost, tiers=tiers, client_cpu_s=result.client_cpu_s,
+                        synthesis_cpu_s=result.synthesis_cpu_s,
                         hit_window_s=config.hit_window_s, meta=meta)
     write_records(config.out / "results.jsonl", result.records)
     (config.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

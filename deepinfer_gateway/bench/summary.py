@@ -132,6 +132,7 @@ def summarize(
     cost: CostModel | None = None,
     tiers: TierTokens | None = None,
     client_cpu_s: float | None = None,
+    synthesis_cpu_s: float | None = None,
     hit_window_s: float | None = None,
     meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -189,5 +190,7 @@ def summarize(
             "total_s": client_cpu_s,
             "per_request_ms": _ratio(client_cpu_s * 1e3, len(records)),
             "cores_used": _ratio(client_cpu_s, wall_s),
+            "prompt_synthesis_s": synthesis_cpu_s,
+            "measured_with": "time.process_time over the replay (all threads of the bench process)",
         }
     return summary

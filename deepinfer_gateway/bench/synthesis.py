@@ -35,6 +35,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 
 from deepinfer_gateway.bench.types import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -74,7 +75,9 @@ class PromptSynthesizer:
         self.block_size = block_size
         self.salt = salt
         self._base = len(vocabulary.words)
-        self._cache: OrderedDict[int, list[int]] = OrderedDict()
+        self._words = list(vocabulary.words)
+        self._token_ids = np.asarray(vocabulary.token_ids, dtype=np.int64)
+        self._texts: OrderedDict[int, str] = OrderedDict()  # full-block text per block number (LRU)
         self._cache_blocks = cache_blocks
 
     @classmethod
@@ -84,25 +87,31 @@ class PromptSynthesizer:
         bundle = load_tokenizer()
         return cls(Vocabulary.from_tokenizer(bundle.tokenizer, bundle.json_text), block_size)
 
-    # --- word indices per block ---------------------------------------------------
-    def _block_words(self, number: int) -> list[int]:
-        """Word indices of the full block numbered `number` (cached, LRU)."""
-        cached = self._cache.get(number)
-        if cached is not None:
-            self._cache.move_to_end(number)
-            return cached
+    # --- blocks -------------------------------------------------------------------
+    def _indices(self, number: int) -> np.ndarray:
+        """Word indices of the full block numbered `number`: id digits, then seeded PRNG words."""
         if number >= self._base ** _ID_DIGITS:
             raise ValueError(f"block number {number} too large for a {self._base}-word vocabulary")
         digits, n = [], number
         for _ in range(_ID_DIGITS):
             n, d = divmod(n, self._base)
             digits.append(d)
-        rng = random.Random(f"{self.salt}:{number}")
-        words = digits + [rng.randrange(self._base) for _ in range(self.block_size - _ID_DIGITS)]
-        self._cache[number] = words
-        if len(self._cache) > self._cache_blocks:
-            self._cache.popitem(last=False)
-        return words
+        tail = random.Random(f"{self.salt}:{number}").randbytes(4 * (self.block_size - _ID_DIGITS))
+        rest = np.frombuffer(tail, dtype="<u4") % self._base
+        return np.concatenate([np.asarray(digits, dtype=np.int64), rest.astype(np.int64)])
+
+    def _text(self, number: int, tokens: int) -> str:
+        if tokens < self.block_size:
+            return "".join(self._words[i] for i in self._indices(number)[:tokens].tolist())
+        text = self._texts.get(number)
+        if text is None:
+            text = "".join(self._words[i] for i in self._indices(number).tolist())
+            self._texts[number] = text
+            if len(self._texts) > self._cache_blocks:
+                self._texts.popitem(last=False)
+        else:
+            self._texts.move_to_end(number)
+        return text
 
     def _block_numbers(self, request: TraceRequest) -> list[tuple[int, int]]:
         """(block number, tokens) per block of the request's content."""
@@ -118,17 +127,13 @@ class PromptSynthesizer:
 
     # --- public ---------------------------------------------------------------------
     def block_text(self, hash_id: int, tokens: int | None = None) -> str:
-        words = self.vocabulary.words
-        return "".join(words[i] for i in self._block_words(2 * hash_id)[: tokens or self.block_size])
+        return self._text(2 * hash_id, tokens or self.block_size)
 
     def content(self, request: TraceRequest) -> str:
         """The user message text: exactly `input_length` tokens."""
-        words = self.vocabulary.words
-        return "".join(
-            words[i] for number, size in self._block_numbers(request) for i in self._block_words(number)[:size]
-        )
+        return "".join(self._text(number, size) for number, size in self._block_numbers(request))
 
     def content_token_ids(self, request: TraceRequest) -> list[int]:
         """The token ids `content(request)` tokenizes to (known without tokenizing)."""
-        ids = self.vocabulary.token_ids
-        return [ids[i] for number, size in self._block_numbers(request) for i in self._block_words(number)[:size]]
+        parts = [self._token_ids[self._indices(number)[:size]] for number, size in self._block_numbers(request)]
+        return np.concatenate(parts).tolist() if parts else []

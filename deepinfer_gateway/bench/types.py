@@ -69,6 +69,7 @@ class RequestRecord:
     arrival_s: float
     status: str = "ok"  # "ok" or "error"
     error: str | None = None
+    detail: str | None = None  # exception text of a failed request (truncated)
     http_status: int | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
