@@ -1,0 +1,58 @@
+"""End to end: `bench` through the real SDKs -> gateway -> sim workers (session fixtures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer_gateway.bench.replay import ReplayConfig
+from deepinfer_gateway.bench.report import load_summaries, table
+from deepinfer_gateway.bench.run import BenchConfig, read_records, run_bench
+from deepinfer_gateway.bench.summary import CostModel, Slo
+from deepinfer_gateway.cli import main as cli_main
+
+CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
+
+
+@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+def test_bench_replays_a_trace_slice_through_the_gateway(gateway, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "conv"
+    config = BenchConfig(url=gateway.url, trace=str(CONVERSATION), out=out, max_requests=20,
+                         replay=ReplayConfig(mode="open", speedup=40.0, progress=False),
+                         slo=Slo(ttft_s=5.0, tpot_s=0.5), cost=CostModel(gpus=3, gpu_hour_usd=2.0))
+    summary = run_bench(config)
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert summary["requests"] == 20 and summary["completed"] == 20 and summary["errors"] == {}
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        assert set(summary[key]) >= {"p50", "p90", "p99"}
+    assert summary["ttft_s"]["p50"] > 0 and summary["throughput"]["requests_per_s"] > 0
+    records = read_records(out / "results.jsonl")
+    assert [r.index for r in records] == list(range(20))
+    # prompt = trace input_length + the template's 28-token header and 2-token trailer
+    assert all(r.prompt_tokens == r.expected_input_tokens + 30 for r in records)
+    assert all(r.worker for r in records)
+    cache = summary["cache_hit_rate"]
+    assert cache["reported_by_server"] and 0 < cache["total"] < 1
+    assert cache["memory"] is not None and cache["store"] is not None  # from the gateway's /metrics
+    assert summary["oracle_hit_rate"] == pytest.approx(0.0336, abs=1e-3)
+    assert summary["cost"]["usd_per_million_output_tokens"] > 0
+    assert summary["client_cpu"]["per_request_ms"] > 0
+    assert (out / "ttft_cdf.png").exists() and (out / "hit_rate.png").exists()
+
+
+@pytest.mark.parametrize("protocol", ["responses", "messages"])
+def test_bench_cli_other_protocols_closed_loop(gateway, tmp_path: Path, protocol: str,  # type: ignore[no-untyped-def]
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / protocol
+    rc = cli_main(["bench", "--url", gateway.url + "/v1", "--protocol", protocol, "--trace",
+                   "synthetic:chat:requests=6,seed=1", "--concurrency", "3", "--out", str(out),
+                   "--no-progress", "--no-plots"])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["protocol"] == protocol and last["completed"] == 6 and last["concurrency"] == 3
+    assert last["cache_hit_rate"]["total"] is not None
+    assert all(r.output_tokens and r.prompt_tokens for r in read_records(out / "results.jsonl"))
+    assert "hit rate total" in table(load_summaries([out]))
