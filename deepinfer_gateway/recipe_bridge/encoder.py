@@ -1,21 +1,104 @@
 """Prompt encoding: Conversation -> token ids, with deepseek-recipe's V4.1 template.
 
-`PromptEncoder` is the seam the incremental (segment-cached) encoder plugs into; this
-base version calls deepseek-recipe's own `encode` every time and is the reference the
-fast path must match token for token.
+`PromptEncoder` makes a follow-up turn pay only for what is new:
+
+1. Render with deepseek-recipe (`render_conversation`: prompt text + the code-point
+   ranges of the special tokens it placed; cheap, ~1 ms per 500 kB).
+2. Cut the prompt at the special ranges. A special range becomes its id from the
+   tokenizer's added vocabulary (`<｜image｜>` placeholders included: one id each,
+   exactly as `encode` emits them).
+3. Each plain-text segment between two specials is looked up in a `SegmentCache`
+   (exact key: the text, or its SHA-256 when long); only misses are tokenized, with
+   the fastest exact plain-text tokenizer (`segment_tokenizer.plain_tokenizer`:
+   tiktoken with DeepSeek's ranks, else deepseek-recipe's Tokenizer without the added
+   vocabulary).
+
+Exactness: deepseek-recipe's `encode` tokenizes every stretch between special ranges
+independently, as plain text (no added-vocabulary matching), so concatenating
+per-segment ids with the special ids reproduces it token for token. Every message is
+delimited by special tokens (`<｜User｜>`, `<｜Assistant｜>`, `<｜end▁of▁sentence｜>`,
+`<think>`...), so earlier turns are separate segments and hit the cache; the changed
+tail (last user message, tool result) is tokenized afresh. Caveat: one message that
+grows by appending (a 100k-token user message edited every turn) is one segment and
+is re-tokenized whole when it changes.
+
+Cost per call: render + O(prompt length) slicing/keying (~1-2 ms per 500 kB) + list
+assembly (~1 ns/token) + tokenizing the misses only (~0.35 us/token with tiktoken).
+Memory: the cache is bounded by `cache_bytes` (default 256 MiB, ~8 B per cached token;
+see segment_cache.py) plus one interned int per vocabulary id (~4.6 MB).
+
+`ReferencePromptEncoder` is deepseek-recipe's own `encode`: the baseline the fast path
+is tested against (tests/test_encoder.py) and benchmarked against (bench/preprocess.py).
 """
 
 from __future__ import annotations
 
+import json
+
 import deepseek_recipe as dr
 
+from deepinfer_gateway.recipe_bridge.segment_cache import CacheStats, SegmentCache
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import PlainTokenizer, plain_tokenizer
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
-class PromptEncoder:
+
+class ReferencePromptEncoder:
+    """deepseek-recipe's own prompt encoding, uncached."""
+
     def __init__(self, bundle: TokenizerBundle):
         self.bundle = bundle
         self._encoding = dr.DeepseekV41Encoding().with_tokenizer(bundle.tokenizer)
 
     def encode(self, conversation: dr.Conversation) -> list[int]:
         return self._encoding.encode(conversation)
+
+
+class PromptEncoder:
+    """Segment-cached prompt encoding; token-exact with `ReferencePromptEncoder`."""
+
+    def __init__(
+        self,
+        bundle: TokenizerBundle,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        plain: PlainTokenizer | None = None,
+    ):
+        self.bundle = bundle
+        self._render = dr.DeepseekV41Encoding().render_conversation
+        self.plain = plain or plain_tokenizer(bundle.json_text)
+        self._special = {t["content"]: int(t["id"]) for t in json.loads(bundle.json_text)["added_tokens"]}
+        self._ints = list(range(bundle.vocab_size))  # interned: cached lists share these objects
+        self.cache = SegmentCache(cache_bytes)
+
+    def encode(self, conversation: dr.Conversation) -> list[int]:
+        rendered = self._render(conversation)
+        prompt = rendered.prompt
+        special = self._special
+        ids: list[int] = []
+        pos = 0
+        for start, end in rendered.special_ranges:
+            if start > pos:
+                ids += self._segment(prompt[pos:start])
+            spelling = prompt[start:end]
+            token_id = special.get(spelling)
+            if token_id is None:  # same failure as deepseek-recipe's encode
+                raise RuntimeError(f"special token {spelling!r} is not in the added vocabulary")
+            ids.append(token_id)
+            pos = end
+        if pos < len(prompt):
+            ids += self._segment(prompt[pos:])
+        return ids
+
+    def _segment(self, text: str) -> list[int]:
+        cache = self.cache
+        key = cache.key(text)
+        ids = cache.get(key)
+        if ids is None:
+            ids = list(map(self._ints.__getitem__, self.plain.encode(text)))
+            cache.put(key, ids)
+        return ids
+
+    def cache_stats(self) -> CacheStats:
+        return self.cache.stats()

@@ -1,0 +1,92 @@
+"""A byte-bounded LRU cache: plain-text segment -> its token ids.
+
+Key: the segment text itself when it is short (< `digest_min_chars` code points), else
+its SHA-256 digest (32 bytes) so a long message is not stored twice (text + ids).
+Exactness: a short key is compared by equality; a long key is exact up to a SHA-256
+collision (~2^-128 for honest traffic, infeasible to forge), which is the same trust the
+KV block hashes (kvcache/hashing.py) already place in SHA-256.
+
+Memory bound: the sum of entry costs stays <= `max_bytes`. An entry costs
+`sys.getsizeof(key) + 8 * len(ids) + _ENTRY_OVERHEAD`: the caller stores ids as lists of
+*interned* ints (one shared int object per vocabulary id, see `encoder.py`), so a
+cached token costs one 8-byte pointer. Entries costlier than `max_bytes // 4` are not
+kept (one huge message must not flush everyone else's history).
+
+Cost: get/put are O(1) dict operations plus the key: hashing a short str, or
+UTF-8-encoding + SHA-256 of a long one (~1 ms per MB on the 2-core dev box).
+Thread-safe (one lock; the gateway calls it from the event loop thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+_ENTRY_OVERHEAD = 160  # list header (56) + OrderedDict node and table slot (~100)
+DEFAULT_DIGEST_MIN_CHARS = 1024
+
+SegmentKey = str | bytes
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+
+
+class SegmentCache:
+    def __init__(self, max_bytes: int, *, digest_min_chars: int = DEFAULT_DIGEST_MIN_CHARS):
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self._digest_min_chars = digest_min_chars
+        self._entries: OrderedDict[SegmentKey, tuple[list[int], int]] = OrderedDict()
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._lock = threading.Lock()
+
+    def key(self, text: str) -> SegmentKey:
+        if len(text) < self._digest_min_chars:
+            return text
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, key: SegmentKey) -> list[int] | None:
+        """The cached ids (shared: never mutate them), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return entry[0]
+
+    def put(self, key: SegmentKey, ids: list[int]) -> None:
+        cost = sys.getsizeof(key) + 8 * len(ids) + _ENTRY_OVERHEAD
+        if cost > self.max_bytes // 4:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._entries[key] = (ids, cost)
+            self._bytes += cost
+            while self._bytes > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= evicted
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(len(self._entries), self._bytes, self.max_bytes, self._hits, self._misses)

@@ -1,0 +1,176 @@
+"""Plain-text tokenizers: the text between two special tokens -> token ids, no added vocabulary.
+
+deepseek-recipe's prompt encoding (`DeepseekV41Encoding.encode`) tokenizes the text
+between the rendered special-token ranges as plain text: the tokenizer.json's
+pre-tokenizer + byte-level BPE, with NO matching of the added vocabulary (a user who
+types `<｜User｜>` or `<think>` gets the plain-text pieces, not the special id). Checked:
+per-segment encoding with either tokenizer below reproduces `encode` token for token
+(tests/test_encoder.py, a hypothesis property test over whole conversations).
+
+Two implementations, both exact:
+
+- `TiktokenPlain` (preferred, ~6.5x faster: 2.9 vs 0.45 Mtok/s on 2 MB of Python source,
+  one core). A `tiktoken.Encoding` built from the tokenizer.json itself (tiktoken's own
+  encodings are downloaded at run time; none is used): ranks = the BPE vocabulary with
+  the byte-level alphabet mapped back to bytes (GPT-2 byte decoder), which equals
+  Hugging Face's merge-list BPE here because the merge list is ordered exactly by the
+  id of each merge's result and no two merges yield the same string (verified at
+  construction). The pre-tokenizer is a Sequence of three `Split(Isolated)` regexes
+  (digits `\\p{N}{1,3}`, then CJK runs, then the GPT-style word regex R3) that tiktoken's
+  single leftmost-first regex cannot take literally; `_DEEPSEEK_PAT` composes them:
+  `N{1,3} | CJK+ | R3' | gap`, where R3' is R3 with every character class intersected
+  with "not a digit, not CJK" (so no piece crosses the earlier splits' boundaries) and
+  its `(?!\\S)` lookahead widened to treat a following digit/CJK char as end of text
+  (R3 saw the gap between earlier splits as a whole string), and `gap` reproduces
+  `Split(Isolated)`'s unmatched stretches (e.g. a ZWJ inside an emoji sequence), which
+  tiktoken would otherwise drop. Used only when the tokenizer.json has exactly the
+  recognised pre-tokenizer/normalizer/model settings AND a construction-time
+  self-check on `_SELF_CHECK` matches the reference; otherwise the fallback is used.
+- `HfPlain` (fallback, any tokenizer.json): deepseek-recipe's `Tokenizer` loaded from
+  the same tokenizer.json with `added_tokens` removed.
+
+Residual risk: the two regex engines (Oniguruma in Hugging Face tokenizers, Rust
+`regex` in tiktoken) may carry different Unicode versions, so a code point assigned in
+the newer version could be classified differently; none was found in 300k random
+strings over the whole code space plus 12.6M tokens of source code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import deepseek_recipe as dr
+import tiktoken
+
+
+class PlainTokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class HfPlain:
+    name = "deepseek-recipe Tokenizer, added vocabulary removed"
+
+    def __init__(self, tokenizer_json: dict[str, Any]):
+        stripped = {**tokenizer_json, "added_tokens": []}
+        self._tokenizer = dr.Tokenizer.from_str(json.dumps(stripped, ensure_ascii=False))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+
+# The DeepSeek V3/V4 pre-tokenizer, as tokenizer.json spells it (checked for equality).
+_CJK = "一-龥぀-ゟ゠-ヿ"
+_R3 = (
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
+)
+_DEEPSEEK_SPLITS = ("\\p{N}{1,3}", f"[{_CJK}]+", _R3)
+
+_E = f"\\p{{N}}{_CJK}"  # characters the first two splits isolate
+_R3_PRIME = "|".join([
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+",
+    f"[^\r\n\\p{{L}}\\p{{P}}\\p{{S}}{_E}]?[[\\p{{L}}\\p{{M}}]&&[^{_E}]]+",
+    f" ?[[\\p{{P}}\\p{{S}}]&&[^{_E}]]+[\r\n]*",
+    "\\s*[\r\n]+",
+    f"\\s+(?![^\\s{_E}])",
+    "\\s+",
+])
+_DEEPSEEK_PAT = f"\\p{{N}}{{1,3}}|[{_CJK}]+|{_R3_PRIME}|(?:(?!{_R3_PRIME})[^{_E}])+"
+
+_SELF_CHECK = (
+    "Hello, world!  It's 2025-01-31T12:34:56Z; x=12345678 y=-0.5e10.\n\n\tdef f(a):\r\n"
+    "    return a**2  # comment   \n中文文本，日本語のテキスト・カタカナー、한국어 텍스트 ١٢٣ １２３ "
+    "café e\u0301 \u0301x 👨\u200d👩\u200d👧 🎉\ufe0f \x00\x01 \u200b\u3000\u00a0 <｜User｜><think>"
+    "</think> {\"k\": [1, 2]} ... ?! ``` ** __init__ $PATH ẞ ǅ Ⅻ ½ ²"
+)
+
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet (byte -> printable code point)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+def _recognised(data: dict[str, Any]) -> bool:
+    """True when tokenizer.json is DeepSeek's byte-level BPE that `_DEEPSEEK_PAT` models."""
+    normalizer = data.get("normalizer")
+    if normalizer not in (None, {"type": "Sequence", "normalizers": []}):
+        return False
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [])
+    splits = tuple(
+        s.get("pattern", {}).get("Regex") for s in steps[:-1]
+        if s.get("type") == "Split" and s.get("behavior") == "Isolated" and not s.get("invert")
+    )
+    if pre.get("type") != "Sequence" or splits != _DEEPSEEK_SPLITS or steps[-1:] != [_BYTE_LEVEL]:
+        return False
+    model = data.get("model", {})
+    return (
+        model.get("type") == "BPE" and not model.get("dropout") and not model.get("byte_fallback")
+        and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+    )
+
+
+def _ranks(data: dict[str, Any]) -> dict[bytes, int] | None:
+    """BPE ranks = ids, or None when the merge order is not the id order (tiktoken would differ)."""
+    vocab: dict[str, int] = data["model"]["vocab"]
+    previous = -1
+    results: set[int] = set()
+    for merge in data["model"]["merges"]:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        result = vocab.get(left + right)
+        if result is None or result <= previous or result in results:
+            return None
+        previous = result
+        results.add(result)
+    decoder = _byte_decoder()
+    added = {t["content"] for t in data.get("added_tokens", [])}
+    ranks: dict[bytes, int] = {}
+    for piece, token_id in vocab.items():
+        if piece in added:  # e.g. <｜begin▁of▁sentence｜>: unreachable by merges, never plain text
+            continue
+        if len(piece) > 1 and token_id not in results:
+            return None  # a multi-byte token no merge produces: tiktoken could emit it, BPE not
+        try:
+            ranks[bytes(decoder[ch] for ch in piece)] = token_id
+        except KeyError:
+            return None
+    return ranks if len({k for k in ranks if len(k) == 1}) == 256 else None
+
+
+class TiktokenPlain:
+    name = "tiktoken, DeepSeek BPE ranks from tokenizer.json"
+
+    def __init__(self, ranks: dict[bytes, int]):
+        self._encoding = tiktoken.Encoding(
+            "deepseek-plain-text", pat_str=_DEEPSEEK_PAT, mergeable_ranks=ranks, special_tokens={}
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode_ordinary(text)
+
+
+def plain_tokenizer(tokenizer_json: str, *, prefer_tiktoken: bool = True) -> PlainTokenizer:
+    """The fastest exact plain-text tokenizer for this tokenizer.json."""
+    data = json.loads(tokenizer_json)
+    fallback = HfPlain(data)
+    if not prefer_tiktoken or not _recognised(data):
+        return fallback
+    ranks = _ranks(data)
+    if ranks is None:
+        return fallback
+    fast = TiktokenPlain(ranks)
+    sample = _SELF_CHECK * 2 + " " + _SELF_CHECK[::-1]
+    return fast if fast.encode(sample) == fallback.encode(sample) else fallback

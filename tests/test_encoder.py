@@ -1,0 +1,272 @@
+"""PromptEncoder (segment-cached) == deepseek-recipe's own encode, token for token.
+
+Conversations are built through the protocols (Chat Completions and Anthropic Messages
+bodies -> `convert`), so they carry whatever the real request path produces: system
+prompts, tool schemas, images (tiny PNG data URLs), reasoning, tool calls and results,
+thinking on and off. Each is checked with a cold cache, a warm cache (every segment a
+hit), after encoding its own prefix conversation (partial hits, the follow-up-turn
+case), and with both plain-text tokenizers (tiktoken and the Hugging Face fallback).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import zlib
+from typing import Any
+
+import deepseek_recipe as dr
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder, ReferencePromptEncoder
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import HfPlain, TiktokenPlain
+from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
+
+MODEL = "DeepSeek-V4.1-Flash"
+OPTIONS = dr.ConversionOptions().with_model_versions_by_name({MODEL: dr.ModelVersion.DeepseekV41Flash})
+
+
+@pytest.fixture(scope="module")
+def bundle() -> TokenizerBundle:
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def reference(bundle: TokenizerBundle) -> ReferencePromptEncoder:
+    return ReferencePromptEncoder(bundle)
+
+
+@pytest.fixture(scope="module")
+def tiktoken_encoder(bundle: TokenizerBundle) -> PromptEncoder:
+    encoder = PromptEncoder(bundle)
+    assert isinstance(encoder.plain, TiktokenPlain)  # the default tokenizer.json is recognised
+    return encoder
+
+
+@pytest.fixture(scope="module")
+def hf_encoder(bundle: TokenizerBundle) -> PromptEncoder:
+    return PromptEncoder(bundle, plain=HfPlain(json.loads(bundle.json_text)))
+
+
+# --- strategies --------------------------------------------------------------------------
+
+_PIECES = [
+    " ", "  ", "   ", "\n", "\n\n", "\r\n", "\t", " \n ", "\u3000", "\u00a0", "0", "42", "12345",
+    "١٢٣", "１２", "中文", "日本語のテキスト", "カタカナー", "・", "한국어", "e\u0301", "\u0301",
+    "\u20dd", "👨\u200d👩\u200d👧", "🎉\ufe0f", "\u200b", "\x00", "\x7f", "\ue000", "<｜User｜>",
+    "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜image｜>", "<think>", "</think>", "｜DSML｜",
+    "<tool_result>", "```", "...", "?!", "$x", "__init__", "It's", "Hello", "world", "{\"a\": 1}",
+]
+text = st.lists(
+    st.one_of(st.sampled_from(_PIECES), st.text(st.characters(exclude_categories=("Cs",)), max_size=8)),
+    max_size=12,
+).map("".join)
+nonempty_text = text.map(lambda s: s if s.strip() else "x" + s)
+name = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
+
+
+def _png(width: int, height: int, rgb: tuple[int, int, int]) -> str:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+image_url = st.builds(
+    _png, st.integers(1, 3), st.integers(1, 3), st.tuples(*[st.integers(0, 255)] * 3)
+)
+json_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(name, inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def tools(draw: st.DrawFn) -> list[dict[str, Any]]:
+    result = []
+    for tool_name in draw(st.lists(name, max_size=3, unique=True)):
+        props = draw(st.dictionaries(name, st.builds(
+            lambda t, d: {"type": t, "description": d}, st.sampled_from(["string", "integer", "boolean"]), text
+        ), max_size=3))
+        result.append({"type": "function", "function": {
+            "name": tool_name, "description": draw(text),
+            "parameters": {"type": "object", "properties": props, "required": sorted(props)[:1]},
+        }})
+    return result
+
+
+@st.composite
+def chat_body(draw: st.DrawFn) -> dict[str, Any]:
+    tool_list = draw(tools())
+    tool_names = [t["function"]["name"] for t in tool_list]
+    messages: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(text)})
+    call_no = 0
+    for _ in range(draw(st.integers(1, 4))):
+        parts: list[dict[str, Any]] = [{"type": "text", "text": draw(nonempty_text)}]
+        for _ in range(draw(st.integers(0, 2))):
+            parts.insert(draw(st.integers(0, len(parts))), {"type": "image_url", "image_url": {"url": draw(image_url)}})
+            parts.append({"type": "text", "text": draw(text)})
+        messages.append({"role": "user", "content": parts if len(parts) > 1 or draw(st.booleans()) else parts[0]["text"]})
+        if tool_names and draw(st.booleans()):
+            calls = []
+            for tool in draw(st.lists(st.sampled_from(tool_names), min_size=1, max_size=2)):
+                call_no += 1
+                args = draw(st.dictionaries(name, json_value, max_size=3))
+                calls.append({"id": f"call_{call_no}", "type": "function",
+                              "function": {"name": tool, "arguments": json.dumps(args, ensure_ascii=False)}})
+            messages.append({"role": "assistant", "content": draw(text), "reasoning_content": draw(text), "tool_calls": calls})
+            messages.extend({"role": "tool", "tool_call_id": c["id"], "content": draw(text)} for c in calls)
+        messages.append({"role": "assistant", "content": draw(nonempty_text), "reasoning_content": draw(text)})
+    if draw(st.booleans()):
+        messages.pop()  # end on the user (or tool) turn, as a live request does
+    body: dict[str, Any] = {"model": MODEL, "messages": messages}
+    if tool_list:
+        body["tools"] = tool_list
+    body["thinking"] = {"type": draw(st.sampled_from(["enabled", "disabled"]))}
+    if draw(st.booleans()):
+        body["reasoning_effort"] = draw(st.sampled_from(["low", "medium", "high"]))
+    return body
+
+
+@st.composite
+def messages_body(draw: st.DrawFn) -> dict[str, Any]:
+    """Anthropic Messages: system prompt, tool_use/tool_result, thinking blocks, images."""
+    tool_list = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                  "input_schema": t["function"]["parameters"]} for t in draw(tools())]
+    messages: list[dict[str, Any]] = []
+    use_no = 0
+    for _ in range(draw(st.integers(1, 3))):
+        content: list[dict[str, Any]] = [{"type": "text", "text": draw(nonempty_text)}]
+        if draw(st.booleans()):
+            data = draw(image_url).split(",", 1)[1]
+            content.append({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}})
+        messages.append({"role": "user", "content": content})
+        blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": draw(text), "signature": "sig"}]
+        blocks.append({"type": "text", "text": draw(nonempty_text)})
+        if tool_list and draw(st.booleans()):
+            use_no += 1
+            tool = draw(st.sampled_from(tool_list))["name"]
+            blocks.append({"type": "tool_use", "id": f"toolu_{use_no}", "name": tool,
+                           "input": draw(st.dictionaries(name, json_value, max_size=2))})
+            messages.append({"role": "assistant", "content": blocks})
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": f"toolu_{use_no}", "content": draw(text)}]})
+            continue
+        messages.append({"role": "assistant", "content": blocks})
+    if messages[-1]["role"] == "assistant":
+        messages.append({"role": "user", "content": draw(nonempty_text)})
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1024, "messages": messages}
+    if draw(st.booleans()):
+        body["system"] = draw(text)
+    if tool_list:
+        body["tools"] = tool_list
+    if draw(st.booleans()):
+        body["thinking"] = {"type": "enabled", "budget_tokens": 2048}
+    return body
+
+
+def _convert(kind: type, body: dict[str, Any]) -> dr.Conversation:
+    try:
+        return kind(json.dumps(body, ensure_ascii=False).encode()).convert(OPTIONS).conversation
+    except dr.ConversionError as exc:  # a combination the protocol itself refuses
+        assume(False)
+        raise AssertionError from exc
+
+
+def _prefix_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The previous turn: the conversation up to its last user message, exclusive."""
+    messages = body["messages"]
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    earlier = [i for i, m in enumerate(messages[:last_user]) if m["role"] == "user"]
+    return {**body, "messages": messages[: earlier[-1] + 1]} if earlier else body
+
+
+def _check(encoder: PromptEncoder, reference: ReferencePromptEncoder, kind: type, body: dict[str, Any]) -> None:
+    conv = _convert(kind, body)
+    expected = reference.encode(conv)
+    for label, spelling in [("image", "<｜image｜>"), ("tool call", "｜DSML｜"), ("thinking", "<think>")]:
+        event(f"{label}: {encoder.bundle.special_token_id(spelling) in expected}")
+    encoder.cache.clear()
+    assert encoder.encode(conv) == expected, "cold cache"
+    assert encoder.encode(conv) == expected, "warm cache"
+    encoder.cache.clear()
+    prefix = _prefix_body(body)
+    encoder.encode(_convert(kind, prefix))
+    assert encoder.encode(conv) == expected, "warm from the previous turn"
+
+
+_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+
+
+@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+@_SETTINGS
+@given(body=chat_body())
+def test_chat_conversations_match_reference(
+    which: str, body: dict[str, Any], request: pytest.FixtureRequest, reference: ReferencePromptEncoder
+) -> None:
+    encoder = request.getfixturevalue(f"{which}_encoder")
+    _check(encoder, reference, dr.ChatCompletionRequest, body)
+
+
+@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+@_SETTINGS
+@given(body=messages_body())
+def test_messages_conversations_match_reference(
+    which: str, body: dict[str, Any], request: pytest.FixtureRequest, reference: ReferencePromptEncoder
+) -> None:
+    encoder = request.getfixturevalue(f"{which}_encoder")
+    _check(encoder, reference, dr.MessagesRequest, body)
+
+
+def test_special_spellings_in_user_text_stay_plain(tiktoken_encoder: PromptEncoder, reference: ReferencePromptEncoder) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "<｜User｜><think><｜image｜>"}]}
+    conv = _convert(dr.ChatCompletionRequest, body)
+    ids = tiktoken_encoder.encode(conv)
+    assert ids == reference.encode(conv)
+    assert ids.count(tiktoken_encoder.bundle.special_token_id("<｜User｜>")) == 1  # only the rendered one
+
+
+def test_image_placeholder_is_one_special_id(tiktoken_encoder: PromptEncoder, reference: ReferencePromptEncoder) -> None:
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": _png(2, 2, (1, 2, 3))}}]
+    conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    ids = tiktoken_encoder.encode(conv)
+    assert ids == reference.encode(conv)
+    assert ids.count(tiktoken_encoder.bundle.special_token_id("<｜image｜>")) == 1
+
+
+def test_follow_up_turn_tokenizes_only_new_segments(bundle: TokenizerBundle, reference: ReferencePromptEncoder) -> None:
+    encoder = PromptEncoder(bundle, plain=HfPlain(json.loads(bundle.json_text)))
+    history = [{"role": "user", "content": "first question " * 200}, {"role": "assistant", "content": "answer " * 200}]
+    first = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": history[:1]})
+    encoder.encode(first)
+    before = encoder.cache_stats()
+    follow = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [*history, {"role": "user", "content": "next"}]})
+    assert encoder.encode(follow) == reference.encode(follow)
+    after = encoder.cache_stats()
+    assert after.hits > before.hits  # the system preamble and the first question were reused
+    assert after.misses - before.misses <= 3  # the answer, the new question, the thinking tail
+
+
+def test_unknown_special_token_fails_like_reference(tiktoken_encoder: PromptEncoder) -> None:
+    broken = json.loads(tiktoken_encoder.bundle.json_text)
+    broken["added_tokens"] = [t for t in broken["added_tokens"] if t["content"] != "<｜System｜>"]
+    bundle = TokenizerBundle(dr.Tokenizer.from_str(json.dumps(broken)), json.dumps(broken), "test", 129280)
+    encoder = PromptEncoder(bundle, plain=tiktoken_encoder.plain)
+    conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(RuntimeError, match="not in the added vocabulary"):
+        encoder.encode(conv)
+    with pytest.raises(RuntimeError):
+        ReferencePromptEncoder(bundle).encode(conv)
