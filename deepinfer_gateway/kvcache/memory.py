@@ -14,7 +14,8 @@ Data layout:
   to the end). Expired entries never count; they are purged from the front on every
   `apply` (bounded work) and by the cap.
 
-Bounded memory (~200 bytes per indexed block in CPython):
+Bounded memory (measured: ~105 B per memory-tier block and ~116 B per store block, plus
+the 32-byte int of each hash):
 - `max_blocks_per_worker` (default 2**20): a worker that reports more stored blocks than
   this loses arbitrary entries (set.pop). Events normally keep a worker far below it
   (its real capacity); the cap guards against a buggy or hostile worker.
