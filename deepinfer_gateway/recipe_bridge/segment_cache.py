@@ -70,12 +70,12 @@ class SegmentCache:
 
     def put(self, key: SegmentKey, ids: list[int]) -> None:
         cost = sys.getsizeof(key) + 8 * len(ids) + _ENTRY_OVERHEAD
-        if cost > self.max_bytes // 4:
-            return
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
+            if cost > self.max_bytes // 4:
+                return
             self._entries[key] = (ids, cost)
             self._bytes += cost
             while self._bytes > self.max_bytes:
