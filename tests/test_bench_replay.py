@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 from deepinfer_gateway.bench.replay import ReplayConfig, replay
@@ -38,7 +39,7 @@ async def test_open_loop_follows_the_trace_clock_with_speedup() -> None:
     result = await replay(trace(5, 1.0), lambda r: f"p{r.index}", sender,
                           ReplayConfig(mode="open", speedup=20.0, progress=False))
     starts = [t for t, _, _ in sender.sent]
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert all(0.04 <= g <= 0.09 for g in gaps), gaps
     assert [r.index for r in result.records] == list(range(5)) and all(r.ok for r in result.records)
     assert [p for _, p, _ in sender.sent] == [f"p{i}" for i in range(5)]

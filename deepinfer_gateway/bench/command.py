@@ -84,22 +84,18 @@ def main(args: argparse.Namespace) -> int:
 
         print(table(load_summaries(args.dirs), markdown=args.markdown))
         return 0
+    from deepinfer_gateway.bench.run import TargetUnreachable, run_bench
+    from deepinfer_gateway.bench.sweep import run_sweep
+
     config = _config(args)
-    if args.sweep:
-        from deepinfer_gateway.bench.sweep import run_sweep
-
-        if not args.sweep_values:
-            raise SystemExit("bench: --sweep needs --sweep-values")
-        try:
+    if args.sweep and not args.sweep_values:
+        raise SystemExit("bench: --sweep needs --sweep-values")
+    try:
+        if args.sweep:
             result = run_sweep(config, args.sweep, [v.strip() for v in args.sweep_values.split(",") if v.strip()])
-        except NotImplementedError as exc:
-            raise SystemExit(f"bench: {exc}") from None
-    else:
-        from deepinfer_gateway.bench.run import TargetUnreachable, run_bench
-
-        try:
+        else:
             result = run_bench(config)
-        except TargetUnreachable as exc:
-            raise SystemExit(f"bench: {exc}") from None
+    except (TargetUnreachable, NotImplementedError) as exc:
+        raise SystemExit(f"bench: {exc}") from None
     sys.stdout.write(json.dumps(result, separators=(",", ":")) + "\n")
     return 0

@@ -16,7 +16,7 @@ import urllib.request
 
 from deepinfer_gateway.bench.summary import TierTokens
 
-_SAMPLE = re.compile(r'^(dgw_cached_prompt_tokens_total|dgw_prompt_tokens_total)(\{[^}]*\})?\s+(\S+)', re.M)
+_SAMPLE = re.compile(r'^(dgw_cached_prompt_tokens_total|dgw_prompt_tokens_total)(\{[^}]*\})?\s+(\S+)', re.MULTILINE)
 _TIER = re.compile(r'tier="([^"]*)"')
 
 

@@ -50,7 +50,7 @@ def hit_rate_over_time(summary: dict[str, Any], path: Path, title: str = "") -> 
     ax.set(xlabel=f"time since start (s), {cache['window_s']:.0f} s windows", ylabel="prompt-token hit rate",
            ylim=(0, 1), title=title or "cache hit rate over time")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -115,8 +115,7 @@ async def _replay(config: BenchConfig, trace: Trace, model: str) -> tuple[Replay
 
 def write_records(path: Path, records: list[RequestRecord]) -> None:
     with open(path, "wb") as f:
-        for record in records:
-            f.write(orjson.dumps(record.to_dict()) + b"\n")
+        f.writelines(orjson.dumps(record.to_dict()) + b"\n" for record in records)
 
 
 def read_records(path: Path) -> list[RequestRecord]:

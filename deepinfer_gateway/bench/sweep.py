@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from deepinfer_gateway.bench import plots

@@ -27,7 +27,7 @@ class TraceFormatError(ValueError):
 def _open_text(path: Path) -> io.TextIOBase:
     if path.suffix == ".gz":
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")  # noqa: SIM115 - closed by the caller's `with`
+    return open(path, encoding="utf-8")
 
 
 def _rebased(name: str, rows: list[tuple[float, int, int, tuple[int, ...] | None]], block_size: int) -> Trace:
@@ -97,7 +97,7 @@ def load_trace(spec: str) -> Trace:
     if not path.exists():
         raise TraceFormatError(f"trace file {spec} does not exist")
     name = path.name.removesuffix(".gz")
-    if name.endswith(".jsonl") or name.endswith(".json"):
+    if name.endswith((".jsonl", ".json")):
         return load_mooncake(path)
     if name.endswith(".csv"):
         return load_azure(path)
