@@ -14,6 +14,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.config import GatewaySettings
 
 DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
 
@@ -22,14 +26,12 @@ def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _run_gateway(settings: object, log_level: str) -> None:
-    import uvicorn
-
+def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
+    from deepinfer_gateway.asgi import run_until_signal
     from deepinfer_gateway.gateway.app import create_app
 
-    app = create_app(settings)  # type: ignore[arg-type]
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(),  # type: ignore[attr-defined]
-                access_log=False, loop="auto", http="auto", timeout_graceful_shutdown=5)
+    run_until_signal(create_app(settings), settings.host, settings.port, log_level=log_level,
+                     graceful_s=settings.shutdown_grace_s)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -61,10 +63,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
     ports = [args.worker_base_port + i for i in range(len(specs))]
-    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "sim-cluster",
+    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", args.log_level, "sim-cluster",
                    "--workers", ",".join(DEMO_TOPOLOGIES[args.topology]),
-                   "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale),
-                   "--log-level", args.log_level]
+                   "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale)]
     child = subprocess.Popen(cluster_cmd, start_new_session=True)
 
     def stop_child(*_: object) -> None:
@@ -127,8 +128,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from deepinfer_gateway.protocol import Role
 
     if args.engine == "deepinfer":
-        import uvicorn
-
+        from deepinfer_gateway.asgi import run_until_signal
         from deepinfer_gateway.protocol import Hardware
         from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
         from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
@@ -139,8 +139,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         config = DeepInferConfig(model=args.model, role=Role(args.role), hardware=Hardware(args.hardware),
                                  worker_id=args.worker_id or f"{args.hardware}-{args.role}-{args.port}",
                                  kv_store_dir=args.kv_store_dir)
-        app = create_worker_app(build_deepinfer_engine(config))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+        run_until_signal(create_worker_app(build_deepinfer_engine(config)), args.host, args.port,
+                         log_level=args.log_level)
         return 0
     from deepinfer_gateway.workers.run import WorkerOptions, run_worker
 

@@ -78,7 +78,9 @@ class GatewaySettings(_Frozen):
     connect_timeout_s: float = Field(2.0, gt=0)
     first_event_timeout_s: float = Field(30.0, gt=0)
     between_events_timeout_s: float = Field(120.0, gt=0)
-    api_keys: tuple[ApiKey, ...] = ()  # empty (and no Redis): authentication off
+    shutdown_grace_s: float = Field(30.0, ge=0)  # SIGTERM: let in-flight streams finish this long
+    api_keys: tuple[ApiKey, ...] = ()  # empty and api_keys_in_redis off: authentication off
+    api_keys_in_redis: bool = False  # also accept keys stored in Redis (dgw:apikey:{sha256})
 
 
 def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GatewaySettings:

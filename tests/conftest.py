@@ -6,10 +6,16 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from deepinfer_gateway.launch import free_port, wait_for_port
+
+if TYPE_CHECKING:
+    import openai
+
+    from deepinfer_gateway.launch import Gateway, SimCluster
 
 
 class RedisServer:
@@ -87,7 +93,7 @@ def gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture
-def openai_client(gateway: "Gateway"):  # type: ignore[no-untyped-def]
+def openai_client(gateway: "Gateway") -> Iterator["openai.OpenAI"]:
     import openai
 
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="test", max_retries=0, timeout=60) as client:

@@ -5,7 +5,8 @@ bodies -> `convert`), so they carry whatever the real request path produces: sys
 prompts, tool schemas, images (tiny PNG data URLs), reasoning, tool calls and results,
 thinking on and off. Each is checked with a cold cache, a warm cache (every segment a
 hit), after encoding its own prefix conversation (partial hits, the follow-up-turn
-case), and with both plain-text tokenizers (tiktoken and the Hugging Face fallback).
+case), and with both plain-text tokenizers (tiktoken and the Hugging Face fallback, the
+latter with SHA-256 digest keys).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def tiktoken_encoder(bundle: TokenizerBundle) -> PromptEncoder:
 
 @pytest.fixture(scope="module")
 def hf_encoder(bundle: TokenizerBundle) -> PromptEncoder:
-    return PromptEncoder(bundle, plain=HfPlain(json.loads(bundle.json_text)))
+    # Also exercises digest keys (segments of 16+ code points keyed by SHA-256).
+    return PromptEncoder(bundle, plain=HfPlain(json.loads(bundle.json_text)), digest_min_chars=16)
 
 
 # --- strategies --------------------------------------------------------------------------

@@ -27,6 +27,11 @@ def test_long_texts_are_keyed_by_digest_short_by_text() -> None:
     assert cache.key("a much longer texT") != long_key
 
 
+def test_default_keys_every_segment_by_its_text() -> None:
+    text = "x" * 100_000
+    assert SegmentCache(1 << 20).key(text) is text
+
+
 def test_least_recently_used_is_evicted_first() -> None:
     cache = SegmentCache(3000)
     for text in ("a", "b", "c"):

@@ -115,7 +115,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             import redis.asyncio as aioredis
 
             redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        keys = KeyStore(settings.api_keys, redis)
+        keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
         registry = WorkerRegistry(settings.workers, client, settings.health, metrics)

@@ -8,7 +8,7 @@
    tokenizer's added vocabulary (`<｜image｜>` placeholders included: one id each,
    exactly as `encode` emits them).
 3. Each plain-text segment between two specials is looked up in a `SegmentCache`
-   (exact key: the text, or its SHA-256 when long); only misses are tokenized, with
+   (exact key: the text; optionally its SHA-256 when long); only misses are tokenized, with
    the fastest exact plain-text tokenizer (`segment_tokenizer.plain_tokenizer`:
    tiktoken with DeepSeek's ranks, else deepseek-recipe's Tokenizer without the added
    vocabulary).
@@ -37,7 +37,7 @@ import json
 
 import deepseek_recipe as dr
 
-from deepinfer_gateway.recipe_bridge.segment_cache import CacheStats, SegmentCache
+from deepinfer_gateway.recipe_bridge.segment_cache import DEFAULT_DIGEST_MIN_CHARS, CacheStats, SegmentCache
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import PlainTokenizer, plain_tokenizer
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
@@ -63,6 +63,7 @@ class PromptEncoder:
         bundle: TokenizerBundle,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        digest_min_chars: int | None = DEFAULT_DIGEST_MIN_CHARS,
         plain: PlainTokenizer | None = None,
     ):
         self.bundle = bundle
@@ -70,7 +71,7 @@ class PromptEncoder:
         self.plain = plain or plain_tokenizer(bundle.json_text)
         self._special = {t["content"]: int(t["id"]) for t in json.loads(bundle.json_text)["added_tokens"]}
         self._ints = list(range(bundle.vocab_size))  # interned: cached lists share these objects
-        self.cache = SegmentCache(cache_bytes)
+        self.cache = SegmentCache(cache_bytes, digest_min_chars=digest_min_chars)
 
     def encode(self, conversation: dr.Conversation) -> list[int]:
         rendered = self._render(conversation)

@@ -85,7 +85,7 @@ def _conversion_options(config: BridgeConfig) -> dr.ConversionOptions:
     return options.with_model_versions_by_name(table)
 
 
-def _sampling(conv: dr.ConversationRequest, max_tokens: int) -> Sampling:
+def _sampling(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool) -> Sampling:
     opts = conv.inference_options
     constraint = opts.output_constraint
     so_args = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None
@@ -97,6 +97,7 @@ def _sampling(conv: dr.ConversationRequest, max_tokens: int) -> Sampling:
         top_logprobs=opts.top_logprobs or 0,
         seq_seed=opts.seed,
         so_args=so_args,
+        ignore_eos=ignore_eos,
     )
 
 
@@ -141,7 +142,8 @@ class RequestPreparer:
             model=model,
             conversation=conv,
             token_ids=token_ids,
-            sampling=_sampling(conv, max_tokens),
+            # `ignore_eos` (vLLM/SGLang extension): benchmarks replaying a trace's output lengths.
+            sampling=_sampling(conv, max_tokens, parsed.get("ignore_eos") is True),
             stream=conv.stream,
             include_usage=include_usage,
             responses_echo=echo,

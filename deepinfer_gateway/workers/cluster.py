@@ -13,14 +13,13 @@ one tokenizer/output planner.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import uvicorn
 from fastapi import FastAPI
 
+from deepinfer_gateway.asgi import EmbeddedServer
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.compat import compat_router
@@ -40,14 +39,6 @@ class SimWorkerSpec:
     time_scale: float = 1.0
     memory_capacity_blocks: int | None = None  # override the profile's
     failures: Failures = Failures()
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the host process (many run at once)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 @dataclass
@@ -74,7 +65,7 @@ async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ser
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on")
-    server = _EmbeddedServer(config)
+    server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import uvicorn
-
+from deepinfer_gateway.asgi import run_until_signal
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.cluster import SimWorkerSpec, build_sim_engine
@@ -50,4 +49,4 @@ def run_worker(options: WorkerOptions) -> None:
     )
     routers = [compat_router(engine, bundle, options.model)] if options.compat else []
     app = create_worker_app(engine, routers)
-    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    run_until_signal(app, options.host, options.port, log_level="warning", graceful_s=2)

@@ -1,0 +1,250 @@
+"""Gateway-side preprocessing and relay cost, segment-cached encoder vs deepseek-recipe's encode.
+
+    python bench/preprocess.py [--repeats 20] [--target-tokens 128000] [--relay-tokens 200000]
+
+(a) first turn: a ~128k-token multi-turn Chat Completions conversation (system prompt,
+    tools, reasoning, tool calls and results) seen for the first time (cache cleared
+    before every repetition); (b) follow-up: the same conversation plus an assistant
+    answer and a new user message (~500 new tokens), with the cache holding exactly the
+    previous turn (re-primed, untimed, before every repetition). Each is timed through
+    the gateway's own path: `RequestPreparer.prepare` (orjson + convert + encode +
+    max_tokens resolution) + `block_hashes(ids, kv_salt(model, kv_format))`. The
+    baseline is the same path with deepseek-recipe's plain `encode`, interleaved in the
+    same run. Medians of `--repeats`.
+
+Relay: tokens/s one core turns worker NDJSON lines into SSE bytes: per message
+`orjson.loads(line)` + `ResponseStream.tokens(ids)`, 4 tokens per message (the low end
+of what a worker with speculative decoding sends; 1 and 8 are reported too), responses
+of 2,000 tokens each (reasoning, `</think>`, answer) including `ready`/`finish` and the
+per-response StreamProcessor set-up.
+
+Last line: one JSON object: first_turn_ms, follow_up_ms, relay_tokens_per_s_per_core,
+plus baseline_* and breakdown keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import deepseek_recipe as dr
+import orjson
+
+from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.protocol import encode_line, tokens_event
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder, ReferencePromptEncoder
+from deepinfer_gateway.recipe_bridge.segment_cache import DEFAULT_DIGEST_MIN_CHARS
+from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
+from deepinfer_gateway.recipe_bridge.stream import ResponseStream
+from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
+
+MODEL = "DeepSeek-V4.1-Flash"
+SALT = kv_salt(MODEL, "sm100")
+OPTIONS = dr.ConversionOptions().with_model_versions_by_name({MODEL: dr.ModelVersion.DeepseekV41Flash})
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an have not which "
+    "model token cache request latency prefix worker gateway decode prefill block hash tensor "
+    "function return value error result memory throughput schedule batch queue stream client "
+    "server config policy route index store engine vision image context window session agent "
+    "because however therefore although quickly carefully simply exactly roughly probably"
+).split()
+_CODE = [
+    "def handle(request):\n    if not request.ok:\n        raise ValueError(request.status)\n    return request.json()\n",
+    "for (let i = 0; i < items.length; i++) {\n  total += items[i].price * 1.2;\n}\n",
+    "SELECT id, name FROM users WHERE created_at > '2025-01-01' ORDER BY id LIMIT 100;\n",
+]
+_CJK = ["缓存命中率很高。", "请总结上面的对话。", "日本語のテキストも少し含める。"]
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    """Roughly `tokens` tokens of mixed prose, numbers, code and a little CJK."""
+    parts: list[str] = []
+    budget = tokens * 4  # ~4 characters per token for this mix
+    while budget > 0:
+        roll = rng.random()
+        if roll < 0.08:
+            piece = "\n\n```python\n" + rng.choice(_CODE) + "```\n\n"
+        elif roll < 0.12:
+            piece = rng.choice(_CJK)
+        else:
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 18))]
+            if rng.random() < 0.3:
+                words.insert(rng.randint(0, len(words)), str(rng.randint(0, 99999)))
+            piece = " ".join(words).capitalize() + rng.choice([". ", ", ", "? ", "!\n"])
+        parts.append(piece)
+        budget -= len(piece)
+    return "".join(parts)
+
+
+_TOOLS = [
+    {"type": "function", "function": {"name": name, "description": f"Look up {name} records.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                    "required": ["query"]}}}
+    for name in ("search_docs", "read_file", "run_sql", "fetch_url")
+]
+
+
+def conversation(rng: random.Random, turns: int, turn_tokens: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": _text(rng, 1500)}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": _text(rng, turn_tokens)})
+        if turn % 5 == 2:
+            call = {"id": f"call_{turn}", "type": "function",
+                    "function": {"name": "search_docs", "arguments": json.dumps({"query": _text(rng, 10)})}}
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _text(rng, 60), "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": _text(rng, turn_tokens // 2)})
+        messages.append({"role": "assistant", "content": _text(rng, turn_tokens), "reasoning_content": _text(rng, 100)})
+    messages.append({"role": "user", "content": _text(rng, 200)})
+    return messages
+
+
+def body(messages: list[dict[str, Any]], stream: bool = False, thinking: bool = True) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": messages, "tools": _TOOLS, "stream": stream,
+                         "thinking": {"type": "enabled" if thinking else "disabled"}})
+
+
+def _ms(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
+
+
+def _pipeline(preparer: RequestPreparer, payload: bytes) -> Callable[[], list[int]]:
+    def run() -> list[int]:
+        return block_hashes(preparer.prepare(ApiProtocol.CHAT, payload).token_ids, SALT)
+    return run
+
+
+def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest_min_chars: int | None) -> dict[str, Any]:
+    config = BridgeConfig()
+    fast = PromptEncoder(bundle, digest_min_chars=digest_min_chars)
+    reference = ReferencePromptEncoder(bundle)
+    fast_prep = RequestPreparer(fast, config)
+    ref_prep = RequestPreparer(cast(PromptEncoder, reference), config)
+
+    rng = random.Random(7)
+    turns = max(1, round(target_tokens / 2530))
+    messages = conversation(rng, turns, 1400)
+    first = body(messages)
+    follow_messages = [*messages, {"role": "assistant", "content": _text(rng, 290), "reasoning_content": ""},
+                       {"role": "user", "content": _text(rng, 290)}]
+    follow = body(follow_messages)
+    first_ids = ref_prep.prepare(ApiProtocol.CHAT, first).token_ids
+    follow_ids = ref_prep.prepare(ApiProtocol.CHAT, follow).token_ids
+    assert fast_prep.prepare(ApiProtocol.CHAT, follow).token_ids == follow_ids  # exact, before timing
+
+    samples: dict[str, list[float]] = {k: [] for k in ("first", "follow", "base_first", "base_follow",
+                                                       "convert", "encode", "hash", "miss_tokens")}
+    gc.collect()
+    for _ in range(repeats):
+        fast.cache.clear()
+        samples["first"].append(_ms(_pipeline(fast_prep, first)))  # cold cache
+        samples["base_first"].append(_ms(_pipeline(ref_prep, first)))
+        samples["base_follow"].append(_ms(_pipeline(ref_prep, follow)))
+        fast.cache.clear()
+        fast_prep.prepare(ApiProtocol.CHAT, first)  # the cache now holds exactly the previous turn
+        samples["follow"].append(_ms(_pipeline(fast_prep, follow)))
+        # Breakdown of the follow-up (same state again).
+        fast.cache.clear()
+        fast_prep.prepare(ApiProtocol.CHAT, first)
+        t0 = time.perf_counter()
+        conv = _convert(follow)
+        t1 = time.perf_counter()
+        ids = fast.encode(conv)
+        t2 = time.perf_counter()
+        block_hashes(ids, SALT)
+        t3 = time.perf_counter()
+        samples["convert"].append((t1 - t0) * 1000)
+        samples["encode"].append((t2 - t1) * 1000)
+        samples["hash"].append((t3 - t2) * 1000)
+
+    # How many tokens the follow-up actually re-tokenized.
+    fast.cache.clear()
+    fast.encode(_convert(first))
+    before = fast.cache_stats()
+    fast.encode(_convert(follow))
+    after = fast.cache_stats()
+
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    return {
+        "first_turn_ms": round(med["first"], 2),
+        "follow_up_ms": round(med["follow"], 2),
+        "follow_up_over_first_turn": round(med["follow"] / med["first"], 3),
+        "baseline_first_turn_ms": round(med["base_first"], 2),
+        "baseline_follow_up_ms": round(med["base_follow"], 2),
+        "follow_up_convert_ms": round(med["convert"], 2),
+        "follow_up_encode_ms": round(med["encode"], 2),
+        "follow_up_hash_ms": round(med["hash"], 2),
+        "first_turn_tokens": len(first_ids),
+        "follow_up_tokens": len(follow_ids),
+        "follow_up_new_tokens": len(follow_ids) - len(first_ids),
+        "follow_up_segment_misses": after.misses - before.misses,
+        "follow_up_segment_hits": after.hits - before.hits,
+        "first_turn_body_bytes": len(first),
+        "plain_tokenizer": fast.plain.name,
+    }
+
+
+def _convert(payload: bytes) -> dr.Conversation:
+    return dr.ChatCompletionRequest(payload).convert(OPTIONS).conversation
+
+
+def relay(bundle: TokenizerBundle, total_tokens: int, per_message: int, response_tokens: int = 2000) -> float:
+    """Tokens/s: NDJSON line -> orjson -> ResponseStream.tokens -> SSE bytes, one thread."""
+    preparer = RequestPreparer(PromptEncoder(bundle, cache_bytes=1 << 20))
+    prepared_body = body([{"role": "user", "content": "Explain KV caching."}], stream=True)
+    rng = random.Random(3)
+    plain = PromptEncoder(bundle, cache_bytes=0).plain
+    reasoning = plain.encode(_text(rng, response_tokens // 2))[: response_tokens // 2]
+    answer = plain.encode(_text(rng, response_tokens))[: response_tokens - len(reasoning) - 1]
+    end_think = bundle.special_token_id("</think>")
+    ids = [*reasoning, end_think, *answer]
+    lines = [encode_line(tokens_event(ids[i : i + per_message])) for i in range(0, len(ids), per_message)]
+    responses = max(1, total_tokens // len(ids))
+    sent = 0
+    gc.collect()
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    for n in range(responses):
+        prepared = preparer.prepare(ApiProtocol.CHAT, prepared_body)
+        stream = ResponseStream(prepared, bundle, f"chatcmpl-{n}")
+        sent += len(stream.ready(12, 0))
+        for line in lines:
+            event = orjson.loads(line)
+            sent += len(stream.tokens(event["token_ids"], event.get("logprobs")))
+        sent += len(stream.finish("stop"))
+        stream.close()
+    wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+    assert sent > 0
+    return responses * len(ids) / max(wall, cpu)  # max: never credit a second core
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--target-tokens", type=int, default=128_000)
+    parser.add_argument("--relay-tokens", type=int, default=200_000)
+    parser.add_argument("--digest-min-chars", type=int, default=DEFAULT_DIGEST_MIN_CHARS,
+                        help="key segments this long by SHA-256 (default: every segment by its text)")
+    args = parser.parse_args()
+    bundle = load_tokenizer()
+    result = preprocess(bundle, args.repeats, args.target_tokens, args.digest_min_chars)
+    for key, value in result.items():
+        print(f"{key:32s} {value}")
+    rates = {n: relay(bundle, args.relay_tokens, n) for n in (1, 4, 8)}
+    for n, rate in rates.items():
+        print(f"relay {n} tokens/message          {rate:,.0f} tokens/s/core")
+    result["relay_tokens_per_s_per_core"] = round(rates[4])
+    result["relay_tokens_per_s_per_core_1_per_message"] = round(rates[1])
+    result["relay_tokens_per_s_per_core_8_per_message"] = round(rates[8])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Running ASGI apps under uvicorn with the process's own signal handling.
+
+uvicorn's `run()` captures SIGINT/SIGTERM and re-raises them after shutdown, which
+surfaces as a KeyboardInterrupt traceback inside the lifespan. Here the host decides:
+SIGINT/SIGTERM set `should_exit`, uvicorn drains, and the call returns normally, so
+callers' `finally` blocks (stopping child processes) run in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its host (several may run at once)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str = "info",
+                             graceful_s: float = 30.0) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=graceful_s, lifespan="on")
+    server = EmbeddedServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, setattr, server, "should_exit", True)
+    await server.serve()
+
+
+def run_until_signal(app: Any, host: str, port: int, **kwargs: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(serve_until_signal(app, host, port, **kwargs))
+    except ImportError:
+        asyncio.run(serve_until_signal(app, host, port, **kwargs))
