@@ -76,6 +76,8 @@ class ResponseStream:
         return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
 
     def tokens(self, token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
+        if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
+            return b""
         self.completion_tokens += len(token_ids)
         if logprobs is not None:
             pairs = [(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs]
