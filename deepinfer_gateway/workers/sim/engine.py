@@ -40,7 +40,7 @@ from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SchedulerCore, SimRequest
 from deepinfer_gateway.workers.sim.kv_events import KvEventLog
 from deepinfer_gateway.workers.sim.kv_store import KvStore
-from deepinfer_gateway.workers.sim.output import OutputPlanner
+from deepinfer_gateway.workers.sim.output import OutputPlanner, fake_logprobs
 from deepinfer_gateway.workers.sim.profiles import HardwareProfile
 from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
 
@@ -65,6 +65,7 @@ class _Stream:
     hashes: list[int]
     streamed: int = 0
     done: bool = False
+    top_logprobs: int | None = None  # None: no logprobs asked for
 
 
 class SimEngine:
@@ -164,7 +165,9 @@ class SimEngine:
         if min(tokens) < 0 or max(tokens) >= self._planner.vocab_size:
             raise AdmissionError(ErrorKind.INVALID_TOKENS, "token id outside the vocabulary")
         role = request.role
-        if self.role is not Role.UNIFIED and role is not self.role:
+        # A decode worker also prefills small prompts itself (PD bypass: role unified).
+        bypass = self.role is Role.DECODE and role is Role.UNIFIED
+        if self.role is not Role.UNIFIED and role is not self.role and not bypass:
             raise AdmissionError(ErrorKind.INVALID_REQUEST, f"a {self.role} worker cannot serve a {role} request")
         if role is Role.DECODE:
             sim = self._decode_request(request)
@@ -180,7 +183,9 @@ class SimEngine:
             )
         hashes = self._core.hashes(tokens)
         self._core.add_request(sim, hashes)
-        stream = _Stream(asyncio.Queue(), len(tokens), hashes)
+        sampling = request.sampling
+        wants = sampling.logprobs or sampling.top_logprobs > 0
+        stream = _Stream(asyncio.Queue(), len(tokens), hashes, top_logprobs=sampling.top_logprobs if wants else None)
         self._streams[request.request_id] = stream
         self._wake.set()
         return stream
@@ -247,14 +252,14 @@ class SimEngine:
         limit = self.failures.fail_after_tokens
         if limit is not None and stream.streamed + len(tokens) > limit:
             if limit > stream.streamed:
-                put(tokens_event(tokens[: limit - stream.streamed]))
+                put(_tokens(stream, tokens[: limit - stream.streamed]))
             stream.streamed = limit
             self._core.abort(update.request_id)
             self._close(stream, finish_event(FinishReason.ERROR, error_kind=ErrorKind.ENGINE, message="injected failure"))
             return
         if tokens:
             stream.streamed += len(tokens)
-            put(tokens_event(tokens))
+            put(_tokens(stream, tokens))
         if update.finish is not None:
             handoff = self._handoff(update.request_id, stream) if update.handoff else None
             self._close(stream, finish_event(update.finish, kv_handoff=handoff, num_output_tokens=stream.streamed))
@@ -297,6 +302,12 @@ class SimEngine:
 
     def kv_events(self, after: int, limit: int = 10_000) -> KvEventBatch:
         return self._events.batch(after, limit)
+
+
+def _tokens(stream: _Stream, token_ids: list[int]) -> dict[str, Any]:
+    if stream.top_logprobs is None:
+        return tokens_event(token_ids)
+    return tokens_event(token_ids, fake_logprobs(token_ids, stream.top_logprobs))
 
 
 def _merge(merged: dict[str, RequestUpdate], update: RequestUpdate) -> None:

@@ -147,6 +147,18 @@ class OutputPlanner:
         return head + pick(_ANSWERS)
 
 
+def fake_logprobs(token_ids: Sequence[int], top: int) -> list[Any]:
+    """Deterministic stand-in log probabilities in the worker protocol's shape: one
+    `[logprob, [[token_id, logprob], ...]]` per token. The emitted token is always the most
+    likely one; `top - 1` alternatives follow with strictly lower log probabilities."""
+    out: list[Any] = []
+    for t in token_ids:
+        lp = -((t * 2654435761) % 1000) / 4000.0  # in (-0.25, 0]
+        alternatives = [[(t + 7919 * k) % 100_000, lp - k - 0.5] for k in range(1, top)]
+        out.append([lp, ([[t, lp]] if top else []) + alternatives])
+    return out
+
+
 @lru_cache(maxsize=2)
 def _detokenizer(tokenizer_json: str) -> Detokenizer:
     return Detokenizer(tokenizer_json)  # ~0.4 s to build: once per vocabulary
