@@ -22,27 +22,39 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _configure_logging(level: str, fmt: str) -> None:
+    from deepinfer_gateway.gateway.logs import configure_logging
+
+    configure_logging(level, fmt)
 
 
 def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
     from deepinfer_gateway.asgi import run_until_signal
+    from deepinfer_gateway.gateway import tracing
     from deepinfer_gateway.gateway.app import create_app
+    from deepinfer_gateway.gateway.logs import RequestContext
 
-    run_until_signal(create_app(settings), settings.host, settings.port, log_level=log_level,
-                     graceful_s=settings.shutdown_grace_s)
+    tracing.configure(settings.tracing)
+    try:
+        app = RequestContext(tracing.ServerSpans(create_app(settings)), access=settings.access_log)
+        run_until_signal(app, settings.host, settings.port, log_level=log_level,
+                         graceful_s=settings.shutdown_grace_s)
+    finally:
+        tracing.shutdown()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
 
     settings = load_settings(args.config, {"host": args.host, "port": args.port, "redis_url": args.redis_url})
+    if args.log_format is None and settings.log_format != "text":  # the config file asked for JSON logs
+        _configure_logging(args.log_level, settings.log_format)
     _run_gateway(settings, args.log_level)
     return 0
 
 
 DEMO_TOPOLOGIES = {
+    "pd": ["prefill:sm100", "prefill:sm100", "prefill:ascend950", "decode:sm100", "decode:sm100", "decode:ascend950"],
     "unified": ["unified:sm100", "unified:sm100", "unified:ascend950"],
 }
 
@@ -63,7 +75,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
     ports = [args.worker_base_port + i for i in range(len(specs))]
-    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", args.log_level, "sim-cluster",
+    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", args.log_level,
+                   "--log-format", args.log_format or "text", "sim-cluster",
                    "--workers", ",".join(DEMO_TOPOLOGIES[args.topology]),
                    "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale)]
     child = subprocess.Popen(cluster_cmd, start_new_session=True)
@@ -158,13 +171,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
+    parser.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("DGW_LOG_FORMAT"),
+                        help="json: one JSON object per line with request_id (default text; env DGW_LOG_FORMAT)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="gateway + a simulated SM100/Ascend cluster on embedded defaults")
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=8000)
     demo.add_argument("--redis-url", default=None, help="share the prefix index through Redis")
-    demo.add_argument("--topology", choices=sorted(DEMO_TOPOLOGIES), default="unified")
+    demo.add_argument("--topology", choices=sorted(DEMO_TOPOLOGIES), default="pd",
+                      help="pd: prefill and decode pools (default); unified: workers doing both")
     demo.add_argument("--worker-base-port", type=int, default=8100)
     demo.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by this")
     demo.set_defaults(func=cmd_demo)
@@ -214,7 +230,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level)
+    _configure_logging(args.log_level, args.log_format or "text")
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
     try:

@@ -64,6 +64,16 @@ class HealthSettings(_Frozen):
     successes_to_readmit: int = Field(1, ge=1)
 
 
+class TracingSettings(_Frozen):
+    """OpenTelemetry tracing (gateway/tracing.py); needs the `otel` extra. Off by default."""
+
+    enabled: bool = False
+    exporter: Literal["otlp", "console", "none"] = "otlp"
+    endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: the exporter's default / OTEL_* env
+    service_name: str = "deepinfer-gateway"
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of root traces; a sampled caller's traceparent wins
+
+
 class GatewaySettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -81,6 +91,9 @@ class GatewaySettings(_Frozen):
     shutdown_grace_s: float = Field(30.0, ge=0)  # SIGTERM: let in-flight streams finish this long
     api_keys: tuple[ApiKey, ...] = ()  # empty and api_keys_in_redis off: authentication off
     api_keys_in_redis: bool = False  # also accept keys stored in Redis (dgw:apikey:{sha256})
+    log_format: Literal["text", "json"] = "text"  # json: one object per line with request_id (gateway/logs.py)
+    access_log: bool = True  # one INFO line per HTTP request (logger deepinfer_gateway.access)
+    tracing: TracingSettings = TracingSettings()
 
 
 def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GatewaySettings:

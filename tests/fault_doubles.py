@@ -1,0 +1,262 @@
+"""Misbehaving workers for the fault tests: real HTTP servers in their own processes.
+
+Two kinds, both started with `FaultyWorker(mode, ...)` (a `launch.Proc` underneath):
+
+- a protocol-v1 double (aiohttp) that speaks just enough of docs/worker-protocol.md
+  (info, load, health, generate, abort) and misbehaves on generate as `mode` says;
+  its load report counts the generate calls still open, so "no engine request
+  leaked" is checkable the same way as on a sim worker;
+- the real sim engine with its failure knobs (`sim-hang`: accepts, never steps;
+  `sim-fail-after`: an `engine` error finish after N tokens).
+
+Double modes (generate): `ok` (ready, N one-token messages, finish), `hang-before-ready`,
+`hang-after` (ready + K tokens, then nothing), `garbage-before` (ready, then a non-JSON
+line), `garbage-after` (K tokens, then a non-JSON line), `html` (200 with an HTML page),
+`reset-after` (K tokens, then the TCP connection is aborted: a crash as seen from the
+socket), `http-500`.
+
+    python -m tests.fault_doubles --port 9001 --mode hang-after --after 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.launch import Proc, free_port, wait_for_port
+
+DOUBLE_MODES = ("ok", "hang-before-ready", "hang-after", "garbage-before", "garbage-after", "html", "reset-after",
+                "http-500")
+SIM_MODES = ("sim-hang", "sim-fail-after")
+
+
+class FaultyWorker:
+    """A misbehaving worker process on a free loopback port."""
+
+    def __init__(self, mode: str, *, after: int = 3, tokens: int = 20, delay_ms: float = 5.0,
+                 hardware: str = "sm100", time_scale: float = 20.0):
+        assert mode in DOUBLE_MODES + SIM_MODES, mode
+        self.mode = mode
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.hardware = hardware
+        self.proc = Proc([sys.executable, "-m", "tests.fault_doubles", "--port", str(self.port), "--mode", mode,
+                          "--after", str(after), "--tokens", str(tokens), "--delay-ms", str(delay_ms),
+                          "--hardware", hardware, "--time-scale", str(time_scale)])
+        wait_for_port(self.port, timeout=30)
+
+    def spec(self) -> tuple[str, str, str]:
+        return (self.url, "unified", self.hardware)
+
+    def load(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + wp.LOAD_PATH, timeout=5) as r:
+            return dict(json.load(r))
+
+    def seen(self) -> list[dict[str, Any]]:
+        """Double only: headers of the generate calls received (request id, traceparent)."""
+        with urllib.request.urlopen(self.url + "/test/seen", timeout=5) as r:
+            return list(json.load(r))
+
+    def stop(self) -> None:
+        self.proc.kill()
+
+
+# --- client-side helpers ----------------------------------------------------------------
+
+
+def scrape(gateway_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The gateway's /metrics as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    """Sum of `name` samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+@dataclass
+class Outcome:
+    """How one streamed answer ended, as the client saw it."""
+
+    status: int
+    kind: str = ""  # done | error | truncated | http_error | client_gone
+    text: str = ""
+    frames: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def stream_chat(session: Any, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Outcome:
+    """POST a streaming chat completion and classify its end: `[DONE]` / error frame / silent truncation."""
+    async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers) as r:
+        if r.status != 200:
+            return Outcome(r.status, "http_error", (await r.read()).decode(errors="replace"))
+        out = Outcome(r.status, "truncated")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                out.kind = "done"
+                break
+            frame = json.loads(data)
+            out.frames.append(frame)
+            if "error" in frame:
+                out.kind = "error"
+                continue
+            for choice in frame.get("choices", ()):
+                out.text += choice.get("delta", {}).get("content") or ""
+        return out
+
+
+def wait_idle(workers: list[Any], timeout: float = 15.0) -> list[dict[str, Any]]:
+    """Poll until every worker's load report says running == waiting == 0; returns the last reports."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [w.load() for w in workers]
+        if all(x["running"] == 0 and x["waiting"] == 0 for x in loads) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.05)
+
+
+# --- the double -----------------------------------------------------------------------
+
+
+def _line(event: dict[str, Any]) -> bytes:
+    return json.dumps(event).encode() + b"\n"
+
+
+def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: str) -> Any:
+    from aiohttp import web
+
+    from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+
+    word = list(load_tokenizer().tokenizer.encode(" lorem"))[:1]
+    worker_id = f"double-{mode}"
+    epoch = "double-epoch"
+    open_calls: set[int] = set()
+    seen: list[dict[str, Any]] = []
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response(wp.WorkerInfo(worker_id=worker_id, engine="sim", role=wp.Role.UNIFIED,
+                                               hardware=wp.Hardware(hardware), kv_format=f"double/{hardware}",
+                                               model="DeepSeek-V4.1-Flash", epoch=epoch).model_dump(mode="json"))
+
+    async def load(_: web.Request) -> web.Response:
+        n = len(open_calls)
+        return web.json_response(wp.LoadReport(
+            worker_id=worker_id, role=wp.Role.UNIFIED, hardware=wp.Hardware(hardware), kv_format=f"double/{hardware}",
+            running=n, waiting=0, queued_prefill_tokens=0, kv_usage=0.0, memory_capacity_blocks=1000,
+            dp_ranks=[wp.DpRankLoad(dp_rank=0, running=n, waiting=0, queued_prefill_tokens=0)], epoch=epoch,
+        ).model_dump(mode="json"))
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "epoch": epoch})
+
+    async def abort(_: web.Request) -> web.Response:
+        return web.json_response({"aborted": False})
+
+    async def seen_calls(_: web.Request) -> web.Response:
+        return web.json_response(seen[-1000:])
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append({"request_id": request.headers.get(wp.REQUEST_ID_HEADER), "body_request_id": body["request_id"],
+                     "traceparent": request.headers.get("traceparent")})
+        if mode == "http-500":
+            return web.json_response({"error": {"kind": "engine", "message": "boom"}}, status=500)
+        if mode == "html":
+            return web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="text/html")
+        key = id(request)
+        open_calls.add(key)
+        try:
+            resp = web.StreamResponse(headers={"content-type": wp.NDJSON})
+            await resp.prepare(request)
+            if mode == "hang-before-ready":
+                await asyncio.Event().wait()
+            await resp.write(_line(wp.ready_event(len(body["token_ids"]), 0, 0)))
+            if mode == "garbage-before":
+                await resp.write(b"<html>this is not json</html>\n")
+                return resp
+            n = tokens if mode == "ok" else after
+            for _ in range(n):
+                await asyncio.sleep(delay_s)
+                await resp.write(_line(wp.tokens_event(word)))
+            if mode == "hang-after":
+                await asyncio.Event().wait()
+            if mode == "garbage-after":
+                await resp.write(b'{"event": "tokens", "token_ids": [1, 2\n')
+                return resp
+            if mode == "reset-after":
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            await resp.write(_line(wp.finish_event(wp.FinishReason.LENGTH, num_output_tokens=n)))
+            await resp.write_eof()
+            return resp
+        finally:
+            open_calls.discard(key)
+
+    app = web.Application()
+    app.router.add_get(wp.INFO_PATH, info)
+    app.router.add_get(wp.LOAD_PATH, load)
+    app.router.add_get(wp.HEALTH_PATH, health)
+    app.router.add_post(wp.ABORT_PATH, abort)
+    app.router.add_post(wp.GENERATE_PATH, generate)
+    app.router.add_get("/test/seen", seen_calls)
+    return app
+
+
+async def _serve_double(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    app = make_double(args.mode, args.after, args.tokens, args.delay_ms / 1000, args.hardware)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", args.port).start()
+    await asyncio.Event().wait()
+
+
+async def _serve_sim(args: argparse.Namespace) -> None:
+    from deepinfer_gateway.protocol import Role
+    from deepinfer_gateway.workers.cluster import SimWorkerSpec, serve_sim_cluster
+    from deepinfer_gateway.workers.sim.engine import Failures
+
+    failures = Failures(hang=True) if args.mode == "sim-hang" else Failures(fail_after_tokens=args.after)
+    spec = SimWorkerSpec(f"{args.mode}-{args.port}", Role.UNIFIED, args.hardware, args.port, args.time_scale,
+                         failures=failures)
+    await serve_sim_cluster([spec], with_store=False)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", choices=DOUBLE_MODES + SIM_MODES, required=True)
+    parser.add_argument("--after", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=20)
+    parser.add_argument("--delay-ms", type=float, default=5.0)
+    parser.add_argument("--hardware", default="sm100")
+    parser.add_argument("--time-scale", type=float, default=20.0)
+    args = parser.parse_args()
+    asyncio.run(_serve_sim(args) if args.mode in SIM_MODES else _serve_double(args))
+
+
+if __name__ == "__main__":
+    main()
