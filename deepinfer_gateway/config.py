@@ -74,6 +74,16 @@ class TracingSettings(_Frozen):
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of root traces; a sampled caller's traceparent wins
 
 
+class ImageSettings(_Frozen):
+    """Image inputs (recipe_bridge/images.py): limits, and whether remote URLs are fetched."""
+
+    max_images: int = Field(16, ge=0)  # per request
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)  # encoded bytes per image
+    max_total_image_bytes: int = Field(32 * 1024 * 1024, ge=1)  # encoded bytes per request
+    remote_fetch: bool = False  # off: only data URLs / inline images
+    allow: tuple[str, ...] = ()  # hosts or CIDRs fetched even when not globally routable
+
+
 class GatewaySettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -81,6 +91,7 @@ class GatewaySettings(_Frozen):
     tokenizer_path: str | None = None
     context_limit: int = Field(131_072, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    images: ImageSettings = ImageSettings()
     redis_url: str | None = None
     workers: tuple[WorkerSpec, ...] = ()
     max_attempts: int = Field(3, ge=1)  # tries before the first token reaches the client
