@@ -64,6 +64,35 @@ class HealthSettings(_Frozen):
     successes_to_readmit: int = Field(1, ge=1)
 
 
+class HardwareCost(_Frozen):
+    """What the router assumes of one engine instance of a hardware kind (cost model inputs)."""
+
+    prefill_tokens_per_s: float = Field(gt=0)  # whole instance, at a typical batch
+    kv_load_bytes_per_s: float = Field(gt=0)  # shared-store read bandwidth of one instance
+    kv_bytes_per_token: float = Field(890.0, gt=0)  # DeepInfer V4.1-Flash: ~890 bytes/token
+
+
+DEFAULT_HARDWARE_COSTS = {
+    # DeepInfer chart: ~85k tok/s/GPU at 16-64k-token batches, 4-GPU prefill instance;
+    # store read 4 x 6.25 GB/s (3FS: ~400 Gbps per 8 GPUs).
+    "sm100": HardwareCost(prefill_tokens_per_s=340_000.0, kv_load_bytes_per_s=25e9),
+    # ASSUMPTION (no published Ascend 950 figures): 0.6 x sm100, as the sim profile.
+    "ascend950": HardwareCost(prefill_tokens_per_s=204_000.0, kv_load_bytes_per_s=25e9),
+}
+
+
+class RouterSettings(_Frozen):
+    policy: str = "estimated_ttft"  # prefill and unified pools
+    decode_policy: str = "least_load"  # decode pools: load per DP rank
+    pool_policies: dict[str, str] = Field(default_factory=dict)  # pool name -> policy override
+    session_affinity: bool = False  # keep a `user` (or x-session-id header) on its worker while load allows
+    pd_bypass_tokens: int = Field(256, ge=0)  # uncached tokens at or below this skip the prefill pool
+    admission_queued_tokens: int = Field(0, ge=0)  # per pool; 0 = no admission control
+    hardware: dict[str, HardwareCost] = Field(default_factory=lambda: dict(DEFAULT_HARDWARE_COSTS))
+    inflight_lease_s: float = Field(60.0, gt=0)  # shared in-flight reservations expire if a replica dies
+    kv_events_interval_s: float = Field(0.05, gt=0)
+
+
 class TracingSettings(_Frozen):
     """OpenTelemetry tracing (gateway/tracing.py); needs the `otel` extra. Off by default."""
 
@@ -95,6 +124,8 @@ class GatewaySettings(_Frozen):
     redis_url: str | None = None
     workers: tuple[WorkerSpec, ...] = ()
     max_attempts: int = Field(3, ge=1)  # tries before the first token reaches the client
+    router: RouterSettings = RouterSettings()
+    admin_keys_required: bool = True  # admin endpoints need an API key with admin = true
     health: HealthSettings = HealthSettings()
     connect_timeout_s: float = Field(2.0, gt=0)
     first_event_timeout_s: float = Field(30.0, gt=0)

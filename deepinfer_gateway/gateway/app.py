@@ -8,10 +8,11 @@ build their own app from their own settings.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import ApiKey, GatewaySettings
+from deepinfer_gateway.config import ApiKey, GatewaySettings, WorkerSpec
 from deepinfer_gateway.gateway.auth import KeyStore, presented_key
 from deepinfer_gateway.gateway.errors import (
     Forbidden,
@@ -46,7 +47,10 @@ from deepinfer_gateway.recipe_bridge.prepare import (
     RequestPreparer,
 )
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.router.policies import make_policy
+from deepinfer_gateway.kvcache.events import KvEventFeeder
+from deepinfer_gateway.kvcache.factory import create_prefix_index
+from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+from deepinfer_gateway.router.planner import RoutePlanner
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ class GatewayState:
     server: RequestServer
     keys: KeyStore
     limiter: MemoryRateLimiter | RedisRateLimiter
+    feeder: KvEventFeeder
     started_at: int
 
 
@@ -96,6 +101,31 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+SESSION_HEADER = "x-session-id"
+
+
+async def _unless_disconnected(request: Request, serving: Awaitable[Response]) -> Response:
+    """Await `serving` (routing + waiting for the first token), but cancel it if the client
+    leaves first, so a long prefill for a client that is gone is aborted on the worker.
+    Streaming responses watch for disconnects themselves once they start."""
+    task = asyncio.ensure_future(serving)
+    watcher = asyncio.ensure_future(request.receive())  # the body is read: the next message is a disconnect
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
 def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> FastAPI:
     metrics = metrics or GatewayMetrics()
     bundle = load_tokenizer(settings.tokenizer_path)
@@ -118,16 +148,24 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
         keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
+        index = create_prefix_index(settings.redis_url, registry=metrics.registry)
+        feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
+        inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)
+                    if redis else MemoryInflight())
         registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
+        for worker in registry.workers.values():
+            feeder.add_worker(worker.worker_id, worker.url)
         await registry.start()
-        server = RequestServer(registry, client, make_policy("round_robin"), bundle, metrics,
-                               settings.max_attempts)
-        app.state.gateway = GatewayState(settings, metrics, preparer, registry, server, keys, limiter,
+        server = RequestServer(registry, client, RoutePlanner(settings.router), index, inflight, bundle, metrics,
+                               settings)
+        app.state.gateway = GatewayState(settings, metrics, preparer, registry, server, keys, limiter, feeder,
                                          int(time.time()))
         try:
             yield
         finally:
             await registry.stop()
+            await feeder.aclose()
+            await index.aclose()
             await client.close()
             if redis is not None:
                 await redis.aclose()
@@ -150,12 +188,17 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             if not key.allows(model):
                 raise Forbidden(f"This API key may not use model {model}.")
             headers, on_done = await _admit(state, key, prepared)
-            return await state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
-                                            headers=headers, on_done=on_done)
+            serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
+                                         headers=headers, on_done=on_done,
+                                         session_key=request.headers.get(SESSION_HEADER))
+            return await _unless_disconnected(request, serving)
         except BridgeError as exc:
             error = GatewayError(exc.message, status_code=exc.status_code, param=exc.param, code=exc.code)
         except GatewayError as exc:
             error = exc
+        except ClientGone:
+            metrics.client_disconnects.inc()
+            error = GatewayError("client disconnected", status_code=499)
         if model not in settings.model_names:
             model = "unknown"  # bounded label: never a client-chosen string
         metrics.requests.labels(str(protocol), model, str(error.status_code)).inc()
@@ -180,6 +223,50 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
         created = request.app.state.gateway.started_at
         data = [{"id": m, "object": "model", "created": created, "owned_by": "deepseek"} for m in settings.model_names]
         return JSONResponse({"object": "list", "data": data})
+
+    async def require_admin(request: Request) -> None:
+        key = await request.app.state.gateway.keys.lookup(presented_key(request.headers))
+        if key is None:
+            raise Unauthorized("Missing or invalid API key.")
+        if not key.admin and settings.admin_keys_required:
+            raise Forbidden("This endpoint needs an API key with admin rights.")
+
+    @app.get("/admin/workers")
+    async def list_workers(request: Request) -> Response:
+        await require_admin(request)
+        state: GatewayState = request.app.state.gateway
+        return JSONResponse({"workers": [
+            {"id": w.worker_id, "url": w.url, "role": str(w.spec.role), "hardware": str(w.spec.hardware),
+             "pool": w.pool, "kv_format": w.kv_format, "healthy": w.healthy, "inflight": w.inflight,
+             "consecutive_failures": w.consecutive_failures, "kv_events_cursor": state.feeder.cursor(w.worker_id),
+             "load": w.load.model_dump(mode="json") if w.load else None}
+            for w in state.registry.workers.values()]})
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> Response:
+        await require_admin(request)
+        state: GatewayState = request.app.state.gateway
+        try:
+            spec = WorkerSpec.model_validate_json(await request.body())
+        except ValueError as exc:
+            raise GatewayError(f"Invalid worker: {exc}", status_code=400) from None
+        worker = state.registry.add(spec)
+        state.feeder.add_worker(worker.worker_id, worker.url)
+        await state.registry.check_all()
+        return JSONResponse({"id": worker.worker_id, "healthy": worker.healthy}, status_code=201)
+
+    @app.delete("/admin/workers/{worker_id:path}")
+    async def remove_worker(worker_id: str, request: Request) -> Response:
+        await require_admin(request)
+        state: GatewayState = request.app.state.gateway
+        if not state.registry.remove(worker_id):
+            raise GatewayError(f"No worker {worker_id}.", status_code=404)
+        await state.feeder.remove_worker(worker_id)
+        return JSONResponse({"id": worker_id, "removed": True})
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return error_response(None, exc)
 
     @app.get("/health")
     async def health() -> Response:

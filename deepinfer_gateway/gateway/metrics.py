@@ -51,6 +51,12 @@ class GatewayMetrics:
         self.client_disconnects = Counter("dgw_client_disconnects", "Clients gone before the end of their stream",
                                           registry=r)
         self.inflight = Gauge("dgw_inflight_requests", "Requests in flight in this gateway process", registry=r)
+        self.prediction_error = Histogram(
+            "dgw_cache_prediction_error_ratio",
+            "(predicted - reported cached tokens) / prompt tokens, per routed request: >0 the index over-predicts",
+            buckets=(-1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r)
+        self.admission_rejections = Counter("dgw_admission_rejections", "Requests refused (429) by admission control",
+                                            ["pool"], registry=r)
         self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",
                                     ["component"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import HealthSettings, WorkerSpec
@@ -29,8 +29,6 @@ class WorkerState:
     info: wp.WorkerInfo | None = None
     load: wp.LoadReport | None = None
     inflight: int = 0  # requests this gateway has open on the worker
-    inflight_prefill_tokens: int = 0  # prompt tokens sent and not yet answered with a first token
-    epoch_changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def worker_id(self) -> str:
@@ -93,16 +91,13 @@ class WorkerRegistry:
 
     async def _check(self, worker: WorkerState) -> None:
         try:
-            if worker.info is None or not worker.healthy:
-                worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
             load = wp.LoadReport.model_validate(await self._client.get_json(worker.url, wp.LOAD_PATH))
+            # (Re)read the info on admission and when the worker restarted (new epoch).
+            if worker.info is None or not worker.healthy or (load.epoch and load.epoch != worker.info.epoch):
+                worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
         except (UpstreamError, ValueError) as exc:
             self.record_failure(worker, f"health check: {exc}")
             return
-        if worker.info is not None and load.epoch and load.epoch != worker.info.epoch:
-            # Restarted behind our back: its memory tier is gone; re-read its info.
-            worker.info = None
-            worker.epoch_changed.set()
         worker.load = load
         self._metrics.worker_queue_tokens.labels(worker.worker_id).set(load.queued_prefill_tokens)
         self._metrics.worker_running.labels(worker.worker_id).set(load.running)

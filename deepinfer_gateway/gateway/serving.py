@@ -1,183 +1,235 @@
-"""The request path after parsing: route -> worker -> relay tokens -> protocol response.
+"""The request path after parsing: route -> worker(s) -> relay tokens -> protocol response.
+
+Routing: the prompt's block hashes (one chain per KV format) are looked up in the prefix
+index in one call; `RoutePlanner` picks the first leg (unified, prefill, or a decode
+worker on PD bypass). In PD mode the prefill leg ends with a KV hand-off and a decode
+leg on a compatible worker continues; the client sees one stream.
 
 Retry rule: a failure before the first token reaches the client (connect error, 5xx,
-timeout, a retryable engine error) is retried on another worker, up to `max_attempts`;
-after the first token the stream ends with a protocol error event, never silently.
-The client's response starts only once the first token is in hand, so every
-pre-first-token failure can still become a retry or a proper HTTP error status.
+timeout, a retryable engine error) is retried on another worker, up to `max_attempts`
+per leg; the decode leg may also be retried on another decode worker until its first
+token. After a token from a leg reached the client, a failure ends the stream with a
+protocol error event, never silently. The client's response starts only once the first
+token is in hand, so every pre-first-token failure can become a retry or a proper
+HTTP error status.
 
-Bookkeeping (in-flight counts, upstream connection, metrics) is released in `finally`
-blocks owned by `_Upstream`, whichever way a request ends: finish, error, or the
-client going away (Starlette cancels the body iterator, which closes the worker
-connection; the worker aborts the engine request when its client disconnects).
+Bookkeeping (in-flight counts and reservations, upstream connections, metrics) is
+released in `finally` blocks whichever way a request ends: finish, error, or the client
+going away (Starlette cancels the body iterator; the gateway closes the worker
+connection, which the worker treats as an abort, and also sends an explicit abort).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
 from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.gateway.errors import (
     GatewayError,
     NoHealthyWorker,
+    Overloaded,
     UpstreamFailed,
     stream_error_frame,
 )
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient, WorkerStream
+from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, ResponseStream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
-from deepinfer_gateway.router.policy import Candidate, Policy, RoutingView
+from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+from deepinfer_gateway.router.planner import NoCandidate, Plan, RoutePlanner, WorkerView, prompt_hashes
 
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 WORKER_HEADER = "x-dgw-worker"
+_LEG_ROLE = {"unified": "unified", "pd": "prefill", "bypass": "unified"}
+
+
+@dataclass
+class _Leg:
+    """One open worker call."""
+
+    worker: WorkerState
+    stream: WorkerStream
+    closed: bool = False
 
 
 @dataclass
 class _Upstream:
-    """One successful attempt: the worker, its open stream and the response being built."""
+    """A request past its first token: the current leg and the response being built."""
 
-    worker: WorkerState
-    stream: WorkerStream
+    leg: _Leg
+    plan: Plan
+    body: dict[str, Any]
     response: ResponseStream
     head: bytes  # protocol bytes produced so far (ready + first tokens), not yet sent
-    finish: dict[str, Any] | None  # set when the whole answer arrived with the first message
-    prompt_tokens: int
-    released: bool = False
+    pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
+    output_ids: list[int] = field(default_factory=list)  # tokens so far (the decode leg continues them)
+    finished: bool = False
     on_done: Callable[[int], None] | None = None
-
-    def release(self, client: WorkerClient, request_id: str, metrics: GatewayMetrics) -> None:
-        if self.released:
-            return
-        self.released = True
-        if self.on_done is not None:
-            self.on_done(self.response.completion_tokens)
-        self.worker.inflight -= 1
-        metrics.inflight.dec()
-        self.stream.close()
-        if self.finish is None:  # not finished: make sure the engine stops too
-            asyncio.get_running_loop().create_task(client.abort(self.worker.url, request_id))
 
 
 class RequestServer:
-    def __init__(self, registry: WorkerRegistry, client: WorkerClient, policy: Policy, bundle: TokenizerBundle,
-                 metrics: GatewayMetrics, max_attempts: int):
+    def __init__(self, registry: WorkerRegistry, client: WorkerClient, planner: RoutePlanner, index: PrefixIndex,
+                 inflight: MemoryInflight | RedisInflight, bundle: TokenizerBundle, metrics: GatewayMetrics,
+                 settings: GatewaySettings):
         self.registry = registry
         self.client = client
-        self.policy = policy
+        self.planner = planner
+        self.index = index
+        self.inflight = inflight
         self.bundle = bundle
         self.metrics = metrics
-        self.max_attempts = max_attempts
+        self.settings = settings
 
     async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
                     workload_class: str = "chat", headers: dict[str, str] | None = None,
-                    on_done: Callable[[int], None] | None = None) -> Response:
+                    on_done: Callable[[int], None] | None = None, session_key: str | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends."""
         response_id = ID_PREFIX[prepared.protocol] + uuid.uuid4().hex
         body = {
             "request_id": request_id,
             "token_ids": prepared.token_ids,
             "sampling": prepared.sampling.model_dump(by_alias=True, exclude_defaults=True),
-            "role": "unified",
             "workload_class": workload_class,
         }
-        upstream = await self._first_token(prepared, body, request_id, response_id)
-        headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: upstream.worker.worker_id}
+        upstream = await self._start(prepared, body, request_id, response_id, session_key or prepared.user)
         upstream.on_done = on_done
+        if not prepared.stream:
+            self.metrics.ttft.observe(time.perf_counter() - arrival)
+        headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: upstream.leg.worker.worker_id}
         if prepared.stream:
             return StreamingResponse(self._relay(prepared, upstream, request_id, arrival),
                                      media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         try:
             await self._drain(prepared, upstream, request_id, arrival)
         finally:
-            upstream.release(self.client, request_id, self.metrics)
+            self._finish(upstream, request_id)
         return Response(upstream.response.body(), media_type="application/json", headers=headers)
 
-    # --- attempts ---------------------------------------------------------------------
+    # --- routing ------------------------------------------------------------------------
 
-    def _candidates(self, exclude: set[str]) -> list[WorkerState]:
-        return [w for w in self.registry.healthy(wp.Role.UNIFIED) if w.worker_id not in exclude]
+    async def _views(self) -> list[WorkerView]:
+        workers = self.registry.healthy()
+        reserved = await self.inflight.totals([w.worker_id for w in workers])
+        views = []
+        for w in workers:
+            if w.info is None:
+                continue
+            load = w.load
+            views.append(WorkerView(
+                worker_id=w.worker_id, role=w.spec.role, pool=w.pool, hardware=str(w.spec.hardware),
+                kv_format=w.kv_format, model=w.info.model,
+                queued_prefill_tokens=(load.queued_prefill_tokens if load else 0) + reserved.get(w.worker_id, 0),
+                running=(load.running if load else 0) + w.inflight,
+                dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else w.info.dp_size,
+            ))
+        return views
 
-    def _choose(self, prepared: PreparedRequest, workers: list[WorkerState]) -> WorkerState:
-        view = RoutingView(
-            prompt_tokens=len(prepared.token_ids),
-            candidates=tuple(
-                Candidate(worker_id=w.worker_id, hardware=str(w.spec.hardware), pool=w.pool, kv_format=w.kv_format,
-                          queued_prefill_tokens=(w.load.queued_prefill_tokens if w.load else 0)
-                          + w.inflight_prefill_tokens,
-                          running=(w.load.running if w.load else 0) + w.inflight)
-                for w in workers),
-            session_key=prepared.user,
-        )
-        decision = self.policy.choose(view)
-        self.policy.observe(view, decision)
-        chosen = next(w for w in workers if w.worker_id == decision.worker_id)
-        self.metrics.routing_decisions.labels(chosen.pool, str(chosen.spec.hardware), str(decision.reason)).inc()
-        return chosen
+    async def _overlap(self, views: list[WorkerView], hashes: dict[str, list[int]]) -> Overlap:
+        started = time.perf_counter()
+        overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
+        self.metrics.prefix_lookup.observe(time.perf_counter() - started)
+        return overlap
 
-    async def _first_token(self, prepared: PreparedRequest, body: dict[str, Any], request_id: str,
-                           response_id: str) -> _Upstream:
+    def _admit(self, plan: Plan, views: list[WorkerView]) -> None:
+        """Admission control: refuse (429) when the chosen pool's queued prefill exceeds the budget."""
+        budget = self.settings.router.admission_queued_tokens
+        if not budget:
+            return
+        pool = [v for v in views if v.pool == plan.worker.pool]
+        queued = sum(v.queued_prefill_tokens for v in pool)
+        if queued <= budget:
+            return
+        speed = sum(self.planner.hardware_cost(v.hardware).prefill_tokens_per_s for v in pool)
+        retry_after = max(1, math.ceil((queued - budget) / speed))
+        self.metrics.admission_rejections.labels(plan.worker.pool).inc()
+        raise Overloaded(f"Pool {plan.worker.pool} is overloaded ({queued} queued prompt tokens); retry later.",
+                         headers={"retry-after": str(retry_after)})
+
+    def _record(self, plan: Plan, request_id: str) -> None:
+        w = plan.worker
+        self.metrics.routing_decisions.labels(w.pool, w.hardware, str(plan.decision.reason)).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s mode=%s worker=%s reason=%s predicted=%d/%d costs=%s", request_id, plan.mode,
+                      w.worker_id, plan.decision.reason, plan.decision.predicted_memory_tokens,
+                      plan.decision.predicted_store_tokens, plan.decision.costs)
+
+    # --- the first token --------------------------------------------------------------------
+
+    async def _start(self, prepared: PreparedRequest, body: dict[str, Any], request_id: str, response_id: str,
+                     session_key: str | None) -> _Upstream:
+        views = await self._views()
+        if not views:
+            raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
+        hashes = prompt_hashes(prepared.token_ids, views)
+        overlap = await self._overlap(views, hashes)
         tried: set[str] = set()
         last_error: UpstreamError | None = None
-        for _ in range(self.max_attempts):
-            workers = self._candidates(tried)
-            if not workers:
-                break
-            worker = self._choose(prepared, workers)
-            tried.add(worker.worker_id)
+        for _ in range(self.settings.max_attempts):
             try:
-                return await self._attempt(prepared, worker, body, request_id, response_id)
+                plan = self.planner.plan_first(views, len(prepared.token_ids), hashes, overlap, session_key,
+                                               frozenset(tried))
+            except NoCandidate:
+                break
+            if not tried:
+                self._admit(plan, views)
+            self._record(plan, request_id)
+            worker = self.registry.workers[plan.worker.worker_id]
+            tried.add(worker.worker_id)
+            leg_body = {**body, "role": _LEG_ROLE[plan.mode]}
+            try:
+                leg, ready, first = await self._open(worker, leg_body, request_id, reserve=len(prepared.token_ids))
             except UpstreamError as exc:
                 last_error = exc
-                self.metrics.upstream_errors.labels(worker.worker_id, exc.kind).inc()
-                if exc.kind in ("connect", "timeout", "http_status"):
-                    self.registry.record_failure(worker, str(exc), eject_now=exc.kind == "connect")
-                if not exc.retryable:
-                    raise GatewayError(str(exc), status_code=exc.status or 400) from None
-                self.metrics.retries.labels(exc.kind).inc()
-                log.warning("request %s: attempt on %s failed (%s), retrying", request_id, worker.worker_id, exc)
+                self._failed(worker, exc, request_id)
+                continue
+            response = ResponseStream(prepared, self.bundle, response_id)
+            upstream = _Upstream(leg, plan, body, response, b"")
+            cached = ready["cached_tokens"]
+            upstream.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
+            self._count_prompt(plan, ready)
+            upstream.pending.append(first)
+            return upstream
         if last_error is None:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
         raise UpstreamFailed(f"All {len(tried)} attempted workers failed: {last_error}")
 
-    async def _attempt(self, prepared: PreparedRequest, worker: WorkerState, body: dict[str, Any],
-                       request_id: str, response_id: str) -> _Upstream:
+    async def _open(self, worker: WorkerState, body: dict[str, Any], request_id: str,
+                    reserve: int = 0) -> tuple[_Leg, dict[str, Any], dict[str, Any]]:
+        """Send `body` to `worker`; return once its `ready` and first token (or finish) arrived."""
         worker.inflight += 1
-        worker.inflight_prefill_tokens += len(prepared.token_ids)
         self.metrics.inflight.inc()
+        if reserve:
+            await self.inflight.reserve(worker.worker_id, request_id, reserve)
         stream: WorkerStream | None = None
         try:
             stream = await self.client.generate(worker.url, body, request_id)
             ready = await stream.next_event()
+            if ready is not None and ready["event"] == "finish":
+                _raise_if_error(ready)  # refused before scheduling: finish without ready
             if ready is None or ready["event"] != "ready":
                 raise UpstreamError("protocol", f"worker {worker.worker_id} did not start with a ready event")
-            cached = ready["cached_tokens"]
-            response = ResponseStream(prepared, self.bundle, response_id)
-            head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
             first = await stream.next_event()
             if first is None:
                 raise UpstreamError("protocol", f"worker {worker.worker_id} closed the stream before a token")
-            finish = None
-            if first["event"] == "finish":
+            if first["event"] == "finish" and "kv_handoff" not in first:
                 _raise_if_error(first)
-                finish = first
-            elif first["event"] == "tokens":
-                head += response.tokens(first["token_ids"], first.get("logprobs"))
-            self._count_prompt(ready)
             self.registry.record_success(worker)
-            return _Upstream(worker, stream, response, head, finish, ready["prompt_tokens"])
+            return _Leg(worker, stream), ready, first
         except BaseException:
             worker.inflight -= 1
             self.metrics.inflight.dec()
@@ -185,26 +237,78 @@ class RequestServer:
                 stream.close()
             raise
         finally:
-            worker.inflight_prefill_tokens -= len(prepared.token_ids)
+            if reserve:
+                await self.inflight.release(worker.worker_id, request_id)
 
-    def _count_prompt(self, ready: dict[str, Any]) -> None:
-        self.metrics.prompt_tokens.inc(ready["prompt_tokens"])
-        for tier, n in ready["cached_tokens"].items():
-            if n:
-                self.metrics.cached_tokens.labels(tier).inc(n)
+    def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str) -> None:
+        self.metrics.upstream_errors.labels(worker.worker_id, exc.kind).inc()
+        if exc.kind in ("connect", "timeout", "http_status", "protocol"):
+            self.registry.record_failure(worker, str(exc), eject_now=exc.kind == "connect")
+        if not exc.retryable:
+            raise GatewayError(str(exc).split(": ", 1)[-1], status_code=exc.status or 400) from None
+        self.metrics.retries.labels(exc.kind).inc()
+        log.warning("request %s: attempt on %s failed (%s), retrying", request_id, worker.worker_id, exc)
 
-    # --- after the first token ----------------------------------------------------------
+    def _count_prompt(self, plan: Plan, ready: dict[str, Any]) -> None:
+        prompt = ready["prompt_tokens"]
+        reported = ready["cached_tokens"]
+        predicted = {"memory": plan.decision.predicted_memory_tokens, "store": plan.decision.predicted_store_tokens}
+        self.metrics.prompt_tokens.inc(prompt)
+        for tier in ("memory", "store"):
+            if reported.get(tier):
+                self.metrics.cached_tokens.labels(tier).inc(reported[tier])
+            if predicted[tier]:
+                self.metrics.predicted_cached_tokens.labels(tier).inc(predicted[tier])
+        error = (predicted["memory"] + predicted["store"] - reported["memory"] - reported["store"]) / max(prompt, 1)
+        self.metrics.prediction_error.observe(error)
 
-    async def _events(self, upstream: _Upstream) -> AsyncIterator[dict[str, Any]]:
-        if upstream.finish is not None:
-            yield upstream.finish
+    # --- after the first token ------------------------------------------------------------
+
+    async def _events(self, upstream: _Upstream, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            event = upstream.pending.pop(0) if upstream.pending else await upstream.leg.stream.next_event()
+            if event is None:
+                raise UpstreamError("protocol", f"worker {upstream.leg.worker.worker_id} ended the stream early")
+            if event["event"] == "tokens":
+                upstream.output_ids.extend(event["token_ids"])
+                yield event
+            elif event["event"] == "finish":
+                handoff = event.get("kv_handoff")
+                if handoff is None or upstream.plan.mode != "pd":
+                    upstream.finished = True
+                    yield event
+                    return
+                await self._hand_off(upstream, handoff, request_id)
+            # a decode leg's own `ready` carries no prompt usage of interest: skip it
+
+    async def _hand_off(self, upstream: _Upstream, handoff: dict[str, Any], request_id: str) -> None:
+        """Prefill finished with a KV hand-off: continue on a compatible decode worker."""
+        self._close_leg(upstream.leg, request_id, abort=False)
+        body = {**upstream.body, "role": "decode", "kv_handoff": handoff,
+                "token_ids": upstream.body["token_ids"] + upstream.output_ids}
+        views = await self._views()
+        tried: set[str] = set()
+        last_error: UpstreamError | None = None
+        for _ in range(self.settings.max_attempts):
+            try:
+                view, decision = self.planner.plan_decode(views, handoff["kv_format"], len(body["token_ids"]),
+                                                          frozenset(tried))
+            except NoCandidate:
+                break
+            self.metrics.routing_decisions.labels(view.pool, view.hardware, str(decision.reason)).inc()
+            worker = self.registry.workers[view.worker_id]
+            tried.add(worker.worker_id)
+            try:
+                leg, _ready, first = await self._open(worker, body, request_id)
+            except UpstreamError as exc:
+                last_error = exc
+                self._failed(worker, exc, request_id)
+                continue
+            upstream.leg = leg
+            upstream.pending.append(first)
             return
-        async for event in upstream.stream.events():
-            yield event
-            if event["event"] == "finish":
-                upstream.finish = event
-                return
-        raise UpstreamError("protocol", f"worker {upstream.worker.worker_id} ended the stream without finishing")
+        raise UpstreamError("worker_error", f"no decode worker took the hand-off: {last_error or 'none compatible'}",
+                            retryable=False)
 
     async def _relay(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str,
                      arrival: float) -> AsyncIterator[bytes]:
@@ -214,7 +318,7 @@ class RequestServer:
             yield upstream.head
             last = time.perf_counter()
             self.metrics.ttft.observe(last - arrival)
-            async for event in self._events(upstream):
+            async for event in self._events(upstream, request_id):
                 if event["event"] == "tokens":
                     out = response.tokens(event["token_ids"], event.get("logprobs"))
                     now = time.perf_counter()
@@ -224,28 +328,28 @@ class RequestServer:
                         yield out
                     if response.done:  # stop sequence: stop the engine too
                         break
-                elif event["event"] == "finish":
+                else:
                     _raise_if_error(event)
                     yield response.finish(event["reason"])
         except (UpstreamError, GatewayError) as exc:
             status = "502"
-            self.metrics.upstream_errors.labels(upstream.worker.worker_id, getattr(exc, "kind", "engine")).inc()
+            self.metrics.upstream_errors.labels(upstream.leg.worker.worker_id, getattr(exc, "kind", "engine")).inc()
             log.warning("request %s: stream from %s failed after the first token: %s", request_id,
-                        upstream.worker.worker_id, exc)
+                        upstream.leg.worker.worker_id, exc)
             yield stream_error_frame(prepared.protocol, f"The worker failed mid-stream: {exc}")
         except asyncio.CancelledError:
             status = "499"
             self.metrics.client_disconnects.inc()
             raise
         finally:
-            upstream.release(self.client, request_id, self.metrics)
+            self._finish(upstream, request_id)
             self._count_done(prepared, response, status, arrival)
 
     async def _drain(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str, arrival: float) -> None:
         response = upstream.response
         status = "200"
         try:
-            async for event in self._events(upstream):
+            async for event in self._events(upstream, request_id):
                 if event["event"] == "tokens":
                     response.tokens(event["token_ids"], event.get("logprobs"))
                     if response.done:
@@ -253,12 +357,33 @@ class RequestServer:
                 else:
                     _raise_if_error(event)
                     response.finish(event["reason"])
-            self.metrics.ttft.observe(time.perf_counter() - arrival)
         except UpstreamError as exc:
             status = "502"
             raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
+        except asyncio.CancelledError:
+            status = "499"
+            self.metrics.client_disconnects.inc()
+            raise
         finally:
             self._count_done(prepared, response, status, arrival)
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def _close_leg(self, leg: _Leg, request_id: str, abort: bool) -> None:
+        if leg.closed:
+            return
+        leg.closed = True
+        leg.worker.inflight -= 1
+        self.metrics.inflight.dec()
+        leg.stream.close()
+        if abort:  # the dropped connection aborts too; this covers proxies that keep it open
+            asyncio.get_running_loop().create_task(self.client.abort(leg.worker.url, request_id))
+
+    def _finish(self, upstream: _Upstream, request_id: str) -> None:
+        self._close_leg(upstream.leg, request_id, abort=not upstream.finished)
+        if upstream.on_done is not None:
+            on_done, upstream.on_done = upstream.on_done, None
+            on_done(upstream.response.completion_tokens)
 
     def _count_done(self, prepared: PreparedRequest, response: ResponseStream, status: str, arrival: float) -> None:
         self.metrics.generation_tokens.inc(response.completion_tokens)

@@ -1,0 +1,164 @@
+"""Route planning: which worker serves a request's prefill, and which its decode.
+
+Pure (no I/O): the caller gathers `WorkerView`s (registry + load reports + in-flight
+reservations) and the prefix index's `Overlap`, and gets back a `Plan`. The live gateway
+and the offline simulator call this same code.
+
+Modes:
+- `unified`: no prefill/decode split configured (no healthy prefill or decode worker):
+  one unified worker does both, chosen by the unified pool's policy.
+- `pd`: a prefill worker (prefill pool policy, default estimated TTFT) computes the
+  prompt and the first token; a decode worker with the same KV format (decode policy,
+  default least load per DP rank) continues from the KV hand-off.
+- `bypass`: the uncached part of the prompt on some decode worker is at most
+  `pd_bypass_tokens`: that decode worker prefills it itself, skipping the hand-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from deepinfer_gateway.config import HardwareCost, RouterSettings
+from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.types import Overlap
+from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
+from deepinfer_gateway.router.policies import make_policy
+from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    role: Role
+    pool: str
+    hardware: str
+    kv_format: str
+    model: str
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    dp_ranks: int = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # unified | pd | bypass
+    worker: WorkerView  # first leg: the unified, prefill or (bypass) decode worker
+    decision: Decision
+    view: RoutingView
+
+
+class NoCandidate(Exception):
+    """No healthy, compatible, untried worker for this leg."""
+
+
+def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView]) -> dict[str, list[int]]:
+    """Chained block hashes of the prompt for every KV format among `workers` (salted per model+format)."""
+    out: dict[str, list[int]] = {}
+    for w in workers:
+        if w.kv_format not in out:
+            out[w.kv_format] = block_hashes(token_ids, kv_salt(w.model, w.kv_format))
+    return out
+
+
+class RoutePlanner:
+    def __init__(self, settings: RouterSettings):
+        self.settings = settings
+        self._policies: dict[str, Policy] = {}
+
+    def policy_for(self, pool: str, role: Role) -> Policy:
+        if pool not in self._policies:
+            default = self.settings.decode_policy if role is Role.DECODE else self.settings.policy
+            name = self.settings.pool_policies.get(pool, default)
+            self._policies[pool] = make_policy(name, self.settings.session_affinity and role is not Role.DECODE)
+        return self._policies[pool]
+
+    def hardware_cost(self, hardware: str) -> HardwareCost:
+        return self.settings.hardware.get(hardware) or next(iter(self.settings.hardware.values()))
+
+    def _candidate(self, w: WorkerView, overlap: Overlap) -> Candidate:
+        cost = self.hardware_cost(w.hardware)
+        return Candidate(
+            worker_id=w.worker_id, hardware=w.hardware, pool=w.pool, kv_format=w.kv_format,
+            queued_prefill_tokens=w.queued_prefill_tokens, running=w.running, dp_ranks=w.dp_ranks,
+            memory_hit_blocks=overlap.memory.get(w.worker_id, 0), store_hit_blocks=overlap.store.get(w.kv_format, 0),
+            prefill_tokens_per_s=cost.prefill_tokens_per_s, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
+            kv_bytes_per_token=cost.kv_bytes_per_token,
+        )
+
+    def _choose(self, role: Role, workers: list[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
+                overlap: Overlap, session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
+        # One policy per pool; with several pools of a role, the largest pool serves (pool choice
+        # by cost across pools is future work: configure one pool per role for now).
+        pools: dict[str, list[WorkerView]] = {}
+        for w in workers:
+            pools.setdefault(w.pool, []).append(w)
+        pool, members = max(pools.items(), key=lambda item: (len(item[1]), item[0]))
+        fmt = members[0].kv_format
+        view = RoutingView(
+            prompt_tokens=prompt_tokens,
+            candidates=tuple(self._candidate(w, overlap) for w in members),
+            block_hashes=tuple(hashes.get(fmt, ())),
+            block_tokens=KV_BLOCK_TOKENS,
+            session_key=session_key,
+        )
+        policy = self.policy_for(pool, role)
+        decision = policy.choose(view)
+        policy.observe(view, decision)
+        chosen = next(w for w in members if w.worker_id == decision.worker_id)
+        return chosen, decision, view
+
+    def plan_first(self, workers: Sequence[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
+                   overlap: Overlap, session_key: str | None = None, exclude: frozenset[str] = frozenset()) -> Plan:
+        live = [w for w in workers if w.worker_id not in exclude]
+        prefill = [w for w in live if w.role is Role.PREFILL]
+        decode = [w for w in live if w.role is Role.DECODE]
+        unified = [w for w in live if w.role is Role.UNIFIED]
+        if prefill and decode:
+            bypass = self._bypass_candidates(decode, prompt_tokens, overlap)
+            if bypass:
+                chosen, decision, view = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
+                decision = Decision(decision.worker_id, Reason.BYPASS, decision.costs,
+                                    *self._predicted(chosen, prompt_tokens, overlap))
+                return Plan("bypass", chosen, decision, view)
+            compatible = {w.kv_format for w in decode}
+            prefill = [w for w in prefill if w.kv_format in compatible]
+            if prefill:
+                chosen, decision, view = self._choose(Role.PREFILL, prefill, prompt_tokens, hashes, overlap,
+                                                      session_key)
+                return Plan("pd", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+        if unified:
+            chosen, decision, view = self._choose(Role.UNIFIED, unified, prompt_tokens, hashes, overlap, session_key)
+            return Plan("unified", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+        raise NoCandidate("no healthy worker can serve this request")
+
+    def plan_decode(self, workers: Sequence[WorkerView], kv_format: str, prompt_tokens: int,
+                    exclude: frozenset[str] = frozenset()) -> tuple[WorkerView, Decision]:
+        decode = [w for w in workers if w.role is Role.DECODE and w.kv_format == kv_format
+                  and w.worker_id not in exclude]
+        if not decode:
+            raise NoCandidate(f"no healthy decode worker with KV format {kv_format}")
+        chosen, decision, _ = self._choose(Role.DECODE, decode, prompt_tokens, {}, Overlap(), None)
+        return chosen, decision
+
+    def _bypass_candidates(self, decode: list[WorkerView], prompt_tokens: int, overlap: Overlap) -> list[WorkerView]:
+        limit = self.settings.pd_bypass_tokens
+        if limit <= 0:
+            return []
+        out = []
+        for w in decode:
+            cached = max(overlap.memory.get(w.worker_id, 0), overlap.store.get(w.kv_format, 0)) * KV_BLOCK_TOKENS
+            if prompt_tokens - min(cached, prompt_tokens) <= limit:
+                out.append(w)
+        return out
+
+    @staticmethod
+    def _predicted(w: WorkerView, prompt_tokens: int, overlap: Overlap) -> tuple[int, int]:
+        mem = min(overlap.memory.get(w.worker_id, 0) * KV_BLOCK_TOKENS, prompt_tokens)
+        store = max(0, min(overlap.store.get(w.kv_format, 0) * KV_BLOCK_TOKENS, prompt_tokens) - mem)
+        return mem, store
+
+    def _with_prediction(self, decision: Decision, w: WorkerView, prompt_tokens: int, overlap: Overlap) -> Decision:
+        """Every policy's decision carries the index's prediction for the chosen worker (honesty metrics)."""
+        mem, store = self._predicted(w, prompt_tokens, overlap)
+        return Decision(decision.worker_id, decision.reason, decision.costs, mem, store)
