@@ -172,6 +172,10 @@ def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: st
     async def abort(_: web.Request) -> web.Response:
         return web.json_response({"aborted": False})
 
+    async def kv_events(_: web.Request) -> web.Response:
+        return web.json_response({"worker_id": worker_id, "epoch": epoch, "events": [], "last_seq": 0,
+                                  "oldest_seq": 1})
+
     async def seen_calls(_: web.Request) -> web.Response:
         return web.json_response(seen[-1000:])
 
@@ -219,6 +223,7 @@ def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: st
     app.router.add_get(wp.HEALTH_PATH, health)
     app.router.add_post(wp.ABORT_PATH, abort)
     app.router.add_post(wp.GENERATE_PATH, generate)
+    app.router.add_get(wp.KV_EVENTS_PATH, kv_events)
     app.router.add_get("/test/seen", seen_calls)
     return app
 
