@@ -105,6 +105,7 @@ class RequestServer:
             "token_ids": prepared.token_ids,
             "sampling": prepared.sampling.model_dump(by_alias=True, exclude_defaults=True),
             "workload_class": workload_class,
+            **prepared.worker_fields(),  # images
         }
         upstream = await self._start(prepared, body, request_id, response_id, session_key or prepared.user)
         upstream.on_done = on_done
@@ -181,7 +182,7 @@ class RequestServer:
         last_error: UpstreamError | None = None
         for _ in range(self.settings.max_attempts):
             try:
-                plan = self.planner.plan_first(views, len(prepared.token_ids), hashes, overlap, session_key,
+                plan = self.planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session_key,
                                                frozenset(tried))
             except NoCandidate:
                 break
@@ -192,7 +193,7 @@ class RequestServer:
             tried.add(worker.worker_id)
             leg_body = {**body, "role": _LEG_ROLE[plan.mode]}
             try:
-                leg, ready, first = await self._open(worker, leg_body, request_id, reserve=len(prepared.token_ids))
+                leg, ready, first = await self._open(worker, leg_body, request_id, reserve=prepared.prompt_tokens)
             except UpstreamError as exc:
                 last_error = exc
                 self._failed(worker, exc, request_id)

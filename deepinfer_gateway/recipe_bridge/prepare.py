@@ -2,12 +2,15 @@
 
 The only place a protocol payload is parsed ("parse at the edge, once"): deepseek-recipe
 converts Chat Completions, Responses and Anthropic Messages into a ConversationRequest,
-encodes the prompt with the tokenizer, and resolves `max_tokens` against the context
-limit. Downstream code reads `PreparedRequest` only.
+encodes the prompt with the tokenizer, resolves the images (images.py) and `max_tokens`
+against the context limit (images counted at their image token count). Legacy
+Completions (completions.py) have no chat template: raw text through the plain
+tokenizer, or token ids. Downstream code reads `PreparedRequest` only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -16,14 +19,18 @@ from typing import Any
 import deepseek_recipe as dr
 import orjson
 
+from deepinfer_gateway.config import ImageSettings
 from deepinfer_gateway.protocol import Sampling, StructuredOutput
+from deepinfer_gateway.recipe_bridge import completions as legacy
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
 
 
 class ApiProtocol(StrEnum):
     CHAT = "chat"
     RESPONSES = "responses"
     MESSAGES = "messages"
+    COMPLETIONS = "completions"  # legacy text completions: no chat template
 
 
 class BridgeError(Exception):
@@ -50,6 +57,7 @@ class BridgeConfig:
     model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
     context_limit: int = 131_072
     max_tokens_upper_bound: int = 393_216
+    images: ImageSettings = ImageSettings()
 
 
 _REQUEST_TYPES: dict[ApiProtocol, Any] = {
@@ -63,7 +71,7 @@ _REQUEST_TYPES: dict[ApiProtocol, Any] = {
 class PreparedRequest:
     protocol: ApiProtocol
     model: str
-    conversation: dr.ConversationRequest
+    conversation: dr.ConversationRequest | None  # None for legacy completions
     token_ids: list[int]
     sampling: Sampling
     stream: bool
@@ -73,6 +81,21 @@ class PreparedRequest:
     responses_echo: Any = None
     namespace_tool_map: dict[str, tuple[str, str]] | None = None
     user: str | None = None
+    # Images: base64 preprocessed bytes, prompt order, and the tokens they add beyond one placeholder each.
+    images: list[str] = field(default_factory=list)
+    image_token_adjustment: int = 0
+    legacy: legacy.LegacyOptions | None = None  # legacy completions: stop sequences, logprobs
+
+    @property
+    def prompt_tokens(self) -> int:
+        """What the engine will prefill: token ids plus the image token adjustment (routing, limits)."""
+        return len(self.token_ids) + self.image_token_adjustment
+
+    def worker_fields(self) -> dict[str, object]:
+        """Extra GenerateRequest fields for the worker body (images), empty without images."""
+        if not self.images:
+            return {}
+        return {"images": self.images, "image_token_adjustment": self.image_token_adjustment}
 
 
 def _conversion_options(config: BridgeConfig) -> dr.ConversionOptions:
@@ -108,8 +131,17 @@ class RequestPreparer:
         self.encoder = encoder
         self.config = config
         self._options = _conversion_options(config)
+        self.images = ImageInputs(config.images)
+
+    async def prepare_async(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:
+        """`prepare`, off the event loop when the body may carry images (fetch, decode, resize)."""
+        if b"image" in body:
+            return await asyncio.to_thread(self.prepare, protocol, body)
+        return self.prepare(protocol, body)
 
     def prepare(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:
+        if protocol is ApiProtocol.COMPLETIONS:
+            return self._prepare_completion(body)
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -129,9 +161,13 @@ class RequestPreparer:
             raise BridgeError.from_conversion(exc) from None
         except ValueError as exc:  # malformed body the library cannot even read
             raise BridgeError(400, str(exc)) from None
-        token_ids = self.encoder.encode(conv.conversation)
+        images = self._images(conv.conversation)
         try:
-            max_tokens = conv.resolve_max_tokens(len(token_ids), self.config.context_limit)
+            token_ids = self.encoder.encode(conv.conversation)
+        except RuntimeError as exc:  # text the vocabulary cannot encode
+            raise BridgeError(400, f"The prompt cannot be tokenized: {exc}") from None
+        try:
+            max_tokens = conv.resolve_max_tokens(len(token_ids) + images.token_adjustment, self.config.context_limit)
         except dr.ConversionError as exc:
             raise BridgeError.from_conversion(exc) from None
         stream_options = parsed.get("stream_options")
@@ -149,4 +185,56 @@ class RequestPreparer:
             responses_echo=echo,
             namespace_tool_map=namespace_map,
             user=user,
+            images=images.images,
+            image_token_adjustment=images.token_adjustment,
+        )
+
+    def _images(self, conversation: dr.Conversation) -> ResolvedImages:
+        try:
+            return self.images.resolve(self.images.sources(conversation))
+        except ImageRefused as exc:
+            raise BridgeError(400, str(exc), param="messages") from None
+
+    def _prepare_completion(self, body: bytes) -> PreparedRequest:
+        try:
+            request = legacy.parse_completion(body)
+            if request.model not in self.config.model_names:
+                raise legacy.CompletionRefused(
+                    f"The supported API model names are {', '.join(self.config.model_names)}, "
+                    f"but you passed {request.model}.", "model")
+            prompt = legacy.single_prompt(request.prompt)
+            bundle = self.encoder.bundle
+            if isinstance(prompt, str):
+                token_ids = bundle.tokenizer.encode(prompt)
+            else:
+                token_ids = prompt
+                if any(t >= bundle.vocab_size for t in token_ids):
+                    raise legacy.CompletionRefused(
+                        f"Token ids in `prompt` must be below the vocabulary size {bundle.vocab_size}.", "prompt")
+            if not token_ids:
+                raise legacy.CompletionRefused("`prompt` must not be empty.", "prompt")
+            context = self.config.context_limit
+            max_tokens = legacy.resolve_max_tokens(request.max_tokens, len(token_ids), context)
+        except legacy.CompletionRefused as exc:
+            raise BridgeError(400, exc.message, param=exc.param) from None
+        sampling = Sampling(
+            temperature=request.temperature if request.temperature is not None else 1.0,
+            top_p=request.top_p if request.top_p is not None else 1.0,
+            max_tokens=max_tokens,
+            logprobs=request.logprobs is not None,
+            top_logprobs=request.logprobs or 0,
+            seq_seed=request.seed,
+            ignore_eos=request.ignore_eos,
+        )
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return PreparedRequest(
+            protocol=ApiProtocol.COMPLETIONS,
+            model=request.model,
+            conversation=None,
+            token_ids=token_ids,
+            sampling=sampling,
+            stream=bool(request.stream),
+            include_usage=include_usage,
+            user=request.user,
+            legacy=legacy.LegacyOptions(legacy.stop_sequences(request.stop), request.logprobs),
         )

@@ -15,6 +15,9 @@ from typing import Any
 import deepseek_recipe as dr
 import orjson
 
+from deepinfer_gateway.recipe_bridge.completion_stream import TextCompletionProcessor, TextCompletionResponse
+from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.completions import LegacyOptions
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
@@ -28,13 +31,16 @@ _RESPONSE_TYPES: dict[ApiProtocol, Any] = {
     ApiProtocol.CHAT: dr.ChatCompletionResponse,
     ApiProtocol.RESPONSES: dr.ResponsesResponse,
     ApiProtocol.MESSAGES: dr.MessagesResponse,
+    ApiProtocol.COMPLETIONS: TextCompletionResponse,
 }
 
-ID_PREFIX = {ApiProtocol.CHAT: "chatcmpl-", ApiProtocol.RESPONSES: "resp_", ApiProtocol.MESSAGES: "msg_"}
+ID_PREFIX = {ApiProtocol.CHAT: "chatcmpl-", ApiProtocol.RESPONSES: "resp_", ApiProtocol.MESSAGES: "msg_",
+             ApiProtocol.COMPLETIONS: "cmpl-"}
 
 
 def _generator(prepared: PreparedRequest, response_id: str) -> Any:
     conv = prepared.conversation
+    assert conv is not None
     if prepared.protocol is ApiProtocol.CHAT:
         return dr.ChatCompletionRequest.chunk_generator(conv, response_id, prepared.model)
     if prepared.protocol is ApiProtocol.RESPONSES:
@@ -51,16 +57,25 @@ class ResponseStream:
     """One request's output path. Feed it worker events in order; it returns bytes to send.
 
     Streaming mode returns SSE frames from every call; non-streaming mode returns b""
-    until `body()` is asked for the accumulated JSON response.
+    until `body()` is asked for the accumulated JSON response. Legacy completions use
+    completion_stream.py's processor and response in place of deepseek-recipe's.
     """
 
     def __init__(self, prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str):
         self.prepared = prepared
         self.response_id = response_id
         self._response_type = _RESPONSE_TYPES[prepared.protocol]
-        self._processor = dr.StreamProcessor(
-            _generator(prepared, response_id), prepared.conversation.parsing_options, bundle.tokenizer
-        )
+        self._legacy: TextCompletionProcessor | None = None
+        if prepared.protocol is ApiProtocol.COMPLETIONS:
+            self._legacy = TextCompletionProcessor(token_bytes(bundle.json_text), prepared.legacy or LegacyOptions(),
+                                                   response_id, prepared.model, prepared.created,
+                                                   prepared.include_usage)
+            self._processor: Any = self._legacy
+        else:
+            assert prepared.conversation is not None
+            self._processor = dr.StreamProcessor(
+                _generator(prepared, response_id), prepared.conversation.parsing_options, bundle.tokenizer
+            )
         self._accumulator: Any = None
         self._stream = prepared.stream
         self._split_usage = prepared.protocol is ApiProtocol.CHAT and prepared.include_usage
@@ -72,6 +87,8 @@ class ResponseStream:
             self._accumulator = self._response_type(
                 self.response_id, self.prepared.model, self.prepared.created, prompt_tokens, cached_tokens
             )
+        if self._legacy is not None:
+            return self._emit(self._legacy.ready(prompt_tokens, cached_tokens))
         usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
 
@@ -79,6 +96,9 @@ class ResponseStream:
         if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
             return b""
         self.completion_tokens += len(token_ids)
+        if self._legacy is not None:
+            out = self._emit(self._legacy.tokens(token_ids, logprobs))
+            return out + self._done() if self._legacy.finished else out
         if logprobs is not None:
             pairs = [(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs]
             chunk = dr.InferenceChunk.tokens(token_ids, pairs)
@@ -93,6 +113,8 @@ class ResponseStream:
         """End normally (`stop`, `length`, `content_filter`); emits the usage chunk and `[DONE]`."""
         if self.done:
             return b""
+        if self._legacy is not None:
+            return self._emit(self._legacy.finish(reason), final=True) + self._done()
         finish = dr.InferenceChunk.finish(_FINISH.get(reason, _FINISH["stop"]))
         out = self._emit(self._processor.push(finish), final=True)
         out += self._emit(self._processor.finish(), final=True)

@@ -1,0 +1,64 @@
+"""Token ids -> text for the legacy Completions API (deepseek-recipe's Tokenizer only encodes).
+
+`TokenBytes` maps every id of a byte-level BPE `tokenizer.json` to its bytes (GPT-2's
+printable byte alphabet undone; added tokens are their literal text). `TextDecoder` is
+the incremental form: feed ids, get the text that is complete so far; a UTF-8 sequence
+split across tokens is held back until its last byte arrives (`flush()` ends the stream,
+replacing an unfinished sequence with U+FFFD). Building `TokenBytes` costs ~0.4 s, so one
+is kept per vocabulary.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2 `bytes_to_unicode`, inverted: printable char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenBytes:
+    def __init__(self, tokenizer_json: str) -> None:
+        data = json.loads(tokenizer_json)
+        alphabet = _byte_alphabet()
+        self.pieces: dict[int, bytes] = {
+            int(i): bytes(alphabet.get(ch, 0x3F) for ch in piece) for piece, i in data["model"]["vocab"].items()
+        }
+        for token in data["added_tokens"]:
+            self.pieces[int(token["id"])] = token["content"].encode()
+
+    def bytes_of(self, token_ids: Sequence[int]) -> bytes:
+        pieces = self.pieces
+        return b"".join(pieces.get(t, b"") for t in token_ids)
+
+    def text_of(self, token_id: int) -> str:
+        return self.pieces.get(token_id, b"").decode("utf-8", errors="replace")
+
+
+@lru_cache(maxsize=2)
+def token_bytes(tokenizer_json: str) -> TokenBytes:
+    return TokenBytes(tokenizer_json)
+
+
+class TextDecoder:
+    def __init__(self, table: TokenBytes) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._utf8.decode(self._table.bytes_of(token_ids))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
