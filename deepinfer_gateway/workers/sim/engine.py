@@ -185,7 +185,8 @@ class SimEngine:
         self._core.add_request(sim, hashes)
         sampling = request.sampling
         wants = sampling.logprobs or sampling.top_logprobs > 0
-        stream = _Stream(asyncio.Queue(), len(tokens), hashes, top_logprobs=sampling.top_logprobs if wants else None)
+        # Images count in the prompt at their image token count (one placeholder each in `token_ids`).
+        stream = _Stream(asyncio.Queue(), len(tokens) + request.image_token_adjustment, hashes, top_logprobs=sampling.top_logprobs if wants else None)
         self._streams[request.request_id] = stream
         self._wake.set()
         return stream

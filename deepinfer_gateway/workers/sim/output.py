@@ -8,8 +8,10 @@ prompt's last TAIL_TOKENS tokens and looks at how the V4.1 template left off:
 - `</tool_result>` right before `<｜Assistant｜>`: the last turn is a tool result, so
   the answer is text even when tools are offered.
 With `so_args.schema_type` `tool_call`/`tool_call_required` (schema = the Chat
-Completions tools as JSON) the answer is a DSML call of the first tool, with arguments
-satisfying its schema, in the template's format. `json` gives a minimal schema-valid
+Completions tools as JSON) the answer is a DSML calls block, with arguments satisfying
+each tool's schema, in the template's format: one call of every offered tool whose name
+the last user message mentions (parallel tool calls), or of the first tool when it
+names none. `json` gives a minimal schema-valid
 value; `regex` tries a few candidate strings with `re.fullmatch` (best effort: an
 unmatched regex gets plain text); `ebnf` is ignored.
 
@@ -39,6 +41,7 @@ from deepinfer_gateway.workers.sim.json_values import example_value
 TAIL_TOKENS = 64
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ASSISTANT = "<｜Assistant｜>"
+USER = "<｜User｜>"
 DSML = "｜DSML｜"
 CALLS_OPEN = f"<{DSML} calls>\n"
 
@@ -70,13 +73,15 @@ class PromptShape:
     thinking: bool
     in_tool_calls: bool
     after_tool_result: bool
+    last_user: str = ""  # the last user message, as far as the tail shows it
 
 
 def read_tail(tail: str) -> PromptShape:
     in_tool_calls = tail.endswith(CALLS_OPEN)
     thinking = tail.endswith(THINK_OPEN)
     turn_end = tail.removesuffix(THINK_OPEN).removesuffix(THINK_CLOSE)
-    return PromptShape(thinking, in_tool_calls, turn_end.endswith("</tool_result>" + ASSISTANT))
+    last_user = tail.rpartition(USER)[2].partition(ASSISTANT)[0] if USER in tail else ""
+    return PromptShape(thinking, in_tool_calls, turn_end.endswith("</tool_result>" + ASSISTANT), last_user)
 
 
 def dsml_invoke(tool: dict[str, Any]) -> str:
@@ -130,10 +135,10 @@ class OutputPlanner:
         so = sampling.so_args
         tool_call = so is not None and so.schema_type in ("tool_call", "tool_call_required")
         if shape.in_tool_calls:  # the prompt already opened the calls block
-            return dsml_invoke(_first_tool(so.schema_ if so else "")) + f"</{DSML} calls>"
+            return _invokes(so.schema_ if so else "", shape.last_user) + f"</{DSML} calls>"
         head = pick(_REASONING) + THINK_CLOSE if shape.thinking else ""
         if tool_call and so is not None and not shape.after_tool_result:
-            return f"{head}\n\n{CALLS_OPEN}{dsml_invoke(_first_tool(so.schema_))}</{DSML} calls>"
+            return f"{head}\n\n{CALLS_OPEN}{_invokes(so.schema_, shape.last_user)}</{DSML} calls>"
         if shape.after_tool_result:
             return head + pick(_TOOL_RESULT_ANSWERS)
         if so is not None and so.schema_type == "json":
@@ -175,6 +180,16 @@ class _Pick:
 def _picker(prompt: Sequence[int], seed: int | None) -> _Pick:
     digest = hashlib.blake2b(array("I", prompt).tobytes() + str(seed).encode(), digest_size=8).digest()
     return _Pick(int.from_bytes(digest, "little"))
+
+
+def _invokes(schema: str, last_user: str) -> str:
+    tools = json.loads(schema) if schema.strip() else []
+    named = [t for t in tools if _tool_name(t) and _tool_name(t) in last_user]
+    return "".join(dsml_invoke(t) for t in named) if named else dsml_invoke(_first_tool(schema))
+
+
+def _tool_name(tool: dict[str, Any]) -> str:
+    return str(tool.get("function", tool).get("name", ""))
 
 
 def _first_tool(schema: str) -> dict[str, Any]:
