@@ -74,12 +74,12 @@ class SimCluster:
 
 class Gateway:
     def __init__(self, tmp: Path, workers: list[tuple[str, str, str]], extra_toml: str = "",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, health_interval_s: float = 0.2):
         """workers: (url, role, hardware)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"gateway-{self.port}.toml"
-        lines = [f"port = {self.port}", extra_toml, "[health]", "interval_s = 0.2", ""]
+        lines = [f"port = {self.port}", extra_toml, "[health]", f"interval_s = {health_interval_s}", ""]
         for url, role, hardware in workers:
             lines += ["[[workers]]", f'url = "{url}"', f'role = "{role}"', f'hardware = "{hardware}"', ""]
         config.write_text("\n".join(lines))

@@ -1,0 +1,78 @@
+"""Several gateway replicas sharing one Redis make the same decisions: the prefix index,
+and in-flight reservations so a burst split across replicas does not herd."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deepinfer_gateway.launch import Gateway, SimCluster
+
+MODEL = "DeepSeek-V4.1-Flash"
+
+
+@pytest.fixture(scope="module")
+def unified_cluster() -> Iterator[SimCluster]:
+    cluster = SimCluster("unified:sm100,unified:sm100,unified:sm100", time_scale=5.0)
+    yield cluster
+    cluster.stop()
+
+
+def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s: float) -> list[Gateway]:
+    workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs)]
+    toml = f'redis_url = "{redis_url}"'
+    gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]  # type: ignore[arg-type]
+    for gw in gateways:
+        gw.wait_ready(len(workers))
+    return gateways
+
+
+def _chat(gw: Gateway, content: str, max_tokens: int = 4) -> httpx.Response:
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_second_replica_routes_to_the_worker_that_cached_the_prefix(
+        unified_cluster: SimCluster, redis_url: str, tmp_path: Path) -> None:
+    a, b = _replicas(tmp_path, unified_cluster, redis_url, 0.2)
+    try:
+        shared = " ".join(f"clause {i} of the shared contract." for i in range(600))
+        first = _chat(a, shared + " Question A")
+        time.sleep(0.5)  # worker KV events -> replica A's feeder -> Redis (and B's feeder too)
+        for i in range(3):
+            second = _chat(b, shared + f" Question B{i}")
+            assert second.headers["x-dgw-worker"] == first.headers["x-dgw-worker"]
+            usage = second.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 256
+    finally:
+        for gw in (a, b):
+            gw.stop()
+
+
+def test_replicas_see_each_others_in_flight_prompts(redis_url: str, tmp_path: Path) -> None:
+    """Requests alternate between two replicas while earlier ones are still prefilling: with
+    shared reservations each lands on a different worker; a replica blind to its peer would
+    send the second one to the first one's worker (same stale load reports, same costs)."""
+    cluster = SimCluster("unified:sm100,unified:sm100,unified:sm100", time_scale=1.0)
+    a, b = _replicas(tmp_path, cluster, redis_url, 30.0)  # load reports every 30 s: stale
+    try:
+        prompts = [f"cold {i} " + "wide prompt text " * 25_000 for i in range(3)]  # ~100k tokens, ~0.3 s prefill
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = []
+            for i, prompt in enumerate(prompts):
+                futures.append(pool.submit(_chat, (a, b)[i % 2], prompt, 1))
+                time.sleep(0.12)
+            workers = [f.result().headers["x-dgw-worker"] for f in futures]
+        assert len(set(workers)) == 3, workers
+    finally:
+        for gw in (a, b):
+            gw.stop()
+        cluster.stop()
