@@ -12,6 +12,10 @@
     baseline is the same path with deepseek-recipe's plain `encode`, interleaved in the
     same run. Medians of `--repeats`.
 
+Also: one ~100k-token user message that grows by ~500 tokens (a single segment: the
+cache cannot help, it is re-tokenized whole) and CPU-time medians for the first turn
+(deepseek-recipe's encode uses more than one core).
+
 Relay: tokens/s one core turns worker NDJSON lines into SSE bytes: per message
 `orjson.loads(line)` + `ResponseStream.tokens(ids)`, 4 tokens per message (the low end
 of what a worker with speculative decoding sends; 1 and 8 are reported too), responses
@@ -38,9 +42,16 @@ import orjson
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.protocol import encode_line, tokens_event
-from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder, ReferencePromptEncoder
+from deepinfer_gateway.recipe_bridge.encoder import (
+    PromptEncoder,
+    ReferencePromptEncoder,
+)
+from deepinfer_gateway.recipe_bridge.prepare import (
+    ApiProtocol,
+    BridgeConfig,
+    RequestPreparer,
+)
 from deepinfer_gateway.recipe_bridge.segment_cache import DEFAULT_DIGEST_MIN_CHARS
-from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.stream import ResponseStream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
 
@@ -48,13 +59,7 @@ MODEL = "DeepSeek-V4.1-Flash"
 SALT = kv_salt(MODEL, "sm100")
 OPTIONS = dr.ConversionOptions().with_model_versions_by_name({MODEL: dr.ModelVersion.DeepseekV41Flash})
 
-_WORDS = (
-    "the of and to in is that for it as with was on be by this are from at or an have not which "
-    "model token cache request latency prefix worker gateway decode prefill block hash tensor "
-    "function return value error result memory throughput schedule batch queue stream client "
-    "server config policy route index store engine vision image context window session agent "
-    "because however therefore although quickly carefully simply exactly roughly probably"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "from", "at", "or", "an", "have", "not", "which", "model", "token", "cache", "request", "latency", "prefix", "worker", "gateway", "decode", "prefill", "block", "hash", "tensor", "function", "return", "value", "error", "result", "memory", "throughput", "schedule", "batch", "queue", "stream", "client", "server", "config", "policy", "route", "index", "store", "engine", "vision", "image", "context", "window", "session", "agent", "because", "however", "therefore", "although", "quickly", "carefully", "simply", "exactly", "roughly", "probably"]
 _CODE = [
     "def handle(request):\n    if not request.ok:\n        raise ValueError(request.status)\n    return request.json()\n",
     "for (let i = 0; i < items.length; i++) {\n  total += items[i].price * 1.2;\n}\n",
@@ -110,9 +115,11 @@ def body(messages: list[dict[str, Any]], stream: bool = False, thinking: bool = 
                          "thinking": {"type": "enabled" if thinking else "disabled"}})
 
 
-def _ms(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+def _ms(fn: Callable[[], Any], cpu: list[float] | None = None) -> float:
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
+    if cpu is not None:
+        cpu.append((time.process_time() - start_cpu) * 1000)
     return (time.perf_counter() - start) * 1000
 
 
@@ -141,12 +148,13 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest
     assert fast_prep.prepare(ApiProtocol.CHAT, follow).token_ids == follow_ids  # exact, before timing
 
     samples: dict[str, list[float]] = {k: [] for k in ("first", "follow", "base_first", "base_follow",
-                                                       "convert", "encode", "hash", "miss_tokens")}
+                                                       "convert", "encode", "hash", "first_cpu", "base_first_cpu",
+                                                       "long_append", "base_long_append")}
     gc.collect()
     for _ in range(repeats):
         fast.cache.clear()
-        samples["first"].append(_ms(_pipeline(fast_prep, first)))  # cold cache
-        samples["base_first"].append(_ms(_pipeline(ref_prep, first)))
+        samples["first"].append(_ms(_pipeline(fast_prep, first), samples["first_cpu"]))  # cold cache
+        samples["base_first"].append(_ms(_pipeline(ref_prep, first), samples["base_first_cpu"]))
         samples["base_follow"].append(_ms(_pipeline(ref_prep, follow)))
         fast.cache.clear()
         fast_prep.prepare(ApiProtocol.CHAT, first)  # the cache now holds exactly the previous turn
@@ -165,6 +173,15 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest
         samples["encode"].append((t2 - t1) * 1000)
         samples["hash"].append((t3 - t2) * 1000)
 
+    # One ~100k-token user message that grows by ~500 tokens: a single segment, re-tokenized whole.
+    doc = _text(rng, 100_000)
+    grown = body([{"role": "user", "content": doc + _text(rng, 500)}])
+    for _ in range(repeats):
+        fast.cache.clear()
+        fast_prep.prepare(ApiProtocol.CHAT, body([{"role": "user", "content": doc}]))
+        samples["long_append"].append(_ms(_pipeline(fast_prep, grown)))
+        samples["base_long_append"].append(_ms(_pipeline(ref_prep, grown)))
+
     # How many tokens the follow-up actually re-tokenized.
     fast.cache.clear()
     fast.encode(_convert(first))
@@ -179,9 +196,14 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest
         "follow_up_over_first_turn": round(med["follow"] / med["first"], 3),
         "baseline_first_turn_ms": round(med["base_first"], 2),
         "baseline_follow_up_ms": round(med["base_follow"], 2),
+        "first_turn_cpu_ms": round(med["first_cpu"], 2),
+        "baseline_first_turn_cpu_ms": round(med["base_first_cpu"], 2),
+        "follow_up_over_baseline_first_turn": round(med["follow"] / med["base_first"], 3),
         "follow_up_convert_ms": round(med["convert"], 2),
         "follow_up_encode_ms": round(med["encode"], 2),
         "follow_up_hash_ms": round(med["hash"], 2),
+        "long_message_append_ms": round(med["long_append"], 2),
+        "baseline_long_message_append_ms": round(med["base_long_append"], 2),
         "first_turn_tokens": len(first_ids),
         "follow_up_tokens": len(follow_ids),
         "follow_up_new_tokens": len(follow_ids) - len(first_ids),

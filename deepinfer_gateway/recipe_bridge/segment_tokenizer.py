@@ -10,7 +10,8 @@ per-segment encoding with either tokenizer below reproduces `encode` token for t
 Two implementations, both exact:
 
 - `TiktokenPlain` (preferred, ~6.5x faster: 2.9 vs 0.45 Mtok/s on 2 MB of Python source,
-  one core). A `tiktoken.Encoding` built from the tokenizer.json itself (tiktoken's own
+  one core; a cold 128.7k-token conversation encodes in ~42 ms vs deepseek-recipe's
+  `encode` at ~145 ms wall / ~180 ms CPU). A `tiktoken.Encoding` built from the tokenizer.json itself (tiktoken's own
   encodings are downloaded at run time; none is used): ranks = the BPE vocabulary with
   the byte-level alphabet mapped back to bytes (GPT-2 byte decoder), which equals
   Hugging Face's merge-list BPE here because the merge list is ordered exactly by the
@@ -171,6 +172,9 @@ def plain_tokenizer(tokenizer_json: str, *, prefer_tiktoken: bool = True) -> Pla
     ranks = _ranks(data)
     if ranks is None:
         return fallback
-    fast = TiktokenPlain(ranks)
+    try:
+        fast = TiktokenPlain(ranks)
+    except ValueError:  # a tiktoken whose regex engine rejects the class syntax
+        return fallback
     sample = _SELF_CHECK * 2 + " " + _SELF_CHECK[::-1]
     return fast if fast.encode(sample) == fallback.encode(sample) else fallback
