@@ -131,7 +131,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     bundle = load_tokenizer(settings.tokenizer_path)
     preparer = RequestPreparer(
         PromptEncoder(bundle),
-        BridgeConfig(model_names=settings.model_names, context_limit=settings.context_limit),
+        BridgeConfig(model_names=settings.model_names, context_limit=settings.context_limit,
+                     images=settings.images),
     )
 
     @asynccontextmanager
@@ -182,7 +183,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             if key is None:
                 raise Unauthorized("Missing or invalid API key.")
             body = await _read_body(request, settings.max_body_bytes)
-            prepared = preparer.prepare(protocol, body)
+            prepared = await preparer.prepare_async(protocol, body)
             model = prepared.model
             metrics.preprocess.observe(time.perf_counter() - arrival)
             if not key.allows(model):
@@ -213,6 +214,10 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await handle(request, ApiProtocol.RESPONSES)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, ApiProtocol.COMPLETIONS)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

@@ -148,6 +148,10 @@ class RequestPreparer:
             raise BridgeError(400, f"Request body is not valid JSON: {exc}") from None
         if not isinstance(parsed, dict):
             raise BridgeError(400, "Request body must be a JSON object")
+        if protocol is ApiProtocol.CHAT and parsed.get("max_tokens") is None and "max_completion_tokens" in parsed:
+            # deepseek-recipe 0.2 reads only the deprecated `max_tokens`; the newer name means the same.
+            parsed["max_tokens"] = parsed.pop("max_completion_tokens")
+            body = orjson.dumps(parsed)
         request_type = _REQUEST_TYPES[protocol]
         try:
             request = request_type(body)
