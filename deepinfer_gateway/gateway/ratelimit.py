@@ -13,14 +13,12 @@ logged once per outage): an outage of the shared state must not take the API dow
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
-
+from deepinfer_gateway.outage import Outage
 
 @dataclass(frozen=True)
 class Verdict:
@@ -123,15 +121,7 @@ class RedisRateLimiter:
     def __init__(self, redis: Any, on_error: Any = None):
         self._redis = redis
         self._script = redis.register_script(_ADMIT_LUA)
-        self._on_error = on_error
-        self._failing = False
-
-    def _failed(self, exc: Exception) -> None:
-        if self._on_error:
-            self._on_error()
-        if not self._failing:
-            log.warning("rate limiter: Redis unavailable, failing open until it returns: %s", exc)
-        self._failing = True
+        self._outage = Outage("rate limiter", "failing open", on_error)
 
     async def admit(self, key: str, limits: tuple[int | None, int | None], prompt_tokens: int) -> Verdict:
         limit_r, limit_t = limits
@@ -139,11 +129,9 @@ class RedisRateLimiter:
             wait, r, t = await self._script(keys=[f"dgw:rl:{{{key}}}"],
                                             args=[time.time(), limit_r or 0, limit_t or 0, prompt_tokens, 180])
         except Exception as exc:  # fail open
-            self._failed(exc)
+            self._outage.failed(exc)
             return Verdict(True, 0.0, None, None, limit_r, limit_t)
-        if self._failing:
-            log.info("rate limiter: Redis is back")
-            self._failing = False
+        self._outage.ok()
         wait_s = float(wait)
         return Verdict(wait_s == 0.0, wait_s, float(r) if r else None, float(t) if t else None, limit_r, limit_t)
 
@@ -155,4 +143,4 @@ class RedisRateLimiter:
             if await self._redis.hexists(bucket, "t"):
                 await self._redis.hincrbyfloat(bucket, "t", -tokens)
         except Exception as exc:
-            self._failed(exc)
+            self._outage.failed(exc)

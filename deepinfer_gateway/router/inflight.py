@@ -19,13 +19,11 @@ slightly conservative about busy workers, which is the safe direction.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-log = logging.getLogger(__name__)
-
+from deepinfer_gateway.outage import Outage
 
 class MemoryInflight:
     def __init__(self) -> None:
@@ -72,15 +70,7 @@ class RedisInflight:
         self._lease_s = lease_s
         self._totals = redis.register_script(_TOTALS_LUA)
         self._local = MemoryInflight()
-        self._on_error = on_error
-        self._failing = False
-
-    def _failed(self, exc: Exception) -> None:
-        if self._on_error:
-            self._on_error()
-        if not self._failing:
-            log.warning("in-flight reservations: Redis unavailable, using this replica's view: %s", exc)
-        self._failing = True
+        self._outage = Outage("in-flight reservations", "using this replica's own view", on_error)
 
     async def totals(self, workers: Sequence[str]) -> dict[str, int]:
         if not workers:
@@ -89,9 +79,9 @@ class RedisInflight:
         try:
             sums = await self._totals(keys=keys, args=[time.time()])
         except Exception as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
             return await self._local.totals(workers)
-        self._failing = False
+        self._outage.ok()
         return {w: int(s) for w, s in zip(workers, sums, strict=True)}
 
     async def reserve(self, worker: str, request_id: str, tokens: int) -> None:
@@ -102,7 +92,7 @@ class RedisInflight:
                 pipe.hset(tok, request_id, tokens).zadd(exp, {request_id: time.time() + self._lease_s})
                 await pipe.execute()
         except Exception as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
 
     async def release(self, worker: str, request_id: str) -> None:
         await self._local.release(worker, request_id)
@@ -112,4 +102,4 @@ class RedisInflight:
                 pipe.hdel(tok, request_id).zrem(exp, request_id)
                 await pipe.execute()
         except Exception as exc:
-            self._failed(exc)
+            self._outage.failed(exc)

@@ -1,0 +1,55 @@
+"""In-flight reservations: what one replica reserves, the others see; leases expire."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+
+
+async def test_memory_reserve_release() -> None:
+    inflight = MemoryInflight()
+    await inflight.reserve("w1", "r1", 100)
+    await inflight.reserve("w1", "r2", 50)
+    assert await inflight.totals(["w1", "w2"]) == {"w1": 150, "w2": 0}
+    await inflight.release("w1", "r1")
+    assert await inflight.totals(["w1"]) == {"w1": 50}
+
+
+async def test_replicas_share_reservations(redis_url: str) -> None:
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
+    await clients[0].delete(*[k async for k in clients[0].scan_iter("{dgw:inflight}*")] or ["none"])
+    a, b = (RedisInflight(c) for c in clients)
+    await a.reserve("w1", "ra", 1000)
+    await b.reserve("w2", "rb", 10)
+    assert await b.totals(["w1", "w2", "w3"]) == {"w1": 1000, "w2": 10, "w3": 0}
+    await a.release("w1", "ra")
+    assert (await b.totals(["w1"]))["w1"] == 0
+    for c in clients:
+        await c.aclose()
+
+
+async def test_lease_of_a_dead_replica_expires(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    dying = RedisInflight(client, lease_s=0.2)
+    await dying.reserve("w9", "lost", 500)  # this replica dies: no release ever comes
+    survivor = RedisInflight(client)
+    assert (await survivor.totals(["w9"]))["w9"] == 500
+    await asyncio.sleep(0.3)
+    assert (await survivor.totals(["w9"]))["w9"] == 0
+    await client.aclose()
+
+
+async def test_redis_down_falls_back_to_local_view(redis_server) -> None:  # type: ignore[no-untyped-def]
+    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
+    errors: list[int] = []
+    inflight = RedisInflight(client, on_error=lambda: errors.append(1))
+    redis_server.stop()
+    await inflight.reserve("w1", "r1", 70)
+    assert await inflight.totals(["w1"]) == {"w1": 70}
+    assert errors
+    redis_server.start()
+    assert await inflight.totals(["w1"]) == {"w1": 0}  # Redis is back (empty): its view again
+    await client.aclose()
