@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -50,3 +51,28 @@ def test_dead_worker_is_retried_then_503_when_none_left(tmp_path: Path, two_work
         assert httpx.get(gw.url + "/ready").status_code == 503
     finally:
         gw.stop()
+
+
+def test_worker_is_ejected_and_readmitted_after_restart(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = CLI + ["worker", "--engine", "sim", "--port", str(port), "--time-scale", "20"]
+    worker = Proc(cmd)
+    wait_for_port(port, timeout=30)
+    gw = Gateway(tmp_path, [(f"http://127.0.0.1:{port}", "unified", "sm100")])
+    try:
+        gw.wait_ready(1)
+        worker.kill()
+        deadline = time.monotonic() + 5
+        while httpx.get(gw.url + "/ready").status_code != 503:  # active health checks eject it
+            assert time.monotonic() < deadline, "dead worker never ejected"
+            time.sleep(0.05)
+        assert 'dgw_worker_healthy{worker="127.0.0.1:%d"} 0.0' % port in httpx.get(gw.url + "/metrics").text
+        worker = Proc(cmd)  # back on the same address, with a new epoch
+        wait_for_port(port, timeout=30)
+        gw.wait_ready(1)
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "back?"}]})
+        assert r.status_code == 200
+    finally:
+        gw.stop()
+        worker.kill()
