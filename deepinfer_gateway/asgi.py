@@ -27,8 +27,10 @@ class EmbeddedServer(uvicorn.Server):
 
 async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str = "info",
                              graceful_s: float = 30.0) -> None:
+    # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
+    # (gateway/logs.py), so `--log-format json` covers uvicorn's lines too.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=graceful_s, lifespan="on")
+                            timeout_graceful_shutdown=graceful_s, lifespan="on", log_config=None)
     server = EmbeddedServer(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

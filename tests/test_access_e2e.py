@@ -1,0 +1,97 @@
+"""Access control through the live gateway with the real SDKs: 401, 403, 429 (+ Retry-After and
+x-ratelimit-* headers), in each protocol's error format."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from deepinfer_gateway.launch import Gateway, SimCluster
+
+MODEL = "DeepSeek-V4.1-Flash"
+
+
+def _key(name: str, key: str, **fields: object) -> str:
+    lines = ["[[api_keys]]", f'name = "{name}"', f'key_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"']
+    for k, v in fields.items():
+        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, tuple) else
+                     f"{k} = [{', '.join(repr(x).replace(chr(39), chr(34)) for x in v)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def secured(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    extra = (_key("full", "sk-full", requests_per_minute=1000)
+             + _key("other-model", "sk-other", models=("some-other-model",))
+             + _key("tight", "sk-tight", requests_per_minute=2, tokens_per_minute=100000))
+    roles = [s.split(":") for s in sim_cluster.specs]
+    gw = Gateway(tmp_path_factory.mktemp("access"), [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles)],
+                 extra_toml=extra)
+    gw.wait_ready(len(roles))
+    yield gw
+    gw.stop()
+
+
+def oai(gw: Gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def ant(gw: Gateway, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=30)
+
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def test_valid_key_is_served_with_ratelimit_headers(secured: Gateway) -> None:
+    raw = oai(secured, "sk-full").chat.completions.with_raw_response.create(model=MODEL, messages=MSG, max_tokens=4)
+    assert raw.parse().choices[0].message.content is not None
+    assert raw.headers["x-ratelimit-limit-requests"] == "1000"
+    assert int(raw.headers["x-ratelimit-remaining-requests"]) < 1000
+    assert raw.headers["x-request-id"]
+    msg = ant(secured, "sk-full").messages.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert msg.content
+
+
+def test_unknown_key_is_401_in_both_formats(secured: Gateway) -> None:
+    with pytest.raises(openai.AuthenticationError) as e:
+        oai(secured, "sk-wrong").chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"  # type: ignore[index]
+    with pytest.raises(anthropic.AuthenticationError) as a:
+        ant(secured, "sk-wrong").messages.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert a.value.status_code == 401
+    assert a.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+def test_model_outside_the_allow_list_is_403(secured: Gateway) -> None:
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        oai(secured, "sk-other").chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert e.value.status_code == 403
+    with pytest.raises(anthropic.PermissionDeniedError) as a:
+        ant(secured, "sk-other").messages.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert a.value.body["error"]["type"] == "permission_error"  # type: ignore[index]
+
+
+def test_rate_limit_is_429_with_retry_after(secured: Gateway) -> None:
+    client = oai(secured, "sk-tight")
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    headers = e.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-limit-tokens"] == "100000"
+    with pytest.raises(anthropic.RateLimitError) as a:  # same key, the Anthropic way (x-api-key)
+        ant(secured, "sk-tight").messages.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert a.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert int(a.value.response.headers["retry-after"]) >= 1
+    # Streaming requests are refused before the stream starts: a plain 429, not an SSE error.
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4, stream=True)  # type: ignore[arg-type]
