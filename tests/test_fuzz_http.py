@@ -4,11 +4,11 @@ and afterwards no engine request is left running or waiting on any worker."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import httpx
-import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -35,7 +35,7 @@ def image_server() -> Iterator[str]:
     png = _png_bytes()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self.send_response(200)
             self.send_header("content-type", "image/png")
             self.send_header("content-length", str(len(png)))

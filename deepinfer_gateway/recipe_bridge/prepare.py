@@ -23,7 +23,11 @@ from deepinfer_gateway.config import ImageSettings
 from deepinfer_gateway.protocol import Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge import completions as legacy
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
-from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
+from deepinfer_gateway.recipe_bridge.images import (
+    ImageInputs,
+    ImageRefused,
+    ResolvedImages,
+)
 
 
 class ApiProtocol(StrEnum):
@@ -57,7 +61,7 @@ class BridgeConfig:
     model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
     context_limit: int = 131_072
     max_tokens_upper_bound: int = 393_216
-    images: ImageSettings = ImageSettings()
+    images: ImageSettings = field(default_factory=ImageSettings)
 
 
 _REQUEST_TYPES: dict[ApiProtocol, Any] = {

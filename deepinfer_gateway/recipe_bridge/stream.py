@@ -15,9 +15,12 @@ from typing import Any
 import deepseek_recipe as dr
 import orjson
 
-from deepinfer_gateway.recipe_bridge.completion_stream import TextCompletionProcessor, TextCompletionResponse
-from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.completion_stream import (
+    TextCompletionProcessor,
+    TextCompletionResponse,
+)
 from deepinfer_gateway.recipe_bridge.completions import LegacyOptions
+from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
