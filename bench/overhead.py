@@ -16,49 +16,8 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
-import time
-from pathlib import Path
 
-import aiohttp
-
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
-
-MODEL = "DeepSeek-V4.1-Flash"
-
-
-def _body(i: int) -> bytes:
-    return json.dumps({
-        "model": MODEL, "max_tokens": 8, "thinking": {"type": "disabled"},
-        "messages": [{"role": "user", "content": f"Say hello to user {i}."}],
-    }).encode()
-
-
-async def _load(url: str, n: int, concurrency: int) -> tuple[list[float], float, int]:
-    latencies: list[float] = []
-    errors = 0
-    next_index = iter(range(n))
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        async def one_client() -> None:
-            nonlocal errors
-            for i in next_index:
-                started = time.perf_counter()
-                async with session.post(url, data=_body(i), headers={"content-type": "application/json"}) as r:
-                    await r.read()
-                    if r.status != 200:
-                        errors += 1
-                latencies.append(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    return latencies, n / wall, errors
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+from _harness import closed_loop, pct_ms, start_gateway, start_worker
 
 
 def main() -> None:
@@ -68,24 +27,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    port = free_port()
-    worker = Proc(CLI + ["worker", "--engine", "sim", "--port", str(port), "--time-scale", "1000"])
+    worker, worker_url = start_worker(1000)
     gateway = None
     try:
-        wait_for_port(port, timeout=30)
-        worker_url = f"http://127.0.0.1:{port}"
-        gateway = Gateway(Path(tempfile.mkdtemp()), [(worker_url, "unified", "sm100")])
-        gateway.wait_ready(1)
+        gateway = start_gateway(worker_url)
         targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
-        asyncio.run(_load(targets["gateway"], 100, args.concurrency))  # warm both paths
+        asyncio.run(closed_loop(targets["gateway"], 100, args.concurrency))  # warm both paths
         results: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
         for round_no in range(args.rounds):
             for name, url in targets.items():
-                lat, rps, errors = asyncio.run(_load(url, args.requests, args.concurrency))
+                lat, rps, errors = asyncio.run(closed_loop(url, args.requests, args.concurrency))
                 if errors:
                     raise SystemExit(f"{name}: {errors} failed requests")
-                results[name].append((_pct(lat, 0.5), _pct(lat, 0.99), rps))
-                print(f"round {round_no} {name:8s} p50 {_pct(lat, .5):7.2f} ms  p99 {_pct(lat, .99):7.2f} ms"
+                results[name].append((pct_ms(lat, 0.5), pct_ms(lat, 0.99), rps))
+                print(f"round {round_no} {name:8s} p50 {pct_ms(lat, .5):7.2f} ms  p99 {pct_ms(lat, .99):7.2f} ms"
                       f"  {rps:7.1f} req/s", flush=True)
     finally:
         if gateway:

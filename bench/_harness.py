@@ -1,0 +1,67 @@
+"""Shared helpers of the gateway benchmarks (overhead.py, gateway_capacity.py): request bodies,
+the closed-loop non-streaming load generator, percentiles, and starting a sim worker + gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+
+MODEL = "DeepSeek-V4.1-Flash"
+
+
+def chat_body(i: int, max_tokens: int = 8, **extra: object) -> bytes:
+    return json.dumps({
+        "model": MODEL, "max_tokens": max_tokens, "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": f"Say hello to user {i}."}], **extra,
+    }).encode()
+
+
+async def closed_loop(url: str, n: int, concurrency: int) -> tuple[list[float], float, int]:
+    """`concurrency` clients send `n` non-streaming requests back to back: (latencies s, req/s, errors)."""
+    latencies: list[float] = []
+    errors = 0
+    next_index = iter(range(n))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one_client() -> None:
+            nonlocal errors
+            for i in next_index:
+                started = time.perf_counter()
+                async with session.post(url, data=chat_body(i), headers={"content-type": "application/json"}) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                latencies.append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return latencies, n / wall, errors
+
+
+def pct_ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def start_worker(time_scale: float, profiles: str | None = None) -> tuple[Proc, str]:
+    port = free_port()
+    cmd = CLI + ["worker", "--engine", "sim", "--port", str(port), "--time-scale", str(time_scale)]
+    if profiles:
+        cmd += ["--profiles", profiles]
+    worker = Proc(cmd)
+    wait_for_port(port, timeout=30)
+    return worker, f"http://127.0.0.1:{port}"
+
+
+def start_gateway(worker_url: str, extra_toml: str = "") -> Gateway:
+    gateway = Gateway(Path(tempfile.mkdtemp()), [(worker_url, "unified", "sm100")], extra_toml=extra_toml)
+    gateway.wait_ready(1)
+    return gateway

@@ -1,0 +1,219 @@
+"""Gateway capacity on this machine: what the gateway adds in front of sim workers.
+
+    python bench/gateway_capacity.py [--requests 2000] [--concurrency 16] [--rounds 3]
+        [--streams 50,100,200,400] [--stream-seconds 8] [--profile DIR]
+
+Non-streaming: short chat requests to a sim worker that answers instantly (time scale
+1000), directly (its OpenAI-compatible endpoint) and through the gateway, rounds
+alternating; req/s and the added p50/p99 latency (medians over rounds).
+
+Streaming: a sim worker whose profile decodes at exactly 50 tokens/s per stream at any
+batch (a profile TOML override: flat decode curve, time scale 1), N concurrent streams
+directly and through the gateway; inter-token latency measured at the client. The
+gateway sustains N when every stream gets >= 95% of 50 tok/s and its added ITL p99
+(gateway p99 - direct p99 at the same N) is <= 5 ms. `streams_sustained` is the
+largest such N tried.
+
+`--profile DIR`: py-spy (if installed) samples the gateway during one extra
+non-streaming round; the top self-time functions are printed and saved.
+
+The last line is one JSON object: direct_rps, gateway_rps, added_p50_ms, added_p99_ms,
+streams_sustained, stream_added_itl_p99_ms (at streams_sustained), plus details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import aiohttp
+
+from _harness import chat_body, closed_loop, pct_ms, start_gateway, start_worker
+
+TOKENS_PER_S = 50.0
+ITL_BUDGET_MS = 5.0
+
+
+def flat_decode_profiles() -> str:
+    """The packaged profiles with sm100 decoding at TOKENS_PER_S per user whatever the batch."""
+    text = resources.files("deepinfer_gateway").joinpath("workers/sim/profiles.toml").read_text()
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("decode_points"):
+            line = f"decode_points = [[1, {TOKENS_PER_S}], [1024, {TOKENS_PER_S}]]"
+        lines.append(line)
+    path = Path(tempfile.mkdtemp()) / "flat50.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[float], int]:
+    """n concurrent streams of ~`seconds` each: (inter-token gaps s, per-stream tokens/s, errors)."""
+    max_tokens = int(seconds * TOKENS_PER_S)
+    gaps: list[float] = []
+    rates: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=seconds * 4 + 60)) as s:
+        async def one(i: int) -> None:
+            nonlocal errors
+            await asyncio.sleep(i * 0.5 / max(n, 1))  # stagger starts over 0.5 s
+            body = chat_body(i, max_tokens, stream=True, ignore_eos=True, stream_options={"include_usage": True})
+            async with s.post(url, data=body, headers={"content-type": "application/json"}) as r:
+                if r.status != 200:
+                    errors += 1
+                    return
+                first = last = None
+                count = 0
+                tokens = 0
+                async for line in r.content:
+                    if line.startswith(b"data: {") and b'"usage":{' in line:
+                        tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                    if not line.startswith(b"data: {") or b'"content"' not in line:
+                        continue
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    else:
+                        first = now
+                    last = now
+                    count += 1
+                if first is not None and last is not None and count > 1:
+                    # tokens/s from the first to the last content message (usage counts tokens; a
+                    # message may carry several when the sim merged steps)
+                    rates.append((max(tokens, count) - 1) / (last - first))
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return gaps, rates, errors
+
+
+def profile_gateway(pid: int, url: str, args: argparse.Namespace, out_dir: Path) -> list[tuple[str, float]]:
+    if shutil.which("py-spy") is None:
+        print("py-spy not installed: no profile")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = out_dir / "gateway.pyspy.txt"
+    spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(raw),
+                            "-d", "30", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    asyncio.run(closed_loop(url, args.requests, args.concurrency))
+    spy.send_signal(2)  # SIGINT: py-spy writes what it has
+    spy.wait(timeout=30)
+    self_time: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()  # our own functions, callees included
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]  # per function, not per line
+        total += int(count)
+        self_time[frames[-1]] += int(count)
+        for f in set(frames):
+            if "deepinfer_gateway/" in f:
+                inclusive[f] += int(count)
+    top = [(frame, round(100 * c / total, 1)) for frame, c in self_time.most_common(25)]
+    ours = [(frame, round(100 * c / total, 1)) for frame, c in inclusive.most_common(15)]
+    print("gateway inclusive time of deepinfer_gateway functions (% of samples):")
+    for frame, share in ours:
+        print(f"  {share:5.1f}%  {frame}")
+    (out_dir / "gateway.inclusive.json").write_text(json.dumps(ours, indent=1))
+    (out_dir / "gateway.top.json").write_text(json.dumps(top, indent=1))
+    print("gateway self time, top functions (% of samples):")
+    for frame, share in top:
+        print(f"  {share:5.1f}%  {frame}")
+    return top
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", default="50,100,200,400")
+    parser.add_argument("--stream-seconds", type=float, default=8.0)
+    parser.add_argument("--profile", default=None, help="directory for a py-spy profile of the gateway")
+    args = parser.parse_args()
+    summary: dict[str, object] = {}
+
+    # --- non-streaming ---
+    worker, worker_url = start_worker(1000)
+    gateway = None
+    try:
+        gateway = start_gateway(worker_url)
+        targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
+        for url in targets.values():
+            asyncio.run(closed_loop(url, 200, args.concurrency))  # warm up
+        results: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
+        for round_no in range(args.rounds):
+            for name, url in targets.items():
+                lat, rps, errors = asyncio.run(closed_loop(url, args.requests, args.concurrency))
+                if errors:
+                    raise SystemExit(f"{name}: {errors} failed requests")
+                results[name].append((pct_ms(lat, 0.5), pct_ms(lat, 0.99), rps))
+                print(f"round {round_no} {name:8s} p50 {pct_ms(lat, .5):7.2f} ms  p99 {pct_ms(lat, .99):7.2f} ms"
+                      f"  {rps:7.1f} req/s", flush=True)
+        if args.profile:
+            summary["profile_top"] = profile_gateway(gateway.proc.proc.pid, targets["gateway"], args,
+                                                     Path(args.profile))[:10]
+    finally:
+        if gateway:
+            gateway.stop()
+        worker.stop()
+
+    def med(name: str, i: int) -> float:
+        return round(statistics.median(r[i] for r in results[name]), 2)
+
+    summary.update(direct_rps=med("direct", 2), gateway_rps=med("gateway", 2),
+                   added_p50_ms=round(med("gateway", 0) - med("direct", 0), 2),
+                   added_p99_ms=round(med("gateway", 1) - med("direct", 1), 2),
+                   direct_p50_ms=med("direct", 0), gateway_p50_ms=med("gateway", 0),
+                   direct_p99_ms=med("direct", 1), gateway_p99_ms=med("gateway", 1))
+
+    # --- streaming at 50 tok/s per stream ---
+    worker, worker_url = start_worker(1.0, flat_decode_profiles())
+    gateway = None
+    sustained, sustained_itl = 0, None
+    levels = []
+    try:
+        gateway = start_gateway(worker_url, "between_events_timeout_s = 30\n")
+        targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
+        for n in (int(x) for x in args.streams.split(",")):
+            row: dict[str, object] = {"streams": n}
+            for name, url in targets.items():
+                gaps, rates, errors = asyncio.run(streams(url, n, args.stream_seconds))
+                row[f"{name}_itl_p50_ms"] = round(pct_ms(gaps, 0.5), 2)
+                row[f"{name}_itl_p99_ms"] = round(pct_ms(gaps, 0.99), 2)
+                row[f"{name}_min_rate"] = round(min(rates), 1) if rates else 0.0
+                row[f"{name}_errors"] = errors
+            added = round(float(row["gateway_itl_p99_ms"]) - float(row["direct_itl_p99_ms"]), 2)  # type: ignore[arg-type]
+            row["added_itl_p99_ms"] = added
+            ok = (added <= ITL_BUDGET_MS and float(row["gateway_min_rate"]) >= 0.95 * TOKENS_PER_S  # type: ignore[arg-type]
+                  and row["gateway_errors"] == 0)
+            row["sustained"] = ok
+            levels.append(row)
+            print(json.dumps(row), flush=True)
+            if ok:
+                sustained, sustained_itl = n, added
+            else:
+                break
+    finally:
+        if gateway:
+            gateway.stop()
+        worker.stop()
+    summary.update(streams_sustained=sustained, stream_added_itl_p99_ms=sustained_itl, stream_levels=levels)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
