@@ -210,7 +210,7 @@ async def test_client_gone_before_the_first_token_leaks_nothing(cluster: SimClus
     payload = {"model": MODEL, "max_tokens": 50, "thinking": {"type": "disabled"},
                "messages": [{"role": "user", "content": long_prompt}]}
     socks = [raw_stream_request(port, payload) for _ in range(5)]
-    time.sleep(0.05)
+    await asyncio.sleep(0.05)
     for s in socks:
         s.close()
     assert wait_metric(gw, "dgw_inflight_requests", 0) == 0

@@ -33,8 +33,8 @@ from tests.fault_doubles import scrape, total
 
 MODEL = "DeepSeek-V4.1-Flash"
 FULL = os.environ.get("DGW_SOAK_FULL") == "1"
-STREAMS = int(os.environ.get("DGW_SOAK_STREAMS", 1000 if FULL else 200))
-SECONDS = float(os.environ.get("DGW_SOAK_SECONDS", 60 if FULL else 20))
+STREAMS = int(os.environ.get("DGW_SOAK_STREAMS", "1000" if FULL else "200"))
+SECONDS = float(os.environ.get("DGW_SOAK_SECONDS", "60" if FULL else "20"))
 PROMPTS = 32
 
 

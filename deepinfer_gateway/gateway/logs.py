@@ -61,7 +61,7 @@ def bound_request_id(request_id: str) -> Iterator[None]:
 
 
 def valid_request_id(value: str | None) -> bool:
-    return bool(value) and len(value) <= 128 and value.isascii() and value.isprintable()  # type: ignore[union-attr]
+    return value is not None and 0 < len(value) <= 128 and value.isascii() and value.isprintable()
 
 
 class JsonFormatter(logging.Formatter):

@@ -48,7 +48,7 @@ class _NoopSpan:
     def is_recording(self) -> bool:
         return False
 
-    def __enter__(self) -> _NoopSpan:
+    def __enter__(self) -> _NoopSpan:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -77,7 +77,10 @@ def configure(settings: TracingSettings, exporter: Any = None) -> bool:
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SimpleSpanProcessor,
+        )
         from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
     except ImportError:
         log.warning("tracing is enabled but opentelemetry-sdk is not installed (pip install "
@@ -93,7 +96,9 @@ def configure(settings: TracingSettings, exporter: Any = None) -> bool:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     elif settings.exporter == "otlp":
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
+                OTLPSpanExporter,
+            )
         except ImportError:
             log.warning("tracing exporter 'otlp' needs opentelemetry-exporter-otlp-proto-http; tracing stays off")
             provider.shutdown()
