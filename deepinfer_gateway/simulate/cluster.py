@@ -1,0 +1,100 @@
+"""Simulated workers: the sim engine's `SchedulerCore` plus what the gateway knows of it.
+
+Each `SimWorker` holds the same scheduler the real-time sim worker runs (workers/sim/
+core.py) with its own `KvEventLog`, and the gateway-side state the live gateway keeps
+per worker (gateway/registry.py, gateway/serving.py): the last load report, the
+in-flight reservations and open legs, and the KV event feed cursor. `view()` builds the
+same `WorkerView` the live gateway's `RequestServer._views` builds:
+
+    queued_prefill_tokens = last load report's queued prefill + in-flight reservations
+    running               = last load report's running + this gateway's open legs
+    dp_ranks              = DP ranks in the last load report
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.router.planner import WorkerView
+from deepinfer_gateway.simulate.config import ClusterConfig
+from deepinfer_gateway.simulate.cruise import CruisingCore
+from deepinfer_gateway.workers.sim.core import RequestUpdate
+from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
+from deepinfer_gateway.workers.sim.profiles import HardwareProfile, load_profiles
+
+
+class SimWorker:
+    __slots__ = ("worker_id", "role", "pool", "profile", "model", "events", "core", "report_queued",
+                 "report_running", "report_ranks", "reserved", "inflight", "busy", "pending", "cursor", "cruise",
+                 "version", "_view")
+
+    def __init__(self, worker_id: str, role: Role, pool: str, profile: HardwareProfile, model: str,
+                 store: InMemoryKvStore | None, time_scale: float) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.pool = pool
+        self.profile = profile
+        self.model = model
+        self.events = KvEventLog(worker_id)
+        self.core = CruisingCore(profile, self.events, model, store=store, time_scale=time_scale)
+        self.report_queued = 0  # the gateway's last load report of this worker
+        self.report_running = 0
+        self.report_ranks = profile.dp_ranks
+        self.reserved = 0  # in-flight reservations: prompt tokens sent, first token not back yet
+        self.inflight = 0  # open legs on this worker
+        self.busy = False  # a step is under way (its end is on the event heap)
+        self.pending: list[RequestUpdate] | None = None  # what the step under way produces
+        self.cursor = 0  # KV event feed: next `after`
+        self.cruise: tuple[float, float, int] | None = None  # steady stretch under way: (start, step s, steps)
+        self.version = 0  # invalidates a cruise's end event when an arrival interrupts it
+        self._view: WorkerView | None = None
+
+    @property
+    def kv_format(self) -> str:
+        return self.profile.kv_format
+
+    def report(self) -> None:
+        """Take a load report now (what the gateway's health check reads)."""
+        ranks = self.core.rank_loads()
+        self.report_queued = sum(r.queued_prefill_tokens for r in ranks)
+        self.report_running = sum(r.running for r in ranks)
+        self.report_ranks = len(ranks) or self.profile.dp_ranks
+        self._view = None
+
+    def changed(self) -> None:
+        self._view = None
+
+    def view(self) -> WorkerView:
+        view = self._view
+        if view is None:
+            view = self._view = WorkerView(
+                worker_id=self.worker_id, role=self.role, pool=self.pool, hardware=str(self.profile.hardware),
+                kv_format=self.profile.kv_format, model=self.model,
+                queued_prefill_tokens=self.report_queued + self.reserved,
+                running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
+            )
+        return view
+
+
+def build_workers(config: ClusterConfig) -> tuple[list[SimWorker], InMemoryKvStore | None]:
+    profiles = load_profiles(config.profiles or None)
+    store = InMemoryKvStore(capacity_blocks=config.store.capacity_blocks) if config.store.enabled else None
+    workers: list[SimWorker] = []
+    counters: dict[str, int] = {}
+    for group in config.workers:
+        if group.hardware not in profiles:
+            raise ValueError(f"workers: no hardware profile {group.hardware!r} (have {', '.join(sorted(profiles))})")
+        profile = profiles[group.hardware]
+        if group.memory_capacity_blocks is not None:
+            profile = replace(profile, memory_capacity_blocks=group.memory_capacity_blocks)
+        if config.store.read_bytes_per_s is not None:
+            profile = replace(profile, store_read_bytes_per_s=config.store.read_bytes_per_s)
+        pool = group.pool or str(group.role)
+        for _ in range(group.count):
+            key = f"{pool}-{group.hardware}"
+            n = counters[key] = counters.get(key, -1) + 1
+            workers.append(SimWorker(f"{key}-{n}", group.role, pool, profile, config.model, store,
+                                     config.time_scale))
+    return workers, store

@@ -1,0 +1,104 @@
+"""The simulated cluster: one frozen, validated object read from a TOML file.
+
+```toml
+model = "DeepSeek-V4.1-Flash"
+profiles = ""                     # hardware profile TOML; "" = the packaged one
+time_scale = 1.0                  # divide every engine duration by this (as `sim-cluster --time-scale`)
+load_report_interval_s = 1.0      # the gateway's health interval: load reports lag by up to this
+kv_events_interval_s = 0.05       # KV event feed poll interval: the prefix index lags by up to this
+
+[store]                           # the shared KV store tier ("3FS")
+enabled = true
+capacity_blocks = 10_000_000
+# read_bytes_per_s = 25e9         # override every profile's store read bandwidth
+
+[gateway]                         # what the live gateway adds to each request (0 = ideal gateway)
+request_overhead_s = 0.0          # arrival -> routing (parsing, HTTP)
+per_prompt_token_s = 0.0          # tokenization + hashing, per prompt token
+handoff_overhead_s = 0.0          # prefill finish -> decode worker gets the hand-off
+
+[router]                          # deepinfer_gateway.config.RouterSettings, as in the gateway's TOML
+policy = "estimated_ttft"
+
+[[workers]]                       # one group of identical workers
+role = "prefill"                  # unified | prefill | decode
+hardware = "sm100"                # a profile name
+count = 2
+# pool = ""                       # "" = the role's default pool
+# memory_capacity_blocks = 100000 # override the profile's memory tier
+```
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deepinfer_gateway.config import RouterSettings
+from deepinfer_gateway.protocol import Role
+
+DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerGroup(_Frozen):
+    role: Role = Role.UNIFIED
+    hardware: str = "sm100"  # profile name in the profiles file
+    count: int = Field(1, ge=1)
+    pool: str = ""  # "" = the role's default pool (as the gateway's WorkerSpec)
+    memory_capacity_blocks: int | None = Field(None, ge=1)
+
+
+class StoreSettings(_Frozen):
+    enabled: bool = True
+    capacity_blocks: int = Field(10_000_000, ge=1)
+    read_bytes_per_s: float | None = Field(None, gt=0)  # None: each profile's own
+
+
+class GatewayCost(_Frozen):
+    """Time the live gateway spends per request outside the engines (0: an ideal gateway)."""
+
+    request_overhead_s: float = Field(0.0, ge=0)
+    per_prompt_token_s: float = Field(0.0, ge=0)
+    handoff_overhead_s: float = Field(0.0, ge=0)
+
+
+class ClusterConfig(_Frozen):
+    name: str = "cluster"
+    model: str = DEFAULT_MODEL
+    profiles: str = ""
+    time_scale: float = Field(1.0, gt=0)
+    load_report_interval_s: float = Field(1.0, gt=0)
+    kv_events_interval_s: float = Field(0.05, gt=0)
+    kv_events_limit: int = Field(10_000, ge=1)
+    store: StoreSettings = StoreSettings()
+    gateway: GatewayCost = GatewayCost()
+    router: RouterSettings = RouterSettings()
+    workers: tuple[WorkerGroup, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _servable(self) -> ClusterConfig:
+        roles = {g.role for g in self.workers}
+        if Role.UNIFIED not in roles and not {Role.PREFILL, Role.DECODE} <= roles:
+            raise ValueError("workers: need unified workers, or both prefill and decode workers")
+        return self
+
+    @property
+    def worker_count(self) -> int:
+        return sum(g.count for g in self.workers)
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    data.setdefault("name", path.stem)
+    profiles = data.get("profiles")
+    if profiles and not Path(profiles).is_absolute():  # relative to the cluster file
+        data["profiles"] = str((path.parent / profiles).resolve())
+    return ClusterConfig.model_validate(data)

@@ -1,0 +1,79 @@
+"""Synthetic token ids for trace requests: the simulator's stand-in for prompt synthesis.
+
+The live bench (bench/synthesis.py) turns each trace block id into 512 tokens of text
+and sends it as one user message; the chat template wraps it in a fixed 28-token header
+and a 2-token trailer. Block hashes only see token ids, so the simulator needs no text
+and no tokenizer, only the same layout:
+
+    [HEADER_TOKENS fixed ids] [block 0: 512 ids] ... [last block: a prefix] [TRAILER_TOKENS ids]
+
+- Block ids of hash id h are a pure function of h: the first three ids spell h in base
+  VOCAB, the rest is one fixed sequence shared by every block (chained hashing covers
+  the whole block, so the first three ids are enough to tell blocks apart). Equal hash
+  ids give equal token blocks at the same positions, distinct ids distinct blocks; a
+  partial last block is the prefix of the full one (as in the live synthesis).
+- Requests without hash ids (Azure traces) get private blocks, never shared.
+- The header offset matters: with it, trace block i covers prompt positions
+  [28 + 512 i, 28 + 512 (i + 1)), so 128-token gateway blocks straddle trace blocks
+  exactly as on the wire, and cached-token counts round the same way.
+
+Output ids are arbitrary (the sim engine never reads them) but distinct per request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from deepinfer_gateway.bench.types import TraceRequest
+
+VOCAB = 100_000  # stays below every real vocabulary size; ids are < 2**32 as block hashing needs
+HEADER_TOKENS = 28  # DeepSeek-V4.1 template: BOS, <｜System｜>, reasoning-effort line, <｜User｜>
+TRAILER_TOKENS = 2  # <｜Assistant｜> and the thinking marker
+_HEADER = [VOCAB + i for i in range(HEADER_TOKENS)]
+_TRAILER = [VOCAB + HEADER_TOKENS + i for i in range(TRAILER_TOKENS)]
+_OUTPUT_BASE = VOCAB + 64
+_UNIQUE_STRIDE = 1 << 20  # private blocks per request (no prefix info)
+
+
+class PromptTokens:
+    """Token ids per trace request (see the module docstring); caches recent full blocks."""
+
+    def __init__(self, block_size: int = 512, header: bool = True, cache_blocks: int = 262_144) -> None:
+        self.block_size = block_size
+        self.header = list(_HEADER) if header else []
+        self.trailer = list(_TRAILER) if header else []
+        self._blocks: OrderedDict[int, list[int]] = OrderedDict()
+        self._cache_blocks = cache_blocks
+        self._tail = [(13 + 7_919 * j) % VOCAB for j in range(block_size - 3)]
+
+    def _block(self, number: int) -> list[int]:
+        """The full block of `number`: three ids spelling it, then the shared tail."""
+        ids = self._blocks.get(number)
+        if ids is None:
+            digits, n = [], number
+            for _ in range(3):
+                n, d = divmod(n, VOCAB)
+                digits.append(d)
+            ids = self._blocks[number] = digits + self._tail
+            if len(self._blocks) > self._cache_blocks:
+                self._blocks.popitem(last=False)
+        return ids
+
+    def prompt(self, request: TraceRequest) -> list[int]:
+        size = self.block_size
+        n_blocks = -(-request.input_length // size)
+        ids = list(request.hash_ids or ())[:n_blocks]
+        numbers = [2 * int(h) for h in ids]
+        numbers += [2 * (request.index * _UNIQUE_STRIDE + b) + 1 for b in range(len(ids), n_blocks)]
+        out = list(self.header)
+        for i, number in enumerate(numbers):
+            block = self._block(number)
+            out += block if i < n_blocks - 1 else block[: request.input_length - size * (n_blocks - 1)]
+        out += self.trailer
+        return out
+
+    @staticmethod
+    def output(request: TraceRequest) -> list[int]:
+        """`output_length` ids (at least one: every request yields a first token)."""
+        start = _OUTPUT_BASE + (request.index % 4_096) * 4_096
+        return list(range(start, start + max(1, request.output_length)))
