@@ -168,6 +168,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.simulate.command import main as simulate_main
+
+    return simulate_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
@@ -220,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="replay a trace through the OpenAI/Anthropic SDK; `bench report DIR...`")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from deepinfer_gateway.simulate.command import add_arguments as add_simulate_arguments
+
+    simulate = sub.add_parser("simulate", help="offline discrete-event run of the real router on a simulated cluster")
+    add_simulate_arguments(simulate)
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -1,0 +1,48 @@
+"""The `simulate` subcommand: argument definitions and dispatch (cli.py stays a thin table)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True,
+                        help="trace file (Mooncake .jsonl[.gz], Azure .csv) or synthetic:chat|agent[:k=v,...]")
+    parser.add_argument("--cluster", required=True, type=Path, help="cluster TOML (see bench/clusters/)")
+    parser.add_argument("--out", type=Path, default=None, help="write results.jsonl and summary.json here")
+    parser.add_argument("--speedup", type=float, default=1.0, help="arrivals at trace time / SPEEDUP")
+    parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests")
+    parser.add_argument("--policy", default=None, help="override the cluster's router policy")
+    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
+    parser.add_argument("--gpu-hour-usd", type=float, default=None)
+    parser.add_argument("--no-header-offset", action="store_true",
+                        help="trace block 0 at prompt position 0 (default: after the chat template's 28 tokens)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from deepinfer_gateway.bench.summary import Slo
+    from deepinfer_gateway.bench.traces import TraceFormatError
+    from deepinfer_gateway.simulate.config import load_cluster
+    from deepinfer_gateway.simulate.run import run_simulation
+
+    try:
+        config = load_cluster(args.cluster)
+    except (OSError, ValueError, ValidationError) as exc:
+        raise SystemExit(f"simulate: cluster file {args.cluster}: {exc}") from None
+    if args.policy:
+        config = config.model_copy(update={"router": config.router.model_copy(update={"policy": args.policy})})
+    slo = Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft or args.slo_tpot else None
+    try:
+        _, summary = run_simulation(config, args.trace, speedup=args.speedup, max_requests=args.max_requests,
+                                    slo=slo, gpu_hour_usd=args.gpu_hour_usd,
+                                    header_offset=not args.no_header_offset, out=args.out)
+    except (TraceFormatError, ValueError) as exc:
+        raise SystemExit(f"simulate: {exc}") from None
+    sys.stdout.write(json.dumps(summary, separators=(",", ":")) + "\n")
+    return 0
