@@ -74,7 +74,7 @@ async def _admit(state: GatewayState, key: ApiKey, prepared: PreparedRequest
     limits = (key.requests_per_minute, key.tokens_per_minute)
     if limits == (None, None):
         return {}, None
-    verdict = await state.limiter.admit(key.name, limits, len(prepared.token_ids))
+    verdict = await state.limiter.admit(key.name, limits, prepared.prompt_tokens)
     headers = verdict.headers()
     if not verdict.allowed:
         raise RateLimited(f"Rate limit reached for API key {key.name}; retry after {headers['retry-after']}s.",

@@ -43,6 +43,10 @@ class TokenBytes:
         pieces = self.pieces
         return b"".join(pieces.get(t, b"") for t in token_ids)
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Whole-sequence decode (invalid UTF-8 replaced)."""
+        return self.bytes_of(token_ids).decode("utf-8", errors="replace")
+
     def text_of(self, token_id: int) -> str:
         return self.pieces.get(token_id, b"").decode("utf-8", errors="replace")
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from functools import cached_property, lru_cache
+from functools import cached_property
 from hashlib import blake2b
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from deepinfer_gateway.protocol import GenerateRequest, Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, write_tokenizer_dir
 from deepinfer_gateway.workers.server import json_response
-from deepinfer_gateway.workers.sim.detokenize import Detokenizer
+from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.workers.sim.engine import SimEngine
 
 SSE = "text/event-stream"
@@ -106,7 +106,7 @@ class CompatLayer:
         return list(self.bundle.tokenizer.encode(str(prompt)))
 
     def decode(self, ids: list[int]) -> str:
-        return _detok(self.bundle.json_text).decode(ids)
+        return token_bytes(self.bundle.json_text).decode(ids)
 
     # --- generation -------------------------------------------------------------------
 
@@ -141,11 +141,6 @@ class CompatLayer:
                 yield out
         finally:
             proc.close()
-
-
-@lru_cache(maxsize=2)
-def _detok(json_text: str) -> Detokenizer:
-    return Detokenizer(json_text)
 
 
 def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> APIRouter:
