@@ -17,7 +17,14 @@ import aiohttp
 import pytest
 
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
-from tests.fault_doubles import FaultyWorker, Outcome, scrape, stream_chat, total, wait_idle
+from tests.fault_doubles import (
+    FaultyWorker,
+    Outcome,
+    scrape,
+    stream_chat,
+    total,
+    wait_idle,
+)
 
 MODEL = "DeepSeek-V4.1-Flash"
 # Small timeouts so a hanging worker costs the test ~1 s, not the 30/120 s production defaults.

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.gateway.logs import JsonFormatter, bound_request_id, configure_logging, valid_request_id
+from deepinfer_gateway.gateway.logs import (
+    JsonFormatter,
+    bound_request_id,
+    configure_logging,
+    valid_request_id,
+)
 from deepinfer_gateway.launch import free_port, wait_for_port
 from tests.fault_doubles import FaultyWorker
 

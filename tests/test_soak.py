@@ -25,10 +25,10 @@ import pytest
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.launch import Gateway, SimCluster
+from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.workers.sim.detokenize import Detokenizer
 from tests.fault_doubles import scrape, total
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -48,7 +48,7 @@ async def transcripts(worker_url: str) -> dict[int, tuple[str, int]]:
     """prompt index -> (decoded text, token count), straight from a worker's protocol endpoint."""
     bundle = load_tokenizer()
     preparer = RequestPreparer(PromptEncoder(bundle))
-    detok = Detokenizer(bundle.json_text)
+    detok = token_bytes(bundle.json_text)
     out = {}
     async with aiohttp.ClientSession() as session:
         for i in range(PROMPTS):

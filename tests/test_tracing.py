@@ -9,15 +9,15 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import PlainTextResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
-from deepinfer_gateway.config import GatewaySettings, TracingSettings  # noqa: E402
-from deepinfer_gateway.gateway import tracing  # noqa: E402
-from deepinfer_gateway.gateway.logs import RequestContext  # noqa: E402
+from deepinfer_gateway.config import GatewaySettings, TracingSettings
+from deepinfer_gateway.gateway import tracing
+from deepinfer_gateway.gateway.logs import RequestContext
 
 
 @pytest.fixture
