@@ -16,6 +16,7 @@ capacity_blocks = 10_000_000
 request_overhead_s = 0.0          # arrival -> routing (parsing, HTTP)
 per_prompt_token_s = 0.0          # tokenization + hashing, per prompt token
 handoff_overhead_s = 0.0          # prefill finish -> decode worker gets the hand-off
+serial = true                     # one event loop: requests are prepared one after another
 
 [router]                          # deepinfer_gateway.config.RouterSettings, as in the gateway's TOML
 policy = "estimated_ttft"
@@ -61,11 +62,19 @@ class StoreSettings(_Frozen):
 
 
 class GatewayCost(_Frozen):
-    """Time the live gateway spends per request outside the engines (0: an ideal gateway)."""
+    """Time the live gateway spends per request before routing it (0: an ideal gateway).
+
+    A request costs `request_overhead_s + per_prompt_token_s * prompt tokens` (parse,
+    template, tokenize, hash). With `serial`, requests are served one at a time in
+    arrival order, as one gateway process's event loop does (a burst of long prompts
+    queues behind itself); otherwise each request pays only its own cost.
+    `simulate.calibrate.measure_gateway_cost()` measures the first two on this machine.
+    """
 
     request_overhead_s: float = Field(0.0, ge=0)
     per_prompt_token_s: float = Field(0.0, ge=0)
-    handoff_overhead_s: float = Field(0.0, ge=0)
+    handoff_overhead_s: float = Field(0.0, ge=0)  # prefill finish -> decode worker has the hand-off
+    serial: bool = True
 
 
 class ClusterConfig(_Frozen):

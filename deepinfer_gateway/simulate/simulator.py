@@ -128,8 +128,8 @@ class Simulator:
                    for r in ordered]
         pending = len(ordered)
         started = time.perf_counter()
-        for request, record in zip(ordered, records, strict=True):  # routing times need not keep arrival order
-            self._push(self._route_time(request, record), _ARRIVE, (request, record))
+        for pair, at in zip(zip(ordered, records, strict=True), self._route_times(ordered, records), strict=True):
+            self._push(at, _ARRIVE, pair)
         self._push(0.0, _LOAD, None)
         self._push(0.0, _FEED, None)
         heap, pop = self._heap, heapq.heappop
@@ -172,10 +172,19 @@ class Simulator:
         self.stats.sim_s = self.now
         return sorted(records, key=lambda r: r.index)
 
-    def _route_time(self, request: TraceRequest, record: RequestRecord) -> float:
+    def _route_times(self, requests: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> list[float]:
+        """When each request is routed: arrival + the gateway's preparation cost (config.GatewayCost),
+        queued behind the previous request's when the gateway is serial."""
         gw = self.config.gateway
-        prompt = request.input_length + (len(self.prompts.header) + len(self.prompts.trailer))
-        return record.arrival_s + gw.request_overhead_s + gw.per_prompt_token_s * prompt
+        extra = len(self.prompts.header) + len(self.prompts.trailer)
+        free = 0.0
+        out = []
+        for request, record in zip(requests, records, strict=True):
+            cost = gw.request_overhead_s + gw.per_prompt_token_s * (request.input_length + extra)
+            at = (max(record.arrival_s, free) if gw.serial else record.arrival_s) + cost
+            free = at
+            out.append(at)
+        return out
 
     # --- gateway side -------------------------------------------------------------------
 

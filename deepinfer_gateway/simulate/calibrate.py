@@ -1,0 +1,55 @@
+"""Measure what the live gateway spends per request before routing, on this machine.
+
+`measure_gateway_cost()` runs, on bench-style synthesized prompts of two sizes, the
+per-request work of the live path before the engine schedules a request: the gateway's
+preparation (`RequestPreparer`: JSON, chat template, tokenization), block hashing for two
+KV formats, the worker body's JSON encoding, and the worker's parsing and hashing of it
+(`GenerateRequest`, one more hash). It fits `fixed + per_token * tokens` to the wall time
+(wall, not CPU: a busy machine slows the live processes the same way). The result goes
+into a cluster's `[gateway]` table. Socket and SSE relay costs are not included.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from deepinfer_gateway.simulate.config import GatewayCost
+
+_MODEL = "DeepSeek-V4.1-Flash"
+
+
+def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int = 3) -> GatewayCost:
+    from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
+    from deepinfer_gateway.bench.types import TraceRequest
+    from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+    from deepinfer_gateway.protocol import GenerateRequest
+    from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+    from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
+    from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+
+    bundle = load_tokenizer()
+    synthesizer = PromptSynthesizer(Vocabulary.from_tokenizer(bundle.tokenizer, bundle.json_text))
+    preparer = RequestPreparer(PromptEncoder(bundle))
+    salts = [kv_salt(_MODEL, "a"), kv_salt(_MODEL, "b")]
+    points: list[tuple[int, float]] = []
+    for n in sizes:
+        times = []
+        for k in range(repeats):  # distinct block ids: no segment-cache hits across repeats
+            first = 10**7 * (k + 1) + n
+            request = TraceRequest(0, 0.0, n, 16, tuple(range(first, first + -(-n // 512))))
+            body = orjson.dumps({"model": _MODEL, "messages": [{"role": "user", "content": synthesizer.content(request)}],
+                                 "max_tokens": 16, "stream": True, "ignore_eos": True})
+            started = time.perf_counter()
+            prepared = preparer.prepare(ApiProtocol.CHAT, body)
+            for salt in salts:
+                block_hashes(prepared.token_ids, salt)
+            wire = orjson.dumps({"request_id": "r", "token_ids": prepared.token_ids, "role": "prefill"})
+            received = GenerateRequest.model_validate_json(wire)
+            block_hashes(received.token_ids, salts[0])
+            times.append(time.perf_counter() - started)
+        points.append((n, sorted(times)[len(times) // 2]))
+    (n0, t0), (n1, t1) = points
+    per_token = max(0.0, (t1 - t0) / (n1 - n0))
+    return GatewayCost(request_overhead_s=max(0.0, t0 - per_token * n0), per_prompt_token_s=per_token)
