@@ -40,7 +40,7 @@ from typing import Any, cast
 import deepseek_recipe as dr
 import orjson
 
-from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
 from deepinfer_gateway.protocol import encode_line, tokens_event
 from deepinfer_gateway.recipe_bridge.encoder import (
     PromptEncoder,
@@ -57,6 +57,7 @@ from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_toke
 
 MODEL = "DeepSeek-V4.1-Flash"
 SALT = kv_salt(MODEL, "sm100")
+SALTS = [kv_salt(MODEL, fmt) for fmt in ("v4.1-flash/sm100-fp8", "v4.1-flash/ascend950-int8")]
 OPTIONS = dr.ConversionOptions().with_model_versions_by_name({MODEL: dr.ModelVersion.DeepseekV41Flash})
 
 _WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "from", "at", "or", "an", "have", "not", "which", "model", "token", "cache", "request", "latency", "prefix", "worker", "gateway", "decode", "prefill", "block", "hash", "tensor", "function", "return", "value", "error", "result", "memory", "throughput", "schedule", "batch", "queue", "stream", "client", "server", "config", "policy", "route", "index", "store", "engine", "vision", "image", "context", "window", "session", "agent", "because", "however", "therefore", "although", "quickly", "carefully", "simply", "exactly", "roughly", "probably"]
@@ -123,9 +124,15 @@ def _ms(fn: Callable[[], Any], cpu: list[float] | None = None) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def _pipeline(preparer: RequestPreparer, payload: bytes) -> Callable[[], list[int]]:
-    def run() -> list[int]:
-        return block_hashes(preparer.prepare(ApiProtocol.CHAT, payload).token_ids, SALT)
+def _pipeline(preparer: RequestPreparer, payload: bytes, hasher: PrefixHasher | None = None
+              ) -> Callable[[], list[list[int]]]:
+    """What the gateway does before routing: prepare, then hash the prompt once per KV format of
+    the demo cluster (sm100 and ascend950), with its PrefixHasher (fast path) or plainly (baseline)."""
+    def run() -> list[list[int]]:
+        ids = preparer.prepare(ApiProtocol.CHAT, payload).token_ids
+        if hasher is None:
+            return [block_hashes(ids, salt) for salt in SALTS]
+        return hasher.hashes(ids, SALTS)
     return run
 
 
@@ -153,21 +160,23 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest
     gc.collect()
     for _ in range(repeats):
         fast.cache.clear()
-        samples["first"].append(_ms(_pipeline(fast_prep, first), samples["first_cpu"]))  # cold cache
+        samples["first"].append(_ms(_pipeline(fast_prep, first, PrefixHasher()), samples["first_cpu"]))  # cold
         samples["base_first"].append(_ms(_pipeline(ref_prep, first), samples["base_first_cpu"]))
         samples["base_follow"].append(_ms(_pipeline(ref_prep, follow)))
         fast.cache.clear()
-        fast_prep.prepare(ApiProtocol.CHAT, first)  # the cache now holds exactly the previous turn
-        samples["follow"].append(_ms(_pipeline(fast_prep, follow)))
+        hasher = PrefixHasher()
+        _pipeline(fast_prep, first, hasher)()  # the caches now hold exactly the previous turn
+        samples["follow"].append(_ms(_pipeline(fast_prep, follow, hasher)))
         # Breakdown of the follow-up (same state again).
         fast.cache.clear()
-        fast_prep.prepare(ApiProtocol.CHAT, first)
+        hasher = PrefixHasher()
+        _pipeline(fast_prep, first, hasher)()
         t0 = time.perf_counter()
         conv = _convert(follow)
         t1 = time.perf_counter()
         ids = fast.encode(conv)
         t2 = time.perf_counter()
-        block_hashes(ids, SALT)
+        hasher.hashes(ids, SALTS)
         t3 = time.perf_counter()
         samples["convert"].append((t1 - t0) * 1000)
         samples["encode"].append((t2 - t1) * 1000)

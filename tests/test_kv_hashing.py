@@ -93,3 +93,24 @@ def reference(token_ids: list[int], salt: bytes, block_tokens: int) -> list[int]
 @given(tokens)
 def test_matches_the_documented_encoding(a: list[int]) -> None:
     assert block_hashes(a, SALT, BT) == reference(a, SALT, BT)
+
+
+# --- PrefixHasher: reuse of recent chains is exact ------------------------------------------
+
+from hypothesis import given as _given  # noqa: E402
+from hypothesis import settings as _settings  # noqa: E402
+from hypothesis import strategies as _st  # noqa: E402
+
+from deepinfer_gateway.kvcache.hashing import PrefixHasher  # noqa: E402
+
+
+@_settings(max_examples=60, deadline=None)
+@_given(_st.lists(_st.tuples(_st.integers(0, 6), _st.integers(0, 900), _st.integers(0, 3)), min_size=1, max_size=8))
+def test_prefix_hasher_equals_block_hashes(turns: list[tuple[int, int, int]]) -> None:
+    """Each turn keeps a prefix of the previous prompt (in tokens), changes a token, appends."""
+    salts = [kv_salt("m", "sm100"), kv_salt("m", "ascend950")]
+    hasher = PrefixHasher(max_bytes=4096 * 3, per_family=2, block_tokens=16)
+    prompt: list[int] = [7] * 40
+    for keep_blocks, append, edit in turns:
+        prompt = prompt[: keep_blocks * 16 + edit] + [(edit * 31 + i) % 50 for i in range(append)]
+        assert hasher.hashes(prompt, salts) == [block_hashes(prompt, s, 16) for s in salts]

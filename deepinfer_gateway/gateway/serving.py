@@ -44,6 +44,7 @@ from deepinfer_gateway.gateway.errors import (
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient, WorkerStream
+from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, ResponseStream
@@ -94,6 +95,7 @@ class RequestServer:
         self.bundle = bundle
         self.metrics = metrics
         self.settings = settings
+        self.hasher = PrefixHasher()
 
     async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
                     workload_class: str = "chat", headers: dict[str, str] | None = None,
@@ -176,7 +178,7 @@ class RequestServer:
         views = await self._views()
         if not views:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
-        hashes = prompt_hashes(prepared.token_ids, views)
+        hashes = prompt_hashes(prepared.token_ids, views, self.hasher)
         overlap = await self._overlap(views, hashes)
         tried: set[str] = set()
         last_error: UpstreamError | None = None

@@ -26,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 
@@ -49,27 +51,112 @@ def block_hashes(token_ids: Sequence[int], salt: bytes, block_tokens: int = KV_B
     n_full = len(token_ids) // block_tokens
     if n_full == 0:
         return []
+    digests: list[bytes] = []
+    _chain(_pack(token_ids, n_full * block_tokens), block_tokens * 4, 0, salt, digests)
+    return _published(digests)
+
+
+def _pack(token_ids: Sequence[int], n_tokens: int) -> memoryview:
     words = array("I")
     if isinstance(token_ids, list):
-        words.fromlist(token_ids)
+        words.fromlist(token_ids[:n_tokens] if len(token_ids) != n_tokens else token_ids)
     else:
-        words.extend(token_ids)
-    del words[n_full * block_tokens :]
+        words.extend(token_ids[:n_tokens])
     if _BIG_ENDIAN:
         words.byteswap()
-    data = memoryview(words).cast("B")
-    step = block_tokens * 4
+    return memoryview(words).cast("B")
+
+
+def _chain(data: memoryview, step: int, start_block: int, prev: bytes, digests: list[bytes]) -> None:
     copy = _SHA256_EMPTY.copy
-    digests: list[bytes] = []
     append = digests.append
-    prev = salt
-    for start in range(0, n_full * step, step):
+    for start in range(start_block * step, len(data), step):
         h = copy()
         h.update(prev)
         h.update(data[start : start + step])
         prev = h.digest()
         append(prev)
+
+
+def _published(digests: list[bytes]) -> list[int]:
     words64 = array("Q", b"".join(digests))
     if _BIG_ENDIAN:
         words64.byteswap()
     return [w & _MASK63 for w in words64[::4]]
+
+
+class PrefixHasher:
+    """`block_hashes` for several salts at once (the tokens are packed once), reusing the
+    chain of a recent prompt that starts the same way.
+
+    Agents and chats re-send the same history every turn: a follow-up shares all but its
+    last blocks with the previous turn, so only the new blocks are digested. Recent
+    prompts are kept per first block (the `per_family` most recent of each); the longest
+    common prefix is found by binary search over block boundaries with memcmp, ~0.1 ms
+    for 128k tokens. Exact: reused digests cover byte-identical token prefixes.
+    Bounded: at most `max_bytes` of packed prompts (LRU by family).
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20, per_family: int = 4, block_tokens: int = KV_BLOCK_TOKENS):
+        self.max_bytes = max_bytes
+        self.per_family = per_family
+        self.block_tokens = block_tokens
+        self._families: OrderedDict[bytes, list[_Chain]] = OrderedDict()
+        self._bytes = 0
+
+    def hashes(self, token_ids: Sequence[int], salts: Sequence[bytes]) -> list[list[int]]:
+        step = self.block_tokens * 4
+        n_full = len(token_ids) // self.block_tokens
+        if n_full == 0:
+            return [[] for _ in salts]
+        data = _pack(token_ids, n_full * self.block_tokens)
+        packed = data.tobytes()  # bytes: slice comparison is a memcmp (memoryview's is per item)
+        family = packed[:step]
+        known, shared = self._longest(family, packed, step)
+        chain = _Chain(packed, {})
+        for salt in salts:
+            digests = list(known.digests[salt][:shared]) if known is not None and salt in known.digests else []
+            prev = digests[-1] if digests else salt
+            _chain(data, step, len(digests), prev, digests)
+            chain.digests[salt] = digests
+        self._remember(family, chain, known if known is not None and shared * step == len(known.data) else None)
+        return [_published(chain.digests[salt]) for salt in salts]
+
+    def _longest(self, family: bytes, data: bytes, step: int) -> tuple[_Chain | None, int]:
+        best, best_blocks = None, 0
+        for chain in self._families.get(family, ()):
+            if data.startswith(chain.data):  # the usual follow-up: it extends that prompt
+                shared = len(chain.data) // step
+            else:  # largest k with equal first k blocks; startswith on a memoryview slice = memcmp, no copy
+                old = memoryview(chain.data)
+                lo, hi = 1, min(len(old), len(data)) // step  # block 0 matches: same family
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if data.startswith(old[: mid * step]):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                shared = lo
+            if shared > best_blocks:
+                best, best_blocks = chain, shared
+        return best, best_blocks
+
+    def _remember(self, family: bytes, chain: _Chain, superseded: _Chain | None) -> None:
+        members = self._families.pop(family, [])
+        if superseded is not None:  # the new prompt extends it: keep only the longer one
+            members.remove(superseded)
+            self._bytes -= len(superseded.data)
+        members.insert(0, chain)
+        self._bytes += len(chain.data)
+        while len(members) > self.per_family:
+            self._bytes -= len(members.pop().data)
+        self._families[family] = members
+        while self._bytes > self.max_bytes and len(self._families) > 1:
+            _, evicted = self._families.popitem(last=False)
+            self._bytes -= sum(len(c.data) for c in evicted)
+
+
+@dataclass(slots=True)
+class _Chain:
+    data: bytes  # packed full-block tokens
+    digests: dict[bytes, list[bytes]]  # salt -> chained digests, one per block

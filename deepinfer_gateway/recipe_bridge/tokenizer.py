@@ -37,10 +37,12 @@ class TokenizerBundle:
         return self.special_token_id(SpecialToken.Eos.default_str())
 
     def special_token_id(self, content: str) -> int:
-        for token in json.loads(self.json_text)["added_tokens"]:
-            if token["content"] == content:
-                return int(token["id"])
-        raise KeyError(content)
+        return _added_tokens(self.json_text)[content]
+
+
+@lru_cache(maxsize=4)
+def _added_tokens(json_text: str) -> dict[str, int]:
+    return {t["content"]: int(t["id"]) for t in json.loads(json_text)["added_tokens"]}
 
 
 def default_tokenizer_json_path() -> Path:

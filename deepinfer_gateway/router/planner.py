@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from deepinfer_gateway.config import HardwareCost, RouterSettings
-from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.policies import make_policy
@@ -52,13 +52,14 @@ class NoCandidate(Exception):
     """No healthy, compatible, untried worker for this leg."""
 
 
-def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView]) -> dict[str, list[int]]:
-    """Chained block hashes of the prompt for every KV format among `workers` (salted per model+format)."""
-    out: dict[str, list[int]] = {}
-    for w in workers:
-        if w.kv_format not in out:
-            out[w.kv_format] = block_hashes(token_ids, kv_salt(w.model, w.kv_format))
-    return out
+def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView],
+                  hasher: PrefixHasher | None = None) -> dict[str, list[int]]:
+    """Chained block hashes of the prompt for every KV format among `workers` (salted per
+    model+format); `hasher` reuses the chains of recent prompts with the same beginning."""
+    salts = {w.kv_format: kv_salt(w.model, w.kv_format) for w in workers}
+    if hasher is None:
+        return {fmt: block_hashes(token_ids, salt) for fmt, salt in salts.items()}
+    return dict(zip(salts, hasher.hashes(token_ids, list(salts.values())), strict=True))
 
 
 class RoutePlanner:
