@@ -26,9 +26,26 @@ from deepinfer_gateway.workers.sim.profiles import HardwareProfile, load_profile
 
 
 class SimWorker:
-    __slots__ = ("worker_id", "role", "pool", "profile", "model", "events", "core", "report_queued",
-                 "report_running", "report_ranks", "reserved", "inflight", "busy", "pending", "cursor", "cruise",
-                 "version", "_view")
+    __slots__ = (
+        "_view",
+        "busy",
+        "core",
+        "cruise",
+        "cursor",
+        "events",
+        "inflight",
+        "model",
+        "pending",
+        "pool",
+        "profile",
+        "report_queued",
+        "report_ranks",
+        "report_running",
+        "reserved",
+        "role",
+        "version",
+        "worker_id",
+    )
 
     def __init__(self, worker_id: str, role: Role, pool: str, profile: HardwareProfile, model: str,
                  store: InMemoryKvStore | None, time_scale: float) -> None:

@@ -39,7 +39,12 @@ from deepinfer_gateway.bench.types import ErrorKind, RequestRecord, TraceRequest
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
-from deepinfer_gateway.router.planner import NoCandidate, Plan, RoutePlanner, prompt_hashes
+from deepinfer_gateway.router.planner import (
+    NoCandidate,
+    Plan,
+    RoutePlanner,
+    prompt_hashes,
+)
 from deepinfer_gateway.simulate.cluster import SimWorker, build_workers
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.tokens import PromptTokens
@@ -145,7 +150,8 @@ class Simulator:
             elif kind == _ARRIVE:
                 other += 1
                 pending -= 1
-                self._arrive(*payload, t)
+                request, record = payload
+                self._arrive(request, record, t)
                 if progress is not None:
                     done += 1
                     progress(done, len(ordered))
