@@ -212,10 +212,13 @@ async def test_garbage_or_reset_mid_stream_ends_with_an_error_event(tmp_path: Pa
     procs.append(bad)
     gw = start_gateway(tmp_path, procs, [bad])
     outcomes = await run_streams(gw, [body(i) for i in range(4)])
-    assert [o.kind for o in outcomes] == ["error"] * 4
+    # A reset can reach the gateway before it has read the first token (socket buffering): then it
+    # is a pre-stream failure, retried, and with no other worker an HTTP 502. Both are explicit.
+    assert all(o.kind == "error" or (o.kind == "http_error" and o.status == 502) for o in outcomes), outcomes
+    assert any(o.kind == "error" for o in outcomes)
     m = scrape(gw.url)
     assert total(m, "dgw_requests_total", status="502") == 4
-    assert total(m, "dgw_upstream_errors_total") == 4
+    assert total(m, "dgw_upstream_errors_total") >= 4
     plain = await run_plain(gw, [body(10)])  # non-streaming: an error status, not a cut answer
     assert plain[0][0] in (502, 503) and plain[0][1]["error"]["message"]
     assert wait_idle([bad])[0]["running"] == 0
