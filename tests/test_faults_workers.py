@@ -225,8 +225,6 @@ async def test_garbage_or_reset_mid_stream_ends_with_an_error_event(tmp_path: Pa
     assert gateway_alive(gw)
 
 
-@pytest.mark.xfail(strict=False, reason="counted twice today: serving._drain's finally counts 502 and "
-                   "app.handle counts the UpstreamFailed it raises again")
 async def test_non_streaming_failure_mid_answer_is_counted_once(tmp_path: Path, procs: list[object]) -> None:
     bad = FaultyWorker("garbage-after", after=3)
     procs.append(bad)

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway import protocol as wp
@@ -116,7 +117,9 @@ async def _unless_disconnected(request: Request, serving: Awaitable[Response]) -
             return task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            # It may have finished before the cancel landed: then its response holds a worker
+            # stream; returning it lets the response run, see the disconnect and release it.
+            return await task
         raise ClientGone()
     finally:
         watcher.cancel()
@@ -197,7 +200,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             error = GatewayError(exc.message, status_code=exc.status_code, param=exc.param, code=exc.code)
         except GatewayError as exc:
             error = exc
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):  # gone while we read its body or waited for a first token
             metrics.client_disconnects.inc()
             error = GatewayError("client disconnected", status_code=499)
         if model not in settings.model_names:

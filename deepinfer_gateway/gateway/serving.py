@@ -41,6 +41,7 @@ from deepinfer_gateway.gateway.errors import (
     UpstreamFailed,
     stream_error_frame,
 )
+from deepinfer_gateway.gateway import tracing
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient, WorkerStream
@@ -80,6 +81,7 @@ class _Upstream:
     pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
     output_ids: list[int] = field(default_factory=list)  # tokens so far (the decode leg continues them)
     finished: bool = False
+    status: str | None = None  # streaming outcome: 200, 502; None until known (client gone: 499)
     on_done: Callable[[int], None] | None = None
 
 
@@ -115,12 +117,15 @@ class RequestServer:
             self.metrics.ttft.observe(time.perf_counter() - arrival)
         headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: upstream.leg.worker.worker_id}
         if prepared.stream:
-            return StreamingResponse(self._relay(prepared, upstream, request_id, arrival),
-                                     media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+            return _RelayResponse(self._relay(prepared, upstream, request_id, arrival),
+                                  on_close=lambda: self._close_stream(prepared, upstream, request_id, arrival),
+                                  media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         try:
-            await self._drain(prepared, upstream, request_id, arrival)
+            await self._drain(prepared, upstream, request_id)
         finally:
             self._finish(upstream, request_id)
+            self._observe_done(upstream.response, arrival)
+        self.metrics.requests.labels(str(prepared.protocol), prepared.model, "200").inc()
         return Response(upstream.response.body(), media_type="application/json", headers=headers)
 
     # --- routing ------------------------------------------------------------------------
@@ -166,6 +171,8 @@ class RequestServer:
     def _record(self, plan: Plan, request_id: str) -> None:
         w = plan.worker
         self.metrics.routing_decisions.labels(w.pool, w.hardware, str(plan.decision.reason)).inc()
+        tracing.current_span().set_attributes({"route.mode": plan.mode, "route.worker": w.worker_id,
+                                               "route.reason": str(plan.decision.reason)})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s mode=%s worker=%s reason=%s predicted=%d/%d costs=%s", request_id, plan.mode,
                       w.worker_id, plan.decision.reason, plan.decision.predicted_memory_tokens,
@@ -178,8 +185,9 @@ class RequestServer:
         views = await self._views()
         if not views:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
-        hashes = prompt_hashes(prepared.token_ids, views, self.hasher)
-        overlap = await self._overlap(views, hashes)
+        with tracing.span("router.lookup", candidates=len(views)):
+            hashes = prompt_hashes(prepared.token_ids, views, self.hasher)
+            overlap = await self._overlap(views, hashes)
         tried: set[str] = set()
         last_error: UpstreamError | None = None
         for _ in range(self.settings.max_attempts):
@@ -195,7 +203,10 @@ class RequestServer:
             tried.add(worker.worker_id)
             leg_body = {**body, "role": _LEG_ROLE[plan.mode]}
             try:
-                leg, ready, first = await self._open(worker, leg_body, request_id, reserve=prepared.prompt_tokens)
+                with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
+                                  role=leg_body["role"]):
+                    leg, ready, first = await self._open(worker, leg_body, request_id,
+                                                         reserve=prepared.prompt_tokens)
             except UpstreamError as exc:
                 last_error = exc
                 self._failed(worker, exc, request_id)
@@ -302,7 +313,9 @@ class RequestServer:
             worker = self.registry.workers[view.worker_id]
             tried.add(worker.worker_id)
             try:
-                leg, _ready, first = await self._open(worker, body, request_id)
+                with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
+                                  role="decode"):
+                    leg, _ready, first = await self._open(worker, body, request_id)
             except UpstreamError as exc:
                 last_error = exc
                 self._failed(worker, exc, request_id)
@@ -315,42 +328,50 @@ class RequestServer:
 
     async def _relay(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str,
                      arrival: float) -> AsyncIterator[bytes]:
+        """The SSE body. Release and counting happen in `_close_stream`, which runs however the
+        response ends, even when the client leaves before this generator ever starts."""
         response = upstream.response
-        status = "200"
-        try:
-            yield upstream.head
-            last = time.perf_counter()
-            self.metrics.ttft.observe(last - arrival)
-            async for event in self._events(upstream, request_id):
-                if event["event"] == "tokens":
-                    out = response.tokens(event["token_ids"], event.get("logprobs"))
-                    now = time.perf_counter()
-                    self.metrics.itl.observe(now - last)
-                    last = now
-                    if out:
-                        yield out
-                    if response.done:  # stop sequence: stop the engine too
-                        break
-                else:
-                    _raise_if_error(event)
-                    yield response.finish(event["reason"])
-        except (UpstreamError, GatewayError) as exc:
-            status = "502"
-            self.metrics.upstream_errors.labels(upstream.leg.worker.worker_id, getattr(exc, "kind", "engine")).inc()
-            log.warning("request %s: stream from %s failed after the first token: %s", request_id,
-                        upstream.leg.worker.worker_id, exc)
-            yield stream_error_frame(prepared.protocol, f"The worker failed mid-stream: {exc}")
-        except asyncio.CancelledError:
-            status = "499"
-            self.metrics.client_disconnects.inc()
-            raise
-        finally:
-            self._finish(upstream, request_id)
-            self._count_done(prepared, response, status, arrival)
+        with tracing.span("stream.relay", worker=upstream.leg.worker.worker_id) as span:
+            try:
+                yield upstream.head
+                last = time.perf_counter()
+                self.metrics.ttft.observe(last - arrival)
+                async for event in self._events(upstream, request_id):
+                    if event["event"] == "tokens":
+                        out = response.tokens(event["token_ids"], event.get("logprobs"))
+                        now = time.perf_counter()
+                        self.metrics.itl.observe(now - last)
+                        last = now
+                        if out:
+                            yield out
+                        if response.done:  # stop sequence: stop the engine too
+                            break
+                    else:
+                        _raise_if_error(event)
+                        yield response.finish(event["reason"])
+                upstream.status = "200"
+            except (UpstreamError, GatewayError) as exc:
+                upstream.status = "502"
+                self.metrics.upstream_errors.labels(upstream.leg.worker.worker_id,
+                                                    getattr(exc, "kind", "engine")).inc()
+                log.warning("request %s: stream from %s failed after the first token: %s", request_id,
+                            upstream.leg.worker.worker_id, exc)
+                yield stream_error_frame(prepared.protocol, f"The worker failed mid-stream: {exc}")
+            span.set_attribute("completion_tokens", response.completion_tokens)
+            span.set_attribute("status", upstream.status or "499")
 
-    async def _drain(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str, arrival: float) -> None:
+    def _close_stream(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str, arrival: float) -> None:
+        if upstream.status is None:  # the client left before the end
+            upstream.status = "499"
+            self.metrics.client_disconnects.inc()
+        self._finish(upstream, request_id)
+        self._observe_done(upstream.response, arrival)
+        self.metrics.requests.labels(str(prepared.protocol), prepared.model, upstream.status).inc()
+
+    async def _drain(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str) -> None:
+        """Non-streaming: accumulate the whole answer. A failure raises UpstreamFailed, which the
+        app renders and counts (once)."""
         response = upstream.response
-        status = "200"
         try:
             async for event in self._events(upstream, request_id):
                 if event["event"] == "tokens":
@@ -361,14 +382,7 @@ class RequestServer:
                     _raise_if_error(event)
                     response.finish(event["reason"])
         except UpstreamError as exc:
-            status = "502"
             raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
-        except asyncio.CancelledError:
-            status = "499"
-            self.metrics.client_disconnects.inc()
-            raise
-        finally:
-            self._count_done(prepared, response, status, arrival)
 
     # --- bookkeeping ------------------------------------------------------------------------
 
@@ -388,10 +402,25 @@ class RequestServer:
             on_done, upstream.on_done = upstream.on_done, None
             on_done(upstream.response.completion_tokens)
 
-    def _count_done(self, prepared: PreparedRequest, response: ResponseStream, status: str, arrival: float) -> None:
+    def _observe_done(self, response: ResponseStream, arrival: float) -> None:
         self.metrics.generation_tokens.inc(response.completion_tokens)
         self.metrics.duration.observe(time.perf_counter() - arrival)
-        self.metrics.requests.labels(str(prepared.protocol), prepared.model, status).inc()
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response whose bookkeeping runs when the response ends, whichever way:
+    the body generator itself may be cancelled before its first line, or closed without
+    a CancelledError while blocked in send()."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _raise_if_error(finish: dict[str, Any]) -> None:

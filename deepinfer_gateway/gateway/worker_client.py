@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.gateway import tracing
 
 
 class UpstreamError(Exception):
@@ -100,7 +101,7 @@ class WorkerClient:
         try:
             response = await self.session.post(
                 url + wp.GENERATE_PATH, data=orjson.dumps(body),
-                headers={"content-type": "application/json", wp.REQUEST_ID_HEADER: request_id},
+                headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: request_id}),
             )
         except TimeoutError:
             raise UpstreamError("timeout", f"connect to {url} timed out") from None
