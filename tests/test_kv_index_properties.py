@@ -69,7 +69,7 @@ async def run_history(index: PrefixIndex, ops: list[tuple[str, str, list[int]]])
             # Events the index never polled die with the old epoch's log (a store write
             # is then under-predicted); poll first so the model stays exact.
             await poll(w)
-            log.restart(f"e{i}")
+            log.restart(f"restart-{i}")  # never the initial epoch "e1"
             memory[w].clear()
         elif kind == "sstore":
             log.store_store(hs, far)
