@@ -17,6 +17,12 @@ from typing import Any
 import uvicorn
 
 
+# Idle keep-alive connections are held longer by servers than by the gateway's client pool
+# (worker_client.POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
+# worker is closing (the "Server disconnected" race of uvicorn's 5 s default).
+KEEP_ALIVE_S = 75
+
+
 class EmbeddedServer(uvicorn.Server):
     """A uvicorn server that leaves signal handling to its host (several may run at once)."""
 
@@ -30,7 +36,8 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
     # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
     # (gateway/logs.py), so `--log-format json` covers uvicorn's lines too.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=graceful_s, lifespan="on", log_config=None)
+                            timeout_graceful_shutdown=graceful_s, lifespan="on", log_config=None,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = EmbeddedServer(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -138,3 +138,23 @@ def test_estimated_ttft_guard_bounds_imbalance(cands: list[Candidate], prompt: i
     chosen = next(c for c in cands if c.worker_id == decision.worker_id)
     mean = sum(c.queued_prefill_tokens for c in cands) / len(cands)
     assert chosen.queued_prefill_tokens <= policy.guard_ratio * mean + policy.guard_tokens
+
+
+def test_estimated_ttft_prices_own_prefill_on_one_dp_rank() -> None:
+    c = cand("a", dp_ranks=4, prefill_tokens_per_s=400_000.0)
+    seconds, _, _ = estimated_ttft_s(c, RoutingView(40_000, (c,)))
+    assert seconds == 40_000 * 4 / 400_000.0
+
+
+def test_estimated_ttft_sticks_to_the_history_holder_within_the_margin() -> None:
+    holder = cand("holder", memory_hit_blocks=300, queued_prefill_tokens=60_000)
+    idle = cand("idle")
+    decision = EstimatedTtft().choose(RoutingView(40_000, (holder, idle)))
+    assert decision.worker_id == "holder" and decision.reason is Reason.PREFIX_HIT
+
+
+def test_estimated_ttft_leaves_the_holder_when_its_queue_costs_too_much() -> None:
+    holder = cand("holder", memory_hit_blocks=10, queued_prefill_tokens=300_000)
+    idle = cand("idle")
+    decision = EstimatedTtft().choose(RoutingView(40_000, (holder, idle)))
+    assert decision.worker_id == "idle" and decision.reason is Reason.QUEUE_OVER_CACHE

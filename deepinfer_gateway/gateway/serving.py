@@ -256,7 +256,7 @@ class RequestServer:
 
     def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str) -> None:
         self.metrics.upstream_errors.labels(worker.worker_id, exc.kind).inc()
-        if exc.kind in ("connect", "timeout", "http_status", "protocol"):
+        if exc.kind in ("connect", "disconnect", "timeout", "http_status", "protocol"):
             self.registry.record_failure(worker, str(exc), eject_now=exc.kind == "connect")
         if not exc.retryable:
             raise GatewayError(str(exc).split(": ", 1)[-1], status_code=exc.status or 400) from None

@@ -19,8 +19,12 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.gateway import tracing
 
 
+POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)
+
+
 class UpstreamError(Exception):
-    """kind: connect | timeout | http_status | protocol | worker_error."""
+    """kind: connect (refused: the worker is down) | disconnect (an open connection broke) |
+    timeout | http_status | protocol | worker_error."""
 
     def __init__(self, kind: str, message: str, *, retryable: bool = True, status: int | None = None):
         super().__init__(message)
@@ -54,7 +58,7 @@ class WorkerStream:
         except TimeoutError:
             raise UpstreamError("timeout", f"no event from worker within {timeout}s") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise UpstreamError("connect", f"worker connection lost: {exc}") from None
+            raise UpstreamError("disconnect", f"worker connection lost: {exc}") from None
         if not line:
             return None
         try:
@@ -81,7 +85,8 @@ class WorkerClient:
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True,
+                                             keepalive_timeout=POOL_KEEP_ALIVE_S)
             self._session = aiohttp.ClientSession(
                 connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s),
@@ -105,8 +110,10 @@ class WorkerClient:
             )
         except TimeoutError:
             raise UpstreamError("timeout", f"connect to {url} timed out") from None
-        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        except aiohttp.ClientConnectorError as exc:
             raise UpstreamError("connect", f"cannot reach {url}: {exc}") from None
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:  # e.g. a pooled connection closed
+            raise UpstreamError("disconnect", f"connection to {url} broke: {exc}") from None
         if response.status != 200:
             text = (await response.read())[:300].decode(errors="replace")
             response.release()

@@ -13,14 +13,18 @@ Estimated TTFT of a candidate (seconds), from the view only:
 
     mem   = min(memory_hit_blocks * B, P)                  tokens already in its memory
     store = max(0, min(store_hit_blocks * B, P) - mem)     tokens it can load from the store
-    ttft  = queued_prefill_tokens / prefill_tokens_per_s   queue wait
-          + (P - mem - store) / prefill_tokens_per_s       compute of what no tier holds
-          + store * kv_bytes_per_token / kv_load_bytes_per_s   KV load at store bandwidth
+    ttft  = queued_prefill_tokens / prefill_tokens_per_s   queue wait (all DP ranks drain it)
+          + (P - mem - store) / (prefill_tokens_per_s / dp_ranks)   its own prefill, on one rank
+          + store * kv_bytes_per_token / kv_load_bytes_per_s        KV load at store bandwidth
 
-P = prompt tokens, B = 128-token blocks. The guard: when the cheapest candidate's queue
-exceeds `guard_ratio` x the mean queue + `guard_tokens`, the cheapest candidate under that
-bound wins instead (reason load_fallback), so a stale load report cannot pile a
-popular prefix onto one worker.
+P = prompt tokens, B = 128-token blocks. Two adjustments on top of the cheapest candidate:
+- Stickiness: the candidate holding the longest memory prefix is kept unless its cost
+  exceeds `stick_ratio` x the cheapest + `stick_s` (default 1.5x + 50 ms). The formula
+  prices only this request; moving a conversation off the worker that holds its history
+  also costs every later turn (measured on the Mooncake trace: docs/policies.md).
+- Guard: when the pick's queue exceeds `guard_ratio` x the mean queue + `guard_tokens`,
+  the cheapest candidate under that bound wins instead (reason load_fallback), so a stale
+  load report cannot pile a popular prefix onto one worker.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def estimated_ttft_s(c: Candidate, view: RoutingView) -> tuple[float, int, int]:
     store = max(0, min(c.store_hit_blocks * view.block_tokens, prompt) - mem)
     seconds = (
         c.queued_prefill_tokens / c.prefill_tokens_per_s
-        + (prompt - mem - store) / c.prefill_tokens_per_s
+        + (prompt - mem - store) * max(1, c.dp_ranks) / c.prefill_tokens_per_s
         + store * c.kv_bytes_per_token / c.kv_load_bytes_per_s
     )
     return seconds, mem, store
@@ -166,28 +170,39 @@ class PrefixApprox:
 
 
 class EstimatedTtft:
-    """Minimum estimated TTFT (module docstring), with a load-balance guard."""
+    """Minimum estimated TTFT (module docstring), sticky to the longest memory prefix, with a
+    load-balance guard."""
 
     name = "estimated_ttft"
 
-    def __init__(self, guard_ratio: float = 2.0, guard_tokens: int = 65_536) -> None:
+    def __init__(self, guard_ratio: float = 2.0, guard_tokens: int = 65_536, stick_ratio: float = 1.5,
+                 stick_s: float = 0.05) -> None:
         self.guard_ratio = guard_ratio
         self.guard_tokens = guard_tokens
+        self.stick_ratio = stick_ratio
+        self.stick_s = stick_s
 
     def choose(self, view: RoutingView) -> Decision:
         scored = {c.worker_id: estimated_ttft_s(c, view) for c in view.candidates}
         ranked = sorted(view.candidates, key=lambda c: (scored[c.worker_id][0], c.worker_id))
+        holder = max(ranked, key=lambda c: c.memory_hit_blocks)  # ties: the cheaper (ranked order)
         mean_queue = sum(c.queued_prefill_tokens for c in view.candidates) / len(view.candidates)
         bound = self.guard_ratio * mean_queue + self.guard_tokens
         chosen, reason = ranked[0], None
+        if holder.memory_hit_blocks > chosen.memory_hit_blocks and \
+                scored[holder.worker_id][0] <= self.stick_ratio * scored[chosen.worker_id][0] + self.stick_s:
+            chosen = holder
         if chosen.queued_prefill_tokens > bound:
             under = [c for c in ranked if c.queued_prefill_tokens <= bound]
             if under:
                 chosen, reason = under[0], Reason.LOAD_FALLBACK
         _, mem, store = scored[chosen.worker_id]
         if reason is None:
-            reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
-        costs = {w: round(s[0], 6) for w, s in scored.items()}
+            if chosen.memory_hit_blocks < holder.memory_hit_blocks:
+                reason = Reason.QUEUE_OVER_CACHE
+            else:
+                reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
+        costs = {w: round(sc[0], 6) for w, sc in scored.items()}
         return Decision(chosen.worker_id, reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:

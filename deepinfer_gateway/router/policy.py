@@ -23,6 +23,7 @@ class Reason(StrEnum):
     STORE_HIT = "store_hit"  # no memory hit worth it; the shared store's prefix is loaded
     COLD = "cold"  # no cached prefix anywhere: cheapest by queue and speed
     LOAD_FALLBACK = "load_fallback"  # the load guard overrode the cache preference
+    QUEUE_OVER_CACHE = "queue_over_cache"  # a shorter queue outweighed another worker's longer memory hit
     AFFINITY = "affinity"
     BYPASS = "pd_bypass"  # small uncached part: decode worker prefills it itself
 

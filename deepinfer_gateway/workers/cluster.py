@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import uvicorn
 from fastapi import FastAPI
 
-from deepinfer_gateway.asgi import EmbeddedServer
+from deepinfer_gateway.asgi import KEEP_ALIVE_S, EmbeddedServer
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.compat import compat_router
@@ -64,7 +64,8 @@ async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ser
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on",
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
