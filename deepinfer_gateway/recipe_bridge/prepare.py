@@ -144,6 +144,9 @@ def _extras(body: bytes) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+OFFLOAD_BODY_BYTES = 64 * 1024
+
+
 class RequestPreparer:
     """Stateless apart from configuration and the (cached) prompt encoder; share one per process."""
 
@@ -154,8 +157,10 @@ class RequestPreparer:
         self.images = ImageInputs(config.images)
 
     async def prepare_async(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:
-        """`prepare`, off the event loop when the body may carry images (fetch, decode, resize)."""
-        if b"image" in body:
+        """`prepare`, off the event loop when it may take long: images (fetch, decode, resize)
+        or a large prompt (tokenizing ~100k tokens cold takes tens of ms, which would stall
+        every other stream's tokens on this loop)."""
+        if len(body) > OFFLOAD_BODY_BYTES or b"image" in body:
             return await asyncio.to_thread(self.prepare, protocol, body)
         return self.prepare(protocol, body)
 
