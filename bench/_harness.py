@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -65,3 +66,36 @@ def start_gateway(worker_url: str, extra_toml: str = "") -> Gateway:
     gateway = Gateway(Path(tempfile.mkdtemp()), [(worker_url, "unified", "sm100")], extra_toml=extra_toml)
     gateway.wait_ready(1)
     return gateway
+
+
+def compare_non_streaming(requests: int, concurrency: int, rounds: int, warmup: int = 200) -> dict[str, float]:
+    """The same short non-streaming requests directly to one instant sim worker and through a
+    gateway to it, rounds alternating so machine noise hits both; medians over rounds."""
+    worker, worker_url = start_worker(1000)
+    gateway = None
+    results: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
+    try:
+        gateway = start_gateway(worker_url)
+        targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
+        for url in targets.values():
+            asyncio.run(closed_loop(url, warmup, concurrency))
+        for round_no in range(rounds):
+            for name, url in targets.items():
+                lat, rps, errors = asyncio.run(closed_loop(url, requests, concurrency))
+                if errors:
+                    raise SystemExit(f"{name}: {errors} failed requests")
+                results[name].append((pct_ms(lat, 0.5), pct_ms(lat, 0.99), rps))
+                print(f"round {round_no} {name:8s} p50 {pct_ms(lat, .5):7.2f} ms  p99 {pct_ms(lat, .99):7.2f} ms"
+                      f"  {rps:7.1f} req/s", flush=True)
+    finally:
+        if gateway:
+            gateway.stop()
+        worker.stop()
+
+    def med(name: str, i: int) -> float:
+        return round(statistics.median(r[i] for r in results[name]), 2)
+
+    out = {f"{name}_{key}": med(name, i) for name in results for i, key in enumerate(("p50_ms", "p99_ms", "rps"))}
+    out["added_p50_ms"] = round(out["gateway_p50_ms"] - out["direct_p50_ms"], 2)
+    out["added_p99_ms"] = round(out["gateway_p99_ms"] - out["direct_p99_ms"], 2)
+    return out

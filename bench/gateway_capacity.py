@@ -38,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 
 import aiohttp
-from _harness import chat_body, closed_loop, pct_ms, start_gateway, start_worker
+from _harness import chat_body, closed_loop, compare_non_streaming, pct_ms, start_gateway, start_worker
 
 TOKENS_PER_S = 50.0
 ITL_BUDGET_MS = 5.0
@@ -147,38 +147,16 @@ def main() -> None:
     summary: dict[str, object] = {}
 
     # --- non-streaming ---
-    worker, worker_url = start_worker(1000)
-    gateway = None
-    try:
+    summary.update(compare_non_streaming(args.requests, args.concurrency, args.rounds))
+    if args.profile:
+        worker, worker_url = start_worker(1000)
         gateway = start_gateway(worker_url)
-        targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
-        for url in targets.values():
-            asyncio.run(closed_loop(url, 200, args.concurrency))  # warm up
-        results: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
-        for round_no in range(args.rounds):
-            for name, url in targets.items():
-                lat, rps, errors = asyncio.run(closed_loop(url, args.requests, args.concurrency))
-                if errors:
-                    raise SystemExit(f"{name}: {errors} failed requests")
-                results[name].append((pct_ms(lat, 0.5), pct_ms(lat, 0.99), rps))
-                print(f"round {round_no} {name:8s} p50 {pct_ms(lat, .5):7.2f} ms  p99 {pct_ms(lat, .99):7.2f} ms"
-                      f"  {rps:7.1f} req/s", flush=True)
-        if args.profile:
-            summary["profile_top"] = profile_gateway(gateway.proc.proc.pid, targets["gateway"], args,
-                                                     Path(args.profile))[:10]
-    finally:
-        if gateway:
+        try:
+            summary["profile_top"] = profile_gateway(gateway.proc.proc.pid, gateway.url + "/v1/chat/completions",
+                                                     args, Path(args.profile))[:10]
+        finally:
             gateway.stop()
-        worker.stop()
-
-    def med(name: str, i: int) -> float:
-        return round(statistics.median(r[i] for r in results[name]), 2)
-
-    summary.update(direct_rps=med("direct", 2), gateway_rps=med("gateway", 2),
-                   added_p50_ms=round(med("gateway", 0) - med("direct", 0), 2),
-                   added_p99_ms=round(med("gateway", 1) - med("direct", 1), 2),
-                   direct_p50_ms=med("direct", 0), gateway_p50_ms=med("gateway", 0),
-                   direct_p99_ms=med("direct", 1), gateway_p99_ms=med("gateway", 1))
+            worker.stop()
 
     # --- streaming at 50 tok/s per stream ---
     worker, worker_url = start_worker(1.0, flat_decode_profiles())

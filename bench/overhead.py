@@ -13,11 +13,12 @@ gateway_p99_ms, gateway_rps, added_p50_ms.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import statistics
 
-from _harness import closed_loop, pct_ms, start_gateway, start_worker
+from _harness import compare_non_streaming
+
+KEYS = ("direct_p50_ms", "direct_p99_ms", "direct_rps", "gateway_p50_ms", "gateway_p99_ms", "gateway_rps",
+        "added_p50_ms")
 
 
 def main() -> None:
@@ -26,36 +27,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-
-    worker, worker_url = start_worker(1000)
-    gateway = None
-    try:
-        gateway = start_gateway(worker_url)
-        targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
-        asyncio.run(closed_loop(targets["gateway"], 100, args.concurrency))  # warm both paths
-        results: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
-        for round_no in range(args.rounds):
-            for name, url in targets.items():
-                lat, rps, errors = asyncio.run(closed_loop(url, args.requests, args.concurrency))
-                if errors:
-                    raise SystemExit(f"{name}: {errors} failed requests")
-                results[name].append((pct_ms(lat, 0.5), pct_ms(lat, 0.99), rps))
-                print(f"round {round_no} {name:8s} p50 {pct_ms(lat, .5):7.2f} ms  p99 {pct_ms(lat, .99):7.2f} ms"
-                      f"  {rps:7.1f} req/s", flush=True)
-    finally:
-        if gateway:
-            gateway.stop()
-        worker.stop()
-
-    def med(name: str, i: int) -> float:
-        return round(statistics.median(r[i] for r in results[name]), 2)
-
-    summary = {
-        "direct_p50_ms": med("direct", 0), "direct_p99_ms": med("direct", 1), "direct_rps": med("direct", 2),
-        "gateway_p50_ms": med("gateway", 0), "gateway_p99_ms": med("gateway", 1), "gateway_rps": med("gateway", 2),
-    }
-    summary["added_p50_ms"] = round(summary["gateway_p50_ms"] - summary["direct_p50_ms"], 2)
-    print(json.dumps(summary))
+    figures = compare_non_streaming(args.requests, args.concurrency, args.rounds, warmup=100)
+    print(json.dumps({k: figures[k] for k in KEYS}))
 
 
 if __name__ == "__main__":
