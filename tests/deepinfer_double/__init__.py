@@ -9,7 +9,7 @@ from typing import Any
 
 from .core import DoubleKvTransfer
 
-__all__ = ["DoubleKvTransfer", "install_as_deepinfer"]
+__all__ = ["DoubleKvTransfer", "install_as_deepinfer", "install_in_process"]
 
 _SUBMODULES = [
     "engine",
@@ -24,8 +24,18 @@ _SUBMODULES = [
 
 def install_as_deepinfer(monkeypatch: Any) -> None:
     """Make `import deepinfer...` resolve to the double for one test (undone after it)."""
+    _install(monkeypatch.setitem)
+
+
+def install_in_process() -> None:
+    """Make `import deepinfer...` resolve to the double for the rest of this process
+    (the double's worker launcher, serve.py; never in the test process itself)."""
+    _install(lambda mapping, key, value: mapping.__setitem__(key, value))
+
+
+def _install(setitem: Any) -> None:
     import importlib
 
-    monkeypatch.setitem(sys.modules, "deepinfer", sys.modules[__name__])
+    setitem(sys.modules, "deepinfer", sys.modules[__name__])
     for name in _SUBMODULES:
-        monkeypatch.setitem(sys.modules, f"deepinfer.{name}", importlib.import_module(f"{__name__}.{name}"))
+        setitem(sys.modules, f"deepinfer.{name}", importlib.import_module(f"{__name__}.{name}"))

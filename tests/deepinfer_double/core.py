@@ -20,6 +20,17 @@ token force a finish reason or a step exception; DEEPINFER_ENABLE_MTP_VARLEN=1 w
 DEEPINFER_USE_NEXTN_DECODE=n emits 1+n tokens per decode step; STEP_DELAY_S slows steps.
 Tokens are a deterministic function of the token history, so unified and prefill->decode
 produce the same stream.
+
+Planner mode (`enable_planner()`; off by default): the "model" is the sim's deterministic
+`OutputPlanner` instead, so the output reads like a model's (reasoning, `</think>`,
+answer; DSML tool calls; schema-valid JSON) for end-to-end runs through the gateway.
+`add_request` plans the whole output from the prompt and the request's SamplingParams
+(max_tokens, ignore_eos, seq_seed, so_args); steps then emit the planned ids (several per
+step with MTP on), then EOS with finish `stop` as a real engine does (EOS is counted
+against max_tokens, which the plan leaves room for), or the last planned id with
+`length`. VOCAB_SIZE and EOS_ID become the tokenizer's. A COMPLETION engine (PD decode)
+plans from the prompt without its first token and skips that token, so unified and
+prefill->decode still produce the same stream.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import enum
 import hashlib
 import itertools
 import os
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,6 +60,43 @@ TRIGGERS = {
     903: "ve_error",
 }
 INSTANCES: list[LLMEngine] = []
+PLANNER: Any = None  # planner mode: a deepinfer_gateway.workers.sim.output.OutputPlanner
+
+
+def enable_planner(planner: Any = None, monkeypatch: Any = None) -> Any:
+    """Switch the double to planner mode (module-wide; with `monkeypatch`, undone after
+    the test). Loads the gateway's tokenizer when no planner is given; returns it."""
+    if planner is None:
+        from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+        from deepinfer_gateway.workers.sim.output import OutputPlanner
+
+        planner = OutputPlanner(load_tokenizer())
+    module = sys.modules[__name__]
+    put = monkeypatch.setattr if monkeypatch is not None else setattr
+    put(module, "PLANNER", planner)
+    put(module, "VOCAB_SIZE", planner.vocab_size)
+    put(module, "EOS_ID", planner.eos_id)
+    return planner
+
+
+def plan_output(prompt: list[int], params: SamplingParams, completion: bool) -> tuple[list[int], bool]:
+    """Planner mode: (token ids to emit, whether EOS follows them). DeepInfer's
+    SamplingParams mapped back to the protocol's `Sampling` the planner reads."""
+    from deepinfer_gateway.protocol import FinishReason, Sampling, StructuredOutput
+
+    so = params.so_args
+    max_tokens = params.max_tokens + 1 if completion else params.max_tokens
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        ignore_eos=params.ignore_eos,
+        seq_seed=params.seq_seed,
+        so_args=StructuredOutput(schema_type=so["schema_type"], schema=so.get("schema", "")) if so else None,
+    )
+    plan = PLANNER.plan(prompt[:-1] if completion else prompt, sampling)
+    ids = list(plan.token_ids)
+    # STOP: EOS is sampled right after these ids (the planner leaves room for it).
+    stop = plan.finish_reason is FinishReason.STOP and len(ids) < max_tokens
+    return (ids[1:] if completion else ids), stop
 
 
 class EngineType(enum.Enum):
@@ -155,6 +204,8 @@ class Sequence:
         self.cached_hit_tokens = 0
         self.num_cached_tokens = 0
         self.kv: list[bytes] | None = None  # set by prefill, or loaded (decode)
+        self.plan: list[int] | None = None  # planner mode: the output to emit
+        self.plan_stop = False  # planner mode: EOS follows the plan
 
     def get_len(self) -> int:
         return len(self.tokens)
@@ -327,6 +378,9 @@ class LLMEngine:
         if prompt_token_ids.min() < 0 or prompt_token_ids.max() >= VOCAB_SIZE:
             return None
         seq = Sequence(next(self._seq_ids), request_id, user_id, prompt_token_ids, sampling_params)
+        if PLANNER is not None:
+            completion = self.engine_type is EngineType.COMPLETION
+            seq.plan, seq.plan_stop = plan_output(seq.tokens, sampling_params, completion)
         if enqueue:
             self.waiting.append(seq)
         return seq
@@ -455,6 +509,10 @@ class LLMEngine:
         for _ in range(n):
             if seq.tokens[0] == STOP_AT_FIRST:
                 token, reason = EOS_ID, "stop"
+            elif seq.plan is not None:
+                planned = seq.num_output < len(seq.plan)
+                token = seq.plan[seq.num_output] if planned else EOS_ID
+                reason = "" if planned or not seq.plan_stop else "stop"
             else:
                 token = next_token(seq.tokens)
                 reason = ""

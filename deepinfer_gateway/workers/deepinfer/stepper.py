@@ -356,15 +356,19 @@ class Stepper:
                 finished[rid] = reason  # error/abort handles carry no real token
                 continue
             token = ro.get_token_id(h)
+            if reason == "stop" or token in live.stop_ids:
+                # A stop token (the EOS the engine sampled, or one of stop_token_ids) ends
+                # the request and, per the worker protocol, is neither streamed nor counted.
+                finished[rid] = "stop"
+                if not reason:
+                    self._llm.abort_request(rid)  # DeepInfer has no stop_token_ids: end it ourselves
+                continue
             live.tokens.append(token)
             if live.want_logprobs:
                 top = [[t, lp] for t, lp in zip(ro.get_top_token_ids(h), ro.get_top_logprobs(h), strict=False)]
                 live.logprobs.append([ro.get_token_logprobs(h), top])
             if reason:
                 finished[rid] = reason
-            elif token in live.stop_ids:
-                finished[rid] = "stop"
-                self._llm.abort_request(rid)  # DeepInfer has no stop_token_ids: end it ourselves
         for rid, live in touched.items():
             self._emit_tokens(live)
             if rid in finished:
@@ -395,7 +399,9 @@ class Stepper:
         if live.ready_sent:
             return
         live.ready_sent = True
-        prompt = len(live.request.token_ids)
+        # What the engine prefills: one placeholder per image in token_ids plus the image
+        # tokens beyond it (DeepInfer expands them from multi_modal_data), as the sim counts.
+        prompt = len(live.request.token_ids) + live.request.image_token_adjustment
         memory = int(getattr(live.seq, "cached_hit_tokens", 0) or 0)  # no prefix cache in 0.1.0: 0
         self.prompt_tokens_total += prompt
         self.cached_tokens_total[KvTier.MEMORY] += memory
