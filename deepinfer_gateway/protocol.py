@@ -168,6 +168,9 @@ class WorkerInfo(_Model):
     model: str
     dp_size: int = 1
     block_tokens: int = KV_BLOCK_TOKENS
+    # A decode worker that can also prefill a prompt itself (PD bypass of short uncached parts).
+    # DeepInfer's COMPLETION engine cannot; absent (older workers) means it can.
+    prefills: bool = True
     epoch: str  # changes on every (re)start; a consumer seeing a new epoch drops the worker's memory tier
 
 

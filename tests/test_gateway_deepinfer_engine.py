@@ -25,8 +25,9 @@ import httpx
 import pytest
 
 from deepinfer_gateway.launch import Gateway, Proc, free_port, wait_for_port
-from tests.test_gateway_openai import *  # the protocol suite, re-run here
-from tests.test_protocol_chat import *
+from tests.test_gateway_openai import MODEL
+from tests.test_gateway_openai import *  # noqa: F403  the protocol suite, re-run here
+from tests.test_protocol_chat import *  # noqa: F403
 
 ROOT = Path(__file__).resolve().parents[1]
 # (role, hardware, draft tokens per decode step)
@@ -154,11 +155,10 @@ def test_pd_answer_equals_the_unified_answer(pd_workers: list[tuple[str, str, st
     _same_answer(_chat(pd_gateway.url, prompt), _chat(gateway.url, prompt), pd_workers[0][0])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: with the default pd_bypass_tokens (256) the gateway sends short "
-                                       "prompts to a decode worker as role unified; a DeepInfer COMPLETION engine "
-                                       "cannot prefill, so the wrapper refuses (400 invalid_request)")
-def test_pd_bypass_with_default_router_settings(pd_workers: list[tuple[str, str, str]], gateway: Gateway,
-                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_pd_with_default_router_settings_never_bypasses_to_a_completion_engine(
+        pd_workers: list[tuple[str, str, str]], gateway: Gateway, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Default pd_bypass_tokens (256): a short prompt would bypass prefill, but a DeepInfer decode
+    worker reports `prefills: false`, so it still goes prefill -> decode."""
     gw = Gateway(tmp_path_factory.mktemp("gw-pd-default"), pd_workers)
     try:
         gw.wait_ready(len(pd_workers), timeout=30)

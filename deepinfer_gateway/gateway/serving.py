@@ -144,6 +144,7 @@ class RequestServer:
                 queued_prefill_tokens=(load.queued_prefill_tokens if load else 0) + reserved.get(w.worker_id, 0),
                 running=(load.running if load else 0) + w.inflight,
                 dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else w.info.dp_size,
+                prefills=w.info.prefills,
             ))
         return views
 

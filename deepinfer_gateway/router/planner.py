@@ -38,6 +38,7 @@ class WorkerView:
     queued_prefill_tokens: int = 0
     running: int = 0
     dp_ranks: int = 1
+    prefills: bool = True  # a decode worker that can take a PD bypass
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class RoutePlanner:
         if limit <= 0:
             return []
         out = []
-        for w in decode:
+        for w in (w for w in decode if w.prefills):
             cached = max(overlap.memory.get(w.worker_id, 0), overlap.store.get(w.kv_format, 0)) * KV_BLOCK_TOKENS
             if prompt_tokens - min(cached, prompt_tokens) <= limit:
                 out.append(w)
