@@ -106,19 +106,18 @@ def raw_stream_request(port: int, payload: dict[str, object], rcvbuf: int = 4096
 def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimCluster, gateway_factory) -> None:  # type: ignore[no-untyped-def]
     gw = gateway_factory(cluster)
     port = int(gw.url.rsplit(":", 1)[1])
-    sock = raw_stream_request(port, body(1, 1500, ignore_eos=True))
+    sock = raw_stream_request(port, body(1, 4000, ignore_eos=True))
     received = bytearray()
     try:
         sock.settimeout(20)
         # Read 2 KB every 10 ms: far slower than the worker produces (backpressure through the gateway).
         fast_done = None
-        started = time.monotonic()
         while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of the chunked body
             chunk = sock.recv(2048)
             if not chunk:
                 break
             received += chunk
-            if fast_done is None and time.monotonic() - started > 0.3:
+            if fast_done is None and len(received) >= 16_384:  # mid-stream, the reader far behind
                 # Meanwhile other clients are served normally.
                 async def others() -> list[str]:
                     async with aiohttp.ClientSession() as s:
@@ -132,7 +131,7 @@ def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimClust
         sock.close()
     assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), received[-200:]
     assert fast_done is not None and fast_done < 5.0
-    # 1500 tokens of content arrived, in SSE frames (chunked encoding around them).
+    # 4000 tokens of content arrived, in SSE frames (chunked encoding around them).
     assert received.count(b"data: ") > 100
     assert wait_metric(gw, "dgw_requests_total", 6, status="200") == 6
     assert ClusterLoads(cluster).wait_idle()[0]["running"] == 0
