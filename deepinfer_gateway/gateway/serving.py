@@ -228,10 +228,10 @@ class RequestServer:
         """Send `body` to `worker`; return once its `ready` and first token (or finish) arrived."""
         worker.inflight += 1
         self.metrics.inflight.inc()
-        if reserve:
-            await self.inflight.reserve(worker.worker_id, request_id, reserve)
         stream: WorkerStream | None = None
         try:
+            if reserve:  # inside the try: a Redis round trip is a point where a cancel can land
+                await self.inflight.reserve(worker.worker_id, request_id, reserve)
             stream = await self.client.generate(worker.url, body, request_id)
             ready = await stream.next_event()
             if ready is not None and ready["event"] == "finish":
