@@ -129,10 +129,11 @@ def _pipeline(preparer: RequestPreparer, payload: bytes, hasher: PrefixHasher | 
     """What the gateway does before routing: prepare, then hash the prompt once per KV format of
     the demo cluster (sm100 and ascend950), with its PrefixHasher (fast path) or plainly (baseline)."""
     def run() -> list[list[int]]:
-        ids = preparer.prepare(ApiProtocol.CHAT, payload).token_ids
+        prepared = preparer.prepare(ApiProtocol.CHAT, payload)
+        ids, packed = prepared.token_ids, prepared.packed_tokens
         if hasher is None:
-            return [block_hashes(ids, salt) for salt in SALTS]
-        return hasher.hashes(ids, SALTS)
+            return [block_hashes(ids, salt, packed=packed) for salt in SALTS]
+        return hasher.hashes(ids, SALTS, packed=packed)
     return run
 
 
@@ -174,9 +175,9 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest
         t0 = time.perf_counter()
         conv = _convert(follow)
         t1 = time.perf_counter()
-        ids = fast.encode(conv)
+        ids, packed = fast.encode_packed(conv)
         t2 = time.perf_counter()
-        hasher.hashes(ids, SALTS)
+        hasher.hashes(ids, SALTS, packed=packed)
         t3 = time.perf_counter()
         samples["convert"].append((t1 - t0) * 1000)
         samples["encode"].append((t2 - t1) * 1000)

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
+from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge.encoder import (
     PromptEncoder,
     ReferencePromptEncoder,
@@ -215,7 +216,9 @@ def _check(encoder: PromptEncoder, reference: ReferencePromptEncoder, kind: type
     encoder.cache.clear()
     prefix = _prefix_body(body)
     encoder.encode(_convert(kind, prefix))
-    assert encoder.encode(conv) == expected, "warm from the previous turn"
+    encoded = encoder.encode_packed(conv)
+    assert encoded.token_ids == expected, "warm from the previous turn"
+    assert encoded.packed == pack_tokens(expected), "packed for hashing"
 
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])

@@ -5,15 +5,20 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_gateway.recipe_bridge.segment_cache import SegmentCache
+from deepinfer_gateway.kvcache.hashing import pack_tokens
+from deepinfer_gateway.recipe_bridge.segment_cache import Segment, SegmentCache
+
+
+def seg(ids: list[int]) -> Segment:
+    return Segment(ids, pack_tokens(ids))
 
 
 def test_hit_returns_the_stored_ids_and_counts() -> None:
     cache = SegmentCache(1 << 20)
     key = cache.key("hello")
     assert cache.get(key) is None
-    cache.put(key, [1, 2, 3])
-    assert cache.get(key) == [1, 2, 3]
+    cache.put(key, seg([1, 2, 3]))
+    assert cache.get(key) == seg([1, 2, 3])
     stats = cache.stats()
     assert (stats.entries, stats.hits, stats.misses) == (1, 1, 1)
 
@@ -33,27 +38,26 @@ def test_default_keys_every_segment_by_its_text() -> None:
 
 
 def test_least_recently_used_is_evicted_first() -> None:
-    cache = SegmentCache(3000)
-    for text in ("a", "b", "c"):
-        cache.put(text, list(range(50)))  # ~610 bytes each
+    cache = SegmentCache(3400)
+    for text in ("a", "b", "c", "d"):
+        cache.put(text, seg(list(range(50))))  # 850 bytes each: exactly four fit
     cache.get("a")  # now b is the oldest
-    cache.put("d", list(range(50)))
-    cache.put("e", list(range(50)))
+    cache.put("e", seg(list(range(50))))
     assert cache.get("b") is None
     assert cache.get("a") is not None and cache.get("e") is not None
 
 
 def test_entry_larger_than_a_quarter_of_the_budget_is_not_kept() -> None:
     cache = SegmentCache(4000)
-    cache.put("small", [1])
-    cache.put("huge", list(range(200)))  # 1,600 bytes of ids > 4000 // 4
+    cache.put("small", seg([1]))
+    cache.put("huge", seg(list(range(200))))  # 2,400 bytes of ids > 4000 // 4
     assert cache.get("huge") is None
-    assert cache.get("small") == [1]
+    assert cache.get("small") == seg([1])
 
 
 def test_zero_budget_keeps_nothing() -> None:
     cache = SegmentCache(0)
-    cache.put("x", [1])
+    cache.put("x", seg([1]))
     assert cache.get("x") is None
 
 
@@ -66,9 +70,9 @@ def test_bytes_never_exceed_budget_and_match_entries(budget: int, ops: list[tupl
     cache = SegmentCache(budget, digest_min_chars=16)
     for text, n in ops:
         key = cache.key(text)
-        cache.put(key, list(range(n)))
+        cache.put(key, seg(list(range(n))))
         stats = cache.stats()
         assert stats.bytes <= budget
         got = cache.get(key)
-        assert got is None or got == list(range(n))
+        assert got is None or got == seg(list(range(n)))
     assert (cache.stats().entries == 0) == (cache.stats().bytes == 0)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
 
 BT = 4  # small blocks keep the examples readable; the code is block-size agnostic
 SALT = kv_salt("model", "sm100")
@@ -56,7 +56,13 @@ def test_input_types_agree_and_hashes_are_63_bit(a: list[int]) -> None:
     expected = block_hashes(a, SALT, BT)
     assert block_hashes(tuple(a), SALT, BT) == expected
     assert block_hashes(array("I", a), SALT, BT) == expected
+    assert block_hashes(a, SALT, BT, packed=pack_tokens(a)) == expected
     assert all(0 <= h < 2**63 for h in expected)
+
+
+def test_packed_tokens_must_match_the_ids() -> None:
+    with pytest.raises(ValueError, match="packed tokens hold 3 ids, the prompt 4"):
+        block_hashes([1, 2, 3, 4], SALT, 2, packed=pack_tokens([1, 2, 3]))
 
 
 def test_stable_values() -> None:
@@ -113,4 +119,5 @@ def test_prefix_hasher_equals_block_hashes(turns: list[tuple[int, int, int]]) ->
     prompt: list[int] = [7] * 40
     for keep_blocks, append, edit in turns:
         prompt = prompt[: keep_blocks * 16 + edit] + [(edit * 31 + i) % 50 for i in range(append)]
-        assert hasher.hashes(prompt, salts) == [block_hashes(prompt, s, 16) for s in salts]
+        packed = pack_tokens(prompt) if edit % 2 else None  # as the encoder hands it over, or not
+        assert hasher.hashes(prompt, salts, packed=packed) == [block_hashes(prompt, s, 16) for s in salts]

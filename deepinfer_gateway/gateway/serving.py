@@ -187,7 +187,7 @@ class RequestServer:
         if not views:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
         with tracing.span("router.lookup", candidates=len(views)):
-            hashes = prompt_hashes(prepared.token_ids, views, self.hasher)
+            hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens)
             overlap = await self._overlap(views, hashes)
         tried: set[str] = set()
         last_error: UpstreamError | None = None

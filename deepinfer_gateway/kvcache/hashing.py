@@ -14,11 +14,14 @@ int64: Redis- and JSON-safe).
 
 Why SHA-256: it is collision resistant (a client must not be able to forge another
 tenant's prefix hash, cf. vLLM's move away from Python's hash()), and OpenSSL runs it
-on the CPU's SHA extensions. Cost, measured on the 2-core dev box for 131,072 tokens
-(1,024 blocks): ~0.7 ms to pack the list into uint32s (`array.fromlist`, the fastest
-list->bytes path in CPython) + ~0.9 ms for 1,024 digests = ~1.6 ms median (the former
-blake2b over `array(list)` took ~3 ms). Hashing is per kv_format: a router comparing
-SM100 and Ascend workers hashes the prompt once per format.
+on the CPU's SHA extensions. Cost for 131,072 tokens (1,024 blocks) on the 2-core dev
+boxes: packing a list into uint32s costs 0.7-1.4 ms (`array.fromlist`, the fastest
+list->bytes path in CPython) and the 1,024 chained digests 0.9-1.5 ms. The gateway skips
+the first part: its prompt encoder hands over the prompt already packed (`pack_tokens`
+is applied once per cached text segment, recipe_bridge/encoder.py), so a request pays
+only the digests, and a follow-up turn only the digests of its new blocks
+(`PrefixHasher`). Hashing is per kv_format: a router comparing SM100 and Ascend workers
+digests the prompt once per format.
 """
 
 from __future__ import annotations
@@ -43,17 +46,33 @@ def kv_salt(model: str, kv_format: str) -> bytes:
     return hashlib.blake2b(f"{model}\x00{kv_format}".encode(), digest_size=8).digest()
 
 
-def block_hashes(token_ids: Sequence[int], salt: bytes, block_tokens: int = KV_BLOCK_TOKENS) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int], salt: bytes, block_tokens: int = KV_BLOCK_TOKENS, *, packed: bytes | None = None
+) -> list[int]:
     """Chained hashes of every full `block_tokens` block of `token_ids`.
 
-    Token ids must be in [0, 2**32) (OverflowError otherwise).
+    Token ids must be in [0, 2**32) (OverflowError otherwise). `packed`, when given, is
+    `pack_tokens(token_ids)` (the caller vouches for it) and saves packing them again.
     """
     n_full = len(token_ids) // block_tokens
     if n_full == 0:
         return []
     digests: list[bytes] = []
-    _chain(_pack(token_ids, n_full * block_tokens), block_tokens * 4, 0, salt, digests)
+    _chain(_packed_view(token_ids, n_full * block_tokens, packed), block_tokens * 4, 0, salt, digests)
     return _published(digests)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the hash reads them: little-endian uint32 words."""
+    return _pack(token_ids, len(token_ids)).tobytes()
+
+
+def _packed_view(token_ids: Sequence[int], n_tokens: int, packed: bytes | None) -> memoryview:
+    if packed is None:
+        return _pack(token_ids, n_tokens)
+    if len(packed) != 4 * len(token_ids):
+        raise ValueError(f"packed tokens hold {len(packed) // 4} ids, the prompt {len(token_ids)}")
+    return memoryview(packed)[: 4 * n_tokens]
 
 
 def _pack(token_ids: Sequence[int], n_tokens: int) -> memoryview:
@@ -104,16 +123,19 @@ class PrefixHasher:
         self._families: OrderedDict[bytes, list[_Chain]] = OrderedDict()
         self._bytes = 0
 
-    def hashes(self, token_ids: Sequence[int], salts: Sequence[bytes]) -> list[list[int]]:
+    def hashes(
+        self, token_ids: Sequence[int], salts: Sequence[bytes], *, packed: bytes | None = None
+    ) -> list[list[int]]:
+        """Per salt, `block_hashes(token_ids, salt)`; `packed` as in `block_hashes`."""
         step = self.block_tokens * 4
         n_full = len(token_ids) // self.block_tokens
         if n_full == 0:
             return [[] for _ in salts]
-        data = _pack(token_ids, n_full * self.block_tokens)
-        packed = data.tobytes()  # bytes: slice comparison is a memcmp (memoryview's is per item)
-        family = packed[:step]
-        known, shared = self._longest(family, packed, step)
-        chain = _Chain(packed, {})
+        data = _packed_view(token_ids, n_full * self.block_tokens, packed)
+        full = data.tobytes()  # bytes: slice comparison is a memcmp (memoryview's is per item)
+        family = full[:step]
+        known, shared = self._longest(family, full, step)
+        chain = _Chain(full, {})
         for salt in salts:
             digests = list(known.digests[salt][:shared]) if known is not None and salt in known.digests else []
             prev = digests[-1] if digests else salt

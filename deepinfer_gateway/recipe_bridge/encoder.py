@@ -32,6 +32,9 @@ gateway path incl. convert and block hashing): first turn, cold cache 49 ms (bas
 Memory: the cache is bounded by `cache_bytes` (default 256 MiB, ~13 B per cached token
 with text keys; see segment_cache.py) plus one interned int per vocabulary id (~4.6 MB).
 
+`encode_packed` also returns the prompt packed for block hashing (joined from the
+segments' cached packed bytes: the gateway never converts a whole prompt's id list).
+
 `ReferencePromptEncoder` is deepseek-recipe's own `encode`: the baseline the fast path
 is tested against (tests/test_encoder.py) and benchmarked against (bench/preprocess.py).
 """
@@ -39,12 +42,15 @@ is tested against (tests/test_encoder.py) and benchmarked against (bench/preproc
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import deepseek_recipe as dr
 
+from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge.segment_cache import (
     DEFAULT_DIGEST_MIN_CHARS,
     CacheStats,
+    Segment,
     SegmentCache,
 )
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import (
@@ -56,6 +62,11 @@ from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
 
+class EncodedPrompt(NamedTuple):
+    token_ids: list[int]
+    packed: bytes  # kvcache.hashing.pack_tokens(token_ids)
+
+
 class ReferencePromptEncoder:
     """deepseek-recipe's own prompt encoding, uncached."""
 
@@ -65,6 +76,10 @@ class ReferencePromptEncoder:
 
     def encode(self, conversation: dr.Conversation) -> list[int]:
         return self._encoding.encode(conversation)
+
+    def encode_packed(self, conversation: dr.Conversation) -> EncodedPrompt:
+        ids = self.encode(conversation)
+        return EncodedPrompt(ids, pack_tokens(ids))
 
 
 class PromptEncoder:
@@ -81,37 +96,47 @@ class PromptEncoder:
         self.bundle = bundle
         self._render = dr.DeepseekV41Encoding().render_conversation
         self.plain = plain or plain_tokenizer(bundle.json_text)
-        self._special = {t["content"]: int(t["id"]) for t in json.loads(bundle.json_text)["added_tokens"]}
+        self._special = {
+            t["content"]: Segment([int(t["id"])], pack_tokens([int(t["id"])]))
+            for t in json.loads(bundle.json_text)["added_tokens"]
+        }
         self._ints = list(range(bundle.vocab_size))  # interned: cached lists share these objects
         self.cache = SegmentCache(cache_bytes, digest_min_chars=digest_min_chars)
 
     def encode(self, conversation: dr.Conversation) -> list[int]:
+        return self.encode_packed(conversation).token_ids
+
+    def encode_packed(self, conversation: dr.Conversation) -> EncodedPrompt:
         rendered = self._render(conversation)
         prompt = rendered.prompt
         special = self._special
-        ids: list[int] = []
+        segments: list[Segment] = []
         pos = 0
         for start, end in rendered.special_ranges:
             if start > pos:
-                ids += self._segment(prompt[pos:start])
+                segments.append(self._segment(prompt[pos:start]))
             spelling = prompt[start:end]
-            token_id = special.get(spelling)
-            if token_id is None:  # same failure as deepseek-recipe's encode
+            segment = special.get(spelling)
+            if segment is None:  # same failure as deepseek-recipe's encode
                 raise RuntimeError(f"special token {spelling!r} is not in the added vocabulary")
-            ids.append(token_id)
+            segments.append(segment)
             pos = end
         if pos < len(prompt):
-            ids += self._segment(prompt[pos:])
-        return ids
+            segments.append(self._segment(prompt[pos:]))
+        ids: list[int] = []
+        for segment in segments:
+            ids += segment.ids
+        return EncodedPrompt(ids, b"".join([segment.packed for segment in segments]))
 
-    def _segment(self, text: str) -> list[int]:
+    def _segment(self, text: str) -> Segment:
         cache = self.cache
         key = cache.key(text)
-        ids = cache.get(key)
-        if ids is None:
+        segment = cache.get(key)
+        if segment is None:
             ids = list(map(self._ints.__getitem__, self.plain.encode(text)))
-            cache.put(key, ids)
-        return ids
+            segment = Segment(ids, pack_tokens(ids))
+            cache.put(key, segment)
+        return segment
 
     def cache_stats(self) -> CacheStats:
         return self.cache.stats()

@@ -89,6 +89,7 @@ class PreparedRequest:
     images: list[str] = field(default_factory=list)
     image_token_adjustment: int = 0
     legacy: legacy.LegacyOptions | None = None  # legacy completions: stop sequences, logprobs
+    packed_tokens: bytes | None = None  # token_ids packed for block hashing, when the encoder had them
 
     @property
     def prompt_tokens(self) -> int:
@@ -187,7 +188,7 @@ class RequestPreparer:
             raise BridgeError(400, str(exc)) from None
         images = self._images(conv.conversation)
         try:
-            token_ids = self.encoder.encode(conv.conversation)
+            token_ids, packed_tokens = self.encoder.encode_packed(conv.conversation)
         except RuntimeError as exc:  # text the vocabulary cannot encode
             raise BridgeError(400, f"The prompt cannot be tokenized: {exc}") from None
         try:
@@ -211,6 +212,7 @@ class RequestPreparer:
             user=user,
             images=images.images,
             image_token_adjustment=images.token_adjustment,
+            packed_tokens=packed_tokens,
         )
 
     def _images(self, conversation: dr.Conversation) -> ResolvedImages:

@@ -54,13 +54,14 @@ class NoCandidate(Exception):
 
 
 def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView],
-                  hasher: PrefixHasher | None = None) -> dict[str, list[int]]:
+                  hasher: PrefixHasher | None = None, packed: bytes | None = None) -> dict[str, list[int]]:
     """Chained block hashes of the prompt for every KV format among `workers` (salted per
-    model+format); `hasher` reuses the chains of recent prompts with the same beginning."""
+    model+format); `hasher` reuses the chains of recent prompts with the same beginning;
+    `packed` is the prompt already packed (kvcache.hashing.pack_tokens), when known."""
     salts = {w.kv_format: kv_salt(w.model, w.kv_format) for w in workers}
     if hasher is None:
-        return {fmt: block_hashes(token_ids, salt) for fmt, salt in salts.items()}
-    return dict(zip(salts, hasher.hashes(token_ids, list(salts.values())), strict=True))
+        return {fmt: block_hashes(token_ids, salt, packed=packed) for fmt, salt in salts.items()}
+    return dict(zip(salts, hasher.hashes(token_ids, list(salts.values()), packed=packed), strict=True))
 
 
 class RoutePlanner:
