@@ -13,8 +13,10 @@ Every replica polls every worker (kvcache.events) and calls `apply`, which
    replica pushes its local snapshot of that worker (or everything) instead.
 
 `lookup` is ONE round trip (EVALSHA of a read-only script; EVAL only right after Redis
-lost its script cache). Cost on loopback, 64 candidate workers, 1,024-block prompt,
-1M indexed blocks: ~1 ms p99 (see bench/kv_index.py).
+lost its script cache). Its Redis-side cost grows with the candidates' hit lengths:
+2.2-2.9 ms for a 1,024-block prompt cached on 2 of 64 candidates and in the store, on
+the 2-core dev box (bench/kv_index.py; docs/kv-index.md has the inverted layout that
+would make it one MGET).
 
 Redis unavailable: lookups are served from the local view, failures are counted in
 `dgw_kv_index_errors_total{op}` and logged once per outage; Redis is retried at most
