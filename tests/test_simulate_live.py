@@ -3,8 +3,10 @@
 (a) `bench` (OpenAI SDK, streaming) -> gateway -> sim-cluster (2 sm100 + 1 ascend950 per
 pool, real time x TIME_SCALE); (b) `run_simulation` on the same shape, speedup and time
 scale, with the gateway's per-request cost measured on this machine just before
-(`measure_gateway_cost`: preparation, tokenization, hashing, worker parsing). Asserts the
-issue's bounds: hit rate within 2 points, TTFT p50 within 15%.
+(`measure_gateway_cost`: preparation, tokenization, hashing, worker parsing), first tokens
+held while the gateway prepares (`GatewayCost.relay_waits`), and TTFT p50 taken as the
+median over SEEDS jittered replays. Asserts the issue's bounds: hit rate within 2 points,
+TTFT p50 within 15%.
 
 Output lengths are capped at OUTPUT_CAP tokens in both runs: token relay costs CPU in
 three processes (worker, gateway, SDK client) on a 2-core machine, which slows the live
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,11 @@ CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.
 WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"
 REQUESTS, SPEEDUP, TIME_SCALE, OUTPUT_CAP = 60, 2.5, 0.25, 32
 HEALTH_INTERVAL_S = 0.2
+# The simulated TTFT p50 is the median over SEEDS replays with the gateway's per-request cost
+# jittered by JITTER (lognormal sigma; back-to-back calibrations on this machine spread by
+# ~15%): a single deterministic replay of this burst-heavy slice jumps by up to +-20% with a
+# few percent change in gateway cost (routing ties flip), while the ensemble moves smoothly.
+SEEDS, JITTER = 9, 0.2
 
 
 def _slice(tmp: Path) -> str:
@@ -67,13 +75,19 @@ def live_and_sim(tmp_path_factory: pytest.TempPathFactory) -> dict:
         cluster.stop()
     groups = tuple(WorkerGroup(role=s.split(":")[0], hardware=s.split(":")[1]) for s in WORKERS.split(","))  # type: ignore[arg-type]
     config = ClusterConfig(workers=groups, time_scale=TIME_SCALE, load_report_interval_s=HEALTH_INTERVAL_S,
-                           gateway=cost)
+                           gateway=cost.model_copy(update={"jitter": JITTER}))
     _, sim = run_simulation(config, trace, speedup=SPEEDUP, out=tmp_path / "sim")
-    figures = {"live_ttft_p50": live["ttft_s"]["p50"], "sim_ttft_p50": sim["ttft_s"]["p50"],
+    p50s = [sim["ttft_s"]["p50"]]
+    for seed in range(1, SEEDS):
+        seeded = config.model_copy(update={"gateway": config.gateway.model_copy(update={"seed": seed})})
+        p50s.append(run_simulation(seeded, trace, speedup=SPEEDUP)[1]["ttft_s"]["p50"])
+    sim_p50 = statistics.median(p50s)
+    figures = {"live_ttft_p50": live["ttft_s"]["p50"], "sim_ttft_p50": sim_p50,
+               "ratio": sim_p50 / live["ttft_s"]["p50"], "sim_ttft_p50_per_seed": p50s,
                "live_hit": live["cache_hit_rate"]["total"], "sim_hit": sim["cache_hit_rate"]["total"],
                "gateway_cost": cost.model_dump()}
     print(json.dumps(figures))
-    return {"live": live, "sim": sim, "figures": figures}
+    return {"live": live, "sim": sim, "sim_ttft_p50": sim_p50, "figures": figures}
 
 
 def test_simulator_matches_live_requests_and_hit_rate(live_and_sim: dict) -> None:
@@ -83,10 +97,10 @@ def test_simulator_matches_live_requests_and_hit_rate(live_and_sim: dict) -> Non
     assert abs(live["cache_hit_rate"]["total"] - sim["cache_hit_rate"]["total"]) <= 0.02, figures
 
 
-@pytest.mark.xfail(strict=False, reason="known flaky: the simulated TTFT p50 is bimodal on this 2-core machine "
-                   "(e.g. 1.38 s or 2.03 s against a live 1.35 s in back-to-back runs); suspected cause, not verified: large prompts are "
-                   "now prepared off the event loop, which the simulator's serial gateway-cost model does not "
-                   "represent; see the closing note")
+@pytest.mark.xfail(strict=False, reason="holds on a quiet machine (ratios 0.93-1.06 at calibrated costs of 1.5-2 us/token), "
+                   "but under external CPU load (load average ~4 on these 2 cores) the live TTFT grows faster than "
+                   "the model: engine step-loop lateness and relay delays outside preparation are not simulated "
+                   "(ratios 0.78-0.86 seen); see docs/simulate.md")
 def test_simulator_matches_live_ttft(live_and_sim: dict) -> None:
-    live, sim, figures = live_and_sim["live"], live_and_sim["sim"], live_and_sim["figures"]
-    assert sim["ttft_s"]["p50"] == pytest.approx(live["ttft_s"]["p50"], rel=0.15), figures
+    live, figures = live_and_sim["live"], live_and_sim["figures"]
+    assert live_and_sim["sim_ttft_p50"] == pytest.approx(live["ttft_s"]["p50"], rel=0.15), figures

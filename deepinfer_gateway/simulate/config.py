@@ -17,6 +17,9 @@ request_overhead_s = 0.0          # arrival -> routing (parsing, HTTP)
 per_prompt_token_s = 0.0          # tokenization + hashing, per prompt token
 handoff_overhead_s = 0.0          # prefill finish -> decode worker gets the hand-off
 serial = true                     # one event loop: requests are prepared one after another
+relay_waits = true                # serial: a first token is relayed only once the preparation backlog is done
+jitter = 0.0                      # relative spread (lognormal sigma) of each request's preparation cost
+seed = 0                          # of the jitter
 
 [router]                          # deepinfer_gateway.config.RouterSettings, as in the gateway's TOML
 policy = "estimated_ttft"
@@ -69,12 +72,25 @@ class GatewayCost(_Frozen):
     arrival order, as one gateway process's event loop does (a burst of long prompts
     queues behind itself); otherwise each request pays only its own cost.
     `simulate.calibrate.measure_gateway_cost()` measures the first two on this machine.
+
+    `relay_waits` (with `serial`): a first token the engine produces while the gateway is
+    still preparing requests reaches the client only when that backlog is done. The live
+    gateway prepares large bodies in threads, but those hold the GIL for most of the work,
+    so its event loop (which relays tokens) is starved meanwhile: measured on the live PD
+    replay, worker first token -> gateway SSE out took a median 240 ms while an offloaded
+    preparation ran and 18 ms otherwise (docs/simulate.md). `jitter` draws each request's
+    cost times a lognormal factor (sigma `jitter`, seeded by `seed`): the live gateway's
+    cost is not a constant, and one deterministic replay of a burst-heavy trace can land on
+    either side of a routing tie; an ensemble over seeds gives the expected figure.
     """
 
     request_overhead_s: float = Field(0.0, ge=0)
     per_prompt_token_s: float = Field(0.0, ge=0)
     handoff_overhead_s: float = Field(0.0, ge=0)  # prefill finish -> decode worker has the hand-off
     serial: bool = True
+    relay_waits: bool = True
+    jitter: float = Field(0.0, ge=0)
+    seed: int = 0
 
 
 class ClusterConfig(_Frozen):

@@ -28,7 +28,9 @@ worker is the bulk of the work (~15 us of `SchedulerCore.step` plus ~5 us of glu
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -118,6 +120,9 @@ class Simulator:
         self._dirty_load: set[SimWorker] = set()
         self._dirty_feed: set[SimWorker] = set(self.workers)
         self._active = 0  # requests arrived and not finished
+        # The gateway's preparation busy periods (serial, relay_waits): [start, end) each.
+        self._busy_starts: list[float] = []
+        self._busy_ends: list[float] = []
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -180,17 +185,39 @@ class Simulator:
 
     def _route_times(self, requests: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> list[float]:
         """When each request is routed: arrival + the gateway's preparation cost (config.GatewayCost),
-        queued behind the previous request's when the gateway is serial."""
+        queued behind the previous request's when the gateway is serial. Records the busy
+        periods of a serial gateway (for `relay_waits`)."""
         gw = self.config.gateway
         extra = len(self.prompts.header) + len(self.prompts.trailer)
+        rng = random.Random(gw.seed) if gw.jitter else None
+        starts, ends = self._busy_starts, self._busy_ends
+        starts.clear()
+        ends.clear()
         free = 0.0
         out = []
         for request, record in zip(requests, records, strict=True):
             cost = gw.request_overhead_s + gw.per_prompt_token_s * (request.input_length + extra)
-            at = (max(record.arrival_s, free) if gw.serial else record.arrival_s) + cost
+            if rng is not None:
+                cost *= rng.lognormvariate(0.0, gw.jitter)
+            start = max(record.arrival_s, free) if gw.serial else record.arrival_s
+            at = start + cost
+            if gw.serial and gw.relay_waits and cost > 0.0:
+                if ends and start <= ends[-1]:
+                    ends[-1] = at
+                else:
+                    starts.append(start)
+                    ends.append(at)
             free = at
             out.append(at)
         return out
+
+    def _relayed(self, t: float) -> float:
+        """When a token the engine produced at t reaches the client: at the end of the gateway's
+        preparation busy period that t falls in, if any (`GatewayCost.relay_waits`)."""
+        i = bisect.bisect_right(self._busy_starts, t) - 1
+        if i >= 0 and t < self._busy_ends[i]:
+            return self._busy_ends[i]
+        return t
 
     # --- gateway side -------------------------------------------------------------------
 
@@ -356,7 +383,7 @@ class Simulator:
             self.stats.prompt_tokens += record.prompt_tokens or 0
         if update.token_ids:
             if req.emitted == 0:
-                record.ttft_s = t - record.arrival_s
+                record.ttft_s = self._relayed(t) - record.arrival_s
                 worker.reserved -= len(req.tokens)  # the first token releases the reservation
                 worker.changed()
             else:
