@@ -29,11 +29,11 @@ import time
 import uuid
 from typing import Any
 
-
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.kvcache.redis_index import HiredisPackingConnection, RedisPrefixIndex, redis_client
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.redis_conn import HiredisPackingConnection, redis_client
 
 WORKERS = 64
 PROMPT_TOKENS = 131_072

@@ -122,6 +122,7 @@ class GatewaySettings(_Frozen):
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     images: ImageSettings = ImageSettings()
     redis_url: str | None = None
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (redis_conn.py)
     workers: tuple[WorkerSpec, ...] = ()
     max_attempts: int = Field(3, ge=1)  # tries before the first token reaches the client
     router: RouterSettings = RouterSettings()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,52 @@ def redis_url() -> Iterator[str]:
     server.start()
     yield server.url
     server.stop()
+
+
+def _redis_binary(name: str) -> str:
+    binary = shutil.which(name)
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is not installed; CI must never skip Redis tests")
+        pytest.skip(f"{name} is not installed")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """REDIS_CLUSTER_URL when given, else a 3-master Redis Cluster of our own (no replicas):
+    the URL names one node; the cluster client finds the others."""
+    given = os.environ.get("REDIS_CLUSTER_URL")
+    if given:
+        yield given
+        return
+    server, cli = _redis_binary("redis-server"), _redis_binary("redis-cli")
+    ports = [free_port() for _ in range(3)]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            subprocess.Popen(  # bus port given: the default, port + 10000, may exceed 65535
+                [server, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                 "--cluster-config-file", f"{tmp}/nodes-{p}.conf"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            for p in ports
+        ]
+        try:
+            for p in ports:
+                wait_for_port(p)
+            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                            "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 20
+            while b"cluster_state:ok" not in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
+                                                           capture_output=True).stdout:
+                assert time.monotonic() < deadline, "the Redis Cluster did not reach state ok"
+                time.sleep(0.1)
+            yield f"redis://127.0.0.1:{ports[0]}/0"
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture

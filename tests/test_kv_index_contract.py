@@ -1,4 +1,4 @@
-"""One contract for every PrefixIndex backend: in-memory and Redis (real redis-server)."""
+"""One contract for every PrefixIndex backend: in-memory, Redis and Redis Cluster (real redis-servers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, redis_client
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
+from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.protocol import KvEventKind, KvTier
 from tests.kv_helpers import EventLog
@@ -20,17 +21,19 @@ H = list(range(1000, 1064))  # a prompt's block hashes (format "f1")
 G = list(range(5000, 5064))  # the same prompt salted for format "f2"
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def make_index(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[Factory]:
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     made: list[PrefixIndex] = []
+    url = None if request.param == "memory" else request.getfixturevalue(request.param.replace("-", "_") + "_url")
 
     def make(**kwargs: object) -> PrefixIndex:
         index: PrefixIndex
-        if request.param == "memory":
+        if url is None:
             index = InMemoryPrefixIndex(**kwargs)  # type: ignore[arg-type]
-        else:
+        else:  # each index its own namespace: on the cluster, its own hash slot (and node)
             namespace = f"test:{uuid.uuid4().hex[:8]}"
-            index = RedisPrefixIndex(redis_client(redis_url), namespace=namespace, **kwargs)  # type: ignore[arg-type]
+            client = redis_client(url, cluster=request.param == "redis-cluster")
+            index = RedisPrefixIndex(client, namespace=namespace, **kwargs)  # type: ignore[arg-type]
         made.append(index)
         return index
 

@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from deepinfer_gateway.kvcache.factory import create_prefix_index
-from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, redis_client
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
+from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
 from tests.conftest import RedisServer
 from tests.kv_helpers import EventLog

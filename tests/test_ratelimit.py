@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
+from deepinfer_gateway.redis_conn import redis_client
 
 
 def test_take_admits_until_the_request_bucket_is_empty() -> None:
@@ -45,13 +46,15 @@ def test_verdict_headers() -> None:
     assert int(headers["retry-after"]) >= 1
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def limiter(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[object]:
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[object]:
     if request.param == "memory":
         yield MemoryRateLimiter()
         return
-    client = aioredis.Redis.from_url(redis_url)
-    await client.flushdb()
+    url = request.getfixturevalue(request.param.replace("-", "_") + "_url")
+    client = redis_client(url, cluster=request.param == "redis-cluster")
+    for key in ("dgw:rl:{k1}", "dgw:rl:{k2}", "dgw:rl:{other}"):  # one slot each on a cluster
+        await client.delete(key)
     yield RedisRateLimiter(client)
     await client.aclose()
 
@@ -70,8 +73,10 @@ async def test_contract_token_limit_and_debit(limiter) -> None:  # type: ignore[
     assert verdict.retry_after_s > 0
 
 
-async def test_redis_limit_is_atomic_across_concurrent_callers(redis_url: str) -> None:
-    clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+async def test_redis_limit_is_atomic_across_concurrent_callers(backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(backend.replace("-", "_") + "_url")
+    clients = [redis_client(url, cluster=backend == "redis-cluster") for _ in range(2)]
     await clients[0].delete("dgw:rl:{burst}")
     limiters = [RedisRateLimiter(c) for c in clients]  # two "replicas"
     verdicts = await asyncio.gather(*(limiters[i % 2].admit("burst", (10, None), 1) for i in range(40)))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
+from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 
 
@@ -18,9 +20,12 @@ async def test_memory_reserve_release() -> None:
     assert await inflight.totals(["w1"]) == {"w1": 50}
 
 
-async def test_replicas_share_reservations(redis_url: str) -> None:
-    clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
-    await clients[0].delete(*[k async for k in clients[0].scan_iter("{dgw:inflight}*")] or ["none"])
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+async def test_replicas_share_reservations(backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(backend.replace("-", "_") + "_url")
+    clients = [redis_client(url, cluster=backend == "redis-cluster") for _ in range(2)]
+    for worker in ("w1", "w2", "w3"):
+        await clients[0].delete(f"{{dgw:inflight}}:{worker}:tok", f"{{dgw:inflight}}:{worker}:exp")
     a, b = (RedisInflight(c) for c in clients)
     await a.reserve("w1", "ra", 1000)
     await b.reserve("w2", "rb", 10)

@@ -12,13 +12,15 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, redis_client
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, KvIndexMetrics, PrefixIndex
+from deepinfer_gateway.redis_conn import redis_client
 
 
 def create_prefix_index(
     redis_url: str | None,
     *,
+    redis_cluster: bool = False,
     namespace: str = "dgw:kv",
     registry: CollectorRegistry | None = None,
     max_blocks_per_worker: int = 1 << 20,
@@ -30,7 +32,8 @@ def create_prefix_index(
     """In-memory index when `redis_url` is None, else the Redis index (with a local view).
 
     Gateway replicas that should agree on routing pass the same `redis_url` and
-    `namespace`. Call `aclose()` on shutdown.
+    `namespace`; `redis_cluster` when `redis_url` names a node of a Redis Cluster. Call
+    `aclose()` on shutdown.
     """
     if redis_url is None:
         return InMemoryPrefixIndex(
@@ -40,7 +43,7 @@ def create_prefix_index(
             clock=clock,
         )
     return RedisPrefixIndex(
-        redis_client(redis_url, timeout_s=redis_timeout_s),
+        redis_client(redis_url, cluster=redis_cluster, timeout_s=redis_timeout_s),
         namespace=namespace,
         metrics=KvIndexMetrics(registry),
         max_blocks_per_worker=max_blocks_per_worker,

@@ -44,12 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.connection import HiredisRespSerializer
 from redis.exceptions import RedisError
-from redis.utils import HIREDIS_AVAILABLE
 
 from deepinfer_gateway.kvcache.lua import APPLY_SCRIPT, LOOKUP_SCRIPT, SNAPSHOT_SCRIPT, Script
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
@@ -76,30 +71,6 @@ def pack_hashes(hashes: Sequence[int]) -> bytes:
     if _BIG_ENDIAN:
         words.byteswap()
     return words.tobytes()
-
-
-class HiredisPackingConnection(Connection):
-    """Packs commands with hiredis (C), as redis-py's sync client does; its asyncio client
-    packs in Python, which costs more than the lookup's Redis-side work for 64 keys."""
-
-    _packer = HiredisRespSerializer()
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        return self._packer.pack(*args)
-
-
-def redis_client(url: str, *, timeout_s: float = 0.5, max_connections: int = 64, **kwargs: Any) -> aioredis.Redis:
-    """A client that fails fast (no retries): the index has its own fallback."""
-    if HIREDIS_AVAILABLE:
-        kwargs.setdefault("connection_class", HiredisPackingConnection)
-    return aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        max_connections=max_connections,
-        **kwargs,
-    )
 
 
 class RedisPrefixIndex:
