@@ -1,7 +1,7 @@
 """Gateway capacity on this machine: what the gateway adds in front of sim workers.
 
     python bench/gateway_capacity.py [--requests 2000] [--concurrency 16] [--rounds 3]
-        [--streams 50,100,200,400] [--stream-seconds 8] [--profile DIR]
+        [--streams 50,100,150,200,300,400] [--stream-seconds 8] [--profile DIR]
 
 Non-streaming: short chat requests to a sim worker that answers instantly (time scale
 1000), directly (its OpenAI-compatible endpoint) and through the gateway, rounds
@@ -10,10 +10,19 @@ alternating; req/s and the added p50/p99 latency (medians over rounds).
 Streaming: a sim worker whose profile decodes at exactly 50 tokens/s per stream at any
 batch (a profile TOML override: flat decode curve, time scale 1), N concurrent streams
 directly and through the gateway; inter-token latency measured at the client. The
-gateway sustains N when the median stream gets >= 95% of 50 tok/s (the minimum is reported
-too) and its added ITL p99
-(gateway p99 - direct p99 at the same N) is <= 5 ms. `streams_sustained` is the
-largest such N tried.
+gateway sustains N when, at the same N, (1) the direct streams themselves run at >= 90% of
+50 tok/s (otherwise this machine cannot offer that load at all: the sim's own step loop
+drifts by ~1-2 ms per 20 ms step under load, so even direct streams get ~42-47 tok/s),
+(2) the gateway's median stream gets >= 95% of the direct median rate (the minimum is
+reported too), (3) its added ITL p99 (gateway p99 - direct p99) is <= 5 ms, and (4) no
+gateway stream failed. `streams_sustained` is the largest such N tried (levels in order,
+stopping at the first that fails).
+
+Fairness: both sides send the same chat request with `ignore_eos`, so direct and gateway
+streams are equally long (the sim's own chat endpoint ignored `ignore_eos` before, which
+made the direct runs ~1 s of short streams against 8 s through the gateway). Client,
+worker and gateway share the machine's 2 cores: at ~100+ streams the client and the
+worker alone take most of them (see `*_cpu_us_per_event` in the levels).
 
 `--profile DIR`: py-spy (if installed) samples the gateway during one extra
 non-streaming round; the top self-time functions are printed and saved.
@@ -28,6 +37,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import re
 import shutil
 import statistics
@@ -42,6 +52,12 @@ from _harness import chat_body, closed_loop, compare_non_streaming, pct_ms, star
 
 TOKENS_PER_S = 50.0
 ITL_BUDGET_MS = 5.0
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def flat_decode_profiles() -> str:
@@ -140,7 +156,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--streams", default="50,100,200,400")
+    parser.add_argument("--streams", default="50,100,150,200,300,400")
     parser.add_argument("--stream-seconds", type=float, default=8.0)
     parser.add_argument("--profile", default=None, help="directory for a py-spy profile of the gateway")
     args = parser.parse_args()
@@ -169,7 +185,13 @@ def main() -> None:
         for n in (int(x) for x in args.streams.split(",")):
             row: dict[str, object] = {"streams": n}
             for name, url in targets.items():
+                cpu0 = (proc_cpu_s(worker.proc.pid), proc_cpu_s(gateway.proc.proc.pid))
                 gaps, rates, errors = asyncio.run(streams(url, n, args.stream_seconds))
+                cpu1 = (proc_cpu_s(worker.proc.pid), proc_cpu_s(gateway.proc.proc.pid))
+                events = max(1, len(gaps) + n)
+                row[f"{name}_worker_cpu_us_per_event"] = round(1e6 * (cpu1[0] - cpu0[0]) / events)
+                if name == "gateway":
+                    row["gateway_cpu_us_per_event"] = round(1e6 * (cpu1[1] - cpu0[1]) / events)
                 row[f"{name}_itl_p50_ms"] = round(pct_ms(gaps, 0.5), 2)
                 row[f"{name}_itl_p99_ms"] = round(pct_ms(gaps, 0.99), 2)
                 row[f"{name}_min_rate"] = round(min(rates), 1) if rates else 0.0
@@ -177,7 +199,9 @@ def main() -> None:
                 row[f"{name}_errors"] = errors
             added = round(float(row["gateway_itl_p99_ms"]) - float(row["direct_itl_p99_ms"]), 2)  # type: ignore[arg-type]
             row["added_itl_p99_ms"] = added
-            ok = (added <= ITL_BUDGET_MS and float(row["gateway_median_rate"]) >= 0.95 * TOKENS_PER_S  # type: ignore[arg-type]
+            direct_rate = float(row["direct_median_rate"])  # type: ignore[arg-type]
+            ok = (added <= ITL_BUDGET_MS and direct_rate >= 0.9 * TOKENS_PER_S
+                  and float(row["gateway_median_rate"]) >= 0.95 * direct_rate  # type: ignore[arg-type]
                   and row["gateway_errors"] == 0)
             row["sustained"] = ok
             levels.append(row)

@@ -85,7 +85,7 @@ class CompatLayer:
         # Built once: `with_tokenizer` copies the tokenizer (~100 ms for the 129k vocabulary).
         return DeepseekV41Encoding().with_tokenizer(self.bundle.tokenizer)
 
-    def chat_sampling(self, conv: ConversationRequest, prompt_len: int) -> Sampling:
+    def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False) -> Sampling:
         opts = conv.inference_options
         constraint = opts.output_constraint
         so = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None  # type: ignore[arg-type]
@@ -96,6 +96,7 @@ class CompatLayer:
             max_tokens=max(1, max_tokens),
             seq_seed=opts.seed,
             so_args=so,
+            ignore_eos=ignore_eos,  # vLLM/SGLang extension, as the gateway honours it (benchmarks)
         )
 
     def text_prompt(self, prompt: Any) -> list[int]:
@@ -119,8 +120,9 @@ class CompatLayer:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
-    async def chat_chunks(self, conv: ConversationRequest, prompt: list[int], rid: str) -> AsyncIterator[Any]:
-        sampling = self.chat_sampling(conv, len(prompt))
+    async def chat_chunks(self, conv: ConversationRequest, prompt: list[int], rid: str,
+                          ignore_eos: bool = False) -> AsyncIterator[Any]:
+        sampling = self.chat_sampling(conv, len(prompt), ignore_eos)
         proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, rid, self.model), conv.parsing_options, self.bundle.tokenizer)
         try:
             async for event in self.events(prompt, sampling):
@@ -164,11 +166,12 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
         except ConversionError as err:
             return Response(err.body, status_code=err.status_code, media_type="application/json")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        ignore_eos = body.get("ignore_eos") is True
         if body.get("stream"):
 
             async def stream() -> AsyncIterator[bytes]:
                 try:
-                    async for chunk in layer.chat_chunks(conv, prompt, rid):
+                    async for chunk in layer.chat_chunks(conv, prompt, rid, ignore_eos):
                         yield _sse(chunk.to_json())
                 except RuntimeError as err:
                     yield _sse(orjson.dumps({"error": {"message": str(err), "type": "server_error"}}))
@@ -177,7 +180,7 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
             return StreamingResponse(stream(), media_type=SSE)
         response: ChatCompletionResponse | None = None
         try:
-            async for chunk in layer.chat_chunks(conv, prompt, rid):
+            async for chunk in layer.chat_chunks(conv, prompt, rid, ignore_eos):
                 if response is None:
                     response = ChatCompletionResponse(rid, layer.model, created, len(prompt), 0)
                 response.accumulate(chunk)
