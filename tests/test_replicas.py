@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from deepinfer_gateway.launch import Gateway, SimCluster
+from tests.fault_doubles import scrape, total
 
 MODEL = "DeepSeek-V4.1-Flash"
 
@@ -24,9 +25,10 @@ def unified_cluster() -> Iterator[SimCluster]:
     cluster.stop()
 
 
-def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s: float) -> list[Gateway]:
+def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s: float,
+              redis_cluster: bool = False) -> list[Gateway]:
     workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs)]
-    toml = f'redis_url = "{redis_url}"'
+    toml = f'redis_url = "{redis_url}"\nredis_cluster = {str(redis_cluster).lower()}'
     gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]  # type: ignore[arg-type]
     for gw in gateways:
         gw.wait_ready(len(workers))
@@ -40,9 +42,13 @@ def _chat(gw: Gateway, content: str, max_tokens: int = 4) -> httpx.Response:
     return r
 
 
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
 def test_second_replica_routes_to_the_worker_that_cached_the_prefix(
-        unified_cluster: SimCluster, redis_url: str, tmp_path: Path) -> None:
-    a, b = _replicas(tmp_path, unified_cluster, redis_url, 0.2)
+        unified_cluster: SimCluster, backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """With one Redis, and with a Redis Cluster (index, reservations and limits then live on
+    whichever nodes own their hash tags)."""
+    url = request.getfixturevalue(backend.replace("-", "_") + "_url")
+    a, b = _replicas(tmp_path, unified_cluster, url, 0.2, redis_cluster=backend == "redis-cluster")
     try:
         shared = " ".join(f"clause {i} of the shared contract." for i in range(600))
         first = _chat(a, shared + " Question A")
@@ -52,6 +58,10 @@ def test_second_replica_routes_to_the_worker_that_cached_the_prefix(
             assert second.headers["x-dgw-worker"] == first.headers["x-dgw-worker"]
             usage = second.json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 256
+        for gw in (a, b):  # all of it went through Redis: no replica fell back to its own view
+            samples = scrape(gw.url)
+            assert total(samples, "dgw_kv_index_errors_total") == 0
+            assert total(samples, "dgw_redis_errors_total") == 0
     finally:
         for gw in (a, b):
             gw.stop()

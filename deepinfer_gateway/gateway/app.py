@@ -51,6 +51,7 @@ from deepinfer_gateway.recipe_bridge.prepare import (
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
+from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
 
@@ -172,13 +173,12 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
         await client.start()
         redis = None
         if settings.redis_url:
-            import redis.asyncio as aioredis
-
-            redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            redis = redis_client(settings.redis_url, cluster=settings.redis_cluster)
         keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
-        index = create_prefix_index(settings.redis_url, registry=metrics.registry)
+        index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
+                                    registry=metrics.registry)
         feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
         inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)
                     if redis else MemoryInflight())
