@@ -4,8 +4,9 @@ An asyncio task drives the pure scheduler (core.py): it runs a step, sleeps the 
 (scaled) duration, then delivers what the step produced to per-request queues. When
 steps are shorter than `min_sleep_s` (a large `time_scale`), several run back to back
 before one sleep and their tokens go out as one `tokens` event: the same shape as
-speculative decoding, and far fewer wake-ups. Sleeping towards a running deadline keeps
-the simulated clock from drifting by the loop's own overhead.
+speculative decoding, and far fewer wake-ups. Steps end on fixed deadlines (previous
+deadline + step time), so the loop's own overhead and late wake-ups do not make the
+simulated clock drift; more than one step behind, the loop resyncs instead of bursting.
 
 Roles: `unified` serves any request; a `prefill` worker stops after the first token
 and returns a KvHandoff (KV written to the shared store when there is one, otherwise
@@ -233,8 +234,18 @@ class SimEngine:
                     _merge(merged, update)
             for update in merged.values():  # scheduled now: say so before the step's time passes
                 self._deliver_ready(update)
-            deadline = max(deadline, loop.time()) + elapsed
-            await asyncio.sleep(deadline - loop.time())
+            # Fixed deadlines: the step ends one step time after the previous step's deadline,
+            # not after "now", so the wake-up's lateness (sleep overshoot, delivery work, a busy
+            # host) is caught up by the next sleep instead of adding to every step: a worker
+            # under load keeps its modelled token rate, as a real engine's GPU clock would.
+            # Behind by more than one step (host stalled, e.g. by other processes): resync to
+            # now rather than run the missed steps back to back, which would burst many steps'
+            # tokens at once (an ITL pattern no real engine shows) and starve the event loop.
+            now = loop.time()
+            if now - deadline > elapsed:
+                deadline = now
+            deadline += elapsed
+            await asyncio.sleep(deadline - now)
             for update in merged.values():
                 self._deliver(update)
 
