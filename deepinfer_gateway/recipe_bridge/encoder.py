@@ -62,6 +62,22 @@ from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
 
+# Interning maps ids in chunks: one `list(map(...))` over 80k ids is a single ~5 ms C call
+# that holds the GIL throughout, stalling the gateway's event loop while a large prompt is
+# prepared in a thread; between chunks the interpreter can hand the GIL over.
+_INTERN_CHUNK = 4096
+
+
+def _interned(raw: list[int], ints: list[int]) -> list[int]:
+    get = ints.__getitem__
+    if len(raw) <= _INTERN_CHUNK:
+        return list(map(get, raw))
+    ids: list[int] = []
+    for start in range(0, len(raw), _INTERN_CHUNK):
+        ids += map(get, raw[start:start + _INTERN_CHUNK])
+    return ids
+
+
 class EncodedPrompt(NamedTuple):
     token_ids: list[int]
     packed: bytes  # kvcache.hashing.pack_tokens(token_ids)
@@ -133,7 +149,7 @@ class PromptEncoder:
         key = cache.key(text)
         segment = cache.get(key)
         if segment is None:
-            ids = list(map(self._ints.__getitem__, self.plain.encode(text)))
+            ids = _interned(self.plain.encode(text), self._ints)
             segment = Segment(ids, pack_tokens(ids))
             cache.put(key, segment)
         return segment

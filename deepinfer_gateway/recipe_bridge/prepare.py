@@ -11,7 +11,10 @@ tokenizer, or token ids. Downstream code reads `PreparedRequest` only.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -146,23 +149,65 @@ def _extras(body: bytes) -> dict[str, Any]:
 
 
 OFFLOAD_BODY_BYTES = 64 * 1024
+# How bodies over OFFLOAD_BODY_BYTES are prepared: "thread" (default), one dedicated thread,
+# with the GIL switch interval lowered to PREPARE_SWITCH_INTERVAL_S; "pool": asyncio's
+# default executor (several at once; the behaviour before); "loop": inline. Bodies with
+# images always go to the default executor. "MODE@MS" also sets the switch interval (ms).
+# The environment variable overrides the default (bench/relay_under_prep.py compares them).
+OFFLOAD_MODES = ("thread", "pool", "loop")
+OFFLOAD_ENV = "DGW_PREPARE_OFFLOAD"
+PREPARE_SWITCH_INTERVAL_S = 0.0005
+
+
+def parse_offload(spec: str) -> tuple[str, float | None]:
+    """"MODE[@MS]" -> (mode, switch interval in s or None)."""
+    mode, _, ms = spec.partition("@")
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"preparation offload must be one of {OFFLOAD_MODES} (optionally @MS), not {spec!r}")
+    return mode, (float(ms) / 1000 if ms else None)
 
 
 class RequestPreparer:
-    """Stateless apart from configuration and the (cached) prompt encoder; share one per process."""
+    """Stateless apart from configuration and the (cached) prompt encoder; share one per process.
 
-    def __init__(self, encoder: PromptEncoder, config: BridgeConfig = BridgeConfig()):
+    Large bodies are prepared in ONE dedicated thread, one after another, and the process's
+    GIL switch interval is lowered to 0.5 ms (from Python's 5 ms). Why (docs/simulate.md,
+    bench/relay_under_prep.py): preparation holds the GIL for part of its work (JSON and
+    template in the library, list building, packing; tiktoken's BPE releases it), and every
+    time the event loop gives the GIL up for a socket call it waits up to one switch interval
+    to get it back, several times per relayed token. With asyncio's default executor a burst
+    of big prompts ran in several threads at once, each competing with the loop: every other
+    stream's first token and inter-token gaps grew by tens to hundreds of ms. One thread keeps
+    it to one competitor (a burst is prepared back to back: on a quiet machine its median
+    prompt waits ~10% longer), and the short interval bounds each wait. Preparing inline on
+    the loop is worse: the loop stops for the whole preparation (~60 ms per 80k tokens cold).
+    The interval is process-wide; its cost was not measurable (docs/simulate.md).
+    """
+
+    def __init__(self, encoder: PromptEncoder, config: BridgeConfig = BridgeConfig(), *,
+                 offload: str | None = None):
         self.encoder = encoder
         self.config = config
         self._options = _conversion_options(config)
         self.images = ImageInputs(config.images)
+        self.offload, switch_s = parse_offload(offload or os.environ.get(OFFLOAD_ENV) or "thread")
+        if switch_s is not None:
+            sys.setswitchinterval(switch_s)
+        elif self.offload == "thread":
+            sys.setswitchinterval(min(sys.getswitchinterval(), PREPARE_SWITCH_INTERVAL_S))
+        # The thread starts on first use.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prepare") if self.offload == "thread" else None
 
     async def prepare_async(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:
         """`prepare`, off the event loop when it may take long: images (fetch, decode, resize)
         or a large prompt (tokenizing ~100k tokens cold takes tens of ms, which would stall
         every other stream's tokens on this loop)."""
-        if len(body) > OFFLOAD_BODY_BYTES or b"image" in body:
+        if b"image" in body:  # may wait on remote fetches: never queue prompts behind them
             return await asyncio.to_thread(self.prepare, protocol, body)
+        if len(body) > OFFLOAD_BODY_BYTES and self.offload != "loop":
+            if self._executor is None:
+                return await asyncio.to_thread(self.prepare, protocol, body)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.prepare, protocol, body)
         return self.prepare(protocol, body)
 
     def prepare(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:

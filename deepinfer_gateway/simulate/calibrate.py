@@ -5,12 +5,15 @@ per-request work of the live path before the engine schedules a request: the gat
 preparation (`RequestPreparer`: JSON, chat template, tokenization), block hashing for two
 KV formats, the worker body's JSON encoding, and the worker's parsing and hashing of it
 (`GenerateRequest`, one more hash). It fits `fixed + per_token * tokens` to the wall time
-(wall, not CPU: a busy machine slows the live processes the same way). The result goes
+(wall, not CPU: a busy machine slows the live processes the same way). `offload_tokens`:
+the prompt length whose body (as synthesized here, ~7 bytes per token) exceeds
+`OFFLOAD_BODY_BYTES`, i.e. from which the gateway prepares in its thread. The result goes
 into a cluster's `[gateway]` table. Socket and SSE relay costs are not included.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import orjson
@@ -26,7 +29,7 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
     from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
     from deepinfer_gateway.protocol import GenerateRequest
     from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
-    from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
+    from deepinfer_gateway.recipe_bridge.prepare import OFFLOAD_BODY_BYTES, ApiProtocol, RequestPreparer
     from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 
     bundle = load_tokenizer()
@@ -39,6 +42,7 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
     preparer.prepare(ApiProtocol.CHAT, orjson.dumps({"model": _MODEL, "max_tokens": 16, "messages": [
         {"role": "user", "content": synthesizer.content(warm)}]}))
     points: list[tuple[int, float]] = []
+    bytes_per_token = 0.0
     for n in sizes:
         times = []
         for k in range(repeats):  # distinct block ids: no segment-cache hits across repeats
@@ -46,6 +50,7 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
             request = TraceRequest(0, 0.0, n, 16, tuple(range(first, first + -(-n // 512))))
             body = orjson.dumps({"model": _MODEL, "messages": [{"role": "user", "content": synthesizer.content(request)}],
                                  "max_tokens": 16, "stream": True, "ignore_eos": True})
+            bytes_per_token = len(body) / n
             started = time.perf_counter()
             prepared = preparer.prepare(ApiProtocol.CHAT, body)
             for salt in salts:
@@ -57,4 +62,5 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
         points.append((n, sorted(times)[len(times) // 2]))
     (n0, t0), (n1, t1) = points
     per_token = max(0.0, (t1 - t0) / (n1 - n0))
-    return GatewayCost(request_overhead_s=max(0.0, t0 - per_token * n0), per_prompt_token_s=per_token)
+    return GatewayCost(request_overhead_s=max(0.0, t0 - per_token * n0), per_prompt_token_s=per_token,
+                       offload_tokens=math.ceil(OFFLOAD_BODY_BYTES / bytes_per_token))

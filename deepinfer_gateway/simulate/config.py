@@ -17,7 +17,8 @@ request_overhead_s = 0.0          # arrival -> routing (parsing, HTTP)
 per_prompt_token_s = 0.0          # tokenization + hashing, per prompt token
 handoff_overhead_s = 0.0          # prefill finish -> decode worker gets the hand-off
 serial = true                     # one event loop: requests are prepared one after another
-relay_waits = true                # serial: a first token is relayed only once the preparation backlog is done
+relay_waits = true                # serial: a first token is relayed only once the event loop's preparation backlog is done
+# offload_tokens = 16000          # serial: prompts this long are prepared in a second lane (the gateway's preparation thread)
 jitter = 0.0                      # relative spread (lognormal sigma) of each request's preparation cost
 seed = 0                          # of the jitter
 
@@ -73,15 +74,20 @@ class GatewayCost(_Frozen):
     queues behind itself); otherwise each request pays only its own cost.
     `simulate.calibrate.measure_gateway_cost()` measures the first two on this machine.
 
-    `relay_waits` (with `serial`): a first token the engine produces while the gateway is
-    still preparing requests reaches the client only when that backlog is done. The live
-    gateway prepares large bodies in threads, but those hold the GIL for most of the work,
-    so its event loop (which relays tokens) is starved meanwhile: measured on the live PD
-    replay, worker first token -> gateway SSE out took a median 240 ms while an offloaded
-    preparation ran and 18 ms otherwise (docs/simulate.md). `jitter` draws each request's
-    cost times a lognormal factor (sigma `jitter`, seeded by `seed`): the live gateway's
-    cost is not a constant, and one deterministic replay of a burst-heavy trace can land on
-    either side of a routing tie; an ensemble over seeds gives the expected figure.
+    `offload_tokens` (with `serial`): prompts of at least this many tokens (with the
+    template) are prepared in a second lane, the live gateway's one preparation thread
+    (bodies over `recipe_bridge.prepare.OFFLOAD_BODY_BYTES`), in parallel with the event
+    loop's lane of smaller prompts; each lane is serial. None: one lane for all.
+
+    `relay_waits` (with `serial`): a first token the engine produces while the event loop is
+    busy preparing (its lane's backlog) reaches the client only when that backlog is done.
+    Preparations in the thread lane do not hold it: with one preparation thread and a 0.5 ms
+    GIL switch interval, the gateway adds ~1-4 ms to other streams' first tokens and gaps
+    while big prompts are prepared (bench/relay_under_prep.py); before (several threads,
+    5 ms interval) the relay was starved (240 ms median, docs/simulate.md). `jitter` draws
+    each request's cost times a lognormal factor (sigma `jitter`, seeded by `seed`): the live
+    gateway's cost is not a constant, and one deterministic replay of a burst-heavy trace can
+    land on either side of a routing tie; an ensemble over seeds gives the expected figure.
     """
 
     request_overhead_s: float = Field(0.0, ge=0)
@@ -89,6 +95,7 @@ class GatewayCost(_Frozen):
     handoff_overhead_s: float = Field(0.0, ge=0)  # prefill finish -> decode worker has the hand-off
     serial: bool = True
     relay_waits: bool = True
+    offload_tokens: int | None = Field(None, ge=1)
     jitter: float = Field(0.0, ge=0)
     seed: int = 0
 

@@ -185,35 +185,38 @@ class Simulator:
 
     def _route_times(self, requests: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> list[float]:
         """When each request is routed: arrival + the gateway's preparation cost (config.GatewayCost),
-        queued behind the previous request's when the gateway is serial. Records the busy
-        periods of a serial gateway (for `relay_waits`)."""
+        queued behind the previous request's in its lane when the gateway is serial: the event
+        loop's, or, for prompts of `offload_tokens` or more, the preparation thread's. Records
+        the busy periods of the loop lane (for `relay_waits`)."""
         gw = self.config.gateway
         extra = len(self.prompts.header) + len(self.prompts.trailer)
         rng = random.Random(gw.seed) if gw.jitter else None
         starts, ends = self._busy_starts, self._busy_ends
         starts.clear()
         ends.clear()
-        free = 0.0
+        free = [0.0, 0.0]  # loop lane, thread lane
         out = []
         for request, record in zip(requests, records, strict=True):
-            cost = gw.request_overhead_s + gw.per_prompt_token_s * (request.input_length + extra)
+            tokens = request.input_length + extra
+            cost = gw.request_overhead_s + gw.per_prompt_token_s * tokens
             if rng is not None:
                 cost *= rng.lognormvariate(0.0, gw.jitter)
-            start = max(record.arrival_s, free) if gw.serial else record.arrival_s
+            lane = 1 if gw.offload_tokens is not None and tokens >= gw.offload_tokens else 0
+            start = max(record.arrival_s, free[lane]) if gw.serial else record.arrival_s
             at = start + cost
-            if gw.serial and gw.relay_waits and cost > 0.0:
+            if gw.serial and gw.relay_waits and lane == 0 and cost > 0.0:
                 if ends and start <= ends[-1]:
                     ends[-1] = at
                 else:
                     starts.append(start)
                     ends.append(at)
-            free = at
+            free[lane] = at
             out.append(at)
         return out
 
     def _relayed(self, t: float) -> float:
         """When a token the engine produced at t reaches the client: at the end of the gateway's
-        preparation busy period that t falls in, if any (`GatewayCost.relay_waits`)."""
+        event-loop preparation busy period that t falls in, if any (`GatewayCost.relay_waits`)."""
         i = bisect.bisect_right(self._busy_starts, t) - 1
         if i >= 0 and t < self._busy_ends[i]:
             return self._busy_ends[i]
