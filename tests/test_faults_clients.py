@@ -192,11 +192,13 @@ async def test_500_clients_disconnecting_at_random(cluster: SimCluster, gateway_
     seen.update(client_done=done, client_gone=gone)
     # Each request the gateway received is counted exactly once; those that left are 499 and
     # disconnects. (A client that hangs up before the server parsed its request never
-    # reaches the app: no count, nothing to free.)
+    # reaches the app: no count, nothing to free. How many do depends on how fast the
+    # loaded machine accepts 500 connections, so only a floor on departures inside the
+    # app is asserted: enough to exercise that path.)
     assert seen["inflight_requests"] == 0, seen
     assert seen["status_200"] >= done, seen
     assert seen["status_499"] + seen["status_200"] == seen["requests_total"], seen
-    assert seen["requests_total"] >= done + gone // 2, seen
+    assert seen["status_499"] >= 50, seen
     assert seen["client_disconnects_total"] == seen["status_499"], seen
 
 
