@@ -221,7 +221,7 @@ def _check(encoder: PromptEncoder, reference: ReferencePromptEncoder, kind: type
     assert encoded.packed == pack_tokens(expected), "packed for hashing"
 
 
-_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 
 
 @pytest.mark.parametrize("which", ["tiktoken", "hf"])

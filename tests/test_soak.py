@@ -8,7 +8,7 @@ equal it character for character, with `usage.completion_tokens` equal to the tr
 length.
 
 Scale (2 shared cores by default): DGW_SOAK_STREAMS (200) concurrent clients for
-DGW_SOAK_SECONDS (20); DGW_SOAK_FULL=1 is the issue's 1,000 clients for 60 s.
+DGW_SOAK_SECONDS (10); DGW_SOAK_FULL=1 is the issue's 1,000 clients for 60 s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tests.fault_doubles import scrape, total
 MODEL = "DeepSeek-V4.1-Flash"
 FULL = os.environ.get("DGW_SOAK_FULL") == "1"
 STREAMS = int(os.environ.get("DGW_SOAK_STREAMS", "1000" if FULL else "200"))
-SECONDS = float(os.environ.get("DGW_SOAK_SECONDS", "60" if FULL else "20"))
+SECONDS = float(os.environ.get("DGW_SOAK_SECONDS", "60" if FULL else "10"))
 PROMPTS = 32
 
 
