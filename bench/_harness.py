@@ -1,5 +1,6 @@
-"""Shared helpers of the gateway benchmarks (overhead.py, gateway_capacity.py): request bodies,
-the closed-loop non-streaming load generator, percentiles, and starting a sim worker + gateway."""
+"""Shared helpers of the gateway benchmarks (overhead.py, gateway_capacity.py,
+relay_under_prep.py): request bodies, the closed-loop non-streaming load generator,
+percentiles, flat-decode sim profiles, and starting a sim worker + gateway."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import statistics
 import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 
 import aiohttp
@@ -50,6 +52,17 @@ async def closed_loop(url: str, n: int, concurrency: int) -> tuple[list[float], 
 def pct_ms(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def flat_decode_profiles(tokens_per_s: float) -> str:
+    """The packaged sim profiles with every decode curve flat at `tokens_per_s` per user,
+    whatever the batch: a TOML path for `worker --profiles`."""
+    text = resources.files("deepinfer_gateway").joinpath("workers/sim/profiles.toml").read_text()
+    flat = f"decode_points = [[1, {tokens_per_s}], [1024, {tokens_per_s}]]"
+    lines = [flat if line.startswith("decode_points") else line for line in text.splitlines()]
+    path = Path(tempfile.mkdtemp()) / "flat-decode.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 def start_worker(time_scale: float, profiles: str | None = None) -> tuple[Proc, str]:

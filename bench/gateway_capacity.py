@@ -44,13 +44,19 @@ import re
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import aiohttp
-from _harness import chat_body, closed_loop, compare_non_streaming, pct_ms, start_gateway, start_worker
+from _harness import (
+    chat_body,
+    closed_loop,
+    compare_non_streaming,
+    flat_decode_profiles,
+    pct_ms,
+    start_gateway,
+    start_worker,
+)
 
 TOKENS_PER_S = 50.0
 ITL_BUDGET_MS = 5.0
@@ -60,19 +66,6 @@ def proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def flat_decode_profiles() -> str:
-    """The packaged profiles with sm100 decoding at TOKENS_PER_S per user whatever the batch."""
-    text = resources.files("deepinfer_gateway").joinpath("workers/sim/profiles.toml").read_text()
-    lines = []
-    for line in text.splitlines():
-        if line.startswith("decode_points"):
-            line = f"decode_points = [[1, {TOKENS_PER_S}], [1024, {TOKENS_PER_S}]]"
-        lines.append(line)
-    path = Path(tempfile.mkdtemp()) / "flat50.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
 
 
 async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[float], int]:
@@ -179,7 +172,7 @@ def main() -> None:
             worker.stop()
 
     # --- streaming at 50 tok/s per stream ---
-    worker, worker_url = start_worker(1.0, flat_decode_profiles())
+    worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S))
     gateway = None
     sustained, sustained_itl = 0, None
     levels = []

@@ -38,28 +38,17 @@ import sys
 import tempfile
 import time
 import uuid
-from importlib import resources
 from pathlib import Path
 
 import aiohttp
 import orjson
-from _harness import MODEL, chat_body, pct_ms, start_worker
+from _harness import MODEL, chat_body, flat_decode_profiles, pct_ms, start_worker
 
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.recipe_bridge.prepare import OFFLOAD_ENV, parse_offload
 
 TOKENS_PER_S = 50.0
 CONTEXT_LIMIT = 131_072
-
-
-def flat_decode_profiles() -> str:
-    """The packaged profiles with every decode curve flat at TOKENS_PER_S per user."""
-    text = resources.files("deepinfer_gateway").joinpath("workers/sim/profiles.toml").read_text()
-    lines = [f"decode_points = [[1, {TOKENS_PER_S}], [1024, {TOKENS_PER_S}]]" if line.startswith("decode_points")
-             else line for line in text.splitlines()]
-    path = Path(tempfile.mkdtemp()) / "flat50.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
 
 
 def big_text(tokens: int) -> str:
@@ -69,19 +58,6 @@ def big_text(tokens: int) -> str:
     from preprocess import _text  # mixed prose, code, numbers, CJK: ~4 characters per token
 
     return _text(random.Random(11), tokens)
-
-
-class ModeGateway(Gateway):
-    """`launch.Gateway` with one unified sm100 worker and DGW_PREPARE_OFFLOAD=spec."""
-
-    def __init__(self, tmp: Path, worker_url: str, spec: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = tmp / f"gateway-{self.port}.toml"
-        config.write_text(f"port = {self.port}\nbetween_events_timeout_s = 30\n[health]\ninterval_s = 0.2\n\n"
-                          f'[[workers]]\nurl = "{worker_url}"\nrole = "unified"\nhardware = "sm100"\n')
-        self.proc = Proc(CLI + ["serve", "--config", str(config)], env={OFFLOAD_ENV: spec})
-        wait_for_port(self.port, timeout=30)
 
 
 async def small_stream_client(session: aiohttp.ClientSession, url: str, i: int, small_tokens: int, stop_at: float,
@@ -171,14 +147,15 @@ def main() -> None:
 
     text = big_text(args.big_tokens)
     modes = args.modes.split(",")
-    worker, worker_url = start_worker(1.0, flat_decode_profiles())
+    worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S))
     results: dict[str, list[dict[str, object]]] = {m: [] for m in modes}
     tmp = Path(tempfile.mkdtemp())
     try:
         for round_no in range(args.rounds):
             for spec in modes:
                 parse_offload(spec)  # fail early on a typo
-                gateway = ModeGateway(tmp, worker_url, spec)
+                gateway = Gateway(tmp, [(worker_url, "unified", "sm100")], extra_toml="between_events_timeout_s = 30",
+                                  env={OFFLOAD_ENV: spec})
                 try:
                     gateway.wait_ready(1)
                     url = gateway.url + "/v1/chat/completions"

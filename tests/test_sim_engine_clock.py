@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from deepinfer_gateway.protocol import GenerateRequest, Sampling
@@ -29,25 +31,30 @@ def _rate(events: list[tuple[float, int]]) -> float:
     return sum(n for _, n in events[1:]) / (events[-1][0] - events[0][0])
 
 
+async def _stream_beside(disturbance: Callable[[], Awaitable[None]], rid: str) -> list[tuple[float, int]]:
+    """`_stream` on a fresh engine while `disturbance` runs on the same event loop."""
+    engine = SimEngine(worker_id="w", profile=FLAT)
+    await engine.start()
+    disturber = asyncio.create_task(disturbance())
+    try:
+        return await _stream(engine, rid)
+    finally:
+        disturber.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await disturber
+        await engine.stop()
+
+
 async def test_busy_loop_does_not_slow_the_modelled_rate() -> None:
     """Another task blocks the event loop ~4 ms after every 10 ms: each step's wake-up is late,
     yet the stream keeps its modelled 50 tok/s (the loop sleeps to fixed deadlines)."""
-    engine = SimEngine(worker_id="w", profile=FLAT)
-    await engine.start()
-    stop = False
 
     async def hog() -> None:
-        while not stop:
+        while True:
             await asyncio.sleep(0.010)
             time.sleep(0.004)
 
-    hogger = asyncio.create_task(hog())
-    try:
-        events = await _stream(engine, "r1")
-    finally:
-        stop = True
-        await hogger
-        await engine.stop()
+    events = await _stream_beside(hog, "r1")
     rate = _rate(events)
     assert 0.95 * RATE <= rate <= 1.05 * RATE, rate
     assert all(n == 1 for _, n in events[1:])  # caught up by shorter sleeps, not merged steps
@@ -55,19 +62,12 @@ async def test_busy_loop_does_not_slow_the_modelled_rate() -> None:
 
 async def test_stall_longer_than_a_step_resyncs_instead_of_bursting() -> None:
     """A 200 ms stall (ten steps) is lost time, as for a real engine: no burst of ten steps."""
-    engine = SimEngine(worker_id="w", profile=FLAT)
-    await engine.start()
 
     async def stall() -> None:
         await asyncio.sleep(0.3)
         time.sleep(0.2)
 
-    staller = asyncio.create_task(stall())
-    try:
-        events = await _stream(engine, "r2")
-    finally:
-        await staller
-        await engine.stop()
+    events = await _stream_beside(stall, "r2")
     gaps = [b[0] - a[0] for a, b in zip(events, events[1:])]
     assert max(gaps) >= 0.15  # the stall happened mid-stream
     assert sum(g < 0.005 for g in gaps) <= 1, sorted(gaps)[:5]  # not ten steps back to back

@@ -7,9 +7,6 @@ the configured list, status code, pool, hardware, reason enum, worker id from co
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
@@ -64,24 +61,3 @@ class GatewayMetrics:
                                     ["component"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)
-        self._children: dict[tuple[Any, ...], Any] = {}
-        # The ITL histogram's bucket bounds and values, for observe_itl (once per relayed event).
-        self._itl_bounds = list(self.itl._upper_bounds)
-        self._itl_buckets = self.itl._buckets
-        self._itl_sum = self.itl._sum
-
-    def child(self, metric: Counter, *labels: str) -> Any:
-        """`metric.labels(*labels)`, cached: `.labels()` takes a lock and builds a tuple of str per
-        call. Labels are bounded (see the module docstring), so is the cache; label sets are
-        never removed from these metrics."""
-        key = (id(metric), *labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
-
-    def observe_itl(self, seconds: float) -> None:
-        """`self.itl.observe(seconds)` without the per-bucket Python loop (bisect instead): the
-        same bucket (first bound >= seconds, +Inf last) and sum."""
-        self._itl_sum.inc(seconds)
-        self._itl_buckets[bisect_left(self._itl_bounds, seconds)].inc(1)

@@ -125,7 +125,7 @@ class RequestServer:
         finally:
             self._finish(upstream, request_id)
             self._observe_done(upstream.response, arrival)
-        self.metrics.child(self.metrics.requests, str(prepared.protocol), prepared.model, "200").inc()
+        self.metrics.requests.labels(str(prepared.protocol), prepared.model, "200").inc()
         return Response(upstream.response.body(), media_type="application/json", headers=headers)
 
     # --- routing ------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class RequestServer:
 
     def _record(self, plan: Plan, request_id: str) -> None:
         w = plan.worker
-        self.metrics.child(self.metrics.routing_decisions, w.pool, w.hardware, str(plan.decision.reason)).inc()
+        self.metrics.routing_decisions.labels(w.pool, w.hardware, str(plan.decision.reason)).inc()
         tracing.current_span().set_attributes({"route.mode": plan.mode, "route.worker": w.worker_id,
                                                "route.reason": str(plan.decision.reason)})
         if log.isEnabledFor(logging.DEBUG):
@@ -341,7 +341,7 @@ class RequestServer:
                     if event["event"] == "tokens":
                         out = response.tokens(event["token_ids"], event.get("logprobs"))
                         now = time.perf_counter()
-                        self.metrics.observe_itl(now - last)
+                        self.metrics.itl.observe(now - last)
                         last = now
                         if out:
                             yield out
@@ -367,7 +367,7 @@ class RequestServer:
             self.metrics.client_disconnects.inc()
         self._finish(upstream, request_id)
         self._observe_done(upstream.response, arrival)
-        self.metrics.child(self.metrics.requests, str(prepared.protocol), prepared.model, upstream.status).inc()
+        self.metrics.requests.labels(str(prepared.protocol), prepared.model, upstream.status).inc()
 
     async def _drain(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str) -> None:
         """Non-streaming: accumulate the whole answer. A failure raises UpstreamFailed, which the

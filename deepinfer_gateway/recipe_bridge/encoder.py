@@ -70,8 +70,6 @@ _INTERN_CHUNK = 4096
 
 def _interned(raw: list[int], ints: list[int]) -> list[int]:
     get = ints.__getitem__
-    if len(raw) <= _INTERN_CHUNK:
-        return list(map(get, raw))
     ids: list[int] = []
     for start in range(0, len(raw), _INTERN_CHUNK):
         ids += map(get, raw[start:start + _INTERN_CHUNK])

@@ -53,8 +53,8 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
             bytes_per_token = len(body) / n
             started = time.perf_counter()
             prepared = preparer.prepare(ApiProtocol.CHAT, body)
-            for salt in salts:
-                block_hashes(prepared.token_ids, salt)
+            for salt in salts:  # as the gateway does: from the encoder's packed tokens
+                block_hashes(prepared.token_ids, salt, packed=prepared.packed_tokens)
             wire = orjson.dumps({"request_id": "r", "token_ids": prepared.token_ids, "role": "prefill"})
             received = GenerateRequest.model_validate_json(wire)
             block_hashes(received.token_ids, salts[0])
