@@ -118,6 +118,33 @@ async def test_store_entries_expire_by_ttl(make_index: Factory) -> None:
     assert (await lookup(index, {})).store == {"f1": 20}
 
 
+LONG = list(range(10_000, 11_200))  # 1,200 blocks: several of the Redis script's 512-block passes
+
+
+@pytest.mark.parametrize("holes", [[], [5], [700], [5, 700], [1199]])
+async def test_long_prompts_count_up_to_the_first_missing_block(make_index: Factory, holes: list[int]) -> None:
+    index = make_index()
+    a, b = EventLog("a"), EventLog("b")
+    a.store_mem([h for i, h in enumerate(LONG[:1000]) if i not in holes])
+    b.store_mem(LONG[:1] + LONG[2:])  # everything but block 1
+    await index.apply("a", a.batch())
+    await index.apply("b", b.batch())
+    expected = min([*holes, 1000])
+    assert dict((await lookup(index, {"a": "f1", "b": "f1"}, LONG)).memory) == {"a": expected, "b": 1}
+
+
+async def test_expired_store_entry_cuts_a_long_prefix(make_index: Factory) -> None:
+    index = make_index()
+    a = EventLog("a")
+    now = time.time()
+    a.store_store(LONG[:3] + LONG[4:], now + 3600)
+    a.store_store(LONG[3:4], now + 0.3)
+    await index.apply("a", a.batch())
+    assert (await lookup(index, {}, LONG)).store == {"f1": 1200}
+    await asyncio.sleep(0.45)  # expired, and no apply since has purged it
+    assert (await lookup(index, {}, LONG)).store == {"f1": 3}
+
+
 async def test_store_eviction(make_index: Factory) -> None:
     index = make_index()
     a = EventLog("a")

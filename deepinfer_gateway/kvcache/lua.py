@@ -129,10 +129,12 @@ return 1
 # KEYS: store (zset), store_set, then one mem key per candidate worker, grouped by format.
 # ARGV: now, n_groups, then per kv_format group: hashes blob, number of its workers.
 # Returns per group: leading store blocks, then each worker's leading memory blocks.
-# Membership is checked with SMISMEMBER in growing chunks (2, 8, 32, 128, 512) that
-# stop at the first miss, so the cost follows the longest cached prefix. Store expiry is
-# checked by score only when some entry outlived its TTL without being purged yet
-# (apply purges continuously), because scores cost ~3x more per block than membership.
+# Per set: SISMEMBER probes (galloping 1, 4, 16, ... then bisecting) find a hit b followed
+# by a miss, so the leading count is at most b; one SMISMEMBER pass over blocks 1..b then
+# gives it exactly (the first miss, if the set is not prefix-closed). Cost: ~2 log2(n)
+# probes plus the leading count itself in membership tests, never more (a miss costs one
+# probe). Store expiry is checked by score only when some entry outlived its TTL without
+# being purged yet (apply purges continuously): scores cost ~3x more per block.
 LOOKUP_SCRIPT = """
 local now = tonumber(ARGV[1])
 local out = {}
@@ -143,38 +145,48 @@ for g = 1, tonumber(ARGV[2]) do
   a = a + 2
   local n = #blob / 8
   local hs = {}
-  local function upto(m)
-    for i = #hs + 1, m do hs[i] = string.sub(blob, i * 8 - 7, i * 8) end
+  local function hash(i)
+    local h = hs[i]
+    if h == nil then h = string.sub(blob, i * 8 - 7, i * 8); hs[i] = h end
+    return h
   end
-  local function leading(key, limit)
-    local count, pos, step = 0, 1, 2
-    while pos <= limit do
-      local last = math.min(limit, pos + step - 1)
-      upto(last)
+  local function has(key, i) return redis.call('SISMEMBER', key, hash(i)) == 1 end
+  local function leading(key)
+    if n == 0 or not has(key, 1) then return 0 end
+    local lo, hi = 1, n + 1  -- block lo is in the set, block hi is not (n + 1: past the end)
+    while true do
+      local p = math.min(lo * 4, hi - 1)
+      if p <= lo then break end
+      if has(key, p) then lo = p else hi = p; break end
+    end
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if has(key, mid) then lo = mid else hi = mid end
+    end
+    for pos = 1, lo, 512 do
+      local last = math.min(lo, pos + 511)
+      for i = pos, last do hash(i) end
       local m = redis.call('SMISMEMBER', key, unpack(hs, pos, last))
       for j = 1, #m do
-        if m[j] == 1 then count = count + 1 else return count end
+        if m[j] ~= 1 then return pos + j - 2 end
       end
-      pos, step = last + 1, math.min(step * 4, 512)
     end
-    return count
+    return lo
   end
-  local c = leading(KEYS[2], n)
-  if stale and c > 0 then
-    local fresh, pos = 0, 1
-    while pos <= c do
-      local last = math.min(c, pos + 511)
-      local sc = redis.call('ZMSCORE', KEYS[1], unpack(hs, pos, last))
+  local function unexpired(c)  -- leading blocks whose store entry has not expired
+    for pos = 1, c, 512 do
+      local sc = redis.call('ZMSCORE', KEYS[1], unpack(hs, pos, math.min(c, pos + 511)))
       for j = 1, #sc do
-        if sc[j] and tonumber(sc[j]) > now then fresh = fresh + 1 else pos = c + 1; break end
+        if not (sc[j] and tonumber(sc[j]) > now) then return pos + j - 2 end
       end
-      pos = last + 1
     end
-    c = fresh
+    return c
   end
+  local c = leading(KEYS[2])
+  if stale and c > 0 then c = unexpired(c) end
   out[#out + 1] = c
   for w = 1, nw do
-    out[#out + 1] = leading(KEYS[k], n)
+    out[#out + 1] = leading(KEYS[k])
     k = k + 1
   end
 end
