@@ -8,8 +8,10 @@ measures: hashing a 131,072-token prompt (median; `hash_131k_ms` is the gateway'
 where the prompt encoder hands over the tokens already packed, recipe_bridge/encoder.py;
 `hash_131k_from_list_ms` packs a plain id list first), a lookup for that prompt with all 64
 workers as candidates (p99) in memory and through Redis (round trips counted by the
-connection: requests actually written per lookup), and the rate of block events
-ingested into the Redis-backed index (local view + Redis). Without --redis-url it starts
+connection: requests actually written per lookup), the rate of block events
+ingested into the Redis-backed index (local view + Redis), and the longest PING another
+client sees while a 1M-block worker snapshot is pushed (what a gap in Redis's cursor
+triggers): staged in chunks as the index does, against one script call holding it all. Without --redis-url it starts
 its own redis-server on a free port. Last line: one JSON object.
 """
 
@@ -27,11 +29,13 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
+from deepinfer_gateway.kvcache.lua import STAGE_SCRIPT, Script
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
+from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, pack_hashes
 from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.redis_conn import HiredisPackingConnection, redis_client
 
@@ -145,6 +149,54 @@ async def time_lookups(index: Any, hashes: dict[str, list[int]], workers: dict[s
     return out
 
 
+async def longest_ping_during(url: str, work: Awaitable[object]) -> tuple[float, float]:
+    """Runs `work` while another client PINGs Redis back to back: (seconds of work, longest PING in ms)."""
+    pinger = redis_client(url, timeout_s=30)
+    pings: list[float] = []
+    done = asyncio.Event()
+
+    async def ping() -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            await pinger.ping()
+            pings.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ping())
+    await asyncio.sleep(0.02)
+    t0 = time.perf_counter()
+    await work
+    secs = time.perf_counter() - t0
+    done.set()
+    await task
+    await pinger.aclose()
+    return secs, max(pings) * 1e3
+
+
+async def snapshot_stalls(index: RedisPrefixIndex, client: Any, url: str, blocks: int) -> dict[str, float]:
+    """A replica whose local view holds a `blocks`-block worker that Redis lacks pushes its
+    snapshot on the next batch; baseline: the same hashes added by one script call."""
+    rng = random.Random(11)
+    hashes = [rng.getrandbits(63) for _ in range(blocks)]
+
+    def batch(seq: int, hs: list[int]) -> KvEventBatch:
+        event = KvEvent(seq=seq, kind=KvEventKind.STORED, tier=KvTier.MEMORY, block_hashes=hs)
+        return KvEventBatch(worker_id="big", epoch="e1", events=[event], last_seq=seq, oldest_seq=1)
+
+    index.local.apply_now("big", batch(1, hashes))
+    staged_s, staged_ms = await longest_ping_during(url, index.apply("big", batch(2, [rng.getrandbits(63)])))
+    assert await client.scard(index.mem_key("big")) == blocks + 1
+    scratch = index.mem_key("one-call")
+    one_call = Script(STAGE_SCRIPT).run(client, [scratch], [60_000, pack_hashes(hashes)])
+    one_s, one_ms = await longest_ping_during(url, one_call)
+    await client.unlink(scratch)
+    print(
+        f"{blocks:,}-block snapshot push: staged {staged_s:.2f} s, longest PING {staged_ms:.1f} ms; "
+        f"one script call {one_s:.2f} s, longest PING {one_ms:.1f} ms"
+    )
+    return {"snapshot_max_stall_ms": round(staged_ms, 1), "snapshot_one_call_max_stall_ms": round(one_ms, 1)}
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url")
@@ -212,6 +264,7 @@ async def main() -> None:
         )
         info = await client.info("memory")
         print(f"Redis used_memory: {info['used_memory_human']}")
+        stalls = await snapshot_stalls(index, client, url, 1_000_000)
         await client.flushdb()
         await index.aclose()
     finally:
@@ -229,6 +282,7 @@ async def main() -> None:
                 "lookup_redis_server_ms": round(server_ms, 3),
                 "redis_round_trips_per_lookup": round(round_trips, 3),
                 "events_per_s": round(events_per_s),
+                **stalls,
             }
         )
     )

@@ -102,6 +102,31 @@ async def test_replica_with_a_gap_in_redis_pushes_its_snapshot(redis_url: str) -
         await b.aclose()
 
 
+async def test_big_snapshot_is_staged_in_chunks_then_swapped_in(redis_url: str) -> None:
+    namespace = f"snap:{uuid.uuid4().hex[:8]}"
+    admin = aioredis.Redis.from_url(redis_url)
+    big = list(range(1, 20_001))  # three upload calls of 8,192
+    pusher = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    stale = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    try:
+        log = EventLog("w")
+        log.store_mem(big)
+        log.store_mem([99_999_999])
+        pusher.local.apply_now("w", log.only(1, 2))
+        await pusher._push_worker("w")  # what a gap or a wiped Redis triggers
+        assert await admin.scard(pusher.mem_key("w")) == 20_001
+        assert (await pusher.lookup({"f1": big[:300]}, {"w": "f1"})).memory == {"w": 300}
+        # A replica whose view is older than Redis's (seq 1 < 2) changes nothing.
+        stale.local.apply_now("w", log.only(1))
+        await stale._push_worker("w")
+        assert await admin.scard(pusher.mem_key("w")) == 20_001
+        assert [k async for k in admin.scan_iter(match=f"{{{namespace}}}:staged:*")] == []
+    finally:
+        await pusher.aclose()
+        await stale.aclose()
+        await admin.aclose()
+
+
 async def test_redis_killed_and_restarted_during_traffic(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

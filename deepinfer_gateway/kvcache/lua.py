@@ -48,10 +48,10 @@ local last = -1
 if cur[1] == epoch then
   last = tonumber(cur[2])
 else
-  redis.call('DEL', KEYS[1])
+  redis.call('UNLINK', KEYS[1])
 end
 if last ~= -1 and oldest > last + 1 then
-  redis.call('DEL', KEYS[1]); last = -1
+  redis.call('UNLINK', KEYS[1]); last = -1
 end
 local function accepts(seq)
   if last == -1 then return seq == 1 or seq == oldest end
@@ -62,7 +62,7 @@ for i = 8, #ARGV, 4 do
   local seq = tonumber(ARGV[i])
   if last == -1 or seq > last then
     if not accepts(seq) then
-      redis.call('DEL', KEYS[1]); last = -1
+      redis.call('UNLINK', KEYS[1]); last = -1
       if not accepts(seq) then status = 1; break end
     end
     local code, hs = ARGV[i + 1], split(ARGV[i + 3])
@@ -71,7 +71,7 @@ for i = 8, #ARGV, 4 do
     elseif code == 'me' then
       each_chunk(hs, function(...) redis.call('SREM', KEYS[1], ...) end)
     elseif code == 'mc' then
-      redis.call('DEL', KEYS[1])
+      redis.call('UNLINK', KEYS[1])
     elseif code == 'ss' then
       local exp = ARGV[i + 2]
       if exp == '' then exp = ARGV[7] end
@@ -83,7 +83,7 @@ for i = 8, #ARGV, 4 do
       each_chunk(hs, function(...) redis.call('ZREM', KEYS[3], ...) end)
       each_chunk(hs, function(...) redis.call('SREM', KEYS[4], ...) end)
     elseif code == 'sc' then
-      redis.call('DEL', KEYS[3], KEYS[4])
+      redis.call('UNLINK', KEYS[3], KEYS[4])
     end
     last = seq
   end
@@ -108,23 +108,39 @@ return {status, last}
 """
 )
 
-# KEYS: mem, cur, alive.  ARGV: epoch, last_seq, idle_ttl_ms, hashes blob.
-# Replaces the worker's memory tier unless Redis already holds a newer state of the same epoch.
-SNAPSHOT_SCRIPT = (
+# KEYS: staged (a key of its own per snapshot).  ARGV: ttl_ms, hashes blob.
+# A snapshot is uploaded into `staged` by many small calls of this script, so that Redis
+# serves everyone else between them (one script adding 1M members stalled it ~1.5 s);
+# the TTL removes what a replica that died mid-upload left behind.
+STAGE_SCRIPT = (
     _HELPERS
     + """
+each_chunk(split(ARGV[2]), function(...) redis.call('SADD', KEYS[1], ...) end)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+)
+
+# KEYS: mem, cur, alive, staged (absent when the snapshot is empty).
+# ARGV: epoch, last_seq, idle_ttl_ms.
+# Makes the staged set the worker's memory tier unless Redis already holds a newer state
+# of the same epoch. O(1) whatever the sizes: RENAME, and UNLINK frees the old set in
+# Redis's background thread.
+SNAPSHOT_SCRIPT = """
 local cur = redis.call('HMGET', KEYS[2], 'e', 's')
 local last = tonumber(ARGV[2])
-if cur[1] == ARGV[1] and last >= 0 and tonumber(cur[2]) >= last then return 0 end
-redis.call('DEL', KEYS[1])
-each_chunk(split(ARGV[4]), function(...) redis.call('SADD', KEYS[1], ...) end)
+if cur[1] == ARGV[1] and last >= 0 and tonumber(cur[2]) >= last then
+  redis.call('UNLINK', KEYS[4])
+  return 0
+end
+redis.call('UNLINK', KEYS[1])
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('RENAME', KEYS[4], KEYS[1]) end
 redis.call('HSET', KEYS[2], 'e', ARGV[1], 's', last)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[3], '1')
 return 1
 """
-)
 
 # KEYS: store (zset), store_set, then one mem key per candidate worker, grouped by format.
 # ARGV: now, n_groups, then per kv_format group: hashes blob, number of its workers.

@@ -32,6 +32,7 @@ as 8-byte little-endian strings.
   {ns}:mem:<worker>  SET   the worker's memory-tier hashes; capped; idle TTL
   {ns}:cur:<worker>  HASH  e=epoch, s=last applied seq (-1: fresh); idle TTL
   {ns}:alive         STR   marker; missing means Redis lost its data -> full resync
+  {ns}:staged:<worker>:<id>  SET  a snapshot being uploaded; renamed to mem when complete; TTL
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import asyncio
 import logging
 import sys
 import time
+import uuid
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,7 +49,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from deepinfer_gateway.kvcache.lua import APPLY_SCRIPT, LOOKUP_SCRIPT, SNAPSHOT_SCRIPT, Script
+from deepinfer_gateway.kvcache.lua import APPLY_SCRIPT, LOOKUP_SCRIPT, SNAPSHOT_SCRIPT, STAGE_SCRIPT, Script
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, KvIndexMetrics, Overlap
 from deepinfer_gateway.protocol import KvEventBatch, KvEventKind, KvTier
@@ -65,6 +67,8 @@ _EVENT_CODES = {
 }
 _STATUS_OK, _STATUS_GAP, _STATUS_WIPED = 0, 1, 2
 _SNAPSHOT_CHUNK = 50_000  # store entries per ZADD during a full resync
+_STAGE_CHUNK = 8_192  # memory-tier hashes per upload call of a worker snapshot (~5 ms of Redis)
+_STAGE_TTL_MS = 60_000
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
@@ -107,6 +111,7 @@ class RedisPrefixIndex:
         self._apply = Script(APPLY_SCRIPT)
         self._lookup = Script(LOOKUP_SCRIPT)
         self._snapshot = Script(SNAPSHOT_SCRIPT)
+        self._stage = Script(STAGE_SCRIPT)
         self._locks: dict[str, asyncio.Lock] = {}
         self._resync_lock = asyncio.Lock()
         # Outage state: Redis is used for lookups only while `healthy`; after a failure
@@ -165,7 +170,7 @@ class RedisPrefixIndex:
         if not self._redis_due():
             return
         try:
-            await self._r.delete(self.mem_key(worker_id), self.cur_key(worker_id))
+            await self._r.unlink(self.mem_key(worker_id), self.cur_key(worker_id))
         except RedisError as exc:
             self._failed("remove_worker", exc, writes_lost=False)
 
@@ -220,14 +225,19 @@ class RedisPrefixIndex:
             self._needs_full_resync = False
 
     async def _push_worker(self, worker_id: str) -> None:
+        """Replace the worker's memory tier in Redis by the local view's: uploaded in small
+        calls to a staging key, then swapped in by one O(1) script."""
         cur = self.local.cursor(worker_id)
         if cur is None:
             return
-        blob = pack_hashes(list(self.local.memory_blocks(worker_id)))
+        staged = f"{self._tag}:staged:{worker_id}:{uuid.uuid4().hex}"
+        hashes = list(self.local.memory_blocks(worker_id))
+        for i in range(0, len(hashes), _STAGE_CHUNK):
+            await self._stage.run(self._r, [staged], [_STAGE_TTL_MS, pack_hashes(hashes[i : i + _STAGE_CHUNK])])
         await self._snapshot.run(
             self._r,
-            [self.mem_key(worker_id), self.cur_key(worker_id), self.alive_key],
-            [cur.epoch, cur.last_seq, self._idle_ttl_ms, blob],
+            [self.mem_key(worker_id), self.cur_key(worker_id), self.alive_key, staged],
+            [cur.epoch, cur.last_seq, self._idle_ttl_ms],
         )
 
     # --- internals ----------------------------------------------------------------------------
