@@ -4,8 +4,8 @@
 printable byte alphabet undone; added tokens are their literal text). `TextDecoder` is
 the incremental form: feed ids, get the text that is complete so far; a UTF-8 sequence
 split across tokens is held back until its last byte arrives (`flush()` ends the stream,
-replacing an unfinished sequence with U+FFFD). Building `TokenBytes` costs ~0.4 s, so one
-is kept per vocabulary.
+replacing an unfinished sequence with U+FFFD). Building `TokenBytes` costs ~0.3 s, so one
+is kept per vocabulary, and its table in `derived_cache` for the next start.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import codecs
 import json
 from collections.abc import Sequence
 from functools import lru_cache
+
+from deepinfer_gateway.recipe_bridge import derived_cache
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -29,15 +31,24 @@ def _byte_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
+def _pieces(tokenizer_json: str) -> dict[int, bytes]:
+    data = json.loads(tokenizer_json)
+    alphabet = _byte_alphabet()
+    pieces = {int(i): bytes(alphabet.get(ch, 0x3F) for ch in piece) for piece, i in data["model"]["vocab"].items()}
+    for token in data["added_tokens"]:
+        pieces[int(token["id"])] = token["content"].encode()
+    return pieces
+
+
+def _cached_pieces(tokenizer_json: str) -> dict[int, bytes]:
+    key = derived_cache.entry_key(derived_cache.text_digest(tokenizer_json), __file__)
+    return derived_cache.cached("token-bytes", key, lambda: _pieces(tokenizer_json),
+                                lambda value: isinstance(value, dict))
+
+
 class TokenBytes:
     def __init__(self, tokenizer_json: str) -> None:
-        data = json.loads(tokenizer_json)
-        alphabet = _byte_alphabet()
-        self.pieces: dict[int, bytes] = {
-            int(i): bytes(alphabet.get(ch, 0x3F) for ch in piece) for piece, i in data["model"]["vocab"].items()
-        }
-        for token in data["added_tokens"]:
-            self.pieces[int(token["id"])] = token["content"].encode()
+        self.pieces: dict[int, bytes] = _cached_pieces(tokenizer_json)
 
     def bytes_of(self, token_ids: Sequence[int]) -> bytes:
         pieces = self.pieces

@@ -41,7 +41,6 @@ is tested against (tests/test_encoder.py) and benchmarked against (bench/preproc
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 import deepseek_recipe as dr
@@ -111,8 +110,7 @@ class PromptEncoder:
         self._render = dr.DeepseekV41Encoding().render_conversation
         self.plain = plain or plain_tokenizer(bundle.json_text)
         self._special = {
-            t["content"]: Segment([int(t["id"])], pack_tokens([int(t["id"])]))
-            for t in json.loads(bundle.json_text)["added_tokens"]
+            content: Segment([token_id], pack_tokens([token_id])) for content, token_id in bundle.added_tokens.items()
         }
         self._ints = list(range(bundle.vocab_size))  # interned: cached lists share these objects
         self.cache = SegmentCache(cache_bytes, digest_min_chars=digest_min_chars)

@@ -9,7 +9,24 @@ discrete-event loop), run (trace -> records + summary.json), command (the CLI).
 Design and validation: docs/simulate.md.
 """
 
-from deepinfer_gateway.simulate.config import ClusterConfig, load_cluster
-from deepinfer_gateway.simulate.run import run_simulation
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.simulate.config import ClusterConfig, load_cluster
+    from deepinfer_gateway.simulate.run import run_simulation
 
 __all__ = ["ClusterConfig", "load_cluster", "run_simulation"]
+
+# Exported lazily: the CLI imports simulate.command on every start (its argument
+# definitions), and the simulator's modules cost ~0.4 s of imports nobody else needs.
+_EXPORTS = {"ClusterConfig": "config", "load_cluster": "config", "run_simulation": "run"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
