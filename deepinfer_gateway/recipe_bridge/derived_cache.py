@@ -72,14 +72,14 @@ def load(kind: str, key: str) -> Any | None:
     """The stored value, or None (absent or unreadable)."""
     try:
         return marshal.loads(_path(kind, key).read_bytes())
-    except (OSError, EOFError, ValueError, TypeError):
+    except (OSError, EOFError, ValueError, TypeError, RuntimeError):  # RuntimeError: no home directory
         return None
 
 
 def store(kind: str, key: str, value: Any) -> None:
     """Write atomically (concurrent starts may race: the last rename wins, all equal); errors ignored."""
-    path = _path(kind, key)
     try:
+        path = _path(kind, key)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{kind}-", suffix=".tmp")
         try:
@@ -90,7 +90,7 @@ def store(kind: str, key: str, value: Any) -> None:
             os.unlink(tmp)
             raise
         _prune(path.parent, kind)
-    except (OSError, ValueError):  # ValueError: a value marshal cannot write
+    except (OSError, ValueError, RuntimeError):  # a value marshal cannot write; no home directory
         pass
 
 
