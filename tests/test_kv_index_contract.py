@@ -271,3 +271,20 @@ async def test_store_cleared_event_drops_the_store_tier(make_index: Factory) -> 
     await index.apply("a", a.batch())
     got = await lookup(index, {"a": "f1"})
     assert dict(got.store) == {"f1": 0} and dict(got.memory) == {"a": 64}
+
+
+async def test_stats_count_blocks_per_worker_and_store_entries(make_index: Factory) -> None:
+    index = make_index()
+    a, b = EventLog("a"), EventLog("b")
+    a.store_mem(H[:40])
+    a.store_store(H[:25], time.time() + 3600)
+    b.store_mem(H[:7])
+    b.evict_mem(H[5:7])
+    await index.apply("a", a.batch())
+    await index.apply("b", b.batch())
+    stats = await index.stats()
+    assert stats["store_entries"] == 25
+    assert {w: (s["memory_blocks"], s["last_seq"]) for w, s in stats["workers"].items()} == {"a": (40, 2), "b": (5, 2)}
+    if stats["backend"] == "redis":  # what Redis holds, next to the local view
+        assert stats["redis"]["store_entries"] == 25 and stats["redis"]["healthy"]
+        assert {w: s["redis_memory_blocks"] for w, s in stats["workers"].items()} == {"a": 40, "b": 5}

@@ -162,6 +162,8 @@ async def test_redis_killed_and_restarted_during_traffic(
         redis_server.stop()
         await asyncio.sleep(0.6)
         assert not index.healthy
+        stats = await index.stats()  # the operator's view says so, and still shows the local view
+        assert not stats["redis"]["healthy"] and "error" in stats["redis"] and stats["workers"], stats
         during_outage = step
         redis_server.start()  # empty: no persistence
         for _ in range(200):

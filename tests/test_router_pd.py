@@ -1,8 +1,10 @@
 """Prefill/decode disaggregation through the live gateway: PD streaming, KV hand-off,
-bypass, cancellation of both sides, admission control, admin add/remove."""
+bypass, cancellation of both sides, admission control, the admin API (workers, routing
+policies, index stats) and `bench --sweep policy` against it."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +13,11 @@ import httpx
 import openai
 import pytest
 
+from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
+CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 PD_WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"
 ADMIN_KEY = "admin-secret"
 ADMIN_TOML = """
@@ -149,6 +153,74 @@ def test_admin_remove_and_add_worker(pd_gateway: Gateway, pd_cluster: SimCluster
                    json={"url": victim["url"], "role": "prefill", "hardware": victim["hardware"]})
     assert r.status_code == 201 and r.json()["healthy"]
     assert httpx.get(pd_gateway.url + "/ready").json()["healthy_workers"] == 6
+
+
+def _prefill_decisions(gw: Gateway, reason: str) -> float:
+    lines = httpx.get(gw.url + "/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("dgw_routing_decisions_total{") and f'pool="prefill",reason="{reason}"' in line)
+
+
+def test_admin_routing_switches_the_policy_at_run_time(pd_gateway: Gateway) -> None:
+    url, headers = pd_gateway.url + "/admin/routing", {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.put(url, json={"policy": "round_robin"}).status_code == 401
+    current = httpx.get(url, headers=headers).json()
+    assert current["policy"] == "estimated_ttft" and "round_robin" in current["available"]
+    for bad in ({"policy": "fastest_please"}, {"polcy": "round_robin"}):
+        r = httpx.put(url, headers=headers, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("Invalid routing update"), r.text
+    assert httpx.get(url, headers=headers).json()["policy"] == "estimated_ttft"  # nothing changed
+    before = _prefill_decisions(pd_gateway, "round_robin")
+    try:
+        r = httpx.put(url, headers=headers, json={"policy": "round_robin"})
+        assert r.status_code == 200 and r.json()["policy"] == "round_robin"
+        client = _client(pd_gateway)
+        for i in range(4):
+            client.chat.completions.create(model=MODEL, max_tokens=2,
+                                           messages=[{"role": "user", "content": f"policy switch {i} " * 300}])
+        assert _prefill_decisions(pd_gateway, "round_robin") - before == 4
+    finally:
+        httpx.put(url, headers=headers, json={"policy": "estimated_ttft"})
+    assert httpx.get(url, headers=headers).json()["policy"] == "estimated_ttft"
+
+
+def test_admin_index_stats(pd_gateway: Gateway) -> None:
+    url, headers = pd_gateway.url + "/admin/index", {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(url).status_code == 401
+    _client(pd_gateway).chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "index stats " * 400}])
+    deadline = time.monotonic() + 5
+    while True:
+        stats = httpx.get(url, headers=headers).json()
+        if sum(w["memory_blocks"] for w in stats["workers"].values()) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stats["backend"] == "memory" and len(stats["workers"]) == 6, stats
+    assert sum(w["memory_blocks"] for w in stats["workers"].values()) >= 3  # ~1,200 prompt tokens
+    assert all(w["last_seq"] >= 0 for w in stats["workers"].values())
+
+
+@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+def test_bench_sweeps_routing_policies_through_the_admin_api(pd_gateway: Gateway, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    before = _prefill_decisions(pd_gateway, "round_robin")
+    rc = cli_main(["bench", "--url", pd_gateway.url, "--trace", str(CONVERSATION), "--max-requests", "6",
+                   "--speedup", "40", "--sweep", "policy", "--sweep-values", "round_robin,estimated_ttft",
+                   "--api-key", ADMIN_KEY, "--out", str(tmp_path), "--no-progress", "--no-plots"])
+    assert rc == 0
+    sweep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [p["label"] for p in sweep["points"]] == ["policy=round_robin", "policy=estimated_ttft"]
+    for point in ("policy-round_robin", "policy-estimated_ttft"):
+        assert json.loads((tmp_path / point / "summary.json").read_text())["completed"] == 6
+    assert _prefill_decisions(pd_gateway, "round_robin") - before == 6  # the first point only
+    headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(pd_gateway.url + "/admin/routing", headers=headers).json()["policy"] == "estimated_ttft"
+
+
+def test_bench_policy_sweep_without_admin_rights_says_why(pd_gateway: Gateway, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="HTTP 401"):
+        cli_main(["bench", "--url", pd_gateway.url, "--trace", "synthetic:chat:requests=2", "--sweep", "policy",
+                  "--sweep-values", "round_robin", "--api-key", "not-a-key", "--out", str(tmp_path)])
 
 
 def test_admission_control_429_with_retry_after(pd_cluster: SimCluster, tmp_path: Path) -> None:

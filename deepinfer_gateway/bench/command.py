@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hit-window", type=duration, default=None, help="hit-rate-over-time window")
     parser.add_argument("--sweep", choices=["rate", "concurrency", "policy"], default=None)
     parser.add_argument("--sweep-values", default=None, help="comma list: speedups, concurrencies or policy names")
+    parser.add_argument("--admin-key", default=None,
+                        help="--sweep policy: admin API key of the target gateway (default: --api-key)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-plots", action="store_true")
 
@@ -78,6 +80,21 @@ def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         hit_window_s=args.hit_window, plots=not args.no_plots)
 
 
+def _sweep(config, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """A sweep; a policy sweep switches the gateway's policy per point and restores it after."""
+    from deepinfer_gateway.bench.sweep import GatewayRouting, run_sweep
+
+    values = [v.strip() for v in args.sweep_values.split(",") if v.strip()]
+    if args.sweep != "policy":
+        return run_sweep(config, args.sweep, values)
+    routing = GatewayRouting(args.url, args.admin_key or args.api_key)
+    original = routing.get()["policy"]
+    try:
+        return run_sweep(config, "policy", values, configure_policy=routing.set)
+    finally:
+        routing.set(original)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.bench_command == "report":
         from deepinfer_gateway.bench.report import load_summaries, table
@@ -85,17 +102,14 @@ def main(args: argparse.Namespace) -> int:
         print(table(load_summaries(args.dirs), markdown=args.markdown))
         return 0
     from deepinfer_gateway.bench.run import TargetUnreachable, run_bench
-    from deepinfer_gateway.bench.sweep import run_sweep
+    from deepinfer_gateway.bench.sweep import SweepError
 
     config = _config(args)
     if args.sweep and not args.sweep_values:
         raise SystemExit("bench: --sweep needs --sweep-values")
     try:
-        if args.sweep:
-            result = run_sweep(config, args.sweep, [v.strip() for v in args.sweep_values.split(",") if v.strip()])
-        else:
-            result = run_bench(config)
-    except (TargetUnreachable, NotImplementedError) as exc:
+        result = _sweep(config, args) if args.sweep else run_bench(config)
+    except (TargetUnreachable, SweepError) as exc:
         raise SystemExit(f"bench: {exc}") from None
     sys.stdout.write(json.dumps(result, separators=(",", ":")) + "\n")
     return 0

@@ -2,10 +2,11 @@
 
 - `rate`: open loop at each `--speedup` value (trace clock x value).
 - `concurrency`: closed loop at each concurrency.
-- `policy`: one run per routing-policy name. The target must be reconfigured between
-  points, so the caller passes a `PolicyConfigurer` (policy name -> None, e.g. restart
-  the gateway with that policy). Not wired to the CLI yet: the router's policies are
-  landing separately; `bench --sweep policy` says so.
+- `policy`: one run per routing-policy name. The target is reconfigured before each
+  point by a `PolicyConfigurer` (policy name -> None): for DeepInfer Gateway,
+  `GatewayRouting.set` (`PUT /admin/routing`, admin key). Later points start with the
+  cache earlier points left: compare policies on a cold target each (bench/policies.py
+  restarts the cluster per policy) when hit rates matter.
 
 `sweep.json` lists each point's directory and headline figures; `pareto.png` is the chart.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +25,37 @@ from deepinfer_gateway.bench.run import BenchConfig, run_bench
 
 PolicyConfigurer = Callable[[str], None]
 SWEEPS = ("rate", "concurrency", "policy")
+
+
+class SweepError(RuntimeError):
+    """The target could not be reconfigured for a sweep point."""
+
+
+class GatewayRouting:
+    """A DeepInfer Gateway's routing policies through its admin API (`/admin/routing`).
+    With several gateway replicas, point `url` at each one: every replica has its own."""
+
+    def __init__(self, url: str, admin_key: str) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1") + "/admin/routing"
+        self.headers = {"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"}
+
+    def get(self) -> dict[str, Any]:
+        return self._call("GET", None)
+
+    def set(self, policy: str) -> None:
+        self._call("PUT", {"policy": policy})
+
+    def _call(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url, data=data, method=method, headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return dict(json.load(response))
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:300].decode(errors="replace")
+            raise SweepError(f"{method} {self.url} {body or ''}: HTTP {exc.code} {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise SweepError(f"{method} {self.url}: {exc}") from None
 
 
 def _point(config: BenchConfig, kind: str, value: str) -> BenchConfig:
@@ -40,9 +74,7 @@ def run_sweep(config: BenchConfig, kind: str, values: Sequence[str],
     if kind not in SWEEPS:
         raise ValueError(f"sweep must be one of {SWEEPS}")
     if kind == "policy" and configure_policy is None:
-        raise NotImplementedError(
-            "--sweep policy needs a callable that reconfigures the target's routing policy; "
-            "it is wired once the router's policies are configurable at run time")
+        raise ValueError("a policy sweep needs a callable that reconfigures the target's routing policy")
     points: list[tuple[str, dict[str, Any]]] = []
     for value in values:
         point = _point(config, kind, value)

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -54,8 +55,17 @@ from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
+from deepinfer_gateway.router.policies import POLICIES
 
 log = logging.getLogger(__name__)
+
+
+class RoutingUpdate(BaseModel):
+    """Body of `PUT /admin/routing`: the policies to switch to (omitted ones stay)."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str | None = None
+    decode_policy: str | None = None
 
 
 @dataclass
@@ -300,6 +310,35 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             raise GatewayError(f"No worker {worker_id}.", status_code=404)
         await state.feeder.remove_worker(worker_id)
         return JSONResponse({"id": worker_id, "removed": True})
+
+    @app.get("/admin/index")
+    async def index_stats(request: Request) -> Response:
+        await require_admin(request)
+        return JSONResponse(await request.app.state.gateway.server.index.stats())
+
+    def routing_settings(planner: RoutePlanner) -> dict[str, Any]:
+        s = planner.settings
+        return {"policy": s.policy, "decode_policy": s.decode_policy, "pool_policies": s.pool_policies,
+                "available": sorted(POLICIES)}
+
+    @app.get("/admin/routing")
+    async def get_routing(request: Request) -> Response:
+        await require_admin(request)
+        return JSONResponse(routing_settings(request.app.state.gateway.server.planner))
+
+    @app.put("/admin/routing")
+    async def set_routing(request: Request) -> Response:
+        """Switch this replica's routing policies (each replica has its own: send it to all)."""
+        await require_admin(request)
+        planner: RoutePlanner = request.app.state.gateway.server.planner
+        try:
+            update = RoutingUpdate.model_validate_json(await request.body())
+            planner.reconfigure(update.policy, update.decode_policy)
+        except ValueError as exc:
+            raise GatewayError(f"Invalid routing update: {exc}", status_code=400) from None
+        log.info("routing policies set: policy=%s decode_policy=%s", planner.settings.policy,
+                 planner.settings.decode_policy)
+        return JSONResponse(routing_settings(planner))
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, Overlap
 from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
@@ -129,6 +130,17 @@ class InMemoryPrefixIndex:
         for fmt, mask in by_format.items():
             self._memory_leading(hashes[fmt], mask, memory)
         return Overlap(memory=memory, store=store)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.stats_now()
+
+    def stats_now(self) -> dict[str, Any]:
+        workers = {
+            w: {"memory_blocks": len(self._blocks.get(w, ())), "epoch": cur.epoch, "last_seq": cur.last_seq}
+            for w, cur in self._cursors.items()
+        }
+        # Expired store entries count until the next purge: counting live ones is O(entries).
+        return {"backend": "memory", "workers": workers, "store_entries": len(self._store)}
 
     def drop_memory(self, worker_id: str) -> None:
         blocks = self._blocks.pop(worker_id, None)

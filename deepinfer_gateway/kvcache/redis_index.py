@@ -201,6 +201,27 @@ class RedisPrefixIndex:
                 memory[w] = int(next(it))
         return Overlap(memory=memory, store=store)
 
+    async def stats(self) -> dict[str, Any]:
+        """The local view's stats, plus what Redis holds (one pipelined round trip), so an
+        operator can see the two diverge; Redis errors are reported, not raised."""
+        out = self.local.stats_now() | {"backend": "redis"}
+        redis_view: dict[str, Any] = {"healthy": self.healthy, "needs_full_resync": self._needs_full_resync}
+        out["redis"] = redis_view
+        workers = list(out["workers"])
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for w in workers:
+                    pipe.scard(self.mem_key(w))
+                pipe.zcard(self.store_key)
+                replies = await pipe.execute()
+        except RedisError as exc:
+            redis_view["error"] = f"{type(exc).__name__}: {exc}"
+            return out
+        for w, blocks in zip(workers, replies, strict=False):
+            out["workers"][w]["redis_memory_blocks"] = blocks
+        redis_view["store_entries"] = replies[-1]
+        return out
+
     async def aclose(self) -> None:
         await self._r.aclose()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -65,6 +65,11 @@ class PrefixIndex(Protocol):
         workers: candidate worker_id -> its kv_format (workers whose format has no
         entry in `hashes` get 0). Every format in `hashes` gets a store count.
         """
+        ...
+
+    async def stats(self) -> dict[str, Any]:
+        """Operator view (`GET /admin/index`): `backend`, per worker its memory-tier block
+        count and event cursor, `store_entries`; backends add their own details."""
         ...
 
     async def aclose(self) -> None: ...

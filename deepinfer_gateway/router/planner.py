@@ -76,6 +76,16 @@ class RoutePlanner:
             self._policies[pool] = make_policy(name, self.settings.session_affinity and role is not Role.DECODE)
         return self._policies[pool]
 
+    def reconfigure(self, policy: str | None = None, decode_policy: str | None = None) -> None:
+        """Switch the default policies at run time (admin API; `bench --sweep policy`).
+        Unknown names raise ValueError before anything changes; `pool_policies` overrides
+        still win; every pool starts a fresh policy (round-robin positions, affinities)."""
+        update = {key: name for key, name in (("policy", policy), ("decode_policy", decode_policy)) if name}
+        for name in update.values():
+            make_policy(name)
+        self.settings = self.settings.model_copy(update=update)
+        self._policies.clear()
+
     def hardware_cost(self, hardware: str) -> HardwareCost:
         return self.settings.hardware.get(hardware) or next(iter(self.settings.hardware.values()))
 
