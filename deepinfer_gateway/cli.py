@@ -13,8 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deepinfer_gateway.config import GatewaySettings
@@ -29,14 +29,15 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
+    from deepinfer_gateway import tracing
     from deepinfer_gateway.asgi import run_until_signal
-    from deepinfer_gateway.gateway import tracing
     from deepinfer_gateway.gateway.app import create_app
-    from deepinfer_gateway.gateway.logs import RequestContext
+    from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
 
     tracing.configure(settings.tracing)
     try:
-        app = RequestContext(tracing.ServerSpans(create_app(settings)), access=settings.access_log)
+        spans = tracing.ServerSpans(create_app(settings), request_id=lambda _scope: current_request_id())
+        app = RequestContext(spans, access=settings.access_log)
         run_until_signal(app, settings.host, settings.port, log_level=log_level,
                          graceful_s=settings.shutdown_grace_s)
     finally:
@@ -137,29 +138,50 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_spans(args: argparse.Namespace) -> Callable[[Any], Any]:
+    """Tracing for a worker process (`--otel-exporter`): its app wrapped in server spans
+    that continue the gateway's trace; the polled endpoints get none."""
+    from deepinfer_gateway import tracing
+    from deepinfer_gateway.config import TracingSettings
+    from deepinfer_gateway.protocol import HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
+
+    if args.otel_exporter is None:
+        return lambda app: app
+    tracing.configure(TracingSettings(enabled=True, exporter=args.otel_exporter, endpoint=args.otel_endpoint,
+                                      service_name="deepinfer-worker"))
+    polled = frozenset({HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH})
+    return lambda app: tracing.ServerSpans(app, skip=polled)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    from deepinfer_gateway import tracing
     from deepinfer_gateway.protocol import Role
 
-    if args.engine == "deepinfer":
-        from deepinfer_gateway.asgi import run_until_signal
-        from deepinfer_gateway.protocol import Hardware
-        from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
-        from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
-        from deepinfer_gateway.workers.server import create_worker_app
+    with_spans = _worker_spans(args)
+    try:
+        if args.engine == "deepinfer":
+            from deepinfer_gateway.asgi import run_until_signal
+            from deepinfer_gateway.protocol import Hardware
+            from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
+            from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
+            from deepinfer_gateway.workers.server import create_worker_app
 
-        if not args.model:
-            raise SystemExit("--engine deepinfer needs --model CHECKPOINT_DIR")
-        config = DeepInferConfig(model=args.model, role=Role(args.role), hardware=Hardware(args.hardware),
-                                 worker_id=args.worker_id or f"{args.hardware}-{args.role}-{args.port}",
-                                 kv_store_dir=args.kv_store_dir)
-        run_until_signal(create_worker_app(build_deepinfer_engine(config)), args.host, args.port,
-                         log_level=args.log_level)
+            if not args.model:
+                raise SystemExit("--engine deepinfer needs --model CHECKPOINT_DIR")
+            config = DeepInferConfig(model=args.model, role=Role(args.role), hardware=Hardware(args.hardware),
+                                     worker_id=args.worker_id or f"{args.hardware}-{args.role}-{args.port}",
+                                     kv_store_dir=args.kv_store_dir)
+            run_until_signal(with_spans(create_worker_app(build_deepinfer_engine(config))), args.host, args.port,
+                             log_level=args.log_level)
+            return 0
+        from deepinfer_gateway.workers.run import WorkerOptions, run_worker
+
+        run_worker(WorkerOptions(role=Role(args.role), hardware=args.hardware, host=args.host, port=args.port,
+                                 worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale),
+                   wrap=with_spans)
         return 0
-    from deepinfer_gateway.workers.run import WorkerOptions, run_worker
-
-    run_worker(WorkerOptions(role=Role(args.role), hardware=args.hardware, host=args.host, port=args.port,
-                             worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale))
-    return 0
+    finally:
+        tracing.shutdown()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -209,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--profiles", default=None, help="hardware profile TOML (default: the packaged one)")
     worker.add_argument("--model", default=None, help="deepinfer engine: model checkpoint path")
     worker.add_argument("--kv-store-dir", default=None, help="deepinfer engine: shared KV store directory (PD)")
+    worker.add_argument("--otel-exporter", choices=["otlp", "console"], default=None,
+                        help="OpenTelemetry server spans for generate/abort, continuing the gateway's trace (off)")
+    worker.add_argument("--otel-endpoint", default=None, help="OTLP/HTTP traces endpoint (default: OTEL_* env)")
     worker.set_defaults(func=cmd_worker)
 
     cluster = sub.add_parser("sim-cluster", help="several sim workers in one process sharing one KV store")

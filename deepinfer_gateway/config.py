@@ -94,7 +94,7 @@ class RouterSettings(_Frozen):
 
 
 class TracingSettings(_Frozen):
-    """OpenTelemetry tracing (gateway/tracing.py); needs the `otel` extra. Off by default."""
+    """OpenTelemetry tracing (deepinfer_gateway/tracing.py); needs the `otel` extra. Off by default."""
 
     enabled: bool = False
     exporter: Literal["otlp", "console", "none"] = "otlp"

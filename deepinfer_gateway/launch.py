@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import json
 import socket
@@ -37,9 +38,9 @@ CLI = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "warning"]
 
 
 class Proc:
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, stdout: IO[bytes] | None = None):
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=stdout)
 
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash, not a shutdown."""
@@ -74,7 +75,7 @@ class SimCluster:
 
 class Gateway:
     def __init__(self, tmp: Path, workers: list[tuple[str, str, str]], extra_toml: str = "",
-                 env: dict[str, str] | None = None, health_interval_s: float = 0.2):
+                 env: dict[str, str] | None = None, health_interval_s: float = 0.2, stdout: IO[bytes] | None = None):
         """workers: (url, role, hardware)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -83,7 +84,7 @@ class Gateway:
         for url, role, hardware in workers:
             lines += ["[[workers]]", f'url = "{url}"', f'role = "{role}"', f'hardware = "{hardware}"', ""]
         config.write_text("\n".join(lines))
-        self.proc = Proc(CLI + ["serve", "--config", str(config)], env=env)
+        self.proc = Proc(CLI + ["serve", "--config", str(config)], env=env, stdout=stdout)
         wait_for_port(self.port, timeout=30)
 
     def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:

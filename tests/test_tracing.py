@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
@@ -16,8 +19,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from deepinfer_gateway.config import GatewaySettings, TracingSettings
-from deepinfer_gateway.gateway import tracing
-from deepinfer_gateway.gateway.logs import RequestContext
+from deepinfer_gateway import tracing
+from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
+from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 
 @pytest.fixture
@@ -67,8 +71,8 @@ async def test_server_spans_continue_the_callers_trace_and_carry_the_request_id(
             pass
         return PlainTextResponse("hi", headers={"x-dgw-worker": "w9"})
 
-    app = RequestContext(tracing.ServerSpans(Starlette(routes=[Route("/v1/chat/completions", hello,
-                                                                     methods=["POST"])])))
+    routes = [Route("/v1/chat/completions", hello, methods=["POST"])]
+    app = RequestContext(tracing.ServerSpans(Starlette(routes=routes), request_id=lambda _: current_request_id()))
     caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         r = await client.post("/v1/chat/completions", headers={
@@ -76,6 +80,11 @@ async def test_server_spans_continue_the_callers_trace_and_carry_the_request_id(
         assert r.headers["x-request-id"] == "rid-7"
         await client.get("/health")  # probes get no span
     spans = {s.name: s for s in exporter.get_finished_spans()}
+    exporter.clear()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        generated = (await client.post("/v1/chat/completions")).headers["x-request-id"]  # none sent: ours
+    unnamed = next(s for s in exporter.get_finished_spans() if s.name == "POST /v1/chat/completions")
+    assert unnamed.attributes["dgw.request_id"] == generated
     assert set(spans) == {"POST /v1/chat/completions", "router.choose"}
     root = spans["POST /v1/chat/completions"]
     assert format(root.context.trace_id, "032x") == caller_trace
@@ -83,3 +92,51 @@ async def test_server_spans_continue_the_callers_trace_and_carry_the_request_id(
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["dgw.worker"] == "w9"
     assert spans["router.choose"].parent.span_id == root.context.span_id
+
+
+def _console_spans(text: str) -> list[dict]:
+    """The JSON objects ConsoleSpanExporter printed, one per span (pretty-printed, back to back)."""
+    decoder, spans, pos = json.JSONDecoder(), [], 0
+    while (start := text.find("{", pos)) != -1:
+        span, pos = decoder.raw_decode(text, start)
+        spans.append(span)
+    return spans
+
+
+def test_one_trace_spans_gateway_and_worker_processes(tmp_path: Path) -> None:
+    """A real gateway and a real sim worker, both exporting to the console: the worker's
+    server span is a child of the gateway's `worker.generate` span, in the same trace."""
+    port = free_port()
+    gateway_out, worker_out = (tmp_path / "gateway.out").open("wb"), (tmp_path / "worker.out").open("wb")
+    worker = Proc(CLI + ["worker", "--port", str(port), "--time-scale", "50", "--otel-exporter", "console"],
+                  stdout=worker_out)
+    gateway = None
+    try:
+        wait_for_port(port, timeout=30)
+        gateway = Gateway(tmp_path, [(f"http://127.0.0.1:{port}", "unified", "sm100")], stdout=gateway_out,
+                          extra_toml='[tracing]\nenabled = true\nexporter = "console"\n')
+        gateway.wait_ready(1)
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key="t", max_retries=0) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="DeepSeek-V4.1-Flash", max_tokens=4, stream=True,
+                messages=[{"role": "user", "content": "trace me"}])
+            assert sum(1 for _ in raw.parse()) > 1  # streamed to the end
+        request_id = raw.headers["x-request-id"]
+    finally:
+        if gateway is not None:
+            gateway.stop()  # SIGTERM: the span processors flush on the way out
+        worker.stop()
+        gateway_out.close()
+        worker_out.close()
+    ours = {s["name"]: s for s in _console_spans((tmp_path / "gateway.out").read_text())}
+    theirs = {s["name"]: s for s in _console_spans((tmp_path / "worker.out").read_text())}
+    assert {"POST /v1/chat/completions", "router.lookup", "worker.generate", "stream.relay"} <= set(ours), sorted(ours)
+    assert ours["POST /v1/chat/completions"]["attributes"]["route.worker"] == f"127.0.0.1:{port}"
+    assert set(theirs) == {"POST /v1/worker/generate"}, sorted(theirs)  # polled endpoints: no spans
+    served, call = theirs["POST /v1/worker/generate"], ours["worker.generate"]
+    assert served["context"]["trace_id"] == call["context"]["trace_id"] == ours["POST /v1/chat/completions"][
+        "context"]["trace_id"]
+    assert served["parent_id"] == call["context"]["span_id"]
+    assert served["kind"] == "SpanKind.SERVER" and served["resource"]["attributes"]["service.name"] == "deepinfer-worker"
+    assert served["attributes"]["dgw.request_id"] == request_id == ours["POST /v1/chat/completions"]["attributes"][
+        "dgw.request_id"]

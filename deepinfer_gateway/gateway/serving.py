@@ -41,7 +41,7 @@ from deepinfer_gateway.gateway.errors import (
     UpstreamFailed,
     stream_error_frame,
 )
-from deepinfer_gateway.gateway import tracing
+from deepinfer_gateway import tracing
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient, WorkerStream

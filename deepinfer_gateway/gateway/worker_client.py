@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.gateway import tracing
+from deepinfer_gateway import tracing
 
 
 POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)

@@ -8,7 +8,9 @@ cannot share another's memory); prefill hand-offs are then `direct:` handles.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer_gateway.asgi import run_until_signal
 from deepinfer_gateway.protocol import Role
@@ -37,7 +39,8 @@ class WorkerOptions:
     compat: bool = True  # OpenAI/SGLang-compatible endpoints for third-party routers
 
 
-def run_worker(options: WorkerOptions) -> None:
+def run_worker(options: WorkerOptions, wrap: Callable[[Any], Any] = lambda app: app) -> None:
+    """Build the sim worker's app, `wrap` it (ASGI middleware, e.g. tracing), serve it."""
     if options.engine != "sim":
         raise ValueError(f"engine {options.engine!r} is served by deepinfer_gateway.workers.deepinfer, not run_worker")
     worker_id = options.worker_id or f"{options.hardware}-{options.role}-{options.port}"
@@ -48,5 +51,5 @@ def run_worker(options: WorkerOptions) -> None:
         spec, store=store, planner=OutputPlanner(bundle), profiles_path=options.profiles_path, model=options.model
     )
     routers = [compat_router(engine, bundle, options.model)] if options.compat else []
-    app = create_worker_app(engine, routers)
+    app = wrap(create_worker_app(engine, routers))
     run_until_signal(app, options.host, options.port, log_level="warning", graceful_s=2)
