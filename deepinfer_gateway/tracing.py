@@ -1,19 +1,24 @@
 """OpenTelemetry tracing of the request path (gateway -> router -> worker), off by default.
 
+Shared by the gateway and the workers (the CLI wires both): a worker wraps its app in
+`ServerSpans` too, so its span continues the gateway's `worker.generate` client span.
+
 Optional: `pip install deepinfer-gateway[otel]` (opentelemetry-api and -sdk; add
 opentelemetry-exporter-otlp for `exporter = "otlp"`). With tracing off, or the packages
 absent, every call here is a no-op costing one attribute check.
 
     tracing.configure(settings.tracing)           # once per process (cli / lifespan)
     app = tracing.ServerSpans(app)                # root span per HTTP request (SERVER kind)
-    with tracing.span("router.choose", pool=p):   # child spans on the request path
+    with tracing.span("router.lookup", candidates=n):   # child spans on the request path
         ...
     headers = tracing.inject({...})               # W3C traceparent for the worker call
 
 Span names on the request path (a contract for dashboards built on traces):
-`POST /v1/chat/completions` (root, server), `router.choose` (attributes: pool, worker,
-reason), `worker.generate` (client; worker, attempt, outcome), `stream.relay`.
-The root span carries `dgw.request_id` so traces and JSON logs join on it.
+`POST /v1/chat/completions` (root, server; the route as `route.mode`, `route.worker`,
+`route.reason`), `router.lookup` (prompt hashing and the prefix index; `candidates`),
+`worker.generate` (client; worker, attempt, role), `stream.relay`, and in the
+worker's process `POST /v1/worker/generate` (server, child of `worker.generate`).
+Server spans carry `dgw.request_id` so traces and JSON logs join on it.
 
 The provider is this module's, not OpenTelemetry's global one (which can be set only
 once per process), so tests can install an in-memory exporter, run, and `shutdown()`.
@@ -22,7 +27,7 @@ once per process), so tests can install an in-memory exporter, run, and `shutdow
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -157,16 +162,27 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+def header_request_id(scope: dict[str, Any]) -> str | None:
+    """The caller's `x-request-id` (what the gateway sends its workers)."""
+    for key, value in scope["headers"]:
+        if key == b"x-request-id":
+            return str(value.decode("latin-1"))
+    return None
+
+
 class ServerSpans:
     """ASGI middleware: one SERVER span per HTTP request, continuing the client's `traceparent`.
 
-    Place it inside `logs.RequestContext` so the request id is known:
-    `RequestContext(ServerSpans(app))`. Paths in `skip` (probes, metrics) get no span.
+    Paths in `skip` (probes, metrics, polled endpoints) get no span. `request_id(scope)`
+    names the request for `dgw.request_id`; the gateway passes its own (generated when the
+    client sent none: place this inside `logs.RequestContext`).
     """
 
-    def __init__(self, app: Any, skip: frozenset[str] = frozenset({"/health", "/ready", "/metrics"})):
+    def __init__(self, app: Any, skip: frozenset[str] = frozenset({"/health", "/ready", "/metrics"}),
+                 request_id: Callable[[dict[str, Any]], str | None] = header_request_id):
         self.app = app
         self.skip = skip
+        self.request_id = request_id
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
@@ -177,13 +193,11 @@ class ServerSpans:
             return
         from opentelemetry.propagate import extract
 
-        from deepinfer_gateway.gateway.logs import current_request_id
-
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                    if k in (b"traceparent", b"tracestate")}
         name = f"{scope['method']} {scope['path']}"
         attrs = {"http.request.method": scope["method"], "url.path": scope["path"],
-                 "dgw.request_id": current_request_id()}
+                 "dgw.request_id": self.request_id(scope)}
         with _start(name, "server", attrs, context=extract(carrier) if carrier else None) as root:
             async def send_wrapper(message: dict[str, Any]) -> None:
                 if message["type"] == "http.response.start":
