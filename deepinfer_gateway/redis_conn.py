@@ -32,14 +32,23 @@ class HiredisPackingConnection(Connection):
         return self._packer.pack(*args)
 
 
+_READ_ONLY_SCRIPTS = ("EVALSHA_RO", "EVAL_RO")
+
+
 class _Cluster(RedisCluster):
-    """redis-py's cluster client, initialized before a first command runs: when many tasks
-    start on a fresh client at once (measured with redis 8.1), commands routed before the
-    node discovery finished fail with "Connection closed by server"."""
+    """redis-py's cluster client, with two fixes:
+    - initialized before a first command runs: when many tasks start on a fresh client at
+      once (measured with redis 8.1), commands routed before the node discovery finished
+      fail with "Connection closed by server";
+    - read-only scripts go straight to their key's node: redis-py reads EVAL/EVALSHA keys
+      itself but asks a node for EVALSHA_RO's (COMMAND GETKEYS: a second round trip per
+      lookup, carrying every argument, and a failure point under load)."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self._initialize:
             await self.initialize()  # locked inside: one discovery, the others wait for it
+        if str(args[0]).upper() in _READ_ONLY_SCRIPTS and "target_nodes" not in kwargs and int(args[2]) > 0:
+            kwargs["target_nodes"] = self.get_node_from_key(args[3])  # args: command, script, numkeys, key...
         return await super().execute_command(*args, **kwargs)
 
 

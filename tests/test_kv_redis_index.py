@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
@@ -41,6 +42,66 @@ async def test_one_round_trip_per_lookup(redis_server: RedisServer) -> None:
         delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         assert delta == {"cmdstat_evalsha_ro": 20}
         assert dict(got.memory) == {f"w{i}": i * 16 for i in range(8)} | {"z": 0}
+    finally:
+        await index.aclose()
+        await admin.aclose()
+
+
+async def test_one_round_trip_per_lookup_on_a_cluster(redis_cluster_url: str) -> None:
+    """No `COMMAND GETKEYS` detour: the cluster client routes the read-only script by its key."""
+    index = RedisPrefixIndex(redis_client(redis_cluster_url, cluster=True), namespace=f"rt:{uuid.uuid4().hex[:8]}")
+    admin = RedisCluster.from_url(redis_cluster_url)
+    try:
+        log = EventLog("w0")
+        log.store_mem(H[:64])
+        await index.apply("w0", log.batch())
+        await index.lookup({"f1": H}, {"w0": "f1"})  # loads the script
+        await admin.initialize()
+        nodes = [aioredis.Redis(host=n.host, port=n.port) for n in admin.get_nodes()]
+        assert len(nodes) >= 3
+
+        async def top_level() -> dict[str, float]:
+            out: dict[str, float] = {}
+            for node in nodes:
+                for k, v in top_level_calls(await node.info("commandstats")).items():
+                    out[k] = out.get(k, 0) + v
+            return out
+
+        before = await top_level()
+        for _ in range(20):
+            assert (await index.lookup({"f1": H}, {"w0": "f1"})).memory == {"w0": 64}
+        after = await top_level()
+        delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        assert delta == {"cmdstat_evalsha_ro": 20}
+        for node in nodes:
+            await node.aclose()
+    finally:
+        await index.aclose()
+        await admin.aclose()
+
+
+async def test_writes_skipped_during_an_outage_are_resynced(redis_server: RedisServer) -> None:
+    """A lookup times out (Redis paused, data intact); a batch applied before Redis is retried
+    is not sent. Another worker's later successful write must not make Redis "current": the
+    skipped batch reaches Redis (full resync) before lookups use Redis again."""
+    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="skip", retry_interval_s=0.3)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        a, b = EventLog("a"), EventLog("b")
+        a.store_mem(H[:10])
+        await index.apply("a", a.batch())
+        await admin.execute_command("CLIENT", "PAUSE", "700", "ALL")
+        assert (await index.lookup({"f1": H}, {"a": "f1"})).memory == {"a": 10}  # timed out: local view
+        assert not index.healthy
+        a.store_mem(H[10:20])
+        await index.apply("a", a.batch(after=1))  # within the retry interval: not sent
+        await asyncio.sleep(0.5)  # Redis serves again; the retry interval is over
+        b.store_mem(H[:5])
+        await index.apply("b", b.batch())
+        assert index.healthy
+        fresh = RedisPrefixIndex(redis_client(redis_server.url), namespace="skip")  # reads Redis only
+        assert (await fresh.lookup({"f1": H}, {"a": "f1", "b": "f1"})).memory == {"a": 20, "b": 5}
+        await fresh.aclose()
     finally:
         await index.aclose()
         await admin.aclose()

@@ -147,6 +147,9 @@ class RedisPrefixIndex:
         async with lock:  # one worker's batches reach Redis in order
             cursor = self.local.apply_now(worker_id, batch)
             if not self._redis_due():
+                # Not sent: Redis misses this batch until a full resync, so an apply that
+                # succeeds meanwhile must not declare Redis current again.
+                self._needs_full_resync = True
                 return cursor
             try:
                 if self._needs_full_resync:
