@@ -23,12 +23,14 @@ class FakeWorker:
     def __init__(self, log: EventLog) -> None:
         self.log = log
         self.down = False
+        self.refused = 0  # polls answered 503 while down
         self.requests: list[tuple[int, int]] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
         if self.down:
+            self.refused += 1
             return web.Response(status=503)
         after, limit = int(request.query["after"]), int(request.query["limit"])
         self.requests.append((after, limit))
@@ -160,7 +162,7 @@ async def test_unreachable_worker_is_retried_and_logged_once(
     feeder.add_worker("w1", worker.url)
     feeder.add_worker("gone", "http://127.0.0.1:1")
     try:
-        await asyncio.sleep(0.2)
+        await until(lambda: worker.refused >= 3)  # several failed polls (not a wall-clock guess)
         worker.down = False
         await until(lambda: feeder.cursor("w1") == 1)
         assert await memory_blocks(index, "w1") == 3
