@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from deepinfer_gateway.launch import Gateway, SimCluster
 
 
+def _redis_binary(name: str) -> str:
+    binary = shutil.which(name)
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is not installed; CI must never skip Redis tests")
+        pytest.skip(f"{name} is not installed")
+    return binary
+
+
+def redis_backend_url(request: pytest.FixtureRequest, backend: str) -> str:
+    """The URL of a Redis backend parameter: "redis" (`redis_url`) or "redis-cluster" (`redis_cluster_url`)."""
+    return str(request.getfixturevalue(backend.replace("-", "_") + "_url"))
+
+
 class RedisServer:
     """A redis-server process of the test's own on a free port (killable, restartable)."""
 
@@ -29,13 +43,9 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            if os.environ.get("CI") == "true":
-                pytest.fail("redis-server is not installed; CI must never skip Redis tests")
-            pytest.skip("redis-server is not installed")
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [_redis_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -59,15 +69,6 @@ def redis_url() -> Iterator[str]:
     server.start()
     yield server.url
     server.stop()
-
-
-def _redis_binary(name: str) -> str:
-    binary = shutil.which(name)
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{name} is not installed; CI must never skip Redis tests")
-        pytest.skip(f"{name} is not installed")
-    return binary
 
 
 @pytest.fixture(scope="session")

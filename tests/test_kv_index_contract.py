@@ -15,6 +15,7 @@ from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.protocol import KvEventKind, KvTier
 from tests.kv_helpers import EventLog
+from tests.conftest import redis_backend_url
 
 Factory = Callable[..., PrefixIndex]
 H = list(range(1000, 1064))  # a prompt's block hashes (format "f1")
@@ -24,7 +25,7 @@ G = list(range(5000, 5064))  # the same prompt salted for format "f2"
 @pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     made: list[PrefixIndex] = []
-    url = None if request.param == "memory" else request.getfixturevalue(request.param.replace("-", "_") + "_url")
+    url = None if request.param == "memory" else redis_backend_url(request, request.param)
 
     def make(**kwargs: object) -> PrefixIndex:
         index: PrefixIndex

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
 from deepinfer_gateway.redis_conn import redis_client
+from tests.conftest import redis_backend_url
 
 
 def test_take_admits_until_the_request_bucket_is_empty() -> None:
@@ -51,7 +52,7 @@ async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[object]:
     if request.param == "memory":
         yield MemoryRateLimiter()
         return
-    url = request.getfixturevalue(request.param.replace("-", "_") + "_url")
+    url = redis_backend_url(request, request.param)
     client = redis_client(url, cluster=request.param == "redis-cluster")
     for key in ("dgw:rl:{k1}", "dgw:rl:{k2}", "dgw:rl:{other}"):  # one slot each on a cluster
         await client.delete(key)
@@ -75,7 +76,7 @@ async def test_contract_token_limit_and_debit(limiter) -> None:  # type: ignore[
 
 @pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
 async def test_redis_limit_is_atomic_across_concurrent_callers(backend: str, request: pytest.FixtureRequest) -> None:
-    url = request.getfixturevalue(backend.replace("-", "_") + "_url")
+    url = redis_backend_url(request, backend)
     clients = [redis_client(url, cluster=backend == "redis-cluster") for _ in range(2)]
     await clients[0].delete("dgw:rl:{burst}")
     limiters = [RedisRateLimiter(c) for c in clients]  # two "replicas"

@@ -14,6 +14,7 @@ import pytest
 
 from deepinfer_gateway.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total
+from tests.conftest import redis_backend_url
 
 MODEL = "DeepSeek-V4.1-Flash"
 
@@ -47,7 +48,7 @@ def test_second_replica_routes_to_the_worker_that_cached_the_prefix(
         unified_cluster: SimCluster, backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """With one Redis, and with a Redis Cluster (index, reservations and limits then live on
     whichever nodes own their hash tags)."""
-    url = request.getfixturevalue(backend.replace("-", "_") + "_url")
+    url = redis_backend_url(request, backend)
     a, b = _replicas(tmp_path, unified_cluster, url, 0.2, redis_cluster=backend == "redis-cluster")
     try:
         shared = " ".join(f"clause {i} of the shared contract." for i in range(600))

@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+from tests.conftest import redis_backend_url
 
 
 async def test_memory_reserve_release() -> None:
@@ -22,7 +23,7 @@ async def test_memory_reserve_release() -> None:
 
 @pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
 async def test_replicas_share_reservations(backend: str, request: pytest.FixtureRequest) -> None:
-    url = request.getfixturevalue(backend.replace("-", "_") + "_url")
+    url = redis_backend_url(request, backend)
     clients = [redis_client(url, cluster=backend == "redis-cluster") for _ in range(2)]
     for worker in ("w1", "w2", "w3"):
         await clients[0].delete(f"{{dgw:inflight}}:{worker}:tok", f"{{dgw:inflight}}:{worker}:exp")

@@ -145,7 +145,9 @@ class GatewayApp(FastAPI):
     What that stack did for them is done here: `scope["app"]`, and a 500 for an unexpected
     exception (re-raised, so the server logs it); the endpoints catch their own errors."""
 
-    hot: dict[str, Callable[[Request], Awaitable[Response]]] = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hot: dict[str, Callable[[Request], Awaitable[Response]]] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
