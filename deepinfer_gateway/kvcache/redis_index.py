@@ -15,7 +15,7 @@ Every replica polls every worker (kvcache.events) and calls `apply`, which
 `lookup` is ONE round trip (EVALSHA of a read-only script; EVAL only right after Redis
 lost its script cache). Its Redis-side cost grows with the candidates' hit lengths (one
 membership test per cached leading block, plus ~2 log2(n) probes per candidate that hits):
-0.76-0.95 ms for a 1,024-block prompt cached on 2 of 64 candidates and in the store, on
+0.71-1.46 ms for a 1,024-block prompt cached on 2 of 64 candidates and in the store, on
 the 2-core dev box (bench/kv_index.py; docs/kv-index.md has the inverted layout that
 would make it one MGET).
 
