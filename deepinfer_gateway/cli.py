@@ -196,6 +196,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return simulate_main(args)
 
 
+def cmd_warm_cache(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.recipe_bridge.warm import warm_start_up_cache
+
+    entries = warm_start_up_cache(args.tokenizer)
+    if not entries:
+        raise SystemExit("warm-cache: nothing could be written (is the cache directory writable? DGW_CACHE_DIR)")
+    print(f"{len(entries)} entries in {entries[0].parent}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
@@ -257,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="offline discrete-event run of the real router on a simulated cluster")
     add_simulate_arguments(simulate)
     simulate.set_defaults(func=cmd_simulate)
+
+    warm = sub.add_parser("warm-cache", help="fill the start-up cache (DGW_CACHE_DIR) now, e.g. at image build")
+    warm.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the packaged one)")
+    warm.set_defaults(func=cmd_warm_cache)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -18,6 +19,18 @@ if TYPE_CHECKING:
     import openai
 
     from deepinfer_gateway.launch import Gateway, SimCluster
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging() -> Iterator[None]:
+    """Tests that call `cli.main` in-process get the process's logging set-up, a root handler on
+    pytest's capture stream; once that stream closes, every later test's log line would print
+    a logging error ("I/O operation on closed file")."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _redis_binary(name: str) -> str:

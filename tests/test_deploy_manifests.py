@@ -180,6 +180,11 @@ def test_dockerfile_multistage_nonroot_healthcheck_entrypoint() -> None:
     assert entrypoint == ["deepinfer-gateway"] and "deepinfer-gateway" in scripts
     cmd = json.loads(next(rest for word, rest in instr if word == "CMD"))
     assert parse_cli(cmd).command == "demo"
+    # The start-up cache is built as the user the container runs as (its home), after install.
+    runs = [i for i, (word, rest) in enumerate(instr) if word == "RUN" and "deepinfer-gateway warm-cache" in rest]
+    user_at = max(i for i, (word, _) in enumerate(instr) if word == "USER")
+    assert len(runs) == 1 and runs[0] > user_at
+    assert parse_cli(["warm-cache"]).command == "warm-cache"
 
 
 def test_dockerfile_copies_only_what_dockerignore_lets_in() -> None:

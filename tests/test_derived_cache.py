@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from deepinfer_gateway.launch import CLI, Gateway, SimCluster
 from deepinfer_gateway.recipe_bridge import derived_cache, detokenizer, segment_tokenizer, tokenizer
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import HfPlain, TiktokenPlain
 
@@ -108,3 +110,22 @@ def test_a_failed_self_check_is_not_cached(cache: Path, monkeypatch: pytest.Monk
         assert not entries(cache, "tiktoken-ranks")
     finally:
         segment_tokenizer.plain_tokenizer.cache_clear()
+
+
+def test_warm_cache_command_leaves_nothing_for_a_gateway_or_worker_to_derive(
+        cache: Path, tmp_path: Path) -> None:
+    """`deepinfer-gateway warm-cache` (the Dockerfile's build step) writes every entry a gateway
+    and a sim worker read at start-up: starting both afterwards writes nothing new."""
+    subprocess.run(CLI + ["warm-cache"], check=True, timeout=60)
+    warmed = {p.name: p.stat().st_mtime_ns for p in cache.glob("*.marshal")}
+    assert {name.split("-")[0] for name in warmed} == {"system", "tiktoken", "token", "tokenizer"}
+    cluster = SimCluster("unified:sm100")
+    try:
+        gateway = Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")])
+        try:
+            gateway.wait_ready(1)
+        finally:
+            gateway.stop()
+    finally:
+        cluster.stop()
+    assert {p.name: p.stat().st_mtime_ns for p in cache.glob("*.marshal")} == warmed
