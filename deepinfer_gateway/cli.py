@@ -113,6 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_sim_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
+    from deepinfer_gateway import tracing
     from deepinfer_gateway.protocol import Role
     from deepinfer_gateway.workers.cluster import SimWorkerSpec, serve_sim_cluster
 
@@ -124,7 +125,7 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
 
     async def serve_until_stopped() -> None:
         cluster = await serve_sim_cluster(specs, args.host, with_store=not args.no_store,
-                                          profiles_path=args.profiles)
+                                          profiles_path=args.profiles, wrap=with_spans)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,7 +135,11 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
         finally:
             await cluster.stop()
 
-    asyncio.run(serve_until_stopped())
+    with_spans = _worker_spans(args)
+    try:
+        asyncio.run(serve_until_stopped())
+    finally:
+        tracing.shutdown()
     return 0
 
 
@@ -206,6 +211,12 @@ def cmd_warm_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_otel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--otel-exporter", choices=["otlp", "console"], default=None,
+                        help="OpenTelemetry server spans for generate/abort, continuing the gateway's trace (off)")
+    parser.add_argument("--otel-endpoint", default=None, help="OTLP/HTTP traces endpoint (default: OTEL_* env)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
@@ -241,9 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--profiles", default=None, help="hardware profile TOML (default: the packaged one)")
     worker.add_argument("--model", default=None, help="deepinfer engine: model checkpoint path")
     worker.add_argument("--kv-store-dir", default=None, help="deepinfer engine: shared KV store directory (PD)")
-    worker.add_argument("--otel-exporter", choices=["otlp", "console"], default=None,
-                        help="OpenTelemetry server spans for generate/abort, continuing the gateway's trace (off)")
-    worker.add_argument("--otel-endpoint", default=None, help="OTLP/HTTP traces endpoint (default: OTEL_* env)")
+    _add_otel_arguments(worker)
     worker.set_defaults(func=cmd_worker)
 
     cluster = sub.add_parser("sim-cluster", help="several sim workers in one process sharing one KV store")
@@ -254,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--profiles", default=None)
     cluster.add_argument("--no-store", action="store_true", help="memory-only cluster: no shared KV store tier")
     cluster.add_argument("--memory-blocks", type=int, default=None, help="per-worker memory tier capacity (blocks)")
+    _add_otel_arguments(cluster)
     cluster.set_defaults(func=cmd_sim_cluster)
 
     from deepinfer_gateway.bench.command import add_arguments as add_bench_arguments

@@ -103,13 +103,15 @@ def _console_spans(text: str) -> list[dict]:
     return spans
 
 
-def test_one_trace_spans_gateway_and_worker_processes(tmp_path: Path) -> None:
-    """A real gateway and a real sim worker, both exporting to the console: the worker's
-    server span is a child of the gateway's `worker.generate` span, in the same trace."""
+@pytest.mark.parametrize("command", ["worker", "sim-cluster"])
+def test_one_trace_spans_gateway_and_worker_processes(tmp_path: Path, command: str) -> None:
+    """A real gateway and a real sim worker (`worker`, or one in a `sim-cluster`), both exporting
+    to the console: the worker's server span is a child of the gateway's `worker.generate`
+    span, in the same trace."""
     port = free_port()
     gateway_out, worker_out = (tmp_path / "gateway.out").open("wb"), (tmp_path / "worker.out").open("wb")
-    worker = Proc(CLI + ["worker", "--port", str(port), "--time-scale", "50", "--otel-exporter", "console"],
-                  stdout=worker_out)
+    where = ["--port", str(port)] if command == "worker" else ["--workers", "unified:sm100", "--base-port", str(port)]
+    worker = Proc(CLI + [command, *where, "--time-scale", "50", "--otel-exporter", "console"], stdout=worker_out)
     gateway = None
     try:
         wait_for_port(port, timeout=30)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -128,8 +130,10 @@ async def serve_sim_cluster(
     model: str = DEFAULT_MODEL,
     tokenizer_path: str | None = None,
     compat: bool = True,
+    wrap: Callable[[Any], Any] = lambda app: app,
 ) -> SimCluster:
-    """Start every worker of `specs`; `with_store=False` makes a memory-only cluster."""
+    """Start every worker of `specs`; `with_store=False` makes a memory-only cluster. `wrap`:
+    ASGI middleware around each worker's app (e.g. tracing)."""
     if len({s.worker_id for s in specs}) != len(specs):
         raise ValueError("worker ids must be unique")
     bundle = load_tokenizer(tokenizer_path)
@@ -141,7 +145,7 @@ async def serve_sim_cluster(
         for spec in specs:
             engine = engines[spec.worker_id]
             routers = [compat_router(engine, bundle, model)] if compat else []
-            served[spec.worker_id] = await serve_app(create_worker_app(engine, routers), host, spec.port)
+            served[spec.worker_id] = await serve_app(wrap(create_worker_app(engine, routers)), host, spec.port)
     except BaseException:
         await asyncio.gather(*(app.stop() for app in served.values()))
         raise
