@@ -1,4 +1,4 @@
-"""`deepinfer-gateway` console script: demo, serve, worker, bench, simulate.
+"""`deepinfer-gateway` console script: demo, serve, worker, sim-cluster, bench, simulate, warm-cache.
 
 Argument parsing only; each command builds a validated settings object and hands it
 to the module that does the work.
@@ -123,6 +123,8 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
         for i, (role, hardware) in enumerate(parse_worker_list(args.workers))
     ]
 
+    with_spans = _worker_spans(args)
+
     async def serve_until_stopped() -> None:
         cluster = await serve_sim_cluster(specs, args.host, with_store=not args.no_store,
                                           profiles_path=args.profiles, wrap=with_spans)
@@ -135,7 +137,6 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
         finally:
             await cluster.stop()
 
-    with_spans = _worker_spans(args)
     try:
         asyncio.run(serve_until_stopped())
     finally:

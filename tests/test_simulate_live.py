@@ -4,10 +4,10 @@
 pool, real time x TIME_SCALE), LIVE_REPLAYS times on a cold cluster, TTFT p50 taken as
 the median of theirs; (b) `run_simulation` on the same shape, speedup and time scale,
 with the gateway's per-request cost measured on this machine before each live replay
-(median of those; `measure_gateway_cost`: preparation, tokenization, hashing, worker parsing; and the
-prompt length from which the gateway prepares in its thread, `offload_tokens`), first
-tokens held while the gateway's event loop prepares (`GatewayCost.relay_waits`), and TTFT
-p50 taken as the median over SEEDS jittered replays. Asserts the issue's bounds: hit rate
+(the median of those; `measure_gateway_cost`: preparation, tokenization, hashing, worker
+parsing; and the prompt length from which the gateway prepares in its thread,
+`offload_tokens`), first tokens held while the gateway's event loop prepares
+(`GatewayCost.relay_waits`), and TTFT p50 taken as the median over SEEDS jittered replays. Asserts the issue's bounds: hit rate
 within 2 points, TTFT p50 within 15%.
 
 Output lengths are capped at OUTPUT_CAP tokens in both runs: token relay costs CPU in
@@ -42,8 +42,8 @@ HEALTH_INTERVAL_S = 0.2
 # few percent change in gateway cost (routing ties flip), while the ensemble moves smoothly.
 SEEDS, JITTER = 9, 0.2
 # The live side is one draw of the same chaotic system: single live replays of this slice
-# measured 1.32-1.58 s on this machine kind (sims of those runs' calibrations: 1.39-1.54 s),
-# with two CI failures at ratios 0.85 and 1.17. The test compares the median of LIVE_REPLAYS
+# measured 1.24-1.58 s on this machine kind (sims of their calibrations: medians 1.39-1.54 s),
+# and CI failed twice on a single replay (ratios 0.85 and 1.17). The test compares the median of LIVE_REPLAYS
 # replays, each on a cold cluster and each preceded by a calibration (the median cost is
 # simulated), with the median of the SEEDS simulations.
 LIVE_REPLAYS = 3
@@ -110,7 +110,8 @@ def live_and_sim(tmp_path_factory: pytest.TempPathFactory) -> dict:
     live_p50, sim_p50 = statistics.median(live_p50s), statistics.median(sim_p50s)
     # Key figures first: a failed assertion prints this dict, truncated.
     figures = {"ratio": sim_p50 / live_p50, "live_ttft_p50": live_p50, "sim_ttft_p50": sim_p50,
-               "live_ttft_p50_per_replay": live_p50s, "per_prompt_token_us": [c.per_prompt_token_s * 1e6 for c in costs],
+               "live_ttft_p50_per_replay": live_p50s,
+               "per_prompt_token_us": [c.per_prompt_token_s * 1e6 for c in costs],
                "live_hit": [live["cache_hit_rate"]["total"] for live in lives],
                "sim_hit": sim["cache_hit_rate"]["total"], "sim_ttft_p50_per_seed": sim_p50s,
                "gateway_cost": cost.model_dump()}
