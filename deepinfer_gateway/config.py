@@ -123,6 +123,8 @@ class GatewaySettings(_Frozen):
     images: ImageSettings = ImageSettings()
     redis_url: str | None = None
     redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (redis_conn.py)
+    # One replica per worker writes its KV events to Redis for this long, renewed (0: all do).
+    kv_writer_lease_s: float = Field(3.0, ge=0)
     workers: tuple[WorkerSpec, ...] = ()
     max_attempts: int = Field(3, ge=1)  # tries before the first token reaches the client
     router: RouterSettings = RouterSettings()

@@ -108,9 +108,11 @@ async def test_writes_skipped_during_an_outage_are_resynced(redis_server: RedisS
 
 
 async def test_replicas_share_one_view_and_write_each_event_once(redis_url: str) -> None:
+    """Without write leases every replica writes: the cursor in Redis makes that idempotent
+    (also what happens around a lease hand-over)."""
     namespace = f"rep:{uuid.uuid4().hex[:8]}"
-    a = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
-    b = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    a = RedisPrefixIndex(redis_client(redis_url), namespace=namespace, writer_lease_s=0)
+    b = RedisPrefixIndex(redis_client(redis_url), namespace=namespace, writer_lease_s=0)
     try:
         log = EventLog("w")
         log.store_mem(H[:32])
@@ -134,8 +136,8 @@ async def test_replicas_share_one_view_and_write_each_event_once(redis_url: str)
 
 async def test_replica_with_a_gap_in_redis_pushes_its_snapshot(redis_url: str) -> None:
     namespace = f"gap:{uuid.uuid4().hex[:8]}"
-    a = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
-    b = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    a = RedisPrefixIndex(redis_client(redis_url), namespace=namespace, writer_lease_s=0)
+    b = RedisPrefixIndex(redis_client(redis_url), namespace=namespace, writer_lease_s=0)
     try:
         log = EventLog("w")
         log.store_mem(H[:10])
@@ -151,7 +153,7 @@ async def test_replica_with_a_gap_in_redis_pushes_its_snapshot(redis_url: str) -
         # its next batch leaves a gap in Redis, which c fills with its snapshot.
         log.store_mem(H[30:40])
         log.store_mem(H[40:50])
-        c = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+        c = RedisPrefixIndex(redis_client(redis_url), namespace=namespace, writer_lease_s=0)
         c.local.apply_now("w", log.only(1, 2, 3, 4))
         assert await c.apply("w", log.only(5)) == 5
         fresh = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
@@ -161,6 +163,49 @@ async def test_replica_with_a_gap_in_redis_pushes_its_snapshot(redis_url: str) -
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_one_replica_writes_a_workers_events_until_its_lease_lapses(redis_server: RedisServer) -> None:
+    """Per worker, the replica holding the write lease sends its batches to Redis; another
+    replica applies them locally only, tries Redis once per lease period, and takes over
+    (pushing its snapshot over the gap) once the holder stops renewing."""
+    namespace = f"lease:{uuid.uuid4().hex[:8]}"
+    admin = aioredis.from_url(redis_server.url)
+    a = RedisPrefixIndex(redis_client(redis_server.url), namespace=namespace, writer_lease_s=0.5)
+    b = RedisPrefixIndex(redis_client(redis_server.url), namespace=namespace, writer_lease_s=0.5)
+    reader = RedisPrefixIndex(redis_client(redis_server.url), namespace=namespace)
+    try:
+        log = EventLog("w")
+        log.store_mem(H[:10])
+        await a.apply("w", log.batch())  # a takes w's lease
+        await admin.config_resetstat()
+        b_cursor = 0
+        for n in range(2, 6):  # b polls the same events; a (the holder) keeps writing them
+            log.store_mem(H[10 * (n - 1) : 10 * n])
+            await a.apply("w", log.batch(after=n - 1))
+            b_cursor = await b.apply("w", log.batch(after=b_cursor))
+        calls = (await admin.info("commandstats"))["cmdstat_evalsha"]["calls"]
+        assert calls == 4 + 1  # a's four batches, b's one attempt that learned of a's lease
+        assert b.metrics.registry.get_sample_value("dgw_kv_index_writes_deferred_total") == 4
+        assert (await b.stats())["redis"]["workers_written_elsewhere"] == ["w"]
+        assert (await reader.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 50}
+        # a stops (dies, or lost the worker); b's batches go on, local only, until the lease lapses.
+        log.store_mem(H[50:60])
+        b_cursor = await b.apply("w", log.batch(after=b_cursor))
+        assert (await reader.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 50}
+        assert (await b.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 50}  # b routes by Redis
+        await asyncio.sleep(0.6)
+        log.store_mem(H[60:70])
+        await b.apply("w", log.batch(after=b_cursor))  # takes the lease; Redis misses seq 6: snapshot
+        assert (await reader.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 70}
+        assert (await b.stats())["redis"]["workers_written_elsewhere"] == []
+        await a.apply("w", log.batch(after=5))  # a is back: b holds the lease now
+        assert a.metrics.registry.get_sample_value("dgw_kv_index_writes_deferred_total") == 1
+        assert (await reader.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 70}
+    finally:
+        for index in (a, b, reader):
+            await index.aclose()
+        await admin.aclose()
 
 
 async def test_big_snapshot_is_staged_in_chunks_then_swapped_in(redis_url: str) -> None:

@@ -190,7 +190,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
         index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
-                                    registry=metrics.registry)
+                                    registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
         feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
         inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)
                     if redis else MemoryInflight())

@@ -27,13 +27,15 @@ def create_prefix_index(
     max_store_blocks: int = 4_000_000,
     default_store_ttl_s: float = DEFAULT_STORE_TTL_S,
     redis_timeout_s: float = 0.5,
+    writer_lease_s: float = 3.0,
     clock: Callable[[], float] = time.time,
 ) -> PrefixIndex:
     """In-memory index when `redis_url` is None, else the Redis index (with a local view).
 
     Gateway replicas that should agree on routing pass the same `redis_url` and
-    `namespace`; `redis_cluster` when `redis_url` names a node of a Redis Cluster. Call
-    `aclose()` on shutdown.
+    `namespace`; `redis_cluster` when `redis_url` names a node of a Redis Cluster.
+    `writer_lease_s`: how long the replica that writes a worker's events to Redis keeps
+    that role, renewed by each write (0: every replica writes). Call `aclose()` on shutdown.
     """
     if redis_url is None:
         return InMemoryPrefixIndex(
@@ -49,5 +51,6 @@ def create_prefix_index(
         max_blocks_per_worker=max_blocks_per_worker,
         max_store_blocks=max_store_blocks,
         default_store_ttl_s=default_store_ttl_s,
+        writer_lease_s=writer_lease_s,
         clock=clock,
     )

@@ -30,14 +30,22 @@ local function each_chunk(t, fn)
 end
 """
 
-# KEYS: mem, cur, store (zset: expiry), store_set (set: membership), alive
+# KEYS: mem, cur, store (zset: expiry), store_set (set: membership), alive, writer (lease)
 # ARGV: epoch, oldest_seq, now, mem_cap, store_cap, idle_ttl_ms, default_expires_at,
+#       replica id, lease_ms (0: no lease),
 #       then per event: seq, code (ms|me|mc|ss|se|sc), expires_at or "", hashes blob
-# Returns {status, last_seq}: 0 applied, 1 gap (push a snapshot), 2 Redis lost its data.
+# Returns {status, last_seq}: 0 applied, 1 gap (push a snapshot), 2 Redis lost its data;
+# or {3, lease ms left}: another replica holds this worker's write lease (nothing applied).
 # The sequencing rule mirrors memory.InMemoryPrefixIndex.apply_now.
 APPLY_SCRIPT = (
     _HELPERS
     + """
+local lease_ms = tonumber(ARGV[9])
+if lease_ms > 0 then
+  local holder = redis.call('GET', KEYS[6])
+  if holder and holder ~= ARGV[8] then return {3, redis.call('PTTL', KEYS[6])} end
+  redis.call('SET', KEYS[6], ARGV[8], 'PX', lease_ms)
+end
 if redis.call('EXISTS', KEYS[5]) == 0 then
   redis.call('SET', KEYS[5], '1')
   return {2, -1}
@@ -58,7 +66,7 @@ local function accepts(seq)
   return seq == last + 1
 end
 local status = 0
-for i = 8, #ARGV, 4 do
+for i = 10, #ARGV, 4 do
   local seq = tonumber(ARGV[i])
   if last == -1 or seq > last then
     if not accepts(seq) then

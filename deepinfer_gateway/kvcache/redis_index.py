@@ -8,9 +8,16 @@ Every replica polls every worker (kvcache.events) and calls `apply`, which
    and the view lookups fall back to), then
 2. runs ONE Lua script that applies the same events to Redis idempotently: a per-worker
    cursor (epoch, last seq) in Redis makes a batch another replica already wrote a
-   no-op, so N replicas write each event once and need no leader. When Redis cannot
-   follow (its cursor has a gap, or it lost its data: the `alive` marker is gone), the
-   replica pushes its local snapshot of that worker (or everything) instead.
+   no-op, so N replicas write each event once. When Redis cannot follow (its cursor has
+   a gap, or it lost its data: the `alive` marker is gone), the replica pushes its local
+   snapshot of that worker (or everything) instead.
+3. Per worker, one replica writes: the script takes or renews a write lease
+   (`writer_lease_s`) for the caller, or answers with the holder's remaining lease time,
+   during which this replica applies that worker's batches to its local view only. N
+   replicas thus send each batch to Redis once (plus one attempt per lease period each),
+   not N times. A replica that dies or can no longer reach the worker stops renewing; the
+   next replica to write after the lease lapses takes over (filling any gap in Redis with
+   its snapshot, point 2). `writer_lease_s=0`: every replica writes (idempotently).
 
 `lookup` is ONE round trip (EVALSHA of a read-only script; EVAL only right after Redis
 lost its script cache). Its Redis-side cost grows with the candidates' hit lengths (one
@@ -32,6 +39,7 @@ as 8-byte little-endian strings.
   {ns}:mem:<worker>  SET   the worker's memory-tier hashes; capped; idle TTL
   {ns}:cur:<worker>  HASH  e=epoch, s=last applied seq (-1: fresh); idle TTL
   {ns}:alive         STR   marker; missing means Redis lost its data -> full resync
+  {ns}:writer:<worker>  STR  the replica holding the worker's write lease; PX lease
   {ns}:staged:<worker>:<id>  SET  a snapshot being uploaded; renamed to mem when complete; TTL
 """
 
@@ -65,7 +73,7 @@ _EVENT_CODES = {
     (KvTier.STORE, KvEventKind.EVICTED): b"se",
     (KvTier.STORE, KvEventKind.CLEARED): b"sc",
 }
-_STATUS_OK, _STATUS_GAP, _STATUS_WIPED = 0, 1, 2
+_STATUS_OK, _STATUS_GAP, _STATUS_WIPED, _STATUS_NOT_WRITER = 0, 1, 2, 3
 _SNAPSHOT_CHUNK = 50_000  # store entries per ZADD during a full resync
 _STAGE_CHUNK = 8_192  # memory-tier hashes per upload call of a worker snapshot (~5 ms of Redis)
 _STAGE_TTL_MS = 60_000
@@ -91,6 +99,7 @@ class RedisPrefixIndex:
         default_store_ttl_s: float = DEFAULT_STORE_TTL_S,
         worker_idle_ttl_s: float = 3600.0,
         retry_interval_s: float = 1.0,
+        writer_lease_s: float = 3.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._r = client
@@ -107,6 +116,9 @@ class RedisPrefixIndex:
         self.default_store_ttl_s = default_store_ttl_s
         self._idle_ttl_ms = int(worker_idle_ttl_s * 1000)
         self.retry_interval_s = retry_interval_s
+        self.replica_id = uuid.uuid4().hex
+        self._lease_ms = int(writer_lease_s * 1000)
+        self._writer_elsewhere_until: dict[str, float] = {}  # worker -> when its lease may lapse
         self._clock = clock
         self._apply = Script(APPLY_SCRIPT)
         self._lookup = Script(LOOKUP_SCRIPT)
@@ -140,12 +152,18 @@ class RedisPrefixIndex:
     def cur_key(self, worker_id: str) -> str:
         return f"{self._tag}:cur:{worker_id}"
 
+    def writer_key(self, worker_id: str) -> str:
+        return f"{self._tag}:writer:{worker_id}"
+
     # --- PrefixIndex ----------------------------------------------------------------------
 
     async def apply(self, worker_id: str, batch: KvEventBatch) -> int:
         lock = self._locks.setdefault(worker_id, asyncio.Lock())
         async with lock:  # one worker's batches reach Redis in order
             cursor = self.local.apply_now(worker_id, batch)
+            if self._clock() < self._writer_elsewhere_until.get(worker_id, 0.0):
+                self.metrics.writes_deferred.inc()  # the lease holder writes this batch
+                return cursor
             if not self._redis_due():
                 # Not sent: Redis misses this batch until a full resync, so an apply that
                 # succeeds meanwhile must not declare Redis current again.
@@ -155,8 +173,11 @@ class RedisPrefixIndex:
                 if self._needs_full_resync:
                     await self._push_all()
                 # Idempotent: a no-op when the push above already carried this batch.
-                status = await self._apply_redis(worker_id, batch)
-                if status == _STATUS_GAP:
+                status, value = await self._apply_redis(worker_id, batch)
+                if status == _STATUS_NOT_WRITER:
+                    self.metrics.writes_deferred.inc()
+                    self._writer_elsewhere_until[worker_id] = self._clock() + max(0, value) / 1000
+                elif status == _STATUS_GAP:
                     await self._push_worker(worker_id)
                 elif status == _STATUS_WIPED:
                     self._needs_full_resync = True
@@ -170,6 +191,7 @@ class RedisPrefixIndex:
     async def remove_worker(self, worker_id: str) -> None:
         await self.local.remove_worker(worker_id)
         self._locks.pop(worker_id, None)
+        self._writer_elsewhere_until.pop(worker_id, None)
         if not self._redis_due():
             return
         try:
@@ -208,7 +230,11 @@ class RedisPrefixIndex:
         """The local view's stats, plus what Redis holds (one pipelined round trip), so an
         operator can see the two diverge; Redis errors are reported, not raised."""
         out = self.local.stats_now() | {"backend": "redis"}
-        redis_view: dict[str, Any] = {"healthy": self.healthy, "needs_full_resync": self._needs_full_resync}
+        now = self._clock()
+        redis_view: dict[str, Any] = {
+            "healthy": self.healthy, "needs_full_resync": self._needs_full_resync, "replica_id": self.replica_id,
+            "writer_lease_s": self._lease_ms / 1000,
+            "workers_written_elsewhere": sorted(w for w, t in self._writer_elsewhere_until.items() if now < t)}
         out["redis"] = redis_view
         workers = list(out["workers"])
         try:
@@ -266,7 +292,8 @@ class RedisPrefixIndex:
 
     # --- internals ----------------------------------------------------------------------------
 
-    async def _apply_redis(self, worker_id: str, batch: KvEventBatch) -> int:
+    async def _apply_redis(self, worker_id: str, batch: KvEventBatch) -> tuple[int, int]:
+        """(status, last applied seq), or (_STATUS_NOT_WRITER, the holder's lease ms left)."""
         now = self._clock()
         args: list[Any] = [
             batch.epoch,
@@ -276,13 +303,16 @@ class RedisPrefixIndex:
             self.max_store_blocks,
             self._idle_ttl_ms,
             now + self.default_store_ttl_s,
+            self.replica_id,
+            self._lease_ms,
         ]
         for event in batch.events:
             expires = b"" if event.expires_at is None else event.expires_at
             args += [event.seq, _EVENT_CODES[(event.tier, event.kind)], expires, pack_hashes(event.block_hashes)]
-        keys = [self.mem_key(worker_id), self.cur_key(worker_id), self.store_key, self.store_set_key, self.alive_key]
-        status, _last = await self._apply.run(self._r, keys, args)
-        return int(status)
+        keys = [self.mem_key(worker_id), self.cur_key(worker_id), self.store_key, self.store_set_key, self.alive_key,
+                self.writer_key(worker_id)]
+        status, value = await self._apply.run(self._r, keys, args)
+        return int(status), int(value)
 
     def _redis_due(self) -> bool:
         return self.healthy or self._clock() >= self._retry_at

@@ -76,7 +76,8 @@ class PrefixIndex(Protocol):
 
 
 class KvIndexMetrics:
-    """`dgw_kv_index_errors_total{op}` in the caller's registry (a private one if none)."""
+    """`dgw_kv_index_errors_total{op}` and `dgw_kv_index_writes_deferred_total` in the
+    caller's registry (a private one if none)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -84,6 +85,11 @@ class KvIndexMetrics:
             "dgw_kv_index_errors_total",
             "Prefix index backend failures (served from the local view meanwhile).",
             ["op"],
+            registry=self.registry,
+        )
+        self.writes_deferred = Counter(
+            "dgw_kv_index_writes_deferred",
+            "Event batches applied to the local view only: another replica holds the worker's write lease.",
             registry=self.registry,
         )
 
