@@ -59,10 +59,13 @@ def test_second_replica_routes_to_the_worker_that_cached_the_prefix(
             assert second.headers["x-dgw-worker"] == first.headers["x-dgw-worker"]
             usage = second.json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 256
+        deferred = 0.0
         for gw in (a, b):  # all of it went through Redis: no replica fell back to its own view
             samples = scrape(gw.url)
             assert total(samples, "dgw_kv_index_errors_total") == 0
             assert total(samples, "dgw_redis_errors_total") == 0
+            deferred += total(samples, "dgw_kv_index_writes_deferred_total")
+        assert deferred >= 1  # both polled the worker; the one without its write lease left Redis alone
     finally:
         for gw in (a, b):
             gw.stop()
