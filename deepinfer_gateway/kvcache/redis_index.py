@@ -118,7 +118,7 @@ class RedisPrefixIndex:
         self.retry_interval_s = retry_interval_s
         self.replica_id = uuid.uuid4().hex
         self._lease_ms = int(writer_lease_s * 1000)
-        self._writer_elsewhere_until: dict[str, float] = {}  # worker -> when its lease may lapse
+        self._writer_elsewhere_until: dict[str, float] = {}  # worker -> monotonic time its lease may lapse
         self._clock = clock
         self._apply = Script(APPLY_SCRIPT)
         self._lookup = Script(LOOKUP_SCRIPT)
@@ -161,7 +161,7 @@ class RedisPrefixIndex:
         lock = self._locks.setdefault(worker_id, asyncio.Lock())
         async with lock:  # one worker's batches reach Redis in order
             cursor = self.local.apply_now(worker_id, batch)
-            if self._clock() < self._writer_elsewhere_until.get(worker_id, 0.0):
+            if time.monotonic() < self._writer_elsewhere_until.get(worker_id, 0.0):
                 self.metrics.writes_deferred.inc()  # the lease holder writes this batch
                 return cursor
             if not self._redis_due():
@@ -176,7 +176,7 @@ class RedisPrefixIndex:
                 status, value = await self._apply_redis(worker_id, batch)
                 if status == _STATUS_NOT_WRITER:
                     self.metrics.writes_deferred.inc()
-                    self._writer_elsewhere_until[worker_id] = self._clock() + max(0, value) / 1000
+                    self._writer_elsewhere_until[worker_id] = time.monotonic() + max(0, value) / 1000
                 elif status == _STATUS_GAP:
                     await self._push_worker(worker_id)
                 elif status == _STATUS_WIPED:
@@ -230,7 +230,7 @@ class RedisPrefixIndex:
         """The local view's stats, plus what Redis holds (one pipelined round trip), so an
         operator can see the two diverge; Redis errors are reported, not raised."""
         out = self.local.stats_now() | {"backend": "redis"}
-        now = self._clock()
+        now = time.monotonic()
         redis_view: dict[str, Any] = {
             "healthy": self.healthy, "needs_full_resync": self._needs_full_resync, "replica_id": self.replica_id,
             "writer_lease_s": self._lease_ms / 1000,
