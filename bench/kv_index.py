@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
@@ -60,7 +61,22 @@ def pct(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+@contextlib.contextmanager
+def redis_url_or_own(url: str | None) -> Iterator[str]:
+    """`url`, or the URL of a redis-server of our own on a free port, killed on exit."""
+    if url is not None:
+        yield url
+        return
+    proc, url = _start_redis()
+    print(f"started redis-server at {url}")
+    try:
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("redis-server not found; pass --redis-url")
@@ -203,12 +219,7 @@ async def main() -> None:
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--lookups", type=int, default=2000)
     args = parser.parse_args()
-    proc = None
-    url = args.redis_url
-    if url is None:
-        proc, url = start_redis()
-        print(f"started redis-server at {url}")
-    try:
+    with redis_url_or_own(args.redis_url) as url:
         rng = random.Random(7)
         salt = kv_salt("DeepSeek-V4.1-Flash", "sm100")
         tokens = [rng.randrange(129_280) for _ in range(PROMPT_TOKENS)]
@@ -267,10 +278,6 @@ async def main() -> None:
         stalls = await snapshot_stalls(index, client, url, 1_000_000)
         await client.flushdb()
         await index.aclose()
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
     print(
         json.dumps(
             {

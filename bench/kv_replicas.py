@@ -26,7 +26,7 @@ import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
-from kv_index import start_redis
+from kv_index import redis_url_or_own
 
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
@@ -94,19 +94,12 @@ async def main() -> None:
     parser.add_argument("--events", type=int, default=4, help="events (of 16 blocks) per worker batch")
     parser.add_argument("--lease-s", type=float, default=3.0)
     args = parser.parse_args()
-    proc = None
-    url = args.redis_url
-    if url is None:
-        proc, url = start_redis()
-    try:
-        feed = worker_rounds(args.workers, args.rounds, args.events, random.Random(7))
-        modes = []
+    feed = worker_rounds(args.workers, args.rounds, args.events, random.Random(7))
+    modes = []
+    with redis_url_or_own(args.redis_url) as url:
         for lease_s in (0.0, args.lease_s) * 3:  # interleaved: the machine's noise hits both
             modes.append(await run_mode(url, lease_s, args.replicas, feed))
             print(json.dumps(modes[-1]))
-    finally:
-        if proc is not None:
-            proc.terminate()
     none = [m for m in modes if m["writer_lease_s"] == 0]
     lease = [m for m in modes if m["writer_lease_s"] > 0]
 
