@@ -121,8 +121,7 @@ from deepinfer_gateway.router.policies import POLICIES
 from deepinfer_gateway.workers.sim.profiles import load_profiles
 from deepinfer_gateway.workers.sim.step_model import prefill_seconds
 
-DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces"
-                    / "mooncake_conversation_trace.first_half.jsonl.gz")
+DEFAULT_TRACE = "mooncake:conversation"  # downloaded once into the cache (docs/bench.md)
 PD_WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"
 CONFIGS = ("memory_only", "tiered")
 POLICY_ORDER = ("round_robin", "least_load", "power_of_two", "prefix_approx", "cache_aware", "estimated_ttft")

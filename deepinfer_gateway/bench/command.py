@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--markdown", action="store_true")
 
     parser.add_argument("--url", help="server root or OpenAI base URL (http://host:port[/v1])")
-    parser.add_argument("--trace", help="trace file (Mooncake .jsonl[.gz], Azure .csv) or synthetic:chat|agent[:k=v,...]")
+    parser.add_argument("--trace", help=(
+        "trace file (Mooncake .jsonl[.gz], Azure .csv), a published trace downloaded once into the cache "
+        "(mooncake:conversation|synthetic|toolagent|arxiv, azure:code|conv), or synthetic:chat|agent[:k=v,...]"))
     parser.add_argument("--out", type=Path, help="output directory")
     parser.add_argument("--protocol", choices=["chat", "responses", "messages"], default="chat")
     parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
@@ -103,13 +105,15 @@ def main(args: argparse.Namespace) -> int:
         return 0
     from deepinfer_gateway.bench.run import TargetUnreachable, run_bench
     from deepinfer_gateway.bench.sweep import SweepError
+    from deepinfer_gateway.bench.trace_sources import TraceFetchError
+    from deepinfer_gateway.bench.traces import TraceFormatError
 
     config = _config(args)
     if args.sweep and not args.sweep_values:
         raise SystemExit("bench: --sweep needs --sweep-values")
     try:
         result = _sweep(config, args) if args.sweep else run_bench(config)
-    except (TargetUnreachable, SweepError) as exc:
+    except (TargetUnreachable, SweepError, TraceFetchError, TraceFormatError) as exc:
         raise SystemExit(f"bench: {exc}") from None
     sys.stdout.write(json.dumps(result, separators=(",", ":")) + "\n")
     return 0

@@ -1,10 +1,10 @@
 """Oracle prefix hit rate of a hash-id trace: one infinite global cache.
 
-Definition (shared/traces/README.md): requests are replayed in arrival order (equal
-timestamps keep file order). Block i of a request is a hit only if blocks 0..i were all
-seen before, as the same prefix chain, in an earlier request; the first miss ends the
-request's hits. Token-weighted: block i holds min(block_size, input_length - block_size*i)
-tokens; the denominator is the sum of input_length. O(total blocks) time and memory.
+Definition: requests are replayed in arrival order (equal timestamps keep file order).
+Block i of a request is a hit only if blocks 0..i were all seen before, as the same
+prefix chain, in an earlier request; the first miss ends the request's hits.
+Token-weighted: block i holds min(block_size, input_length - block_size*i) tokens; the
+denominator is the sum of input_length. O(total blocks) time and memory.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from deepinfer_gateway.bench.oracle import oracle_hit_rate
 from deepinfer_gateway.bench.replay import ReplayConfig, ReplayResult, replay
 from deepinfer_gateway.bench.summary import CostModel, Slo, TierTokens, summarize
 from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
+from deepinfer_gateway.bench.trace_sources import SOURCES
 from deepinfer_gateway.bench.traces import load_trace
 from deepinfer_gateway.bench.types import RequestRecord, Trace
 
@@ -123,6 +124,14 @@ def read_records(path: Path) -> list[RequestRecord]:
         return [RequestRecord.from_dict(orjson.loads(line)) for line in f if line.strip()]
 
 
+def _provenance(spec: str) -> dict[str, Any] | None:
+    """Where a published trace came from (null for files and synthetic workloads)."""
+    source = SOURCES.get(spec)
+    if source is None:
+        return None
+    return {"url": source.url(), "sha256": source.sha256, "git_blob": source.git_blob, "license": source.license}
+
+
 def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None) -> dict[str, Any]:
     trace = load_trace(config.trace).head(config.max_requests)
     model = config.model or detect_model(config.url, config.api_key)
@@ -137,6 +146,7 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
     meta = {
         "target": config.url, "protocol": config.protocol, "model": model, "trace": trace.name,
         "trace_requests_selected": len(trace.requests), "started_at": started,
+        "trace_source": _provenance(config.trace),
         "mode": replay_cfg.mode,
         "speedup": replay_cfg.speedup if replay_cfg.mode == "open" else None,
         "concurrency": replay_cfg.concurrency if replay_cfg.mode == "closed" else None,

@@ -1,7 +1,9 @@
 """Trace loaders: Mooncake JSONL(.gz), Azure LLM inference CSV, built-in synthetic workloads.
 
-`load_trace(spec)` accepts a file path or `synthetic:chat` / `synthetic:agent` with
-optional `key=value` parameters (`synthetic:chat:requests=500,rate=4,seed=1`).
+`load_trace(spec)` accepts a file path, a published trace by name (`mooncake:conversation`,
+`azure:code` ...: `trace_sources.SOURCES`, downloaded once and verified), or
+`synthetic:chat` / `synthetic:agent` with optional `key=value` parameters
+(`synthetic:chat:requests=500,rate=4,seed=1`).
 Arrivals are rebased so the first request arrives at 0 s; requests with equal
 timestamps keep their file order (stable sort).
 """
@@ -9,6 +11,7 @@ timestamps keep their file order (stable sort).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import io
 from datetime import datetime
@@ -17,6 +20,7 @@ from pathlib import Path
 import orjson
 
 from deepinfer_gateway.bench.synthetic import GENERATORS
+from deepinfer_gateway.bench.trace_sources import SOURCES, fetch
 from deepinfer_gateway.bench.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 
@@ -93,7 +97,14 @@ def load_trace(spec: str) -> Trace:
         if kind not in GENERATORS:
             raise TraceFormatError(f"unknown synthetic workload {kind!r}; choose from {sorted(GENERATORS)}")
         return GENERATORS[kind](**_parse_params(params))
-    path = Path(spec)
+    if spec.partition(":")[0] in {name.partition(":")[0] for name in SOURCES}:
+        return dataclasses.replace(load_file(fetch(spec)), name=spec)
+    return load_file(Path(spec))
+
+
+def load_file(path: Path) -> Trace:
+    """A trace file, its format told by its name: Mooncake .jsonl[.gz] or Azure .csv[.gz]."""
+    spec = str(path)
     if not path.exists():
         raise TraceFormatError(f"trace file {spec} does not exist")
     name = path.name.removesuffix(".gz")

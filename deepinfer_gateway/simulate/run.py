@@ -4,8 +4,7 @@
 
     config = load_cluster("bench/clusters/demo-pd.toml")
     config = config.model_copy(update={"router": config.router.model_copy(update={"policy": "cache_aware"})})
-    records, summary = run_simulation(config, "shared/traces/mooncake_conversation_trace.first_half.jsonl.gz",
-                                      speedup=2.0, max_requests=1000)
+    records, summary = run_simulation(config, "mooncake:conversation", speedup=2.0, max_requests=1000)
 
 The summary is `bench.summary.summarize` over the simulated records (same schema as
 `bench`, docs/bench.md), with per-tier hit rates from the simulated workers' reports and
