@@ -49,10 +49,19 @@ def test_bench_cli_other_protocols_closed_loop(gateway, tmp_path: Path, protocol
     out = tmp_path / protocol
     rc = cli_main(["bench", "--url", gateway.url + "/v1", "--protocol", protocol, "--trace",
                    "synthetic:chat:requests=6,seed=1", "--concurrency", "3", "--out", str(out),
-                   "--no-progress", "--no-plots"])
+                   "--no-progress", "--no-plots", "--percentiles", "95,50"])
     assert rc == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["protocol"] == protocol and last["completed"] == 6 and last["concurrency"] == 3
     assert last["cache_hit_rate"]["total"] is not None
+    assert last["statistics"]["percentiles"] == [50, 95] and last["ttft_s"]["count"] == 6
+    assert last["ttft_s"]["min"] <= last["ttft_s"]["p95"] <= last["ttft_s"]["max"]
     assert all(r.output_tokens and r.prompt_tokens for r in read_records(out / "results.jsonl"))
-    assert "hit rate total" in table(load_summaries([out]))
+    assert "hit rate total" in table(load_summaries([out])) and "TTFT p95 s" in table(load_summaries([out]))
+
+
+def test_bench_cli_refuses_bad_percentiles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "--url", "http://127.0.0.1:9", "--trace", "synthetic:chat", "--out", str(tmp_path),
+                  "--percentiles", "50,101"])
+    assert exc.value.code == 2 and "--percentiles '50,101': 101 is outside 0..100" in capsys.readouterr().err

@@ -11,10 +11,10 @@ from deepinfer_gateway.bench.summary import summarize
 from deepinfer_gateway.bench.types import RequestRecord
 
 
-def write_run(d: Path, ttft: float, target: str) -> dict:  # type: ignore[type-arg]
+def write_run(d: Path, ttft: float, target: str, percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:  # type: ignore[type-arg]
     records = [RequestRecord(index=i, arrival_s=float(i), ttft_s=ttft, e2e_s=ttft + 1.0, output_tokens=101,
                              prompt_tokens=1000, cached_tokens=400, itl_s=[0.01] * 100) for i in range(4)]
-    s = summarize(records, wall_s=4.0, meta={"target": target, "protocol": "chat"})
+    s = summarize(records, wall_s=4.0, meta={"target": target, "protocol": "chat"}, percentiles=percentiles)
     d.mkdir()
     (d / "summary.json").write_text(json.dumps(s))
     return s
@@ -31,6 +31,19 @@ def test_report_side_by_side(tmp_path: Path) -> None:
     assert next(line for line in lines if line.startswith("hit rate memory")).split()[-2:] == ["-", "-"]
     md = table(load_summaries([tmp_path / "ours"]), markdown=True)
     assert md.splitlines()[1].startswith("|---|")
+
+
+def test_report_shows_the_chosen_percentiles(tmp_path: Path) -> None:
+    write_run(tmp_path / "a", 0.25, "http://a", percentiles=(50, 95, 99.9))
+    old = write_run(tmp_path / "b", 0.5, "http://b")
+    del old["statistics"], old["ttft_s"]["max"]  # a summary written before percentiles were chosen
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(old))
+    labels = {line.split("  ")[0].strip(): line.split()[-2:]
+              for line in table(load_summaries([tmp_path / "a", tmp_path / "b"])).splitlines()[1:]}
+    assert labels["TTFT p95 s"] == ["0.250", "-"] and labels["ITL p99.9 ms"] == ["10.0", "-"]
+    assert labels["TTFT p90 s"] == ["0.250", "0.500"] and labels["e2e p99 s"] == ["1.25", "1.50"]
+    only_default = table(load_summaries([tmp_path / "b"]))
+    assert "p95" not in only_default and "TTFT p90 s" in only_default
 
 
 def test_pareto_frontier_and_chart(tmp_path: Path) -> None:

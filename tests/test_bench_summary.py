@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deepinfer_gateway.bench import gateway_metrics
-from deepinfer_gateway.bench.summary import CostModel, Slo, TierTokens, percentile, summarize
+from deepinfer_gateway.bench.summary import (
+    CostModel,
+    Slo,
+    TierTokens,
+    distribution,
+    parse_percentiles,
+    percentile,
+    summarize,
+)
 from deepinfer_gateway.bench.types import ErrorKind, RequestRecord
 
 
@@ -20,6 +31,50 @@ def test_percentile_is_nearest_rank() -> None:
     assert [percentile(values, p) for p in (50, 90, 99, 100)] == [50.0, 90.0, 99.0, 100.0]
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
     assert percentile([], 50) is None
+
+
+def test_percentile_rank_is_exact_where_float_arithmetic_is_not() -> None:
+    values = [float(v) for v in range(1, 101)]
+    # 7/100 * 100 is 7.000000000000001 in floats: a float ceil would pick the 8th sample.
+    assert percentile(values, 7) == 7.0 and percentile(values, 14) == 14.0
+    assert percentile(values, 99.9) == 100.0 and percentile(values, 0) == 1.0
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=300), st.integers(0, 100))
+def test_percentile_is_numpy_inverted_cdf(values: list[float], p: int) -> None:
+    assert percentile(values, p) == float(np.percentile(values, p, method="inverted_cdf"))
+
+
+def test_distribution_has_chosen_and_contract_percentiles_and_spread() -> None:
+    values = [0.3, 0.1, 0.2, 0.9, 0.5]
+    d = distribution(values, (95, 99.9))
+    assert list(d) == ["p50", "p90", "p95", "p99", "p99.9", "mean", "std", "min", "max", "count"]
+    assert d["p95"] == 0.9 and d["p50"] == 0.3
+    assert d["min"] == 0.1 and d["max"] == 0.9 and d["count"] == 5
+    assert d["mean"] == pytest.approx(np.mean(values)) and d["std"] == pytest.approx(np.std(values))
+    empty = distribution([])
+    assert empty["count"] == 0 and all(empty[k] is None for k in ("p50", "mean", "std", "min", "max"))
+
+
+def test_parse_percentiles() -> None:
+    assert parse_percentiles("99, 50,90,95,50") == (50.0, 90.0, 95.0, 99.0)
+    assert parse_percentiles("99.9") == (99.9,)
+    for bad, reason in (("50,abc", "not a number"), ("101", "outside 0..100"), (",", "no percentile")):
+        with pytest.raises(ValueError, match=reason):
+            parse_percentiles(bad)
+
+
+def test_summary_names_its_percentiles_and_method() -> None:
+    records = [rec(i, ttft=0.1 * (i + 1), e2e=1.0 + i, out=10, itl=[0.01 * (i + 1)] * 9) for i in range(20)]
+    s = summarize(records, wall_s=10.0, percentiles=(50, 95))
+    stats = s["statistics"]
+    assert stats["percentiles"] == [50, 95] and stats["keys"] == ["p50", "p90", "p95", "p99"]
+    assert "nearest-rank" in stats["percentile_method"] and "inverted_cdf" in stats["percentile_method"]
+    assert "/ n" in stats["std_method"] and set(stats["samples"]) >= {"ttft_s", "itl_s", "e2e_s"}
+    assert s["ttft_s"]["p95"] == pytest.approx(1.9) and s["ttft_s"]["p99"] == pytest.approx(2.0)
+    assert s["e2e_s"]["min"] == 1.0 and s["e2e_s"]["max"] == 20.0
+    assert s["e2e_s"]["std"] == pytest.approx(np.std([1.0 + i for i in range(20)]))
+    assert s["itl_s"]["count"] == 180 and s["itl_s"]["max"] == pytest.approx(0.2)
 
 
 def test_summary_figures() -> None:

@@ -24,6 +24,16 @@ def duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def percentiles(text: str) -> tuple[float, ...]:
+    """`50,90,95,99` -> (50.0, 90.0, 95.0, 99.0)."""
+    from deepinfer_gateway.bench.summary import parse_percentiles
+
+    try:
+        return parse_percentiles(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--percentiles {text!r}: {exc} (e.g. 50,90,95,99)") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command")
     report = sub.add_parser("report", help="side-by-side table of bench summaries")
@@ -52,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json for prompt synthesis (default: DeepSeek)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang) to get full outputs")
     parser.add_argument("--hit-window", type=duration, default=None, help="hit-rate-over-time window")
+    parser.add_argument("--percentiles", type=percentiles, default=None,
+                        help="comma list of percentiles to report, 0..100, nearest-rank (default: 50,90,99; "
+                             "summary.json always keeps p50, p90 and p99)")
     parser.add_argument("--sweep", choices=["rate", "concurrency", "policy"], default=None)
     parser.add_argument("--sweep-values", default=None, help="comma list: speedups, concurrencies or policy names")
     parser.add_argument("--admin-key", default=None,
@@ -63,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from deepinfer_gateway.bench.replay import ReplayConfig
     from deepinfer_gateway.bench.run import BenchConfig
-    from deepinfer_gateway.bench.summary import CostModel, Slo
+    from deepinfer_gateway.bench.summary import PERCENTILES, CostModel, Slo
 
     missing = [flag for flag, value in (("--url", args.url), ("--trace", args.trace), ("--out", args.out)) if not value]
     if missing:
@@ -79,7 +92,7 @@ def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         url=args.url, trace=args.trace, out=args.out, protocol=args.protocol, model=args.model, api_key=args.api_key,
         replay=replay, max_requests=args.max_requests, slo=slo, cost=cost, tokenizer=args.tokenizer,
         max_connections=args.max_connections, request_timeout_s=args.request_timeout, ignore_eos=args.ignore_eos,
-        hit_window_s=args.hit_window, plots=not args.no_plots)
+        hit_window_s=args.hit_window, plots=not args.no_plots, percentiles=args.percentiles or PERCENTILES)
 
 
 def _sweep(config, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def,type-arg]

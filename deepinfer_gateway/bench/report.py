@@ -1,7 +1,8 @@
 """`bench report DIR...`: summaries side by side, one column per run directory.
 
 A sweep directory (with sweep.json) expands to its points. Rows are the headline
-figures; a missing or null figure prints as `-`.
+figures, latencies at every percentile any of the runs chose (`--percentiles`); a
+missing or null figure prints as `-`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROWS: tuple[tuple[str, str, str], ...] = (
-    # (label, dotted path in summary.json, format)
+from deepinfer_gateway.bench.summary import PERCENTILES, percentile_key
+
+# (label, dotted path in summary.json, format)
+HEAD_ROWS: tuple[tuple[str, str, str], ...] = (
     ("target", "target", "s"),
     ("protocol", "protocol", "s"),
     ("trace", "trace", "s"),
@@ -23,15 +26,15 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "d"),
     ("errors", "errors", "errors"),
     ("wall s", "wall_s", ".1f"),
-    ("TTFT p50 s", "ttft_s.p50", ".3f"),
-    ("TTFT p90 s", "ttft_s.p90", ".3f"),
-    ("TTFT p99 s", "ttft_s.p99", ".3f"),
-    ("ITL p50 ms", "itl_s.p50", "ms"),
-    ("ITL p99 ms", "itl_s.p99", "ms"),
-    ("TPOT p50 ms", "tpot_s.p50", "ms"),
-    ("TPOT p99 ms", "tpot_s.p99", "ms"),
-    ("e2e p50 s", "e2e_s.p50", ".2f"),
-    ("e2e p99 s", "e2e_s.p99", ".2f"),
+)
+# (label, summary key, unit, format): one row per reported percentile each.
+LATENCIES: tuple[tuple[str, str, str, str], ...] = (
+    ("TTFT", "ttft_s", "s", ".3f"),
+    ("ITL", "itl_s", "ms", "ms"),
+    ("TPOT", "tpot_s", "ms", "ms"),
+    ("e2e", "e2e_s", "s", ".2f"),
+)
+TAIL_ROWS: tuple[tuple[str, str, str], ...] = (
     ("req/s", "throughput.requests_per_s", ".2f"),
     ("output tok/s", "throughput.output_tokens_per_s", ".0f"),
     ("output tok/s/GPU", "throughput.output_tokens_per_s_per_gpu", ".0f"),
@@ -48,9 +51,26 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _get(summary: dict[str, Any], path: str) -> Any:
+def reported_percentiles(summaries: Sequence[dict[str, Any]]) -> list[float]:
+    """The union of the runs' chosen percentiles (`PERCENTILES` for summaries that name none)."""
+    chosen: set[float] = set()
+    for s in summaries:
+        chosen.update((s.get("statistics") or {}).get("percentiles") or PERCENTILES)
+    return sorted(chosen)
+
+
+def rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, tuple[str, ...], str]]:
+    """(label, key path, format) per table row; paths are tuples since `p99.9` holds a dot."""
+    percentiles = reported_percentiles(summaries)
+    latency = [(f"{label} {percentile_key(p)} {unit}", (key, percentile_key(p)), fmt)
+               for label, key, unit, fmt in LATENCIES for p in percentiles]
+    return ([(label, tuple(path.split(".")), fmt) for label, path, fmt in HEAD_ROWS] + latency
+            + [(label, tuple(path.split(".")), fmt) for label, path, fmt in TAIL_ROWS])
+
+
+def _get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
     value: Any = summary
-    for key in path.split("."):
+    for key in path:
         if not isinstance(value, dict):
             return None
         value = value.get(key)
@@ -83,11 +103,12 @@ def load_summaries(dirs: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
 
 def table(runs: Sequence[tuple[str, dict[str, Any]]], markdown: bool = False) -> str:
     header = ["", *(name for name, _ in runs)]
-    rows = [header] + [[label, *(_fmt(_get(s, path), spec) for _, s in runs)] for label, path, spec in ROWS]
+    cells = [header] + [[label, *(_fmt(_get(s, path), spec) for _, s in runs)]
+                        for label, path, spec in rows([s for _, s in runs])]
     if markdown:
-        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        lines = ["| " + " | ".join(r) + " |" for r in cells]
         lines.insert(1, "|" + "---|" * len(header))
         return "\n".join(lines)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+                     for r in cells)

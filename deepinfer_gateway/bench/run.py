@@ -24,7 +24,7 @@ from deepinfer_gateway.bench import gateway_metrics, plots
 from deepinfer_gateway.bench.client import ClientConfig, ProtocolClient
 from deepinfer_gateway.bench.oracle import oracle_hit_rate
 from deepinfer_gateway.bench.replay import ReplayConfig, ReplayResult, replay
-from deepinfer_gateway.bench.summary import CostModel, Slo, TierTokens, summarize
+from deepinfer_gateway.bench.summary import PERCENTILES, CostModel, Slo, TierTokens, summarize
 from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
 from deepinfer_gateway.bench.trace_sources import SOURCES
 from deepinfer_gateway.bench.traces import load_trace
@@ -51,6 +51,7 @@ class BenchConfig:
     ignore_eos: bool = False
     hit_window_s: float | None = None
     plots: bool = True
+    percentiles: tuple[float, ...] = PERCENTILES
 
 
 def _root(url: str) -> str:
@@ -157,7 +158,7 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
     summary = summarize(result.records, wall_s=result.wall_s, oracle_hit_rate=oracle, slo=config.slo,
                         cost=config.cost, tiers=tiers, client_cpu_s=result.client_cpu_s,
                         synthesis_cpu_s=result.synthesis_cpu_s,
-                        hit_window_s=config.hit_window_s, meta=meta)
+                        hit_window_s=config.hit_window_s, meta=meta, percentiles=config.percentiles)
     write_records(config.out / "results.jsonl", result.records)
     (config.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if config.plots:

@@ -2,21 +2,36 @@
 
 `summarize` is shared by the live replay (`bench`) and the offline simulator
 (`simulate`): both produce `RequestRecord`s and the run's wall time, and get the same
-schema (documented in docs/bench.md). Percentiles are nearest-rank.
+schema (documented in docs/bench.md). Percentiles are nearest-rank (`PERCENTILE_METHOD`);
+each distribution also carries mean, population std, min, max and its sample count.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from deepinfer_gateway.bench.types import RequestRecord
 
 SCHEMA_VERSION = 1
-PERCENTILES = (50, 90, 99)
+# Always in every distribution: sweeps, charts and the simulator's callers read p50/p90/p99.
+PERCENTILES: tuple[float, ...] = (50, 90, 99)
+PERCENTILE_METHOD = (
+    "nearest-rank: the sample at 1-based rank ceil(p/100 * n) of the n samples sorted ascending "
+    "(rank 1 when that is 0), always a measured value, no interpolation; numpy.percentile(method='inverted_cdf')")
+STD_METHOD = "population standard deviation: sqrt(sum((x - mean)^2) / n)"
+SAMPLES = {
+    "ttft_s": "one per ok request that produced output: send -> first chunk carrying output",
+    "itl_s": "every gap between consecutive output chunks of every ok request, pooled",
+    "tpot_s": "one per ok request with >= 2 output tokens: (e2e - ttft) / (output_tokens - 1)",
+    "e2e_s": "one per ok request: send -> end of stream",
+    "per_user_output_tokens_per_s": "1 / tpot_s, one per ok request with a positive tpot",
+    "send_lag_s": "one per sent request (open loop): actual minus scheduled send time",
+}
 
 
 @dataclass(frozen=True)
@@ -50,21 +65,62 @@ class TierTokens:
     prompt: float
 
 
+def percentile_key(p: float) -> str:
+    """The summary key of a percentile: 50 -> `p50`, 99.9 -> `p99.9`."""
+    return f"p{p:g}"
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """`50,90,95,99` -> (50.0, 90.0, 95.0, 99.0), sorted and deduplicated; ValueError names a bad value."""
+    values: set[float] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"not a number: {part!r}") from None
+        if not 0 <= value <= 100:
+            raise ValueError(f"{part} is outside 0..100")
+        values.add(value)
+    if not values:
+        raise ValueError("no percentile given")
+    return tuple(sorted(values))
+
+
 def percentile(values: Sequence[float], p: float) -> float | None:
     """Nearest-rank percentile (p in 0..100) of unsorted values; None when empty."""
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    # Exact rational arithmetic: p/100 * n in floats can land just above an integer
+    # (7/100 * 100 = 7.000000000000001) and pick the next rank.
+    rank = max(1, math.ceil(Fraction(str(p)) * len(ordered) / 100))
     return ordered[rank - 1]
 
 
-def distribution(values: Sequence[float]) -> dict[str, float | None]:
+def distribution(values: Iterable[float], percentiles: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
+    """Percentiles (those given and always `PERCENTILES`), mean, std, min, max, count."""
     ordered = sorted(values)
-    out: dict[str, float | None] = {f"p{p}": percentile(ordered, p) for p in PERCENTILES}
-    out["mean"] = sum(ordered) / len(ordered) if ordered else None
-    out["count"] = len(ordered)
+    n = len(ordered)
+    out: dict[str, float | None] = {
+        percentile_key(p): percentile(ordered, p) for p in sorted({*PERCENTILES, *percentiles})}
+    mean = math.fsum(ordered) / n if n else None
+    out["mean"] = mean
+    out["std"] = math.sqrt(math.fsum((x - mean) ** 2 for x in ordered) / n) if mean is not None else None
+    out["min"] = ordered[0] if n else None
+    out["max"] = ordered[-1] if n else None
+    out["count"] = n
     return out
+
+
+def statistics(percentiles: Sequence[float]) -> dict[str, Any]:
+    """How the distributions were computed: written into summary.json beside them."""
+    return {
+        "percentiles": list(percentiles),
+        "keys": [percentile_key(p) for p in sorted({*PERCENTILES, *percentiles})],
+        "percentile_method": PERCENTILE_METHOD,
+        "std_method": STD_METHOD,
+        "samples": SAMPLES,
+    }
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -135,8 +191,10 @@ def summarize(
     synthesis_cpu_s: float | None = None,
     hit_window_s: float | None = None,
     meta: dict[str, Any] | None = None,
+    percentiles: Sequence[float] = PERCENTILES,
 ) -> dict[str, Any]:
-    """The summary.json object. `wall_s`: first request sent to last response done."""
+    """The summary.json object. `wall_s`: first request sent to last response done;
+    `percentiles`: those to report (`PERCENTILES` are always computed too)."""
     ok = [r for r in records if r.ok]
     errors = Counter(r.error or "unknown" for r in records if not r.ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
@@ -150,12 +208,13 @@ def summarize(
         "completed": len(ok),
         "errors": dict(sorted(errors.items())),
         "wall_s": wall_s,
-        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl_s": distribution([g for r in ok for g in r.itl_s]),
-        "tpot_s": distribution(tpots),
-        "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "per_user_output_tokens_per_s": distribution([1 / t for t in tpots if t > 0]),
-        "send_lag_s": distribution([r.send_lag_s for r in records if r.send_lag_s is not None]),
+        "statistics": statistics(percentiles),
+        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None], percentiles),
+        "itl_s": distribution([g for r in ok for g in r.itl_s], percentiles),
+        "tpot_s": distribution(tpots, percentiles),
+        "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None], percentiles),
+        "per_user_output_tokens_per_s": distribution([1 / t for t in tpots if t > 0], percentiles),
+        "send_lag_s": distribution([r.send_lag_s for r in records if r.send_lag_s is not None], percentiles),
         "throughput": {
             "requests_per_s": _ratio(len(ok), wall_s),
             "output_tokens_per_s": _ratio(output_tokens, wall_s),
