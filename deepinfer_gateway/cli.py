@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,10 +37,13 @@ def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
 
     tracing.configure(settings.tracing)
     try:
-        spans = tracing.ServerSpans(create_app(settings), request_id=lambda _scope: current_request_id())
+        shutting_down = threading.Event()  # set by SIGTERM/SIGINT: /ready answers 503 from then on
+        spans = tracing.ServerSpans(create_app(settings, shutting_down=shutting_down),
+                                    request_id=lambda _scope: current_request_id())
         app = RequestContext(spans, access=settings.access_log)
         run_until_signal(app, settings.host, settings.port, log_level=log_level,
-                         graceful_s=settings.shutdown_grace_s)
+                         graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
+                         on_signal=shutting_down.set)
     finally:
         tracing.shutdown()
 

@@ -133,6 +133,9 @@ class GatewaySettings(_Frozen):
     connect_timeout_s: float = Field(2.0, gt=0)
     first_event_timeout_s: float = Field(30.0, gt=0)
     between_events_timeout_s: float = Field(120.0, gt=0)
+    # SIGTERM: /ready answers 503 and the listener stays open this long (probing load balancers
+    # stop sending), then in-flight streams get shutdown_grace_s to finish.
+    shutdown_delay_s: float = Field(0.0, ge=0)
     shutdown_grace_s: float = Field(30.0, ge=0)  # SIGTERM: let in-flight streams finish this long
     api_keys: tuple[ApiKey, ...] = ()  # empty and api_keys_in_redis off: authentication off
     api_keys_in_redis: bool = False  # also accept keys stored in Redis (dgw:apikey:{sha256})

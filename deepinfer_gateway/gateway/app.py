@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -168,7 +169,10 @@ class ClientGone(Exception):
     """The client disconnected before its response started."""
 
 
-def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> GatewayApp:
+def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None, *,
+               shutting_down: threading.Event | None = None) -> GatewayApp:
+    """`shutting_down`: set by the host when a stop signal arrives (asgi.serve_until_signal's
+    on_signal); from then on `/ready` answers 503 while requests in flight carry on."""
     metrics = metrics or GatewayMetrics()
     bundle = load_tokenizer(settings.tokenizer_path)
     preparer = RequestPreparer(
@@ -213,6 +217,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
                 await redis.aclose()
 
     app = GatewayApp(title="DeepInfer Gateway", version="0.1.0", lifespan=lifespan)
+    app.state.shutting_down = shutting_down or threading.Event()
 
     async def handle(request: Request, protocol: ApiProtocol) -> Response:
         arrival = time.perf_counter()
@@ -353,6 +358,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         healthy = len(request.app.state.gateway.registry.healthy())
+        if request.app.state.shutting_down.is_set():
+            return JSONResponse({"status": "shutting_down", "healthy_workers": healthy}, status_code=503)
         status = 200 if healthy else 503
         return JSONResponse({"status": "ready" if healthy else "no healthy worker", "healthy_workers": healthy},
                             status_code=status)
