@@ -88,9 +88,12 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 
 def percentile(values: Sequence[float], p: float) -> float | None:
     """Nearest-rank percentile (p in 0..100) of unsorted values; None when empty."""
-    if not values:
+    return _nearest_rank(sorted(values), p)
+
+
+def _nearest_rank(ordered: Sequence[float], p: float) -> float | None:
+    if not ordered:
         return None
-    ordered = sorted(values)
     # Exact rational arithmetic: p/100 * n in floats can land just above an integer
     # (7/100 * 100 = 7.000000000000001) and pick the next rank.
     rank = max(1, math.ceil(Fraction(str(p)) * len(ordered) / 100))
@@ -102,7 +105,7 @@ def distribution(values: Iterable[float], percentiles: Sequence[float] = PERCENT
     ordered = sorted(values)
     n = len(ordered)
     out: dict[str, float | None] = {
-        percentile_key(p): percentile(ordered, p) for p in sorted({*PERCENTILES, *percentiles})}
+        percentile_key(p): _nearest_rank(ordered, p) for p in sorted({*PERCENTILES, *percentiles})}
     mean = math.fsum(ordered) / n if n else None
     out["mean"] = mean
     out["std"] = math.sqrt(math.fsum((x - mean) ** 2 for x in ordered) / n) if mean is not None else None
