@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
 from deepinfer_gateway.protocol import Hardware, Role
 
 
@@ -117,6 +118,7 @@ class GatewaySettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
+    model_aliases: ModelAliases = Field(default_factory=lambda: dict(BUILTIN_ALIASES))  # model_catalog.py
     tokenizer_path: str | None = None
     context_limit: int = Field(131_072, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)

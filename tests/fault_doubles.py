@@ -13,7 +13,8 @@ Double modes (generate): `ok` (ready, N one-token messages, finish), `hang-befor
 `hang-after` (ready + K tokens, then nothing), `garbage-before` (ready, then a non-JSON
 line), `garbage-after` (K tokens, then a non-JSON line), `html` (200 with an HTML page),
 `reset-after` (K tokens, then the TCP connection is aborted: a crash as seen from the
-socket), `http-500`.
+socket), `http-500`, `bad-ready` (a ready event without its cached-token counts: a worker
+of another protocol version, which the gateway does not expect).
 
     python -m tests.fault_doubles --port 9001 --mode hang-after --after 3
 """
@@ -32,7 +33,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.launch import Proc, free_port, wait_for_port
 
 DOUBLE_MODES = ("ok", "hang-before-ready", "hang-after", "garbage-before", "garbage-after", "html", "reset-after",
-                "http-500")
+                "http-500", "bad-ready")
 SIM_MODES = ("sim-hang", "sim-fail-after")
 
 
@@ -194,7 +195,10 @@ def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: st
             await resp.prepare(request)
             if mode == "hang-before-ready":
                 await asyncio.Event().wait()
-            await resp.write(_line(wp.ready_event(len(body["token_ids"]), 0, 0)))
+            ready = wp.ready_event(len(body["token_ids"]), 0, 0)
+            if mode == "bad-ready":
+                del ready["cached_tokens"]
+            await resp.write(_line(ready))
             if mode == "garbage-before":
                 await resp.write(b"<html>this is not json</html>\n")
                 return resp

@@ -47,8 +47,8 @@ def test_non_streaming_chat_returns_one_completion(openai_client: openai.OpenAI)
     assert completion.usage is not None and completion.usage.completion_tokens <= 64
 
 
-def test_models_lists_the_served_model(openai_client: openai.OpenAI) -> None:
-    assert [m.id for m in openai_client.models.list()] == [MODEL]
+def test_models_lists_the_served_model_then_its_aliases(openai_client: openai.OpenAI) -> None:
+    assert [m.id for m in openai_client.models.list()] == [MODEL, "deepseek-chat", "deepseek-reasoner"]
 
 
 def test_shared_prefix_is_served_from_cache(openai_client: openai.OpenAI, gateway) -> None:  # type: ignore[no-untyped-def]
@@ -95,8 +95,8 @@ def test_malformed_json_is_400(gateway) -> None:  # type: ignore[no-untyped-def]
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_sdk_raises_bad_request_for_unknown_model(openai_client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+def test_sdk_raises_not_found_for_unknown_model(openai_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
         openai_client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert "nope" in str(info.value)
 

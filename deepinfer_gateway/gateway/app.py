@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import ApiKey, GatewaySettings, WorkerSpec
@@ -32,9 +32,11 @@ from deepinfer_gateway.gateway.auth import KeyStore, presented_key
 from deepinfer_gateway.gateway.errors import (
     Forbidden,
     GatewayError,
+    InternalError,
     PayloadTooLarge,
     RateLimited,
     Unauthorized,
+    client_protocol,
     error_response,
 )
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
@@ -116,6 +118,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 SESSION_HEADER = "x-session-id"
+# dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
+MODELS = "models"
+COUNT_TOKENS = "count_tokens"
 
 
 async def _unless_disconnected(request: Request, serving: Awaitable[Response]) -> Response:
@@ -142,9 +147,10 @@ class GatewayApp(FastAPI):
     """FastAPI, except that the generation routes (`hot`: path -> endpoint) skip its
     middleware, routing and dependency machinery: ~15% of the gateway's CPU per short
     request went there (bench/gateway_capacity.py --profile). The routes stay registered
-    (OpenAPI, and any request the fast path does not take goes through FastAPI as before).
-    What that stack did for them is done here: `scope["app"]`, and a 500 for an unexpected
-    exception (re-raised, so the server logs it); the endpoints catch their own errors."""
+    (OpenAPI, and any request the fast path does not take goes through FastAPI).
+    What that stack did for them is done here: `scope["app"]`, and a 500 in the protocol's
+    error JSON for an unexpected exception (re-raised, so the server logs it); the endpoints
+    catch, count and render their own errors, so that is a backstop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,10 +161,12 @@ class GatewayApp(FastAPI):
             endpoint = self.hot.get(scope["path"])
             if endpoint is not None:
                 scope["app"] = self
+                request = Request(scope, receive)
                 try:
-                    response = await endpoint(Request(scope, receive))
+                    response = await endpoint(request)
                 except Exception:
-                    await PlainTextResponse("Internal Server Error", status_code=500)(scope, receive, send)
+                    protocol = client_protocol(scope["path"], request.headers)
+                    await error_response(protocol, InternalError())(scope, receive, send)
                     raise
                 await response(scope, receive, send)
                 return
@@ -169,6 +177,10 @@ class ClientGone(Exception):
     """The client disconnected before its response started."""
 
 
+def _from_bridge(exc: BridgeError) -> GatewayError:
+    return GatewayError(exc.message, status_code=exc.status_code, param=exc.param, code=exc.code)
+
+
 def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None, *,
                shutting_down: threading.Event | None = None) -> GatewayApp:
     """`shutting_down`: set by the host when a stop signal arrives (asgi.serve_until_signal's
@@ -177,8 +189,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     bundle = load_tokenizer(settings.tokenizer_path)
     preparer = RequestPreparer(
         PromptEncoder(bundle),
-        BridgeConfig(model_names=settings.model_names, context_limit=settings.context_limit,
-                     images=settings.images),
+        BridgeConfig(model_names=settings.model_names, model_aliases=settings.model_aliases,
+                     context_limit=settings.context_limit, images=settings.images),
     )
 
     @asynccontextmanager
@@ -219,39 +231,82 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     app = GatewayApp(title="DeepInfer Gateway", version="0.1.0", lifespan=lifespan)
     app.state.shutting_down = shutting_down or threading.Event()
 
+    def count(label: str, model: str, status: int) -> None:
+        """dgw_requests_total; `label` is the protocol (or `models`, `count_tokens`)."""
+        if model not in settings.model_names:
+            model = "unknown"  # bounded label: never a client-chosen string
+        metrics.requests.labels(label, model, str(status)).inc()
+
+    def refuse(label: str, protocol: ApiProtocol | None, model: str, error: GatewayError,
+               request_id: str | None = None) -> Response:
+        count(label, model, error.status_code)
+        response = error_response(protocol, error)
+        if request_id is not None:
+            response.headers[wp.REQUEST_ID_HEADER] = request_id
+        return response
+
+    def caught(exc: Exception, request_id: str) -> GatewayError:
+        """The GatewayError an endpoint answers for an exception it caught."""
+        if isinstance(exc, BridgeError):
+            return _from_bridge(exc)
+        if isinstance(exc, GatewayError):
+            return exc
+        if isinstance(exc, (ClientGone, ClientDisconnect)):  # gone while we read its body or awaited a token
+            metrics.client_disconnects.inc()
+            return GatewayError("client disconnected", status_code=499)
+        log.error("request %s failed unexpectedly", request_id, exc_info=exc)
+        return InternalError()
+
+    async def authenticate(request: Request) -> ApiKey:
+        key = await request.app.state.gateway.keys.lookup(presented_key(request.headers))
+        if key is None:
+            raise Unauthorized("Missing or invalid API key.")
+        return key
+
+    def may_use(key: ApiKey, served: str, requested: str) -> bool:
+        """A key's allow-list admits a served name and every alias of it, or an alias by its own name."""
+        return key.allows(served) or key.allows(requested)
+
     async def handle(request: Request, protocol: ApiProtocol) -> Response:
         arrival = time.perf_counter()
         state: GatewayState = request.app.state.gateway
         request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
         model = "unknown"
         try:
-            key = await state.keys.lookup(presented_key(request.headers))
-            if key is None:
-                raise Unauthorized("Missing or invalid API key.")
+            key = await authenticate(request)
             body = await _read_body(request, settings.max_body_bytes)
             prepared = await preparer.prepare_async(protocol, body)
             model = prepared.model
             metrics.preprocess.observe(time.perf_counter() - arrival)
-            if not key.allows(model):
-                raise Forbidden(f"This API key may not use model {model}.")
+            if not may_use(key, model, prepared.requested_model):
+                raise Forbidden(f"This API key may not use model {prepared.requested_model}.")
             headers, on_done = await _admit(state, key, prepared)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session_key=request.headers.get(SESSION_HEADER))
             return await _unless_disconnected(request, serving)
-        except BridgeError as exc:
-            error = GatewayError(exc.message, status_code=exc.status_code, param=exc.param, code=exc.code)
-        except GatewayError as exc:
-            error = exc
-        except (ClientGone, ClientDisconnect):  # gone while we read its body or waited for a first token
-            metrics.client_disconnects.inc()
-            error = GatewayError("client disconnected", status_code=499)
-        if model not in settings.model_names:
-            model = "unknown"  # bounded label: never a client-chosen string
-        metrics.requests.labels(str(protocol), model, str(error.status_code)).inc()
-        response = error_response(protocol, error)
-        response.headers[wp.REQUEST_ID_HEADER] = request_id
-        return response
+        except Exception as exc:
+            if isinstance(exc, BridgeError) and exc.model:
+                model = exc.model
+            return refuse(str(protocol), protocol, model, caught(exc, request_id), request_id)
+
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's `POST /v1/messages/count_tokens`: the Messages body's prompt tokens."""
+        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        model = "unknown"
+        try:
+            key = await authenticate(request)
+            body = await _read_body(request, settings.max_body_bytes)
+            counted = await preparer.count_tokens_async(body)
+            model = counted.model
+            if not may_use(key, model, counted.requested_model):
+                raise Forbidden(f"This API key may not use model {counted.requested_model}.")
+        except Exception as exc:
+            if isinstance(exc, BridgeError) and exc.model:
+                model = exc.model
+            return refuse(COUNT_TOKENS, ApiProtocol.MESSAGES, model, caught(exc, request_id), request_id)
+        count(COUNT_TOKENS, model, 200)
+        return JSONResponse({"input_tokens": counted.input_tokens}, headers={wp.REQUEST_ID_HEADER: request_id})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -269,14 +324,49 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     async def messages(request: Request) -> Response:
         return await handle(request, ApiProtocol.MESSAGES)
 
+    app.post("/v1/messages/count_tokens")(count_tokens)
+
     app.hot = {"/v1/chat/completions": chat_completions, "/v1/responses": responses,
-               "/v1/completions": completions, "/v1/messages": messages}
+               "/v1/completions": completions, "/v1/messages": messages, "/v1/messages/count_tokens": count_tokens}
+
+    def model_card(name: str, served: str, created: int, protocol: ApiProtocol | None) -> dict[str, Any]:
+        """vLLM's model object (`max_model_len`: the context limit; aliases name their served
+        model in `root`/`parent`), or Anthropic's for the Anthropic SDK."""
+        if protocol is ApiProtocol.MESSAGES:
+            created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+            return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+        return {"id": name, "object": "model", "created": created, "owned_by": "deepseek", "root": served,
+                "parent": None if name == served else served, "max_model_len": settings.context_limit}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """The names the caller's key may use: served names, then aliases."""
+        protocol = client_protocol(request.url.path, request.headers)
+        try:
+            key = await authenticate(request)
+        except GatewayError as exc:
+            return refuse(MODELS, protocol, "unknown", exc)
         created = request.app.state.gateway.started_at
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "deepseek"} for m in settings.model_names]
+        data = [model_card(name, served, created, protocol)
+                for name, served in preparer.catalog.visible(key.allows)]
+        count(MODELS, "unknown", 200)
+        if protocol is ApiProtocol.MESSAGES:
+            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str, request: Request) -> Response:
+        protocol = client_protocol(request.url.path, request.headers)
+        target = preparer.catalog.resolve(model_id)
+        try:
+            key = await authenticate(request)
+            if target is None or not may_use(key, target.served, model_id):
+                raise _from_bridge(BridgeError.model_not_found(model_id))
+        except GatewayError as exc:
+            return refuse(MODELS, protocol, target.served if target else "unknown", exc)
+        count(MODELS, target.served, 200)
+        return JSONResponse(model_card(model_id, target.served, request.app.state.gateway.started_at, protocol))
 
     async def require_admin(request: Request) -> None:
         key = await request.app.state.gateway.keys.lookup(presented_key(request.headers))
@@ -370,8 +460,14 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        protocol = ApiProtocol.MESSAGES if request.url.path.startswith("/v1/messages") else None
+        protocol = client_protocol(request.url.path, request.headers)
         return error_response(protocol, GatewayError(str(exc.detail), status_code=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        """Routes outside the fast path; Starlette re-raises after this response, so the server logs it."""
+        count(MODELS if request.url.path.startswith("/v1/models") else "other", "unknown", 500)
+        return error_response(client_protocol(request.url.path, request.headers), InternalError())
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -8,6 +8,14 @@
     Unauthorized / Forbidden        401 / 403 API key missing or unknown / model not allowed
     RateLimited(GatewayError)       429 per-key limits; carries Retry-After and x-ratelimit-*
     PayloadTooLarge(GatewayError)   413 body over `max_body_bytes`
+    InternalError(GatewayError)     500 an unexpected exception (logged where it was caught)
+
+OpenAI bodies: `{"error": {"message", "type", "param", "code"}}`; Anthropic bodies:
+`{"type": "error", "error": {"type", "message"}}`. `client_protocol` says which one a caller
+reads when no request has been parsed.
+
+A request the bridge refuses (recipe_bridge BridgeError: 400, or 404 `model_not_found`) is
+rendered the same way.
 
 Upstream (aiohttp) failures are mapped to `UpstreamError` in gateway/worker_client.py,
 the one place that knows the HTTP client.
@@ -15,6 +23,7 @@ the one place that knows the HTTP client.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -26,7 +35,7 @@ _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -91,6 +100,19 @@ class RateLimited(GatewayError):
 
 class PayloadTooLarge(GatewayError):
     status_code = 413
+
+
+class InternalError(GatewayError):
+    status_code = 500
+
+    def __init__(self) -> None:
+        super().__init__("The server had an error while processing your request.")
+
+
+def client_protocol(path: str, headers: Mapping[str, str]) -> ApiProtocol | None:
+    """The error format a caller reads: Anthropic's under /v1/messages or from an Anthropic
+    SDK (it always sends `anthropic-version`), OpenAI's otherwise."""
+    return ApiProtocol.MESSAGES if path.startswith("/v1/messages") or "anthropic-version" in headers else None
 
 
 def error_payload(protocol: ApiProtocol | None, status: int, message: str, param: str | None = None,

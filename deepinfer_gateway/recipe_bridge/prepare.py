@@ -6,23 +6,33 @@ encodes the prompt with the tokenizer, resolves the images (images.py) and `max_
 against the context limit (images counted at their image token count). Legacy
 Completions (completions.py) have no chat template: raw text through the plain
 tokenizer, or token ids. Downstream code reads `PreparedRequest` only.
+
+Model names resolve through the catalog (model_catalog.py): an unknown name is a 404
+`model_not_found`; an alias selects its served model and default thinking mode. Checks
+the library leaves to the caller are made here, on the raw body only when its bytes can
+hold what is checked: a forced tool choice without a thinking request is served without
+thinking; Anthropic's required `max_tokens` and its refusal of a `system` message role.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import deepseek_recipe as dr
 import orjson
 
 from deepinfer_gateway.config import ImageSettings
+from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAlias, ModelCatalog, ModelTarget
 from deepinfer_gateway.protocol import Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge import completions as legacy
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
@@ -49,6 +59,12 @@ class BridgeError(Exception):
         self.message = message
         self.param = param
         self.code = code or ("invalid_request_error" if status_code < 500 else "internal_error")
+        self.model: str | None = None  # the served model, once the requested name resolved (metrics label)
+
+    @classmethod
+    def model_not_found(cls, model: str) -> BridgeError:
+        return cls(404, f"The model `{model}` does not exist or you do not have access to it.", param="model",
+                   code="model_not_found")
 
     @classmethod
     def from_conversion(cls, error: dr.ConversionError) -> BridgeError:
@@ -62,6 +78,7 @@ class BridgeError(Exception):
 @dataclass(frozen=True)
 class BridgeConfig:
     model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
+    model_aliases: dict[str, ModelAlias] = field(default_factory=lambda: dict(BUILTIN_ALIASES))
     context_limit: int = 131_072
     max_tokens_upper_bound: int = 393_216
     images: ImageSettings = field(default_factory=ImageSettings)
@@ -77,7 +94,7 @@ _REQUEST_TYPES: dict[ApiProtocol, Any] = {
 @dataclass
 class PreparedRequest:
     protocol: ApiProtocol
-    model: str
+    model: str  # the served name: metrics, usage, allow-lists
     conversation: dr.ConversationRequest | None  # None for legacy completions
     token_ids: list[int]
     sampling: Sampling
@@ -93,6 +110,10 @@ class PreparedRequest:
     image_token_adjustment: int = 0
     legacy: legacy.LegacyOptions | None = None  # legacy completions: stop sequences, logprobs
     packed_tokens: bytes | None = None  # token_ids packed for block hashing, when the encoder had them
+    requested_model: str = ""  # the name the client sent (an alias or `model`), echoed in responses
+
+    def __post_init__(self) -> None:
+        self.requested_model = self.requested_model or self.model
 
     @property
     def prompt_tokens(self) -> int:
@@ -106,14 +127,20 @@ class PreparedRequest:
         return {"images": self.images, "image_token_adjustment": self.image_token_adjustment}
 
 
-def _conversion_options(config: BridgeConfig) -> dr.ConversionOptions:
+class TokenCount(NamedTuple):
+    model: str  # served name
+    requested_model: str
+    input_tokens: int
+
+
+def _conversion_options(config: BridgeConfig, names: tuple[str, ...], thinking: bool) -> dr.ConversionOptions:
     options = (
         dr.ConversionOptions()
+        .with_default_thinking_mode(thinking)
         .with_thinking_max_tokens_upper_bound(config.max_tokens_upper_bound)
         .with_non_thinking_max_tokens_upper_bound(config.max_tokens_upper_bound)
     )
-    table = {name: dr.ModelVersion.DeepseekV41Flash for name in config.model_names}
-    return options.with_model_versions_by_name(table)
+    return options.with_model_versions_by_name({name: dr.ModelVersion.DeepseekV41Flash for name in names})
 
 
 def _sampling(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool) -> Sampling:
@@ -138,14 +165,58 @@ def _sampling(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool) -
 _EXTRA_KEYS = (b'"stream_options"', b'"user":', b'"user" :', b'"ignore_eos"', b'"max_completion_tokens"')
 
 
-def _extras(body: bytes) -> dict[str, Any]:
-    if not any(key in body for key in _EXTRA_KEYS):
-        return {}
+class _Body:
+    """The raw request body, parsed in Python at most once and only when a check needs it."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+        self._parsed: dict[str, Any] | None = None
+
+    @property
+    def parsed(self) -> dict[str, Any]:
+        if self._parsed is None:
+            try:
+                parsed = orjson.loads(self.raw)
+            except orjson.JSONDecodeError:
+                parsed = {}  # deepseek-recipe reports the malformed body in its own words
+            self._parsed = parsed if isinstance(parsed, dict) else {}
+        return self._parsed
+
+    def extras(self) -> dict[str, Any]:
+        return self.parsed if any(key in self.raw for key in _EXTRA_KEYS) else {}
+
+    def forces_tool(self) -> bool:
+        """tool_choice `required`, a named function (OpenAI) or `any` / a named tool (Anthropic)."""
+        if b'"tool_choice"' not in self.raw:
+            return False
+        choice = self.parsed.get("tool_choice")
+        return choice == "required" or (isinstance(choice, dict) and choice.get("type") in ("function", "tool", "any"))
+
+    def has_system_message(self) -> bool:
+        if _SYSTEM_ROLE.search(self.raw) is None:
+            return False
+        messages = self.parsed.get("messages")
+        return isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in messages)
+
+
+_SYSTEM_ROLE = re.compile(rb'"role"\s*:\s*"system"')  # ~0.4 ms per 500 kB; a hit is confirmed on the parse
+_LIBRARY_FORCED_TOOL_IN_THINKING = "Thinking mode does not support this tool_choice"
+
+
+@contextlib.contextmanager
+def _refusals_of(model: str) -> Iterator[None]:
+    """Bridge errors raised inside carry the served model, the request's metrics label."""
     try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return {}  # deepseek-recipe reports the malformed body in its own words
-    return parsed if isinstance(parsed, dict) else {}
+        yield
+    except BridgeError as exc:
+        exc.model = exc.model or model
+        raise
+
+
+def _forced_tool_in_thinking() -> BridgeError:
+    return BridgeError(400, "Thinking mode does not support a forced tool_choice: drop the thinking request (the "
+                            "request is then served without thinking) or use tool_choice auto or none.",
+                       param="tool_choice")
 
 
 OFFLOAD_BODY_BYTES = 64 * 1024
@@ -188,7 +259,10 @@ class RequestPreparer:
                  offload: str | None = None):
         self.encoder = encoder
         self.config = config
-        self._options = _conversion_options(config)
+        self.catalog = ModelCatalog(config.model_names, config.model_aliases)
+        # By default thinking mode: the one the gateway serves unless a name or the request says otherwise.
+        self._options = {thinking: _conversion_options(config, self.catalog.names, thinking)
+                         for thinking in (True, False)}
         self.images = ImageInputs(config.images)
         self.offload, switch_s = parse_offload(offload or os.environ.get(OFFLOAD_ENV) or "thread")
         if switch_s is not None:
@@ -202,50 +276,49 @@ class RequestPreparer:
         """`prepare`, off the event loop when it may take long: images (fetch, decode, resize)
         or a large prompt (tokenizing ~100k tokens cold takes tens of ms, which would stall
         every other stream's tokens on this loop)."""
+        return await self._off_loop(self.prepare, protocol, body)
+
+    async def count_tokens_async(self, body: bytes) -> TokenCount:
+        """`count_tokens`, off the event loop like `prepare_async`."""
+        return await self._off_loop(self.count_tokens, body)
+
+    async def _off_loop(self, work: Any, *args: Any) -> Any:
+        body: bytes = args[-1]
         if b"image" in body:  # may wait on remote fetches: never queue prompts behind them
-            return await asyncio.to_thread(self.prepare, protocol, body)
+            return await asyncio.to_thread(work, *args)
         if len(body) > OFFLOAD_BODY_BYTES and self.offload != "loop":
             if self._executor is None:
-                return await asyncio.to_thread(self.prepare, protocol, body)
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self.prepare, protocol, body)
-        return self.prepare(protocol, body)
+                return await asyncio.to_thread(work, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        return work(*args)
 
     def prepare(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:
         if protocol is ApiProtocol.COMPLETIONS:
             return self._prepare_completion(body)
-        parsed = _extras(body)
+        raw = _Body(body)
+        parsed = raw.extras()
         if protocol is ApiProtocol.CHAT and parsed.get("max_tokens") is None and "max_completion_tokens" in parsed:
             # deepseek-recipe 0.2 reads only the deprecated `max_tokens`; the newer name means the same.
             parsed["max_tokens"] = parsed.pop("max_completion_tokens")
-            body = orjson.dumps(parsed)
-        request_type = _REQUEST_TYPES[protocol]
-        try:
-            request = request_type(body)
-            model = request.model
-            echo = namespace_map = None
-            if protocol is ApiProtocol.RESPONSES:
-                echo = request.echo()
-                namespace_map = request.namespace_tool_map(self._options)
-            conv = request.convert(self._options)
-        except dr.ConversionError as exc:
-            raise BridgeError.from_conversion(exc) from None
-        except ValueError as exc:  # malformed body the library cannot even read
-            raise BridgeError(400, str(exc)) from None
-        images = self._images(conv.conversation)
-        try:
-            token_ids, packed_tokens = self.encoder.encode_packed(conv.conversation)
-        except RuntimeError as exc:  # text the vocabulary cannot encode
-            raise BridgeError(400, f"The prompt cannot be tokenized: {exc}") from None
-        try:
-            max_tokens = conv.resolve_max_tokens(len(token_ids) + images.token_adjustment, self.config.context_limit)
-        except dr.ConversionError as exc:
-            raise BridgeError.from_conversion(exc) from None
+            raw = _Body(orjson.dumps(parsed))
+        requested, target, conv, echo, namespace_map = self._convert(protocol, raw)
+        with _refusals_of(target.served):
+            if protocol is ApiProtocol.MESSAGES and conv.inference_options.max_tokens is None:
+                raise BridgeError(400, "max_tokens: Field required", param="max_tokens")
+            images = self._images(conv.conversation)
+            token_ids, packed_tokens = self._encode(conv)
+            try:
+                max_tokens = conv.resolve_max_tokens(len(token_ids) + images.token_adjustment,
+                                                     self.config.context_limit)
+            except dr.ConversionError as exc:
+                raise BridgeError.from_conversion(exc) from None
         stream_options = parsed.get("stream_options")
         include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
         user = parsed.get("user") if isinstance(parsed.get("user"), str) else None
         return PreparedRequest(
             protocol=protocol,
-            model=model,
+            model=target.served,
+            requested_model=requested,
             conversation=conv,
             token_ids=token_ids,
             # `ignore_eos` (vLLM/SGLang extension): benchmarks replaying a trace's output lengths.
@@ -260,6 +333,60 @@ class RequestPreparer:
             packed_tokens=packed_tokens,
         )
 
+    def count_tokens(self, body: bytes) -> TokenCount:
+        """Anthropic `count_tokens`: the prompt tokens the engine would prefill for this
+        Messages body (`max_tokens` is not needed)."""
+        requested, target, conv, _, _ = self._convert(ApiProtocol.MESSAGES, _Body(body))
+        with _refusals_of(target.served):
+            images = self._images(conv.conversation)
+            token_ids, _ = self._encode(conv)
+        return TokenCount(target.served, requested, len(token_ids) + images.token_adjustment)
+
+    def _convert(self, protocol: ApiProtocol, body: _Body
+                 ) -> tuple[str, ModelTarget, dr.ConversationRequest, Any, dict[str, tuple[str, str]] | None]:
+        """(requested name, its target, the conversation, Responses echo, Responses namespace map)."""
+        try:
+            request = _REQUEST_TYPES[protocol](body.raw)
+        except dr.ConversionError as exc:
+            raise BridgeError.from_conversion(exc) from None
+        except ValueError as exc:  # malformed body the library cannot even read
+            raise BridgeError(400, str(exc)) from None
+        requested = request.model
+        target = self.catalog.resolve(requested)
+        if target is None:
+            raise BridgeError.model_not_found(requested)
+        with _refusals_of(target.served):
+            if protocol is ApiProtocol.MESSAGES and body.has_system_message():
+                raise BridgeError(400, 'messages: Unexpected role "system". The Messages API accepts a top-level '
+                                       '`system` parameter, not "system" as an input message role.',
+                                  param="messages")
+            forced_tool = body.forces_tool()
+            # A forced tool choice is served without thinking unless the request itself asks
+            # for thinking: the library then refuses the combination (docs/api.md).
+            options = self._options[False if forced_tool else target.thinking is not False]
+            try:
+                echo = namespace_map = None
+                if protocol is ApiProtocol.RESPONSES:
+                    echo = request.echo()
+                    namespace_map = request.namespace_tool_map(options)
+                conv = request.convert(options)
+            except dr.ConversionError as exc:
+                error = BridgeError.from_conversion(exc)
+                if error.message == _LIBRARY_FORCED_TOOL_IN_THINKING:
+                    raise _forced_tool_in_thinking() from None
+                raise error from None
+            except ValueError as exc:
+                raise BridgeError(400, str(exc)) from None
+            if forced_tool and conv.conversation.thinking_mode:  # what the library lets through (Anthropic `any`)
+                raise _forced_tool_in_thinking()
+        return requested, target, conv, echo, namespace_map
+
+    def _encode(self, conv: dr.ConversationRequest) -> tuple[list[int], bytes | None]:
+        try:
+            return self.encoder.encode_packed(conv.conversation)
+        except RuntimeError as exc:  # text the vocabulary cannot encode
+            raise BridgeError(400, f"The prompt cannot be tokenized: {exc}") from None
+
     def _images(self, conversation: dr.Conversation) -> ResolvedImages:
         try:
             return self.images.resolve(self.images.sources(conversation))
@@ -269,25 +396,16 @@ class RequestPreparer:
     def _prepare_completion(self, body: bytes) -> PreparedRequest:
         try:
             request = legacy.parse_completion(body)
-            if request.model not in self.config.model_names:
-                raise legacy.CompletionRefused(
-                    f"The supported API model names are {', '.join(self.config.model_names)}, "
-                    f"but you passed {request.model}.", "model")
-            prompt = legacy.single_prompt(request.prompt)
-            bundle = self.encoder.bundle
-            if isinstance(prompt, str):
-                token_ids = bundle.tokenizer.encode(prompt)
-            else:
-                token_ids = prompt
-                if any(t >= bundle.vocab_size for t in token_ids):
-                    raise legacy.CompletionRefused(
-                        f"Token ids in `prompt` must be below the vocabulary size {bundle.vocab_size}.", "prompt")
-            if not token_ids:
-                raise legacy.CompletionRefused("`prompt` must not be empty.", "prompt")
-            context = self.config.context_limit
-            max_tokens = legacy.resolve_max_tokens(request.max_tokens, len(token_ids), context)
         except legacy.CompletionRefused as exc:
             raise BridgeError(400, exc.message, param=exc.param) from None
+        target = self.catalog.resolve(request.model)
+        if target is None:
+            raise BridgeError.model_not_found(request.model)
+        with _refusals_of(target.served):
+            try:
+                token_ids, max_tokens = self._completion_prompt(request)
+            except legacy.CompletionRefused as exc:
+                raise BridgeError(400, exc.message, param=exc.param) from None
         sampling = Sampling(
             temperature=request.temperature if request.temperature is not None else 1.0,
             top_p=request.top_p if request.top_p is not None else 1.0,
@@ -300,7 +418,8 @@ class RequestPreparer:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return PreparedRequest(
             protocol=ApiProtocol.COMPLETIONS,
-            model=request.model,
+            model=target.served,
+            requested_model=request.model,
             conversation=None,
             token_ids=token_ids,
             sampling=sampling,
@@ -309,3 +428,18 @@ class RequestPreparer:
             user=request.user,
             legacy=legacy.LegacyOptions(legacy.stop_sequences(request.stop), request.logprobs),
         )
+
+    def _completion_prompt(self, request: legacy.CompletionRequest) -> tuple[list[int], int]:
+        """(prompt token ids, resolved max_tokens) of a legacy completion; CompletionRefused otherwise."""
+        prompt = legacy.single_prompt(request.prompt)
+        bundle = self.encoder.bundle
+        if isinstance(prompt, str):
+            token_ids = bundle.tokenizer.encode(prompt)
+        else:
+            token_ids = prompt
+            if any(t >= bundle.vocab_size for t in token_ids):
+                raise legacy.CompletionRefused(
+                    f"Token ids in `prompt` must be below the vocabulary size {bundle.vocab_size}.", "prompt")
+        if not token_ids:
+            raise legacy.CompletionRefused("`prompt` must not be empty.", "prompt")
+        return token_ids, legacy.resolve_max_tokens(request.max_tokens, len(token_ids), self.config.context_limit)

@@ -45,15 +45,15 @@ def _generator(prepared: PreparedRequest, response_id: str) -> Any:
     conv = prepared.conversation
     assert conv is not None
     if prepared.protocol is ApiProtocol.CHAT:
-        return dr.ChatCompletionRequest.chunk_generator(conv, response_id, prepared.model)
+        return dr.ChatCompletionRequest.chunk_generator(conv, response_id, prepared.requested_model)
     if prepared.protocol is ApiProtocol.RESPONSES:
-        generator = dr.ResponsesRequest.chunk_generator(conv, response_id, prepared.model)
+        generator = dr.ResponsesRequest.chunk_generator(conv, response_id, prepared.requested_model)
         if prepared.namespace_tool_map:
             generator = generator.with_namespace_tool_map(prepared.namespace_tool_map)
         if prepared.responses_echo is not None:
             generator = generator.with_echo(prepared.responses_echo)
         return generator
-    return dr.MessagesRequest.chunk_generator(conv, response_id, prepared.model)
+    return dr.MessagesRequest.chunk_generator(conv, response_id, prepared.requested_model)
 
 
 class ResponseStream:
@@ -71,7 +71,7 @@ class ResponseStream:
         self._legacy: TextCompletionProcessor | None = None
         if prepared.protocol is ApiProtocol.COMPLETIONS:
             self._legacy = TextCompletionProcessor(token_bytes(bundle.json_text), prepared.legacy or LegacyOptions(),
-                                                   response_id, prepared.model, prepared.created,
+                                                   response_id, prepared.requested_model, prepared.created,
                                                    prepared.include_usage)
             self._processor: Any = self._legacy
         else:
@@ -88,7 +88,7 @@ class ResponseStream:
     def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
         if not self._stream:
             self._accumulator = self._response_type(
-                self.response_id, self.prepared.model, self.prepared.created, prompt_tokens, cached_tokens
+                self.response_id, self.prepared.requested_model, self.prepared.created, prompt_tokens, cached_tokens
             )
         if self._legacy is not None:
             return self._emit(self._legacy.ready(prompt_tokens, cached_tokens))
