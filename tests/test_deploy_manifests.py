@@ -10,6 +10,7 @@ checks (`compose config`, `kubectl kustomize`) run too.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,7 +23,8 @@ import yaml
 
 from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.auth import KeyStore
+from deepinfer_gateway.gateway.metrics_reference import exposed_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -77,15 +79,7 @@ def parse_cli(argv: list[str]) -> Any:
 def exported_metric_names() -> set[str]:
     """Every series name the gateway's registry can expose (labelled metrics included even
     before their first child exists)."""
-    names: set[str] = set()
-    for family in GatewayMetrics().registry.collect():
-        if family.type == "counter":
-            names |= {family.name + "_total", family.name + "_created"}
-        elif family.type == "histogram":
-            names |= {family.name + s for s in ("_bucket", "_sum", "_count", "_created")}
-        else:
-            names.add(family.name)
-    return names
+    return exposed_names()
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -152,6 +146,158 @@ def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.Mo
             counts[key] = counts.get(key, 0) + 1
         assert counts == POOL, path
         assert len({w.worker_id for w in settings.workers}) == len(settings.workers), path
+
+
+# ------------------------------------------------------------------------------ closed by default, drain budget
+
+DRAIN_MARGIN_S = 5.0  # after shutdown_grace_s: cancelling what is left, the lifespan's shutdown
+COMPOSE_DEFAULT_STOP_GRACE_S = 10.0  # docker compose's stop_grace_period when none is set
+
+
+class ShippedGateway:
+    """One gateway as a deploy file runs it: its config TOML and its DGW_* environment."""
+
+    def __init__(self, where: str, toml_text: str, env: dict[str, str], source: Path | None) -> None:
+        self.where, self.toml_text, self.env, self.source = where, toml_text, env, source
+
+    def settings(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml_text: str | None = None
+                 ) -> GatewaySettings:
+        for name in list(os.environ):
+            if name.startswith("DGW_"):
+                monkeypatch.delenv(name)
+        for name, value in self.env.items():
+            monkeypatch.setenv(name, value)
+        path = tmp_path / "gateway.toml"
+        path.write_text(self.toml_text if toml_text is None else toml_text)
+        return load_settings(path)
+
+
+def _dgw_env(pairs: dict[str, Any]) -> dict[str, str]:
+    """The DGW_* variables, compose's `${VAR:-default}` taken at its default."""
+    return {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in pairs.items() if k.startswith("DGW_")}
+
+
+def _compose_gateways(files: list[Path]) -> list[ShippedGateway]:
+    merged: dict[str, Any] = {}
+    top_configs: dict[str, Any] = {}
+    for f in files:  # the override replaces mounts by target, as compose merges them
+        doc = yaml.safe_load(f.read_text())
+        top_configs.update(doc.get("configs") or {})
+        for name, svc in doc["services"].items():
+            base = merged.setdefault(name, {})
+            for key, value in svc.items():
+                if key == "volumes":
+                    mounts = {v.split(":")[1]: v for v in base.get("volumes", [])}
+                    mounts.update({v.split(":")[1]: v for v in value})
+                    base["volumes"] = list(mounts.values())
+                else:
+                    base[key] = value
+    out = []
+    for name, svc in merged.items():
+        if "deepinfer-gateway" not in str(svc.get("image", "")) or parse_cli(svc["command"]).command != "serve":
+            continue
+        target = parse_cli(svc["command"]).config
+        where = f"{'+'.join(f.name for f in files)}:{name}"
+        sources = {v.split(":")[1]: v.split(":")[0] for v in svc.get("volumes", [])}
+        configs = {c["target"]: c["source"] for c in svc.get("configs", []) if isinstance(c, dict)}
+        if target in sources:
+            path = (DEPLOY / sources[target]).resolve()
+            out.append(ShippedGateway(where, path.read_text(), _dgw_env(svc.get("environment", {})), path))
+        else:  # a compose `configs:` entry, inline (`content`) or from a file
+            config = top_configs[configs[target]]
+            text = config["content"] if "content" in config else (DEPLOY / config["file"]).read_text()
+            out.append(ShippedGateway(where, text, _dgw_env(svc.get("environment", {})), None))
+    return out
+
+
+def _k8s_gateways() -> list[ShippedGateway]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    generated = {g["name"]: g["files"] for g in kustomization.get("configMapGenerator", [])}
+    config_maps = {c["metadata"]["name"]: c for c in by_kind("ConfigMap")}
+    out = []
+    for workload in by_kind("Deployment") + by_kind("StatefulSet"):
+        pod = workload["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            if not c["image"].startswith("deepinfer-gateway") or parse_cli(c["args"]).command != "serve":
+                continue
+            args = parse_cli(c["args"])
+            mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
+            map_name, file_name = volumes[mount["name"]]["configMap"]["name"], Path(args.config).name
+            env = _dgw_env({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+            where = f"k8s:{workload['metadata']['name']}/{c['name']}"
+            if map_name in generated:
+                path = next(K8S / f for f in generated[map_name] if Path(f).name == file_name)
+                out.append(ShippedGateway(where, path.read_text(), env, path.resolve()))
+            else:  # a ConfigMap written out in the manifests
+                out.append(ShippedGateway(where, config_maps[map_name]["data"][file_name], env, None))
+    return out
+
+
+def shipped_gateways() -> list[ShippedGateway]:
+    """Every gateway the deploy files run (compose with and without the unified override,
+    Kubernetes), then every other gateway TOML under deploy/ as it stands (no environment)."""
+    run = _compose_gateways([COMPOSE_FILE]) + _compose_gateways([COMPOSE_FILE, UNIFIED_OVERRIDE]) + _k8s_gateways()
+    used = {g.source for g in run}
+    alone = [ShippedGateway(str(p.relative_to(ROOT)), p.read_text(), {}, p.resolve())
+             for p in sorted(DEPLOY.rglob("*.toml")) if p.resolve() not in used]
+    return run + alone
+
+
+def serves_without_keys(settings: GatewaySettings) -> bool:
+    """The gateway's own rule: app.py's lifespan hands KeyStore its Redis client when
+    api_keys_in_redis is on and a Redis is configured (a URL stands in for the client)."""
+    redis = settings.redis_url if settings.api_keys_in_redis else None
+    return not KeyStore(settings.api_keys, redis).enabled
+
+
+def test_every_shipped_gateway_refuses_requests_without_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gateways = shipped_gateways()
+    where = {g.where for g in gateways}
+    assert {"docker-compose.yml:gateway-1", "docker-compose.yml+docker-compose.unified.yml:gateway-2",
+            "k8s:gateway/gateway", "deploy/gateway/deepinfer-pd.toml"} <= where, where
+    for gateway in gateways:
+        settings = gateway.settings(tmp_path, monkeypatch)
+        assert not serves_without_keys(settings), f"{gateway.where} serves requests without an API key"
+        # The check tells the two apart: the same deployment without keys is flagged.
+        opened = re.sub(r"(?m)^api_keys_in_redis\s*=.*$", "api_keys_in_redis = false", gateway.toml_text)
+        opened = re.sub(r"(?ms)^\[\[api_keys\]\].*?(?=^\[)", "", opened)
+        assert serves_without_keys(gateway.settings(tmp_path, monkeypatch, opened)), gateway.where
+
+
+def _seconds(duration: str | int | float) -> float:
+    """A compose duration (`40s`, `1m30s`) or a plain number of seconds."""
+    if isinstance(duration, (int, float)):
+        return float(duration)
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_k8s_drain_fits_the_termination_grace_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deployments = {d["metadata"]["name"]: d for d in by_kind("Deployment")}
+    gateways = [g for g in shipped_gateways() if g.where.startswith("k8s:")]
+    assert gateways
+    for gateway in gateways:
+        pod = deployments[gateway.where.split(":")[1].split("/")[0]]["spec"]["template"]["spec"]
+        (container,) = [c for c in pod["containers"] if c["name"] == gateway.where.split("/")[1]]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep" and len(command) == 2, command
+        settings = gateway.settings(tmp_path, monkeypatch)
+        needed = float(command[1]) + settings.shutdown_delay_s + settings.shutdown_grace_s + DRAIN_MARGIN_S
+        assert needed <= pod["terminationGracePeriodSeconds"], (gateway.where, needed)
+
+
+def test_compose_drain_fits_the_stop_grace_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for files in ([COMPOSE_FILE], [COMPOSE_FILE, UNIFIED_OVERRIDE]):
+        services = compose()["services"]
+        for gateway in _compose_gateways(files):
+            service = services[gateway.where.split(":")[1]]
+            stop_grace = _seconds(service.get("stop_grace_period", COMPOSE_DEFAULT_STOP_GRACE_S))
+            settings = gateway.settings(tmp_path, monkeypatch)
+            needed = settings.shutdown_delay_s + settings.shutdown_grace_s + DRAIN_MARGIN_S
+            assert needed <= stop_grace, (gateway.where, needed, stop_grace)
 
 
 # ------------------------------------------------------------------------------ Dockerfile

@@ -1,0 +1,197 @@
+"""Shipped deployments, run for real on loopback: a gateway process started from a deploy
+file's own config and environment (only host, port, Redis URL and worker addresses moved to
+loopback), real Redis, a real simulated cluster, the real SDKs as clients."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+import redis
+import yaml
+
+from deepinfer_gateway.config import load_settings
+from deepinfer_gateway.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+MODEL = "DeepSeek-V4.1-Flash"
+PD_WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"
+
+
+def _k8s_gateway() -> tuple[Path, dict[str, str]]:
+    docs = [d for d in yaml.safe_load_all((K8S / "gateway.yaml").read_text()) if d]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return K8S / "gateway.toml", {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def _compose_gateway() -> tuple[Path, dict[str, str]]:
+    service = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["gateway-1"]
+    (mount,) = [v for v in service["volumes"] if v.split(":")[1] == service["command"][-1]]
+    env = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in service["environment"].items()}
+    return DEPLOY / mount.split(":")[0], env
+
+
+SHIPPED = {"k8s": _k8s_gateway, "compose": _compose_gateway}
+
+
+@pytest.fixture(scope="module")
+def pd_cluster() -> Iterator[SimCluster]:
+    cluster = SimCluster(PD_WORKERS, time_scale=20.0)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module", params=sorted(SHIPPED))
+def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redis_url: str,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A shipped gateway config with its deploy file's environment (the k8s Deployment's, the
+    compose service's); the worker URLs point at loopback workers of the same role and
+    hardware, DGW_HOST/PORT/REDIS_URL at loopback."""
+    shipped, shipped_env = SHIPPED[request.param]()
+    text = shipped.read_text()
+    free = {}
+    for url, spec in zip(pd_cluster.urls, pd_cluster.specs):
+        free.setdefault(spec, []).append(url)
+    for worker in load_settings(shipped).workers:
+        text, n = re.subn(rf'(?m)^url = "{re.escape(worker.url)}"$',
+                          f'url = "{free[f"{worker.role}:{worker.hardware}"].pop(0)}"', text)
+        assert n == 1, worker.url
+    config = tmp_path_factory.mktemp(request.param) / "gateway.toml"
+    config.write_text(text)
+    port = free_port()
+    env = {**shipped_env, "DGW_HOST": "127.0.0.1", "DGW_PORT": str(port), "DGW_REDIS_URL": redis_url}
+    proc = Proc(CLI + ["serve", "--config", str(config)], env=env)
+    try:
+        wait_for_port(port, timeout=30)
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url, healthy=len(pd_cluster.urls))
+        yield url
+    finally:
+        proc.stop()
+
+
+def _wait_ready(url: str, healthy: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=2)
+        try:
+            conn.request("GET", "/ready")
+            if json.loads(conn.getresponse().read())["healthy_workers"] >= healthy:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} never saw {healthy} healthy workers")
+
+
+@pytest.fixture
+def redis_key(redis_url: str) -> Iterator[str]:
+    """A fresh API key stored in Redis the way docs/deploy.md says to add one."""
+    key = "dgw-" + secrets.token_urlsafe(16)
+    name = f"dgw:apikey:{hashlib.sha256(key.encode()).hexdigest()}"
+    client = redis.Redis.from_url(redis_url)
+    client.hset(name, mapping={"name": "e2e-deploy", "workload_class": "chat"})
+    yield key
+    client.delete(name)
+    client.close()
+
+
+def test_shipped_gateway_refuses_without_a_key_and_serves_a_key_from_redis(shipped_gateway: str,
+                                                                          redis_key: str) -> None:
+    host = shipped_gateway.split("//")[1]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+    conn = http.client.HTTPConnection(host, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 401, response.read()
+    assert json.loads(response.read())["error"]["message"] == "Missing or invalid API key."
+    conn.close()
+
+    with openai.OpenAI(base_url=shipped_gateway + "/v1", api_key="dgw-not-a-stored-key", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+    with openai.OpenAI(base_url=shipped_gateway + "/v1", api_key=redis_key, max_retries=0) as client:
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                max_tokens=8)
+        assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 8
+    with anthropic.Anthropic(base_url=shipped_gateway, api_key="dgw-not-a-stored-key", max_retries=0) as claude:
+        with pytest.raises(anthropic.AuthenticationError):
+            claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}])
+    with anthropic.Anthropic(base_url=shipped_gateway, api_key=redis_key, max_retries=0) as claude:
+        message = claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}])
+        assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+
+
+def _get_ready(conn: http.client.HTTPConnection) -> tuple[int, dict[str, object]]:
+    conn.request("GET", "/ready")
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def test_sigterm_turns_ready_503_while_a_stream_in_flight_completes(tmp_path: Path) -> None:
+    """Real time (time_scale 1) so the stream outlives the drain delay: /ready answers 503
+    `shutting_down` from SIGTERM on, on a keep-alive connection opened before it and on new
+    ones; after the delay the port closes; the stream still ends with [DONE]."""
+    delay_s = 2.0
+    cluster = SimCluster("unified:sm100", time_scale=1.0)
+    gateway = Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")],
+                      extra_toml=f"shutdown_delay_s = {delay_s}\nshutdown_grace_s = 30")
+    try:
+        gateway.wait_ready(1)
+        host = gateway.url.split("//")[1]
+        probe = http.client.HTTPConnection(host, timeout=5)  # kept alive across the signal
+        assert _get_ready(probe)[0] == 200
+
+        stream = http.client.HTTPConnection(host, timeout=60)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "stream": True, "max_tokens": 600, "ignore_eos": True}
+        stream.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        response = stream.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # generating
+
+        signalled = time.monotonic()
+        os.kill(gateway.proc.proc.pid, signal.SIGTERM)
+        answers = [_get_ready(probe)]  # the signal lands asynchronously: a request may pass first
+        while answers[-1][0] == 200 and time.monotonic() - signalled < 1.0:
+            answers.append(_get_ready(probe))
+        assert answers[-1] == (503, {"status": "shutting_down", "healthy_workers": 1}), answers
+        fresh = http.client.HTTPConnection(host, timeout=5)
+        assert _get_ready(fresh)[0] == 503  # the port stays open for the delay
+        fresh.close()
+
+        refused_at = None
+        while refused_at is None and time.monotonic() - signalled < delay_s + 5:
+            try:
+                socket.create_connection(("127.0.0.1", gateway.port), timeout=1).close()
+                time.sleep(0.1)
+            except ConnectionRefusedError:
+                refused_at = time.monotonic() - signalled
+        assert refused_at is not None and refused_at >= delay_s, refused_at
+
+        rest = response.read()  # the stream carries on after the port closed
+        finished_at = time.monotonic() - signalled
+        assert rest.rstrip().endswith(b"data: [DONE]"), rest[-200:]
+        assert b'"finish_reason":"length"' in rest
+        assert finished_at > refused_at, (finished_at, refused_at)
+        assert gateway.proc.proc.wait(timeout=30) == 0
+    finally:
+        gateway.stop()
+        cluster.stop()
