@@ -11,26 +11,34 @@
 # in the image: build FROM your accelerator base image instead (see docs/deploy.md).
 #
 # Build args:
-#   PYTHON_VERSION  3.12 (DeepInfer's version; the gateway itself needs >= 3.11)
-#   EXTRAS          optional extras of the package, e.g. "[bench]"
-# Wheels that are not on your index (private builds, air-gapped sites) can be dropped
-# into deploy/wheels/ before the build: the builder looks there first.
+#   BASE_IMAGE      the base of both stages; default python:3.11-slim-bookworm pinned by
+#                   digest, so a rebuild gets the same base
+#   PYTHON_VERSION  e.g. 3.12 (DeepInfer's version): python:<version>-slim-bookworm by tag,
+#                   unpinned, or a local image of that name (the gateway needs >= 3.11)
+#   EXTRAS          optional extras of the package, e.g. "[bench]" (locked too)
+# Dependencies come from requirements.lock (exact versions and hashes; docs/deploy.md says
+# how to regenerate it). Wheels that are not on your index (air-gapped sites) can be
+# dropped into deploy/wheels/ before the build: the builder looks there first, and their
+# hashes must match the lock.
 
-ARG PYTHON_VERSION=3.12
+ARG PYTHON_VERSION=""
+ARG PYTHON_BASE=${PYTHON_VERSION:+python:}${PYTHON_VERSION}${PYTHON_VERSION:+-slim-bookworm}
+ARG BASE_IMAGE=${PYTHON_BASE:-python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b}
 
 # ---------------------------------------------------------------- builder: wheels only
-FROM python:${PYTHON_VERSION}-slim-bookworm AS builder
-ARG EXTRAS=""
+FROM ${BASE_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /build
 COPY deploy/wheels/ /build/local-wheels/
-COPY pyproject.toml README.md ./
+COPY requirements.lock pyproject.toml README.md ./
 COPY deepinfer_gateway/ ./deepinfer_gateway/
-# The project's wheel plus every dependency's wheel; the runtime installs from here only.
-RUN python -m pip wheel --wheel-dir /wheels --find-links /build/local-wheels ".${EXTRAS}"
+# Every locked dependency's wheel (the extras' too, so EXTRAS installs locked versions),
+# then the project's own; the runtime installs from here only.
+RUN python -m pip wheel --wheel-dir /wheels --find-links /build/local-wheels --require-hashes -r requirements.lock \
+ && python -m pip wheel --wheel-dir /wheels --no-deps .
 
 # ---------------------------------------------------------------- runtime: slim, non-root
-FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+FROM ${BASE_IMAGE} AS runtime
 ARG EXTRAS=""
 LABEL org.opencontainers.image.title="deepinfer-gateway" \
       org.opencontainers.image.description="OpenAI/Anthropic gateway, KV-cache-aware router and simulated engine workers for DeepInfer" \
@@ -54,7 +62,7 @@ RUN deepinfer-gateway warm-cache
 # 8000: gateway (serve, demo); 8100: a worker's default port
 EXPOSE 8000 8100
 
-# No curl in the image: the probe is Python. HEALTHCHECK_URL overrides the target (workers:
+# No curl in the image: the probe is Python. podman keeps HEALTHCHECK only with `--format docker`. HEALTHCHECK_URL overrides the target (workers:
 # http://127.0.0.1:8100/health); otherwise the gateway's port from DGW_PORT (default 8000).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request as u; url = os.environ.get('HEALTHCHECK_URL') or 'http://127.0.0.1:%s/health' % os.environ.get('DGW_PORT', '8000'); u.urlopen(url, timeout=2).close()"]

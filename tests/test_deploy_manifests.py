@@ -24,7 +24,7 @@ import yaml
 from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
 from deepinfer_gateway.gateway.auth import KeyStore
-from deepinfer_gateway.gateway.metrics_reference import exposed_names
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -79,7 +79,15 @@ def parse_cli(argv: list[str]) -> Any:
 def exported_metric_names() -> set[str]:
     """Every series name the gateway's registry can expose (labelled metrics included even
     before their first child exists)."""
-    return exposed_names()
+    names: set[str] = set()
+    for family in GatewayMetrics().registry.collect():
+        if family.type == "counter":
+            names |= {family.name + "_total", family.name + "_created"}
+        elif family.type == "histogram":
+            names |= {family.name + s for s in ("_bucket", "_sum", "_count", "_created")}
+        else:
+            names.add(family.name)
+    return names
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -331,6 +339,68 @@ def test_dockerfile_multistage_nonroot_healthcheck_entrypoint() -> None:
     user_at = max(i for i, (word, _) in enumerate(instr) if word == "USER")
     assert len(runs) == 1 and runs[0] > user_at
     assert parse_cli(["warm-cache"]).command == "warm-cache"
+
+
+def _build_arg_value(text: str, args: dict[str, str]) -> str:
+    """Dockerfile substitution of the forms the global ARGs use: ${A}, ${A:-word}, ${A:+word}."""
+    def one(m: re.Match[str]) -> str:
+        value = args.get(m.group(1), "")
+        if m.group(2) == ":-":
+            return value or m.group(3)
+        if m.group(2) == ":+":
+            return m.group(3) if value else ""
+        return value
+    return re.sub(r"\$\{(\w+)(?:(:[-+])([^}]*))?\}", one, text)
+
+
+def dockerfile_bases(build_args: dict[str, str]) -> list[str]:
+    """The image each FROM names under these --build-arg values (global ARGs, in order)."""
+    args: dict[str, str] = {}
+    bases = []
+    for word, rest in dockerfile_instructions():
+        if word == "ARG" and not bases:
+            name, _, default = rest.partition("=")
+            args[name] = build_args.get(name, _build_arg_value(default.strip('"'), args))
+        elif word == "FROM":
+            bases.append(_build_arg_value(rest.split()[0], args))
+    return bases
+
+
+def test_dockerfile_base_is_pinned_by_digest_and_overridable() -> None:
+    pinned = dockerfile_bases({})
+    assert len(pinned) == 2 and len(set(pinned)) == 1
+    assert re.fullmatch(r"python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", pinned[0]), pinned
+    # /work/shared/tools/fresh-machine.sh build-image: a local base by tag, no pull.
+    assert set(dockerfile_bases({"PYTHON_VERSION": "3.11"})) == {"python:3.11-slim-bookworm"}
+    assert set(dockerfile_bases({"BASE_IMAGE": "registry.example/cuda-py:13"})) == {"registry.example/cuda-py:13"}
+
+
+def test_dockerfile_builder_installs_from_the_hashed_lock() -> None:
+    runs = [rest for word, rest in dockerfile_instructions() if word == "RUN" and "pip wheel" in rest]
+    assert len(runs) == 1 and "--require-hashes -r requirements.lock" in runs[0]
+    assert "--no-deps ." in runs[0]  # the project itself; its dependencies come from the lock only
+
+
+def test_lock_pins_every_dependency_of_pyproject_with_hashes() -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    text = (ROOT / "requirements.lock").read_text()
+    entries = re.findall(r"(?m)^([A-Za-z0-9_.\-]+)==([^\s;\\]+)((?:\s*;[^\\\n]*)?)\s*\\\n((?:\s+--hash=sha256:[0-9a-f]{64}\s*\\?\n?)+)",
+                         text)
+    pinned = {canonicalize_name(name): version for name, version, _marker, _hashes in entries}
+    assert len(entries) == len(re.findall(r"(?m)^[A-Za-z0-9_.\-]+==", text)), "a locked package without hashes"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    locked_extras = {"bench", "otel"}  # what the image's EXTRAS may ask for
+    wanted = list(project["dependencies"]) + [r for e in locked_extras for r in project["optional-dependencies"][e]]
+    env = {"python_version": "3.11", "sys_platform": "linux", "platform_system": "Linux", "extra": ""}
+    for line in wanted:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        name = canonicalize_name(req.name)
+        assert name in pinned, f"{req.name} is not in requirements.lock (regenerate it: docs/deploy.md)"
+        assert req.specifier.contains(pinned[name], prereleases=True), f"lock pins {name}=={pinned[name]}, wants {req}"
 
 
 def test_dockerfile_copies_only_what_dockerignore_lets_in() -> None:
