@@ -12,7 +12,7 @@ connection: requests actually written per lookup), the rate of block events
 ingested into the Redis-backed index (local view + Redis), and the longest PING another
 client sees while a 1M-block worker snapshot is pushed (what a gap in Redis's cursor
 triggers): staged in chunks as the index does, against one script call holding it all. Without --redis-url it starts
-its own redis-server on a free port. Last line: one JSON object.
+its own Redis on a free port. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -22,12 +22,8 @@ import asyncio
 import contextlib
 import json
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Iterator
@@ -39,6 +35,7 @@ from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, pack_hashes
 from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.redis_conn import HiredisPackingConnection, redis_client
+from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisProcess, redis_server_binary
 
 WORKERS = 64
 PROMPT_TOKENS = 131_072
@@ -63,50 +60,17 @@ def pct(samples: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def redis_url_or_own(url: str | None) -> Iterator[str]:
-    """`url`, or the URL of a redis-server of our own on a free port, killed on exit."""
+    """`url`, or the URL of a Redis of our own on a free port (redis_process.py picks the binary), killed on exit."""
     if url is not None:
         yield url
         return
-    proc, url = _start_redis()
-    print(f"started redis-server at {url}")
     try:
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found; pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            tempfile.gettempdir(),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
+        server_binary = redis_server_binary()
+    except NoRedisServerBinary as e:
+        sys.exit(f"{e}; or pass --redis-url")
+    with RedisProcess() as server:
+        print(f"started {server_binary} at {server.url}")
+        yield server.url
 
 
 def batches(n_blocks: int, prompt: list[int], rng: random.Random) -> dict[str, list[KvEventBatch]]:

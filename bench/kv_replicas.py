@@ -10,7 +10,7 @@ its own namespace, modes interleaved 3 times in one run (medians reported): EVAL
 and Redis-side microseconds (INFO commandstats) per worker batch (one batch, however many
 replicas applied it), the Redis process's CPU, the wall time of the replicas' applies,
 and a check that Redis ends up holding every worker's blocks. Steady-state batches: `--events` events of
-16 blocks per worker per round. Without --redis-url it starts its own redis-server.
+16 blocks per worker per round. Without --redis-url it starts its own Redis.
 Last line: one JSON object.
 """
 

@@ -1,19 +1,17 @@
-"""Shared fixtures. Real parts only: a real redis-server, real HTTP on loopback."""
+"""Shared fixtures. Real parts only: a real Redis-compatible server (deepinfer_gateway/redis_process.py
+says which binary), real HTTP on loopback."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
 
-from deepinfer_gateway.launch import free_port, wait_for_port
+from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
+from deepinfer_gateway.redis_process import RedisProcess as RedisServer  # the type tests annotate with
 
 if TYPE_CHECKING:
     import openai
@@ -33,13 +31,26 @@ def _restore_root_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
-def _redis_binary(name: str) -> str:
-    binary = shutil.which(name)
-    if binary is None:
+def _require_redis_server() -> None:
+    """Skip without a Redis-compatible server binary; fail under CI=true, where nothing Redis may skip."""
+    try:
+        redis_server_binary()
+    except NoRedisServerBinary as e:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"{name} is not installed; CI must never skip Redis tests")
-        pytest.skip(f"{name} is not installed")
-    return binary
+            pytest.fail(f"{e}; CI must never skip Redis tests")
+        pytest.skip(str(e))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under CI=true a Redis test that skips, for whatever reason, is reported as failed."""
+    report = yield
+    if os.environ.get("CI") == "true" and report.skipped:
+        reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
+        if "redis" in reason.lower() or "valkey" in reason.lower():
+            report.outcome = "failed"
+            report.longrepr = f"skipped under CI=true, where nothing Redis may skip: {reason}"
+    return report
 
 
 def redis_backend_url(request: pytest.FixtureRequest, backend: str) -> str:
@@ -47,41 +58,16 @@ def redis_backend_url(request: pytest.FixtureRequest, backend: str) -> str:
     return str(request.getfixturevalue(backend.replace("-", "_") + "_url"))
 
 
-class RedisServer:
-    """A redis-server process of the test's own on a free port (killable, restartable)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [_redis_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for_port(self.port)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """REDIS_URL when given, else a redis-server of our own for the whole session."""
+    """REDIS_URL when given, else a Redis of our own for the whole session."""
     given = os.environ.get("REDIS_URL")
     if given:
         yield given
         return
-    server = RedisServer()
-    server.start()
-    yield server.url
-    server.stop()
+    _require_redis_server()
+    with RedisServer() as server:
+        yield server.url
 
 
 @pytest.fixture(scope="session")
@@ -92,42 +78,17 @@ def redis_cluster_url() -> Iterator[str]:
     if given:
         yield given
         return
-    server, cli = _redis_binary("redis-server"), _redis_binary("redis-cli")
-    ports = [free_port() for _ in range(3)]
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            subprocess.Popen(  # bus port given: the default, port + 10000, may exceed 65535
-                [server, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
-                 "--cluster-config-file", f"{tmp}/nodes-{p}.conf"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            for p in ports
-        ]
-        try:
-            for p in ports:
-                wait_for_port(p)
-            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                            "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
-            deadline = time.monotonic() + 20
-            while b"cluster_state:ok" not in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
-                                                           capture_output=True).stdout:
-                assert time.monotonic() < deadline, "the Redis Cluster did not reach state ok"
-                time.sleep(0.1)
-            yield f"redis://127.0.0.1:{ports[0]}/0"
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+    _require_redis_server()
+    with RedisClusterProcesses(masters=3) as cluster:
+        yield cluster.url
 
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    """A private redis-server a test may kill and restart."""
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+    """A private Redis a test may kill and restart (`stop()`, `start()`: empty, same port)."""
+    _require_redis_server()
+    with RedisServer() as server:
+        yield server
 
 
 DEMO_WORKERS = "unified:sm100,unified:sm100,unified:ascend950"

