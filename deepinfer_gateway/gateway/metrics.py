@@ -1,31 +1,84 @@
 """Prometheus metrics of one gateway process, in a registry it owns.
 
-Names are a contract (docs/architecture: Grafana dashboard, benchmarks): prefix `dgw_`,
-counters end in `_total`, durations in `_seconds`, labels bounded (protocol, model from
-the configured list, status code, pool, hardware, reason enum, worker id from config).
+Names are a contract (docs/metrics.md, generated from this registry by
+`python -m deepinfer_gateway.gateway.metrics_reference`; the Grafana dashboard, the alert
+rules and the benchmarks read them): prefix `dgw_`, counters end in `_total`, durations
+in `_seconds`, labels bounded (protocol, model from the configured list, status code,
+pool, hardware, reason enum, worker id from config).
+
+Per-request histograms are labelled `model, pool, hardware`; the request path looks their
+children up once per worker leg (`request_series`), never per streamed chunk.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import functools
+import json
+import platform
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOOKUP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Prompt lengths up to the 128k context, output lengths up to 32k.
+PROMPT_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 98304, 131072)
+OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+REQUEST_LABELS = ("model", "pool", "hardware")
+WORKER_LABEL = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSeries:
+    """The per-request histograms' children of one (model, pool, hardware)."""
+
+    model: str
+    pool: str
+    hardware: str
+    ttft: Histogram
+    itl: Histogram
+    duration: Histogram
+    queue: Histogram
+    prompt_len: Histogram
+    output_len: Histogram
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.build = Info("dgw_build", "Build of this gateway process (value 1): version, python, git_sha",
+                          registry=r)
+        self.build.info(build_labels())
         self.requests = Counter("dgw_requests", "Client requests by outcome", ["protocol", "model", "status"], registry=r)
-        self.ttft = Histogram("dgw_time_to_first_token_seconds", "Request arrival to first token sent",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("dgw_inter_token_latency_seconds", "Gap between streamed token messages",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.duration = Histogram("dgw_request_duration_seconds", "Request arrival to last byte",
-                                  buckets=DURATION_BUCKETS, registry=r)
+        self.ttft = Histogram("dgw_time_to_first_token_seconds",
+                              "Request arrival to its first token sent (labels: the worker that produced it)",
+                              REQUEST_LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("dgw_inter_token_latency_seconds",
+                             "Gap between streamed token messages (labels: the worker that sent the later one)",
+                             REQUEST_LABELS, buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram("dgw_request_duration_seconds",
+                                  "Request arrival to last byte, requests that got a first token "
+                                  "(labels: the worker of the last leg)",
+                                  REQUEST_LABELS, buckets=DURATION_BUCKETS, registry=r)
+        self.queue_time = Histogram("dgw_queue_time_seconds",
+                                    "Request arrival to the serving worker's `ready` event (the engine scheduled it): "
+                                    "preprocessing, routing, retries and the engine's queue; excludes prefill",
+                                    REQUEST_LABELS, buckets=QUEUE_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("dgw_request_prompt_tokens",
+                                               "Prompt tokens per request, as the first worker counted them",
+                                               REQUEST_LABELS, buckets=PROMPT_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("dgw_request_generation_tokens",
+                                                   "Output tokens per request that got a first token, however it "
+                                                   "ended (labels: the worker of the last leg)",
+                                                   REQUEST_LABELS, buckets=OUTPUT_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("dgw_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.cached_tokens = Counter("dgw_cached_prompt_tokens", "Prompt tokens the worker reported cached",
                                      ["tier"], registry=r)
@@ -35,17 +88,18 @@ class GatewayMetrics:
         self.generation_tokens = Counter("dgw_generation_tokens", "Output tokens relayed", registry=r)
         self.routing_decisions = Counter("dgw_routing_decisions", "Routing decisions",
                                          ["pool", "hardware", "reason"], registry=r)
-        self.worker_healthy = Gauge("dgw_worker_healthy", "1 if the worker passes health checks", ["worker"],
+        self.worker_healthy = Gauge("dgw_worker_healthy", "1 if the worker passes health checks", [WORKER_LABEL],
                                     registry=r)
         self.worker_queue_tokens = Gauge("dgw_worker_queue_tokens", "Queued prefill tokens (load report)",
-                                         ["worker"], registry=r)
-        self.worker_running = Gauge("dgw_worker_running_requests", "Running sequences (load report)", ["worker"],
+                                         [WORKER_LABEL], registry=r)
+        self.worker_running = Gauge("dgw_worker_running_requests", "Running sequences (load report)", [WORKER_LABEL],
                                     registry=r)
-        self.worker_kv_usage = Gauge("dgw_worker_kv_usage_ratio", "KV memory in use (load report)", ["worker"],
+        self.worker_kv_usage = Gauge("dgw_worker_kv_usage_ratio", "KV memory in use (load report)", [WORKER_LABEL],
                                      registry=r)
         self.prefix_lookup = Histogram("dgw_prefix_index_lookup_seconds", "Prefix index lookup latency",
                                        buckets=LOOKUP_BUCKETS, registry=r)
-        self.upstream_errors = Counter("dgw_upstream_errors", "Failed worker calls", ["worker", "kind"], registry=r)
+        self.upstream_errors = Counter("dgw_upstream_errors", "Failed worker calls", [WORKER_LABEL, "kind"],
+                                       registry=r)
         self.retries = Counter("dgw_retries", "Requests retried on another worker before the first token",
                                ["reason"], registry=r)
         self.client_disconnects = Counter("dgw_client_disconnects", "Clients gone before the end of their stream",
@@ -61,3 +115,55 @@ class GatewayMetrics:
                                     ["component"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)
+        # Every metric labelled by worker: a removed worker's series go with it.
+        self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
+                           self.upstream_errors)
+        self._series: dict[tuple[str, str, str], RequestSeries] = {}
+
+    def request_series(self, model: str, pool: str, hardware: str) -> RequestSeries:
+        """The children for a served model name, a configured pool and a Hardware value:
+        bounded keys, so the cache is too."""
+        key = (model, pool, hardware)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = RequestSeries(
+                *key, self.ttft.labels(*key), self.itl.labels(*key), self.duration.labels(*key),
+                self.queue_time.labels(*key), self.request_prompt_tokens.labels(*key),
+                self.request_generation_tokens.labels(*key))
+        return series
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop every series of a worker (it left the registry); a later one with the same
+        id starts afresh."""
+        for metric in self.per_worker:
+            metric.remove_by_labels({WORKER_LABEL: worker_id})
+
+
+@functools.cache
+def build_labels() -> dict[str, str]:
+    """`dgw_build_info`'s labels: one value each per process."""
+    version = "unknown"
+    git_sha = ""
+    try:
+        dist = metadata.distribution("deepinfer-gateway")
+        version = dist.version
+        direct_url = dist.read_text("direct_url.json")  # PEP 610: set by `pip install git+...`
+        if direct_url:
+            git_sha = json.loads(direct_url).get("vcs_info", {}).get("commit_id", "")
+    except (metadata.PackageNotFoundError, ValueError):
+        pass
+    return {"version": version, "python": platform.python_version(),
+            "git_sha": (git_sha or _checkout_sha() or "unknown")[:12]}
+
+
+def _checkout_sha() -> str:
+    """HEAD of the source checkout the package runs from (a development install), else ""."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return ""
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""

@@ -4,6 +4,9 @@ Active health checks poll each worker's info and load endpoints every `interval_
 `failures_to_eject` consecutive failures eject a worker, `successes_to_readmit` readmit
 it. Request failures count as health failures too (passive checks), so a dead worker
 is ejected at the first failed request rather than at the next poll.
+
+A removed worker takes its `dgw_*{worker}` series with it; late writers (a health check
+or a request still in flight on it) find it gone and write nothing.
 """
 
 from __future__ import annotations
@@ -66,8 +69,16 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> bool:
         state = self.workers.pop(worker_id, None)
         if state is not None:
-            self._metrics.worker_healthy.labels(worker_id).set(0)
+            self._metrics.forget_worker(worker_id)
         return state is not None
+
+    def registered(self, worker: WorkerState) -> bool:
+        return self.workers.get(worker.worker_id) is worker
+
+    def count_error(self, worker: WorkerState, kind: str) -> None:
+        """dgw_upstream_errors_total{worker,kind}, for a worker still in the registry."""
+        if self.registered(worker):
+            self._metrics.upstream_errors.labels(worker.worker_id, kind).inc()
 
     async def start(self) -> None:
         await self.check_all()
@@ -98,6 +109,8 @@ class WorkerRegistry:
         except (UpstreamError, ValueError) as exc:
             self.record_failure(worker, f"health check: {exc}")
             return
+        if not self.registered(worker):  # removed while the check was on the wire
+            return
         worker.load = load
         self._metrics.worker_queue_tokens.labels(worker.worker_id).set(load.queued_prefill_tokens)
         self._metrics.worker_running.labels(worker.worker_id).set(load.running)
@@ -110,7 +123,7 @@ class WorkerRegistry:
         if not worker.healthy and worker.consecutive_successes >= self._settings.successes_to_readmit:
             worker.healthy = True
             log.info("worker %s admitted", worker.worker_id)
-        self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)
+        self._set_healthy(worker)
 
     def record_failure(self, worker: WorkerState, why: str, *, eject_now: bool = False) -> None:
         """`eject_now` for definitive failures (connection refused) seen on a live request."""
@@ -120,4 +133,8 @@ class WorkerRegistry:
             worker.healthy = False
             log.warning("worker %s ejected after %d failures: %s", worker.worker_id,
                         worker.consecutive_failures, why)
-        self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)
+        self._set_healthy(worker)
+
+    def _set_healthy(self, worker: WorkerState) -> None:
+        if self.registered(worker):
+            self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)

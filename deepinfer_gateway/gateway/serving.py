@@ -42,7 +42,7 @@ from deepinfer_gateway.gateway.errors import (
     stream_error_frame,
 )
 from deepinfer_gateway import tracing
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.metrics import GatewayMetrics, RequestSeries
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient, WorkerStream
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
@@ -66,6 +66,7 @@ class _Leg:
 
     worker: WorkerState
     stream: WorkerStream
+    ready_at: float  # perf_counter when its `ready` event arrived
     closed: bool = False
 
 
@@ -78,6 +79,8 @@ class _Upstream:
     body: dict[str, Any]
     response: ResponseStream
     head: bytes  # protocol bytes produced so far (ready + first tokens), not yet sent
+    first_series: RequestSeries  # the first leg's (model, pool, hardware): TTFT, queue time, prompt length
+    series: RequestSeries  # the current leg's: ITL, duration, output length
     pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
     output_ids: list[int] = field(default_factory=list)  # tokens so far (the decode leg continues them)
     finished: bool = False
@@ -111,10 +114,10 @@ class RequestServer:
             "workload_class": workload_class,
             **prepared.worker_fields(),  # images
         }
-        upstream = await self._start(prepared, body, request_id, response_id, session_key or prepared.user)
+        upstream = await self._start(prepared, body, request_id, response_id, session_key or prepared.user, arrival)
         upstream.on_done = on_done
         if not prepared.stream:
-            self.metrics.ttft.observe(time.perf_counter() - arrival)
+            upstream.first_series.ttft.observe(time.perf_counter() - arrival)
         headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: upstream.leg.worker.worker_id}
         if prepared.stream:
             return _RelayResponse(self._relay(prepared, upstream, request_id, arrival),
@@ -124,7 +127,7 @@ class RequestServer:
             await self._drain(prepared, upstream, request_id)
         finally:
             self._finish(upstream, request_id)
-            self._observe_done(upstream.response, arrival)
+            self._observe_done(upstream, arrival)
         self.metrics.requests.labels(str(prepared.protocol), prepared.model, "200").inc()
         return Response(upstream.response.body(), media_type="application/json", headers=headers)
 
@@ -182,7 +185,7 @@ class RequestServer:
     # --- the first token --------------------------------------------------------------------
 
     async def _start(self, prepared: PreparedRequest, body: dict[str, Any], request_id: str, response_id: str,
-                     session_key: str | None) -> _Upstream:
+                     session_key: str | None, arrival: float) -> _Upstream:
         views = await self._views()
         if not views:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
@@ -213,9 +216,12 @@ class RequestServer:
                 self._failed(worker, exc, request_id)
                 continue
             response = ResponseStream(prepared, self.bundle, response_id)
-            upstream = _Upstream(leg, plan, body, response, b"")
+            series = self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware)
+            upstream = _Upstream(leg, plan, body, response, b"", series, series)
             cached = ready["cached_tokens"]
             upstream.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
+            series.queue.observe(leg.ready_at - arrival)
+            series.prompt_len.observe(ready["prompt_tokens"])
             self._count_prompt(plan, ready)
             upstream.pending.append(first)
             return upstream
@@ -234,6 +240,7 @@ class RequestServer:
                 await self.inflight.reserve(worker.worker_id, request_id, reserve)
             stream = await self.client.generate(worker.url, body, request_id)
             ready = await stream.next_event()
+            ready_at = time.perf_counter()
             if ready is not None and ready["event"] == "finish":
                 _raise_if_error(ready)  # refused before scheduling: finish without ready
             if ready is None or ready["event"] != "ready":
@@ -244,7 +251,7 @@ class RequestServer:
             if first["event"] == "finish" and "kv_handoff" not in first:
                 _raise_if_error(first)
             self.registry.record_success(worker)
-            return _Leg(worker, stream), ready, first
+            return _Leg(worker, stream, ready_at), ready, first
         except BaseException:
             worker.inflight -= 1
             self.metrics.inflight.dec()
@@ -256,7 +263,7 @@ class RequestServer:
                 await self.inflight.release(worker.worker_id, request_id)
 
     def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str) -> None:
-        self.metrics.upstream_errors.labels(worker.worker_id, exc.kind).inc()
+        self.registry.count_error(worker, exc.kind)
         if exc.kind in ("connect", "disconnect", "timeout", "http_status", "protocol"):
             self.registry.record_failure(worker, str(exc), eject_now=exc.kind == "connect")
         if not exc.retryable:
@@ -322,6 +329,8 @@ class RequestServer:
                 self._failed(worker, exc, request_id)
                 continue
             upstream.leg = leg
+            upstream.series = self.metrics.request_series(upstream.first_series.model, worker.pool,
+                                                          worker.spec.hardware)
             upstream.pending.append(first)
             return
         raise UpstreamError("worker_error", f"no decode worker took the hand-off: {last_error or 'none compatible'}",
@@ -336,12 +345,12 @@ class RequestServer:
             try:
                 yield upstream.head
                 last = time.perf_counter()
-                self.metrics.ttft.observe(last - arrival)
+                upstream.first_series.ttft.observe(last - arrival)
                 async for event in self._events(upstream, request_id):
                     if event["event"] == "tokens":
                         out = response.tokens(event["token_ids"], event.get("logprobs"))
                         now = time.perf_counter()
-                        self.metrics.itl.observe(now - last)
+                        upstream.series.itl.observe(now - last)
                         last = now
                         if out:
                             yield out
@@ -353,8 +362,7 @@ class RequestServer:
                 upstream.status = "200"
             except (UpstreamError, GatewayError) as exc:
                 upstream.status = "502"
-                self.metrics.upstream_errors.labels(upstream.leg.worker.worker_id,
-                                                    getattr(exc, "kind", "engine")).inc()
+                self.registry.count_error(upstream.leg.worker, getattr(exc, "kind", "engine"))
                 log.warning("request %s: stream from %s failed after the first token: %s", request_id,
                             upstream.leg.worker.worker_id, exc)
                 yield stream_error_frame(prepared.protocol, f"The worker failed mid-stream: {exc}")
@@ -366,7 +374,7 @@ class RequestServer:
             upstream.status = "499"
             self.metrics.client_disconnects.inc()
         self._finish(upstream, request_id)
-        self._observe_done(upstream.response, arrival)
+        self._observe_done(upstream, arrival)
         self.metrics.requests.labels(str(prepared.protocol), prepared.model, upstream.status).inc()
 
     async def _drain(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str) -> None:
@@ -403,9 +411,11 @@ class RequestServer:
             on_done, upstream.on_done = upstream.on_done, None
             on_done(upstream.response.completion_tokens)
 
-    def _observe_done(self, response: ResponseStream, arrival: float) -> None:
-        self.metrics.generation_tokens.inc(response.completion_tokens)
-        self.metrics.duration.observe(time.perf_counter() - arrival)
+    def _observe_done(self, upstream: _Upstream, arrival: float) -> None:
+        completion_tokens = upstream.response.completion_tokens
+        self.metrics.generation_tokens.inc(completion_tokens)
+        upstream.series.output_len.observe(completion_tokens)
+        upstream.series.duration.observe(time.perf_counter() - arrival)
 
 
 class _RelayResponse(StreamingResponse):
