@@ -24,7 +24,7 @@ import yaml
 from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
 from deepinfer_gateway.gateway.auth import KeyStore
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.metrics_reference import exposed_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -79,15 +79,7 @@ def parse_cli(argv: list[str]) -> Any:
 def exported_metric_names() -> set[str]:
     """Every series name the gateway's registry can expose (labelled metrics included even
     before their first child exists)."""
-    names: set[str] = set()
-    for family in GatewayMetrics().registry.collect():
-        if family.type == "counter":
-            names |= {family.name + "_total", family.name + "_created"}
-        elif family.type == "histogram":
-            names |= {family.name + s for s in ("_bucket", "_sum", "_count", "_created")}
-        else:
-            names.add(family.name)
-    return names
+    return exposed_names()
 
 
 def promql_metric_names(expr: str) -> set[str]:
