@@ -17,17 +17,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types import CompletionUsage
 from prometheus_client.metrics import MetricWrapperBase
 
+from deepinfer_gateway.gateway import metrics_reference
 from deepinfer_gateway.gateway.metrics import REQUEST_LABELS, WORKER_LABEL, GatewayMetrics
-from deepinfer_gateway.gateway.metrics_reference import (
-    LABELS,
-    exposed_names,
-    main as reference_main,
-    metric_docs,
-    reference_registry,
-    render,
-)
+from deepinfer_gateway.gateway.metrics_reference import LABELS, exposed_names, metric_docs, reference_registry, render
 from deepinfer_gateway.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total
 
@@ -54,21 +49,20 @@ def _client(gw: Gateway) -> openai.OpenAI:
 
 def _chat(client: openai.OpenAI, content: str, stream: bool) -> tuple[str, int, int]:
     """One chat request: (the worker that served it, prompt tokens, completion tokens)."""
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=24, stream=stream,
-        **({"stream_options": {"include_usage": True}} if stream else {}))
-    worker = raw.headers["x-dgw-worker"]
-    parsed = raw.parse()
+    create = client.chat.completions.with_raw_response.create
+    messages: list[Any] = [{"role": "user", "content": content}]
+    usage: CompletionUsage | None
     if stream:
-        usage = [chunk.usage for chunk in parsed if chunk.usage is not None][-1]
+        streamed = create(model=MODEL, messages=messages, max_tokens=24, stream=True,
+                          stream_options={"include_usage": True})
+        worker = streamed.headers["x-dgw-worker"]
+        usage = [chunk.usage for chunk in streamed.parse() if chunk.usage is not None][-1]
     else:
-        usage = parsed.usage
+        whole = create(model=MODEL, messages=messages, max_tokens=24)
+        worker = whole.headers["x-dgw-worker"]
+        usage = whole.parse().usage
     assert usage is not None
     return worker, usage.prompt_tokens, usage.completion_tokens
-
-
-def _labelled(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return total(samples, name, **labels)
 
 
 def _wait_until_counted(gw: Gateway, name: str, want: float, **labels: str) -> dict[Any, float]:
@@ -121,16 +115,16 @@ def test_histograms_carry_the_serving_workers_model_pool_and_hardware(
         mine = [s for s in served if s[0] == worker]
         series = {"model": MODEL, **labels}
         for name in PER_REQUEST:
-            assert _labelled(samples, name + "_count", **series) == len(mine), (name, series)
-        assert _labelled(samples, "dgw_request_prompt_tokens_sum", **series) == sum(p for _, p, _, _ in mine)
-        assert _labelled(samples, "dgw_request_generation_tokens_sum", **series) == sum(c for _, _, c, _ in mine)
+            assert total(samples, name + "_count", **series) == len(mine), (name, series)
+        assert total(samples, "dgw_request_prompt_tokens_sum", **series) == sum(p for _, p, _, _ in mine)
+        assert total(samples, "dgw_request_generation_tokens_sum", **series) == sum(c for _, _, c, _ in mine)
         # queue time ends at the worker's `ready`, before the first token: never longer than TTFT
-        assert 0 < _labelled(samples, "dgw_queue_time_seconds_sum", **series) <= _labelled(
+        assert 0 < total(samples, "dgw_queue_time_seconds_sum", **series) <= total(
             samples, "dgw_time_to_first_token_seconds_sum", **series)
         streamed_tokens = sum(c for _, _, c, s in mine if s)
-        assert 0 < _labelled(samples, "dgw_inter_token_latency_seconds_count", **series) <= streamed_tokens
+        assert 0 < total(samples, "dgw_inter_token_latency_seconds_count", **series) <= streamed_tokens
     # Only bounded values appear: the served model, configured pools, the Hardware enum.
-    for (name, labels), _ in samples.items():
+    for name, labels in samples:
         found = dict(labels)
         if name.startswith(PER_REQUEST + ("dgw_inter_token_latency_seconds",)):
             assert found["model"] == MODEL
@@ -174,7 +168,7 @@ def test_forget_worker_covers_every_worker_labelled_metric() -> None:
     families = list(metrics.registry.collect())
     assert not [s for f in families for s in f.samples if s.labels.get(WORKER_LABEL) == "w1"]
     kept = {f.name for f in families for s in f.samples if s.labels.get(WORKER_LABEL) == "w2"}
-    assert kept == {m.describe()[0].name for m in labelled}
+    assert kept == {next(iter(m.describe())).name for m in labelled}
 
 
 def test_request_series_are_looked_up_once_per_key() -> None:
@@ -208,14 +202,14 @@ def test_pd_first_leg_and_last_leg_label_their_own_histograms(
         prefill = {"model": MODEL, "pool": "prefill", "hardware": "ascend950"}
         decode = {"model": MODEL, "pool": "decode", "hardware": "ascend950"}
         for name in ("dgw_time_to_first_token_seconds", "dgw_queue_time_seconds", "dgw_request_prompt_tokens"):
-            assert _labelled(samples, name + "_count", **prefill) == 1, name
-            assert _labelled(samples, name + "_count", **decode) == 0, name
+            assert total(samples, name + "_count", **prefill) == 1, name
+            assert total(samples, name + "_count", **decode) == 0, name
         for name in ("dgw_request_duration_seconds", "dgw_request_generation_tokens"):
-            assert _labelled(samples, name + "_count", **decode) == 1, name
-            assert _labelled(samples, name + "_count", **prefill) == 0, name
-        assert _labelled(samples, "dgw_request_prompt_tokens_sum", **prefill) == prompt
-        assert _labelled(samples, "dgw_request_generation_tokens_sum", **decode) == completion
-        assert _labelled(samples, "dgw_inter_token_latency_seconds_count", **decode) >= 1
+            assert total(samples, name + "_count", **decode) == 1, name
+            assert total(samples, name + "_count", **prefill) == 0, name
+        assert total(samples, "dgw_request_prompt_tokens_sum", **prefill) == prompt
+        assert total(samples, "dgw_request_generation_tokens_sum", **decode) == completion
+        assert total(samples, "dgw_inter_token_latency_seconds_count", **decode) >= 1
     finally:
         gw.stop()
 
@@ -233,7 +227,7 @@ def test_reference_lists_every_metric_a_live_gateway_exports(one_worker_gateway:
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     live = {name for name, _ in scrape(one_worker_gateway.url)}
     assert len(live) > 20 and live <= exposed_names(), sorted(live - exposed_names())
-    reference_main()
+    metrics_reference.main()
     printed = capsys.readouterr().out
     for doc in metric_docs():
         assert f"| `{doc.name}` | {doc.type} |" in printed
@@ -272,7 +266,9 @@ def test_dashboard_has_model_pool_and_hardware_variables_from_labelled_metrics()
     for label in REQUEST_LABELS:
         var = variables[label]
         assert var["type"] == "query" and var["includeAll"] and var["multi"]
-        metric, queried = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]["query"]).groups()
+        query = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]["query"])
+        assert query is not None, var["query"]
+        metric, queried = query.groups()
         assert metric in names and queried == label and label in docs[metric].labels
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
@@ -23,7 +24,7 @@ from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 from deepinfer_gateway.router.policy import Reason
 
 
-def _values(enum: type) -> str:
+def _values(enum: type[StrEnum]) -> str:
     return ", ".join(f"`{m}`" for m in enum)
 
 
