@@ -37,40 +37,51 @@ def percentiles(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command")
     report = sub.add_parser("report", help="side-by-side table of bench summaries")
-    report.add_argument("dirs", nargs="+", type=Path)
-    report.add_argument("--markdown", action="store_true")
+    report.add_argument("dirs", nargs="+", type=Path, help="bench output directories (each holds summary.json)")
+    report.add_argument("--markdown", action="store_true", help="a Markdown table instead of plain text")
 
-    parser.add_argument("--url", help="server root or OpenAI base URL (http://host:port[/v1])")
+    parser.add_argument("--url", help="server root or OpenAI base URL, http://host:port[/v1] (required to run)")
     parser.add_argument("--trace", help=(
         "trace file (Mooncake .jsonl[.gz], Azure .csv), a published trace downloaded once into the cache "
-        "(mooncake:conversation|synthetic|toolagent|arxiv, azure:code|conv), or synthetic:chat|agent[:k=v,...]"))
-    parser.add_argument("--out", type=Path, help="output directory")
-    parser.add_argument("--protocol", choices=["chat", "responses", "messages"], default="chat")
+        "(mooncake:conversation|synthetic|toolagent|arxiv, azure:code|conv), or synthetic:chat|agent[:k=v,...] "
+        "(required to run)"))
+    parser.add_argument("--out", type=Path, help="output directory (required to run)")
+    parser.add_argument("--protocol", choices=["chat", "responses", "messages"], default="chat",
+                        help="API the requests use: OpenAI Chat Completions, OpenAI Responses, Anthropic Messages")
     parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
-    parser.add_argument("--api-key", default="bench")
+    parser.add_argument("--api-key", default="bench", help="API key the clients send")
     parser.add_argument("--speedup", type=float, default=1.0, help="open loop: trace clock x SPEEDUP")
-    parser.add_argument("--concurrency", type=int, default=None, help="closed loop at this many concurrent users")
-    parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests")
-    parser.add_argument("--duration", type=duration, default=None, help="send no request after this (e.g. 5m)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="closed loop at this many concurrent users (default: open loop)")
+    parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests (default: all)")
+    parser.add_argument("--duration", type=duration, default=None,
+                        help="send no request after this, e.g. 5m (default: the whole trace)")
     parser.add_argument("--drain-timeout", type=duration, default=60.0, help="grace after --duration, then cancel")
-    parser.add_argument("--request-timeout", type=duration, default=600.0)
-    parser.add_argument("--max-connections", type=int, default=1024)
-    parser.add_argument("--slo-ttft", type=duration, default=None)
-    parser.add_argument("--slo-tpot", type=duration, default=None)
-    parser.add_argument("--gpu-hour-usd", type=float, default=None)
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs serving the target (cost, per-GPU throughput)")
+    parser.add_argument("--request-timeout", type=duration, default=600.0, help="per request, in seconds or e.g. 10m")
+    parser.add_argument("--max-connections", type=int, default=1024, help="HTTP connection pool size of the clients")
+    parser.add_argument("--slo-ttft", type=duration, default=None,
+                        help="time-to-first-token goal for goodput, e.g. 2s (default: none)")
+    parser.add_argument("--slo-tpot", type=duration, default=None,
+                        help="time-per-output-token goal for goodput, e.g. 50ms (default: none)")
+    parser.add_argument("--gpu-hour-usd", type=float, default=None,
+                        help="price of a GPU hour for cost per million tokens; needs --gpus (default: no cost)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs serving the target, for cost and per-GPU throughput (default: not reported)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json for prompt synthesis (default: DeepSeek)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang) to get full outputs")
-    parser.add_argument("--hit-window", type=duration, default=None, help="hit-rate-over-time window")
+    parser.add_argument("--hit-window", type=duration, default=None,
+                        help="hit-rate-over-time window (default: a twentieth of the run, at least 1s)")
     parser.add_argument("--percentiles", type=percentiles, default=None,
                         help="comma list of percentiles to report, 0..100, nearest-rank (default: 50,90,99; "
                              "summary.json always keeps p50, p90 and p99)")
-    parser.add_argument("--sweep", choices=["rate", "concurrency", "policy"], default=None)
-    parser.add_argument("--sweep-values", default=None, help="comma list: speedups, concurrencies or policy names")
+    parser.add_argument("--sweep", choices=["rate", "concurrency", "policy"], default=None,
+                        help="one run per --sweep-values entry, varying this (default: a single run)")
+    parser.add_argument("--sweep-values", default=None,
+                        help="comma list: speedups, concurrencies or policy names (required by --sweep)")
     parser.add_argument("--admin-key", default=None,
                         help="--sweep policy: admin API key of the target gateway (default: --api-key)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-plots", action="store_true", help="no PNG charts in --out")
 
 
 def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]

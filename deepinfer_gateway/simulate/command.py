@@ -10,15 +10,21 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True,
-                        help="trace file (Mooncake .jsonl[.gz], Azure .csv) or synthetic:chat|agent[:k=v,...]")
-    parser.add_argument("--cluster", required=True, type=Path, help="cluster TOML (see bench/clusters/)")
-    parser.add_argument("--out", type=Path, default=None, help="write results.jsonl and summary.json here")
+                        help="trace file (Mooncake .jsonl[.gz], Azure .csv) or synthetic:chat|agent[:k=v,...] "
+                             "(required)")
+    parser.add_argument("--cluster", required=True, type=Path, help="cluster TOML, see bench/clusters/ (required)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write results.jsonl and summary.json here (default: summary on stdout only)")
     parser.add_argument("--speedup", type=float, default=1.0, help="arrivals at trace time / SPEEDUP")
-    parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests")
-    parser.add_argument("--policy", default=None, help="override the cluster's router policy")
-    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
-    parser.add_argument("--gpu-hour-usd", type=float, default=None)
+    parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests (default: all)")
+    parser.add_argument("--policy", default=None,
+                        help="routing policy instead of the cluster file's (default: the file's)")
+    parser.add_argument("--slo-ttft", type=float, default=None,
+                        help="time-to-first-token goal for goodput, seconds (default: none)")
+    parser.add_argument("--slo-tpot", type=float, default=None,
+                        help="time-per-output-token goal for goodput, seconds (default: none)")
+    parser.add_argument("--gpu-hour-usd", type=float, default=None,
+                        help="price of a GPU hour for cost per million tokens (default: no cost)")
     parser.add_argument("--no-header-offset", action="store_true",
                         help="trace block 0 at prompt position 0 (default: after the chat template's 28 tokens)")
 
