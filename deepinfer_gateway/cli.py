@@ -50,12 +50,40 @@ def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
+    from deepinfer_gateway.gateway.auth import hash_key
 
-    settings = load_settings(args.config, {"host": args.host, "port": args.port, "redis_url": args.redis_url})
+    api_keys = None
+    if args.api_key:
+        digests = [hash_key(key) for key in args.api_key]
+        api_keys = [{"name": f"cli-{digest[:8]}", "key_sha256": digest} for digest in digests]
+    overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url, "workers": args.worker_url,
+                 "api_keys": api_keys, "router": {"policy": args.policy}}
+    settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
     if args.log_format is None and settings.log_format != "text":  # the config file asked for JSON logs
         _configure_logging(args.log_level, settings.log_format)
     _run_gateway(settings, args.log_level)
     return 0
+
+
+def worker_url(text: str) -> dict[str, str]:
+    """`ROLE:HARDWARE@URL`, `ROLE@URL` or `URL` -> a `workers` entry (argparse type)."""
+    from pydantic import ValidationError
+
+    from deepinfer_gateway.config import WorkerSpec
+
+    spec, at, url = text.partition("@")
+    if not at or "://" in spec:  # no ROLE:HARDWARE prefix; an @ is the URL's own
+        spec, url = "", text
+    role, _, hardware = spec.partition(":")
+    entry = {"url": url, **({"role": role} if role else {}), **({"hardware": hardware} if hardware else {})}
+    try:
+        WorkerSpec.model_validate(entry)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise argparse.ArgumentTypeError(f"{text!r}: {first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}"
+                                         " (expected ROLE:HARDWARE@URL, e.g. prefill:sm100@http://10.0.0.5:8100)"
+                                         ) from None
+    return entry
 
 
 DEMO_TOPOLOGIES = {
@@ -218,72 +246,164 @@ def cmd_warm_cache(args: argparse.Namespace) -> int:
 
 def _add_otel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otel-exporter", choices=["otlp", "console"], default=None,
-                        help="OpenTelemetry server spans for generate/abort, continuing the gateway's trace (off)")
-    parser.add_argument("--otel-endpoint", default=None, help="OTLP/HTTP traces endpoint (default: OTEL_* env)")
+                        help="OpenTelemetry server spans for generate/abort, continuing the gateway's trace "
+                             "(default: off)")
+    parser.add_argument("--otel-endpoint", default=None,
+                        help="OTLP/HTTP traces endpoint (default: the OTEL_* environment's)")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _add_logging_arguments(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    """On the top-level parser with their defaults; on each command with none, so a flag
+    after the command overrides one before it and an absent one leaves it alone."""
+    level = os.environ.get("DGW_LOG_LEVEL", "info").lower()
+    fmt = os.environ.get("DGW_LOG_FORMAT")
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                        default=level if top_level else argparse.SUPPRESS,
+                        help=f"log threshold (default: {level}; env DGW_LOG_LEVEL)")
+    parser.add_argument("--log-format", choices=["text", "json"], default=fmt if top_level else argparse.SUPPRESS,
+                        help="json: one JSON object per line with request_id "
+                             f"(default: {fmt or 'log_format of the settings, else text'}; env DGW_LOG_FORMAT)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions keep their line breaks; a flag's help ends with its default, unless the
+    help says it already or there is none to say (None: the help explains what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.required or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """Every parser, the commands' included (add_subparsers makes its own class), gets the formatter."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+DESCRIPTION = """\
+DeepInfer Gateway: an OpenAI- and Anthropic-compatible HTTP endpoint for DeepSeek-V4.1
+engine workers, with KV-cache-aware routing and prefill/decode disaggregation.
+
+Try it with `demo` (a gateway and a simulated cluster on this machine, no GPU needed);
+put `serve` in front of real workers; `deepinfer-gateway COMMAND --help` for a command's
+options. --log-level and --log-format go before or after the command."""
+
+EPILOG = """\
+examples:
+  deepinfer-gateway demo                        # http://127.0.0.1:8000/v1, 6 simulated workers
+  deepinfer-gateway serve --config gateway.toml
+  deepinfer-gateway serve --worker-url prefill:sm100@http://10.0.0.5:8100 \\
+      --worker-url decode:sm100@http://10.0.0.6:8100 --api-key "$KEY" --log-level debug
+  deepinfer-gateway bench --url http://127.0.0.1:8000 --trace mooncake:conversation --out results/
+
+settings (serve): flags > DGW_* environment > secrets directory > TOML file > defaults;
+every setting, its default and its variable: docs/config.md"""
+
+SERVE_DESCRIPTION = """\
+Run the gateway in front of engine workers that are already running.
+
+Settings come from, highest first: these flags, DGW_* environment variables (nested with
+__, e.g. DGW_ROUTER__POLICY; lists as JSON), files in the secrets directory, the --config
+TOML file, defaults (docs/config.md). --worker-url and --api-key replace the configured
+workers and keys. A configuration error prints `config error: FIELD: REASON` and exits 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer-gateway", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("DGW_LOG_LEVEL", "info"))
-    parser.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("DGW_LOG_FORMAT"),
-                        help="json: one JSON object per line with request_id (default text; env DGW_LOG_FORMAT)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from deepinfer_gateway.router.policies import POLICIES
 
-    demo = sub.add_parser("demo", help="gateway + a simulated SM100/Ascend cluster on embedded defaults")
-    demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--port", type=int, default=8000)
-    demo.add_argument("--redis-url", default=None, help="share the prefix index through Redis")
+    parser = CommandParser(prog="deepinfer-gateway", description=DESCRIPTION, epilog=EPILOG)
+    _add_logging_arguments(parser, top_level=True)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help, description=description or help[0].upper() + help[1:] + ".")
+        _add_logging_arguments(cmd, top_level=False)
+        return cmd
+
+    demo = command("demo", "a gateway and a simulated SM100/Ascend cluster on this machine, no GPU needed")
+    demo.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    demo.add_argument("--port", type=int, default=8000, help="gateway listen port")
+    demo.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: in memory)")
     demo.add_argument("--topology", choices=sorted(DEMO_TOPOLOGIES), default="pd",
-                      help="pd: prefill and decode pools (default); unified: workers doing both")
-    demo.add_argument("--worker-base-port", type=int, default=8100)
+                      help="pd: prefill and decode pools; unified: workers doing both")
+    demo.add_argument("--worker-base-port", type=int, default=8100, help="first simulated worker's port")
     demo.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by this")
     demo.set_defaults(func=cmd_demo)
 
-    serve = sub.add_parser("serve", help="the gateway alone (TOML config; DGW_* environment overrides)")
-    serve.add_argument("--config", default=None)
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--redis-url", default=None)
+    serve = command("serve", "the gateway in front of running workers (TOML config, DGW_* environment, flags)",
+                    SERVE_DESCRIPTION)
+    serve.add_argument("--config", metavar="FILE", default=None, help="TOML settings file (default: none)")
+    serve.add_argument("--host", default=None, help="listen address (default: the settings', else 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (default: the settings', else 8000)")
+    serve.add_argument("--redis-url", default=None,
+                       help="Redis shared by gateway replicas (default: the settings', else this process's memory)")
+    serve.add_argument("--worker-url", metavar="ROLE:HARDWARE@URL", type=worker_url, action="append", default=None,
+                       help="a worker, repeatable; ROLE unified|prefill|decode, HARDWARE sm100|ascend950, both "
+                            "optional, e.g. prefill:sm100@http://10.0.0.5:8100 (default: the settings' workers)")
+    serve.add_argument("--policy", metavar="NAME", choices=sorted(POLICIES), default=None,
+                       help=f"routing policy of prefill and unified pools: {', '.join(sorted(POLICIES))} "
+                            "(default: the settings', else estimated_ttft)")
+    serve.add_argument("--api-key", metavar="KEY", action="append", default=None,
+                       help="accept this key, repeatable; kept only as its SHA-256, no admin rights "
+                            "(default: the settings' api_keys; none at all: authentication off)")
+    serve.add_argument("--secrets-dir", metavar="DIR", default=None,
+                       help="directory of files named after settings, e.g. api_keys holding a JSON list of key "
+                            "records (default: $DGW_SECRETS_DIR, else none)")
     serve.set_defaults(func=cmd_serve)
 
-    worker = sub.add_parser("worker", help="one engine worker speaking worker protocol v1")
-    worker.add_argument("--engine", choices=["sim", "deepinfer"], default="sim")
-    worker.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
-    worker.add_argument("--hardware", choices=["sm100", "ascend950"], default="sm100")
-    worker.add_argument("--host", default="127.0.0.1")
-    worker.add_argument("--port", type=int, default=8100)
-    worker.add_argument("--worker-id", default=None)
-    worker.add_argument("--time-scale", type=float, default=1.0)
+    worker = command("worker", "one engine worker speaking worker protocol v1")
+    worker.add_argument("--engine", choices=["sim", "deepinfer"], default="sim",
+                        help="sim: calibrated simulation; deepinfer: the DeepInfer LLMEngine")
+    worker.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
+                        help="what the worker does in a PD cluster")
+    worker.add_argument("--hardware", choices=["sm100", "ascend950"], default="sm100",
+                        help="hardware kind it reports (the sim engine's speed profile)")
+    worker.add_argument("--host", default="127.0.0.1", help="listen address")
+    worker.add_argument("--port", type=int, default=8100, help="listen port")
+    worker.add_argument("--worker-id", default=None, help="id it reports (default: HARDWARE-ROLE-PORT)")
+    worker.add_argument("--time-scale", type=float, default=1.0, help="sim engine: divide every duration by this")
     worker.add_argument("--profiles", default=None, help="hardware profile TOML (default: the packaged one)")
-    worker.add_argument("--model", default=None, help="deepinfer engine: model checkpoint path")
-    worker.add_argument("--kv-store-dir", default=None, help="deepinfer engine: shared KV store directory (PD)")
+    worker.add_argument("--model", default=None,
+                        help="deepinfer engine: model checkpoint directory (default: none; required by it)")
+    worker.add_argument("--kv-store-dir", default=None,
+                        help="deepinfer engine: shared KV store directory for PD hand-off (default: none)")
     _add_otel_arguments(worker)
     worker.set_defaults(func=cmd_worker)
 
-    cluster = sub.add_parser("sim-cluster", help="several sim workers in one process sharing one KV store")
-    cluster.add_argument("--workers", required=True, help="e.g. unified:sm100,unified:sm100,prefill:ascend950")
-    cluster.add_argument("--host", default="127.0.0.1")
-    cluster.add_argument("--base-port", type=int, default=8100)
-    cluster.add_argument("--time-scale", type=float, default=1.0)
-    cluster.add_argument("--profiles", default=None)
+    cluster = command("sim-cluster", "several sim workers in one process sharing one KV store")
+    cluster.add_argument("--workers", required=True,
+                         help="comma list of ROLE:HARDWARE, e.g. unified:sm100,unified:sm100,prefill:ascend950 "
+                              "(required)")
+    cluster.add_argument("--host", default="127.0.0.1", help="listen address of every worker")
+    cluster.add_argument("--base-port", type=int, default=8100, help="first worker's port; the others follow")
+    cluster.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by this")
+    cluster.add_argument("--profiles", default=None, help="hardware profile TOML (default: the packaged one)")
     cluster.add_argument("--no-store", action="store_true", help="memory-only cluster: no shared KV store tier")
-    cluster.add_argument("--memory-blocks", type=int, default=None, help="per-worker memory tier capacity (blocks)")
+    cluster.add_argument("--memory-blocks", type=int, default=None,
+                         help="per-worker memory tier capacity in blocks (default: the profile's)")
     _add_otel_arguments(cluster)
     cluster.set_defaults(func=cmd_sim_cluster)
 
     from deepinfer_gateway.bench.command import add_arguments as add_bench_arguments
 
-    bench = sub.add_parser("bench", help="replay a trace through the OpenAI/Anthropic SDK; `bench report DIR...`")
+    bench = command("bench", "replay a trace through the OpenAI/Anthropic SDK against a server; `bench report DIR...`")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     from deepinfer_gateway.simulate.command import add_arguments as add_simulate_arguments
 
-    simulate = sub.add_parser("simulate", help="offline discrete-event run of the real router on a simulated cluster")
+    simulate = command("simulate", "offline discrete-event run of the real router on a simulated cluster")
     add_simulate_arguments(simulate)
     simulate.set_defaults(func=cmd_simulate)
 
-    warm = sub.add_parser("warm-cache", help="fill the start-up cache (DGW_CACHE_DIR) now, e.g. at image build")
+    warm = command("warm-cache", "fill the start-up cache (DGW_CACHE_DIR) now, e.g. at image build")
     warm.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: the packaged one)")
     warm.set_defaults(func=cmd_warm_cache)
     return parser
@@ -295,12 +415,21 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from deepinfer_gateway.config import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:  # from DGW_LOG_LEVEL, which argparse does not check
+        parser.error(f"DGW_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     _configure_logging(args.log_level, args.log_format or "text")
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
     try:
         return int(args.func(args))
+    except ConfigError as e:
+        for where, reason in e.problems:
+            print(f"config error: {where}: {reason}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         logging.getLogger(__name__).info("stopped after %.0fs", time.monotonic() - started)
         return 0

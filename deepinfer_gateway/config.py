@@ -1,20 +1,31 @@
 """Gateway configuration: one frozen, validated pydantic object, passed in (never a global).
 
-Loaded from TOML (`serve --config FILE`); environment variables `DGW_<FIELD>` override
-top-level scalar fields (e.g. `DGW_PORT=9000`, `DGW_REDIS_URL=redis://...`).
+`load_settings` layers its sources, highest first: explicit overrides (the CLI flags),
+`DGW_*` environment variables, files in the secrets directory, the TOML file, defaults.
+Every setting has an environment variable: `DGW_<FIELD>`, nested fields joined by `__`
+(`DGW_ROUTER__POLICY=round_robin`), lists and tables as JSON
+(`DGW_MODEL_NAMES='["a","b"]'`, `DGW_WORKERS='[{"url": "http://10.0.0.5:8100"}]'`).
+The reference of every field, generated from these models, is docs/config.md.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SecretsSettingsSource,
+                               SettingsConfigDict, SettingsError)
 
 from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
 from deepinfer_gateway.protocol import Hardware, Role
+
+log = logging.getLogger(__name__)
 
 
 class _Frozen(BaseModel):
@@ -27,25 +38,25 @@ WorkloadClass = Literal["chat", "agent"]
 class ApiKey(_Frozen):
     """An API key record; the key itself is stored only as its SHA-256 hex digest."""
 
-    name: str
-    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    models: tuple[str, ...] = ()  # empty: every served model
-    workload_class: WorkloadClass = "chat"  # selects the KV store TTL class
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    admin: bool = False
+    name: str = Field(description="Shown in logs; the rate limiter's bucket.")
+    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 hex digest of the key.")
+    models: tuple[str, ...] = Field((), description="Names this key may use (served names or aliases); empty: all.")
+    workload_class: WorkloadClass = Field("chat", description="Selects the KV store TTL class of its requests.")
+    requests_per_minute: int | None = Field(None, ge=1, description="Rate limit; none: unlimited.")
+    tokens_per_minute: int | None = Field(None, ge=1, description="Prompt + output token limit; none: unlimited.")
+    admin: bool = Field(False, description="May call the /admin endpoints.")
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
 
 
 class WorkerSpec(_Frozen):
-    url: str
-    role: Role = Role.UNIFIED
-    hardware: Hardware = Hardware.SM100
-    kv_format: str = ""  # "" = learn from the worker's info endpoint
-    pool: str = ""  # "" = the role's default pool
-    id: str = ""  # "" = derived from the URL
+    url: str = Field(description="Worker base URL, http:// or https://.")
+    role: Role = Field(Role.UNIFIED, description="unified, prefill or decode.")
+    hardware: Hardware = Field(Hardware.SM100, description="sm100 or ascend950: the router's cost model.")
+    kv_format: str = Field("", description="KV cache format; empty: learned from the worker's info endpoint.")
+    pool: str = Field("", description="Pool name; empty: the role's default pool.")
+    id: str = Field("", description="Worker id in metrics and logs; empty: host:port of the URL.")
 
     @field_validator("url")
     @classmethod
@@ -60,17 +71,17 @@ class WorkerSpec(_Frozen):
 
 
 class HealthSettings(_Frozen):
-    interval_s: float = Field(1.0, gt=0)
-    failures_to_eject: int = Field(2, ge=1)
-    successes_to_readmit: int = Field(1, ge=1)
+    interval_s: float = Field(1.0, gt=0, description="Seconds between health checks of each worker.")
+    failures_to_eject: int = Field(2, ge=1, description="Consecutive failed checks that take a worker out.")
+    successes_to_readmit: int = Field(1, ge=1, description="Consecutive good checks that bring it back.")
 
 
 class HardwareCost(_Frozen):
     """What the router assumes of one engine instance of a hardware kind (cost model inputs)."""
 
-    prefill_tokens_per_s: float = Field(gt=0)  # whole instance, at a typical batch
-    kv_load_bytes_per_s: float = Field(gt=0)  # shared-store read bandwidth of one instance
-    kv_bytes_per_token: float = Field(890.0, gt=0)  # DeepInfer V4.1-Flash: ~890 bytes/token
+    prefill_tokens_per_s: float = Field(gt=0, description="Prefill throughput of a whole instance at a typical batch.")
+    kv_load_bytes_per_s: float = Field(gt=0, description="Shared-store read bandwidth of one instance.")
+    kv_bytes_per_token: float = Field(890.0, gt=0, description="KV cache bytes per token (V4.1-Flash: ~890).")
 
 
 DEFAULT_HARDWARE_COSTS = {
@@ -82,78 +93,259 @@ DEFAULT_HARDWARE_COSTS = {
 }
 
 
+def _known_policy(name: str) -> str:
+    # Imported here, not at the top: router/ imports this module.
+    from deepinfer_gateway.router.policies import POLICIES
+
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+    return name
+
+
 class RouterSettings(_Frozen):
-    policy: str = "estimated_ttft"  # prefill and unified pools
-    decode_policy: str = "least_load"  # decode pools: load per DP rank
-    pool_policies: dict[str, str] = Field(default_factory=dict)  # pool name -> policy override
-    session_affinity: bool = False  # keep a `user` (or x-session-id header) on its worker while load allows
-    pd_bypass_tokens: int = Field(256, ge=0)  # uncached tokens at or below this skip the prefill pool
-    admission_queued_tokens: int = Field(0, ge=0)  # per pool; 0 = no admission control
-    hardware: dict[str, HardwareCost] = Field(default_factory=lambda: dict(DEFAULT_HARDWARE_COSTS))
-    inflight_lease_s: float = Field(60.0, gt=0)  # shared in-flight reservations expire if a replica dies
-    kv_events_interval_s: float = Field(0.05, gt=0)
+    policy: str = Field("estimated_ttft", description="Routing policy of prefill and unified pools (docs/policies.md).")
+    decode_policy: str = Field("least_load", description="Routing policy of decode pools (load per DP rank).")
+    pool_policies: dict[str, str] = Field(
+        default_factory=dict,
+        description="Pool name -> policy, overriding the two above.")
+    session_affinity: bool = Field(
+        False,
+        description="Keep a `user` (or x-session-id header) on its worker while load allows.")
+    pd_bypass_tokens: int = Field(
+        256, ge=0,
+        description="Requests with at most this many uncached tokens skip the prefill pool.")
+    admission_queued_tokens: int = Field(
+        0, ge=0,
+        description="Per pool: refuse (429) beyond this many queued tokens; 0: no admission control.")
+    hardware: dict[str, HardwareCost] = Field(
+        default_factory=lambda: dict(DEFAULT_HARDWARE_COSTS),
+        description="Cost model per hardware kind (sm100, ascend950).")
+    inflight_lease_s: float = Field(
+        60.0, gt=0,
+        description="Shared in-flight reservations expire after this if a replica dies.")
+    kv_events_interval_s: float = Field(0.05, gt=0, description="Seconds between polls of each worker's KV events.")
+
+    @field_validator("policy", "decode_policy")
+    @classmethod
+    def _policy_exists(cls, name: str) -> str:
+        return _known_policy(name)
+
+    @field_validator("pool_policies")
+    @classmethod
+    def _pool_policies_exist(cls, policies: dict[str, str]) -> dict[str, str]:
+        for pool, name in policies.items():
+            try:
+                _known_policy(name)
+            except ValueError as e:
+                raise ValueError(f"pool {pool!r}: {e}") from None
+        return policies
 
 
 class TracingSettings(_Frozen):
     """OpenTelemetry tracing (deepinfer_gateway/tracing.py); needs the `otel` extra. Off by default."""
 
-    enabled: bool = False
-    exporter: Literal["otlp", "console", "none"] = "otlp"
-    endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: the exporter's default / OTEL_* env
-    service_name: str = "deepinfer-gateway"
-    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of root traces; a sampled caller's traceparent wins
+    enabled: bool = Field(False, description="Emit OpenTelemetry server spans (needs the `otel` extra).")
+    exporter: Literal["otlp", "console", "none"] = Field("otlp", description="Where spans go.")
+    endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint; none: the exporter's default or OTEL_* env.")
+    service_name: str = Field("deepinfer-gateway", description="service.name of the spans.")
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="Share of root traces sampled; a sampled caller's traceparent wins.")
 
 
 class ImageSettings(_Frozen):
     """Image inputs (recipe_bridge/images.py): limits, and whether remote URLs are fetched."""
 
-    max_images: int = Field(16, ge=0)  # per request
-    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)  # encoded bytes per image
-    max_total_image_bytes: int = Field(32 * 1024 * 1024, ge=1)  # encoded bytes per request
-    remote_fetch: bool = False  # off: only data URLs / inline images
-    allow: tuple[str, ...] = ()  # hosts or CIDRs fetched even when not globally routable
+    max_images: int = Field(16, ge=0, description="Images per request.")
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Encoded bytes per image.")
+    max_total_image_bytes: int = Field(32 * 1024 * 1024, ge=1, description="Encoded bytes per request.")
+    remote_fetch: bool = Field(False, description="Fetch http(s) image URLs; off: only data URLs and inline images.")
+    allow: tuple[str, ...] = Field((), description="Hosts or CIDRs fetched even when not globally routable.")
 
 
 class GatewaySettings(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
-    model_aliases: ModelAliases = Field(default_factory=lambda: dict(BUILTIN_ALIASES))  # model_catalog.py
-    tokenizer_path: str | None = None
-    context_limit: int = Field(131_072, ge=1)
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
-    images: ImageSettings = ImageSettings()
-    redis_url: str | None = None
-    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (redis_conn.py)
-    # One replica per worker writes its KV events to Redis for this long, renewed (0: all do).
-    kv_writer_lease_s: float = Field(3.0, ge=0)
-    workers: tuple[WorkerSpec, ...] = ()
-    max_attempts: int = Field(3, ge=1)  # tries before the first token reaches the client
-    router: RouterSettings = RouterSettings()
-    admin_keys_required: bool = True  # admin endpoints need an API key with admin = true
-    health: HealthSettings = HealthSettings()
-    connect_timeout_s: float = Field(2.0, gt=0)
-    first_event_timeout_s: float = Field(30.0, gt=0)
-    between_events_timeout_s: float = Field(120.0, gt=0)
-    # SIGTERM: /ready answers 503 and the listener stays open this long (probing load balancers
-    # stop sending), then in-flight streams get shutdown_grace_s to finish.
-    shutdown_delay_s: float = Field(0.0, ge=0)
-    shutdown_grace_s: float = Field(30.0, ge=0)  # SIGTERM: let in-flight streams finish this long
-    api_keys: tuple[ApiKey, ...] = ()  # empty and api_keys_in_redis off: authentication off
-    api_keys_in_redis: bool = False  # also accept keys stored in Redis (dgw:apikey:{sha256})
-    log_format: Literal["text", "json"] = "text"  # json: one object per line with request_id (gateway/logs.py)
-    access_log: bool = True  # one INFO line per HTTP request (logger deepinfer_gateway.access)
-    tracing: TracingSettings = TracingSettings()
+    host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
+    model_names: tuple[str, ...] = Field(
+        ("DeepSeek-V4.1-Flash",),
+        description="Served model names; metrics and usage use these.")
+    model_aliases: ModelAliases = Field(
+        default_factory=lambda: dict(BUILTIN_ALIASES),
+        description="Other names for served models (model_catalog.py); deepseek-chat, deepseek-reasoner built in.")
+    tokenizer_path: str | None = Field(
+        None,
+        description="tokenizer.json or its directory; none: the packaged DeepSeek-V4 vocabulary.")
+    context_limit: int = Field(131_072, ge=1, description="Prompt + output tokens per request (max_model_len).")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    images: ImageSettings = Field(ImageSettings(), description="Image input limits.")
+    redis_url: str | None = Field(
+        None,
+        description="Shared prefix index, in-flight reservations, rate limits and keys; none: this process's memory.")
+    redis_cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster.")
+    kv_writer_lease_s: float = Field(
+        3.0, ge=0,
+        description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
+    workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")
+    max_attempts: int = Field(3, ge=1, description="Tries on other workers before the first token reaches the client.")
+    router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
+    admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")
+    health: HealthSettings = Field(HealthSettings(), description="Worker health checks.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Connecting to a worker.")
+    first_event_timeout_s: float = Field(30.0, gt=0, description="Waiting for a worker's first stream event.")
+    between_events_timeout_s: float = Field(120.0, gt=0, description="Waiting between stream events.")
+    shutdown_delay_s: float = Field(
+        0.0, ge=0,
+        description="SIGTERM: /ready answers 503 and the listener stays open this long (load balancers stop sending).")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0,
+        description="SIGTERM, after the delay: in-flight streams get this long to finish.")
+    api_keys: tuple[ApiKey, ...] = Field(
+        (),
+        description="Accepted keys; empty with api_keys_in_redis off: authentication off.")
+    api_keys_in_redis: bool = Field(False, description="Also accept keys stored in Redis (dgw:apikey:{sha256}).")
+    log_format: Literal["text", "json"] = Field("text", description="json: one object per line with request_id.")
+    access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
+    tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
 
 
-def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GatewaySettings:
-    data: dict[str, Any] = {}
-    if path:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    for name, field in GatewaySettings.model_fields.items():
-        env = os.environ.get(f"DGW_{name.upper()}")
-        if env is not None and field.annotation in (str, int, float, bool, str | None):
-            data[name] = env
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return GatewaySettings.model_validate(data)
+# ------------------------------------------------------------------------------ loading
+
+ENV_PREFIX = "DGW_"
+ENV_NESTED_DELIMITER = "__"
+SECRETS_DIR_ENV = "DGW_SECRETS_DIR"
+# DGW_* variables that other parts of the program read; any other DGW_* name that is no
+# setting draws a warning (a typo must not pass silently, an unrelated tool's variable must
+# not stop the gateway).
+PROCESS_ENV = frozenset({"DGW_LOG_LEVEL", SECRETS_DIR_ENV, "DGW_CACHE_DIR", "DGW_PREPARE_OFFLOAD", "DGW_TRACE_MIRROR"})
+
+
+class ConfigError(ValueError):
+    """Settings that cannot be loaded: each problem as (where, reason)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{where}: {reason}" for where, reason in problems))
+
+
+class _Layered(BaseSettings, GatewaySettings):
+    """GatewaySettings read from the environment, the secrets directory and TOML data."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER,
+                                      env_parse_none_str="null", extra="forbid", frozen=True)
+
+
+def _layers(toml: dict[str, Any], secrets_dir: Path | None) -> type[_Layered]:
+    """The sources, highest first: init arguments (CLI flags), DGW_* environment, secrets, TOML."""
+
+    class Layers(_Layered):
+        @classmethod
+        def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                       env_settings: PydanticBaseSettingsSource,
+                                       dotenv_settings: PydanticBaseSettingsSource,
+                                       file_secret_settings: PydanticBaseSettingsSource,
+                                       ) -> tuple[PydanticBaseSettingsSource, ...]:
+            # Secret files are named after the field alone (`api_keys`), as a Kubernetes
+            # Secret's keys are, not after the environment variable.
+            secrets = ((SecretsSettingsSource(settings_cls, secrets_dir=secrets_dir, env_prefix=""),)
+                       if secrets_dir else ())
+            return (init_settings, env_settings, *secrets, InitSettingsSource(settings_cls, init_kwargs=toml))
+
+    return Layers
+
+
+def load_settings(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *,
+                  secrets_dir: str | Path | None = None) -> GatewaySettings:
+    """Settings from, highest first: `overrides` (None values skipped, nested tables merged),
+    DGW_* environment, files in `secrets_dir` (default: $DGW_SECRETS_DIR), the TOML file at
+    `path`, defaults. Raises ConfigError."""
+    toml = _read_toml(Path(path)) if path else {}
+    secrets = secrets_dir if secrets_dir is not None else os.environ.get(SECRETS_DIR_ENV) or None
+    if secrets is not None and not Path(secrets).is_dir():
+        raise ConfigError([("secrets_dir", f"{secrets} is not a directory")])
+    unknown = unknown_environment(os.environ)
+    if unknown:
+        log.warning("ignored environment variables, not settings (docs/config.md): %s", ", ".join(unknown))
+    try:
+        layered = _layers(toml, Path(secrets) if secrets else None)(**_without_none(overrides or {}))
+    except ValidationError as e:
+        raise ConfigError([_problem(error) for error in e.errors()]) from None
+    except SettingsError as e:
+        raise ConfigError([_settings_problem(e)]) from None
+    return GatewaySettings.model_validate(dict(layered))
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """DGW_* variable names that name no setting and are not read elsewhere."""
+    fields = {name.upper() for name in GatewaySettings.model_fields}
+    unknown = []
+    for name in environ:
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in PROCESS_ENV:
+            if upper[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER, 1)[0] not in fields:
+                unknown.append(name)
+    return sorted(unknown)
+
+
+def env_name(*path: str) -> str:
+    """The environment variable of a setting: env_name("router", "policy") == "DGW_ROUTER__POLICY"."""
+    return ENV_PREFIX + ENV_NESTED_DELIMITER.join(path).upper()
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([(str(path), "no such file")]) from None
+    except OSError as e:
+        raise ConfigError([(str(path), e.strerror or str(e))]) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([(str(path), f"invalid TOML: {e}")]) from None
+
+
+def _without_none(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Overrides left unset (None) are no override; nested tables merge with the other sources."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            value = _without_none(value)
+        if value is not None and value != {}:
+            out[key] = value
+    return out
+
+
+def _problem(error: Any) -> tuple[str, str]:
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    if error["type"] == "extra_forbidden":
+        reason = "unknown setting"
+    else:
+        reason = error["msg"].removeprefix("Value error, ")
+        given = error.get("input")
+        secret_ish = any(word in where for word in ("url", "key"))
+        if isinstance(given, str | int | float) and len(repr(given)) <= 40 and not secret_ish \
+                and repr(given) not in reason:
+            reason += f" (got {given!r})"
+    names = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    from_env = [env_name(*names[:n]) for n in range(len(names), 0, -1) if env_name(*names[:n]) in _upper_environ()]
+    if from_env:
+        reason += f" (from {from_env[0]})"
+    return where or "settings", reason
+
+
+def _upper_environ() -> set[str]:
+    return {name.upper() for name in os.environ}
+
+
+def _settings_problem(error: SettingsError) -> tuple[str, str]:
+    """pydantic-settings reports a value it could not decode as JSON by field and source."""
+    found = re.search(r'field "([^"]+)" from source "(\w+)"', str(error))
+    if not found:
+        return "settings", str(error)
+    field, source = found.groups()
+    if source == "EnvSettingsSource":
+        return field, f"{env_name(field)} is not valid JSON"
+    if source == "SecretsSettingsSource":
+        return field, f"the secrets directory's file {field} is not valid JSON"
+    return field, f"cannot decode the value from {source}"

@@ -1,0 +1,236 @@
+"""load_settings: every setting reachable from the environment (nested ones too), the
+precedence of its sources, the secrets directory, and errors that name the field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from deepinfer_gateway.config import ConfigError, GatewaySettings, RouterSettings, load_settings, unknown_environment
+
+
+@pytest.fixture(autouse=True)
+def _no_dgw_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test sees only the DGW_* variables it sets."""
+    for name in list(os.environ):
+        if name.upper().startswith("DGW_"):
+            monkeypatch.delenv(name)
+    yield
+
+
+def toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(text)
+    return path
+
+
+def problems(excinfo: pytest.ExceptionInfo[ConfigError]) -> dict[str, str]:
+    return dict(excinfo.value.problems)
+
+
+def key_record(name: str, key: str, **fields: object) -> dict[str, object]:
+    return {"name": name, "key_sha256": hashlib.sha256(key.encode()).hexdigest(), **fields}
+
+
+# ------------------------------------------------------------------------------ environment
+
+def test_environment_reaches_nested_and_list_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DGW_ROUTER__POLICY", "round_robin")
+    monkeypatch.setenv("DGW_ROUTER__POOL_POLICIES", '{"agents": "cache_aware"}')
+    monkeypatch.setenv("DGW_MODEL_NAMES", '["a", "b"]')
+    monkeypatch.setenv("DGW_TRACING__ENABLED", "true")
+    monkeypatch.setenv("DGW_HEALTH__INTERVAL_S", "0.5")
+    monkeypatch.setenv("DGW_IMAGES__ALLOW", '["10.0.0.0/8"]')
+    monkeypatch.setenv("DGW_WORKERS", '[{"url": "http://10.0.0.5:8100/", "role": "prefill", "hardware": "ascend950"}]')
+    monkeypatch.setenv("DGW_API_KEYS", json.dumps([key_record("ops", "k1", admin=True)]))
+    monkeypatch.setenv("dgw_port", "9001")  # names are case-insensitive
+    monkeypatch.setenv("DGW_TOKENIZER_PATH", "null")  # an optional setting back to none
+    s = load_settings()
+    assert s.router.policy == "round_robin" and s.router.pool_policies == {"agents": "cache_aware"}
+    assert s.router.decode_policy == RouterSettings().decode_policy  # the rest of the table keeps its defaults
+    assert s.model_names == ("a", "b") and s.tracing.enabled is True and s.health.interval_s == 0.5
+    assert s.images.allow == ("10.0.0.0/8",)
+    (worker,) = s.workers
+    assert (worker.url, str(worker.role), str(worker.hardware)) == ("http://10.0.0.5:8100", "prefill", "ascend950")
+    assert s.api_keys[0].name == "ops" and s.api_keys[0].admin
+    assert s.port == 9001 and s.tokenizer_path is None
+
+
+def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set each field from DGW_<FIELD> to a value other than its default; each must arrive."""
+    defaults = GatewaySettings()
+    values = {"host": "0.0.0.0", "port": "9", "model_names": '["m"]', "model_aliases": '{"x": "m"}',
+              "tokenizer_path": "/t", "context_limit": "7", "max_body_bytes": "4096", "images": '{"max_images": 1}',
+              "redis_url": "redis://r:6379/0", "redis_cluster": "true", "kv_writer_lease_s": "9",
+              "workers": '[{"url": "http://w:1"}]', "max_attempts": "9", "router": '{"policy": "least_load"}',
+              "admin_keys_required": "false", "health": '{"interval_s": 9}', "connect_timeout_s": "9",
+              "first_event_timeout_s": "9", "between_events_timeout_s": "9", "shutdown_delay_s": "9",
+              "shutdown_grace_s": "9", "api_keys": json.dumps([key_record("a", "k")]), "api_keys_in_redis": "true",
+              "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}'}
+    assert set(values) == set(GatewaySettings.model_fields), "a new setting: add it here"
+    for name, value in values.items():
+        monkeypatch.setenv(f"DGW_{name.upper()}", value)
+    s = load_settings()
+    unchanged = [name for name in values if getattr(s, name) == getattr(defaults, name)]
+    assert unchanged == []
+
+
+def test_unknown_dgw_variables_warn_and_are_ignored(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("DGW_PROT", "9000")  # a typo of DGW_PORT
+    monkeypatch.setenv("DGW_LOG_LEVEL", "debug")  # the CLI's: no warning
+    monkeypatch.setenv("DGW_CACHE_DIR", "/tmp")  # the start-up cache's: no warning
+    with caplog.at_level(logging.WARNING, logger="deepinfer_gateway.config"):
+        s = load_settings()
+    assert s.port == 8000
+    assert unknown_environment(os.environ) == ["DGW_PROT"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignored environment variables, not settings (docs/config.md): DGW_PROT"]
+
+
+def test_an_unknown_key_inside_a_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DGW_ROUTER__POLCY", "round_robin")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert problems(e) == {"router.polcy": "unknown setting (from DGW_ROUTER__POLCY)"}
+
+
+def test_constructing_settings_directly_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only load_settings layers the environment in; GatewaySettings(...) is what it is given."""
+    monkeypatch.setenv("DGW_PORT", "9001")
+    assert GatewaySettings().port == 8000
+    assert load_settings().port == 9001
+
+
+# ------------------------------------------------------------------------------ precedence
+
+def test_precedence_flags_over_environment_over_secrets_over_toml_over_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = toml(tmp_path, 'port = 1\nredis_url = "redis://toml:1"\nshutdown_grace_s = 5.0\n'
+                          'context_limit = 11\n'
+                          '[router]\npolicy = "round_robin"\ndecode_policy = "round_robin"\n')
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "redis_url").write_text("redis://secret:1\n")
+    (secrets / "context_limit").write_text("12")
+    (secrets / "shutdown_grace_s").write_text("6")
+    monkeypatch.setenv("DGW_PORT", "2")
+    monkeypatch.setenv("DGW_ROUTER__POLICY", "least_load")
+    monkeypatch.setenv("DGW_CONTEXT_LIMIT", "13")
+
+    s = load_settings(path, secrets_dir=secrets)
+    assert s.port == 2  # environment over TOML
+    assert s.context_limit == 13  # environment over secrets
+    assert s.redis_url == "redis://secret:1" and s.shutdown_grace_s == 6.0  # secrets over TOML
+    assert (s.router.policy, s.router.decode_policy) == ("least_load", "round_robin")  # tables merge by key
+    assert s.max_attempts == GatewaySettings().max_attempts  # nobody set it: the default
+
+    flags = {"port": 3, "redis_url": None, "router": {"policy": "power_of_two", "decode_policy": None}}
+    s = load_settings(path, flags, secrets_dir=secrets)
+    assert s.port == 3 and s.router.policy == "power_of_two"  # flags over everything
+    assert s.redis_url == "redis://secret:1" and s.router.decode_policy == "round_robin"  # None: no flag given
+
+
+def test_loaded_settings_are_plain_frozen_gateway_settings(tmp_path: Path) -> None:
+    s = load_settings(toml(tmp_path, "port = 1\n"))
+    assert type(s) is GatewaySettings and s == GatewaySettings(port=1)
+    with pytest.raises(ValidationError):
+        s.port = 2  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------ secrets directory
+
+def kubernetes_secret_volume(root: Path, files: dict[str, str]) -> Path:
+    """A directory laid out as the kubelet mounts a Secret: each key a symlink into a
+    timestamped directory through `..data`."""
+    root.mkdir()
+    stamped = root / "..2026_01_01_00_00_00.000000001"
+    stamped.mkdir()
+    for name, text in files.items():
+        (stamped / name).write_text(text)
+    (root / "..data").symlink_to(stamped.name)
+    for name in files:
+        (root / name).symlink_to(f"..data/{name}")
+    return root
+
+
+def test_secrets_directory_supplies_api_keys_as_a_kubernetes_secret_mounts_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = [key_record("team-a", "sk-a", models=["DeepSeek-V4.1-Flash"]), key_record("ops", "sk-ops", admin=True)]
+    secrets = kubernetes_secret_volume(tmp_path / "secrets", {"api_keys": json.dumps(records, indent=2) + "\n"})
+    path = toml(tmp_path, 'api_keys_in_redis = false\n[[api_keys]]\nname = "from-toml"\n'
+                          f'key_sha256 = "{"0" * 64}"\n')
+
+    by_argument = load_settings(path, secrets_dir=secrets)
+    monkeypatch.setenv("DGW_SECRETS_DIR", str(secrets))
+    by_environment = load_settings(path)
+    for s in (by_argument, by_environment):
+        assert [(k.name, k.key_sha256, k.models, k.admin) for k in s.api_keys] == [
+            ("team-a", hashlib.sha256(b"sk-a").hexdigest(), ("DeepSeek-V4.1-Flash",), False),
+            ("ops", hashlib.sha256(b"sk-ops").hexdigest(), (), True)]
+
+
+def test_secrets_directory_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(secrets_dir=tmp_path / "absent")
+    assert problems(e) == {"secrets_dir": f"{tmp_path / 'absent'} is not a directory"}
+    (tmp_path / "api_keys").write_text("[{not json")
+    with pytest.raises(ConfigError) as e:
+        load_settings(secrets_dir=tmp_path)
+    assert problems(e) == {"api_keys": "the secrets directory's file api_keys is not valid JSON"}
+    (tmp_path / "api_keys").write_text('[{"name": "k", "key_sha256": "abc"}]')
+    with pytest.raises(ConfigError) as e:
+        load_settings(secrets_dir=tmp_path)
+    assert list(problems(e)) == ["api_keys[0].key_sha256"]
+
+
+# ------------------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize(("text", "where", "reason"), [
+    ("port = 70000\n", "port", "Input should be less than or equal to 65535 (got 70000)"),
+    ("prot = 8000\n", "prot", "unknown setting"),
+    ('[router]\npolicy = "fastest"\n', "router.policy", "unknown routing policy 'fastest'; choose one of "
+     "cache_aware, estimated_ttft, least_load, power_of_two, prefix_approx, round_robin"),
+    ('[router]\ndecode_policy = "fastest"\n', "router.decode_policy", "unknown routing policy 'fastest'"),
+    ('[router.pool_policies]\nagents = "fastest"\n', "router.pool_policies",
+     "pool 'agents': unknown routing policy 'fastest'"),
+    ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
+])
+def test_bad_settings_name_the_field(tmp_path: Path, text: str, where: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(toml(tmp_path, text))
+    assert list(problems(e)) == [where]
+    assert problems(e)[where].startswith(reason)
+
+
+def test_bad_files_and_environment_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(tmp_path / "absent.toml")
+    assert problems(e) == {str(tmp_path / "absent.toml"): "no such file"}
+    with pytest.raises(ConfigError) as e:
+        load_settings(toml(tmp_path, "port = \n"))
+    assert problems(e) == {str(tmp_path / "gateway.toml"): "invalid TOML: Invalid value (at line 1, column 8)"}
+    monkeypatch.setenv("DGW_WORKERS", "http://10.0.0.5:8100")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert problems(e) == {"workers": "DGW_WORKERS is not valid JSON"}
+    monkeypatch.delenv("DGW_WORKERS")
+    monkeypatch.setenv("DGW_PORT", "eighty")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert problems(e) == {"port": "Input should be a valid integer, unable to parse string as an integer "
+                                   "(got 'eighty') (from DGW_PORT)"}
+
+
+def test_a_plain_key_put_where_its_digest_belongs_stays_out_of_the_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DGW_API_KEYS", '[{"name": "a", "key_sha256": "sk-live-1234"}]')
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert list(problems(e)) == ["api_keys[0].key_sha256"] and "sk-live-1234" not in str(e.value)
