@@ -173,7 +173,8 @@ class GatewaySettings(_Frozen):
         description="Served model names; metrics and usage use these.")
     model_aliases: ModelAliases = Field(
         default_factory=lambda: dict(BUILTIN_ALIASES),
-        description="Other names for served models (model_catalog.py); deepseek-chat, deepseek-reasoner built in.")
+        description='Other names for served models: name = {model, thinking} or name = "served name"; '
+                    "deepseek-chat and deepseek-reasoner are built in (model_catalog.py).")
     tokenizer_path: str | None = Field(
         None,
         description="tokenizer.json or its directory; none: the packaged DeepSeek-V4 vocabulary.")

@@ -20,14 +20,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 
 class ModelAlias(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = None  # the served name; None: the first of `model_names`
-    thinking: bool | None = None  # default thinking mode under this name; None: the gateway's default
+    model: str | None = Field(None, description="The served name; none: the first of model_names.")
+    thinking: bool | None = Field(None, description="Thinking mode of requests that do not ask; none: the gateway's.")
 
     @model_validator(mode="before")
     @classmethod

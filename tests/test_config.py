@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
+from deepinfer_gateway import config_reference
 from deepinfer_gateway.config import ConfigError, GatewaySettings, RouterSettings, load_settings, unknown_environment
+from deepinfer_gateway.config_reference import render
 
 
 @pytest.fixture(autouse=True)
@@ -234,3 +236,31 @@ def test_a_plain_key_put_where_its_digest_belongs_stays_out_of_the_message(monke
     with pytest.raises(ConfigError) as e:
         load_settings()
     assert list(problems(e)) == ["api_keys[0].key_sha256"] and "sk-live-1234" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ generated reference
+
+def test_docs_config_md_is_generated_from_the_settings_models() -> None:
+    committed = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    assert committed == render(), (
+        "docs/config.md drifted from the settings models: "
+        "python -m deepinfer_gateway.config_reference > docs/config.md")
+
+
+def test_the_reference_names_every_setting_with_its_variable() -> None:
+    text = render()
+    for name, field in GatewaySettings.model_fields.items():
+        assert f"| `{name}` |" in text and f"`DGW_{name.upper()}`" in text and str(field.description) in text
+    for name in RouterSettings.model_fields:
+        assert f"| `router.{name}` |" in text and f"`DGW_ROUTER__{name.upper()}`" in text
+
+
+def test_a_setting_without_a_description_stops_the_generator() -> None:
+    from pydantic import BaseModel
+
+    class Undocumented(BaseModel):
+        documented: int = Field(1, description="Has one.")
+        bare: int = 2
+
+    with pytest.raises(ValueError, match=r"bare has no description"):
+        list(config_reference._sections(Undocumented, ()))
