@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import (BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SecretsSettingsSource,
-                               SettingsConfigDict, SettingsError)
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SecretsSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
 from deepinfer_gateway.protocol import Hardware, Role
@@ -283,9 +289,9 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     unknown = []
     for name in environ:
         upper = name.upper()
-        if upper.startswith(ENV_PREFIX) and upper not in PROCESS_ENV:
-            if upper[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER, 1)[0] not in fields:
-                unknown.append(name)
+        setting = upper.removeprefix(ENV_PREFIX).split(ENV_NESTED_DELIMITER, 1)[0]
+        if upper.startswith(ENV_PREFIX) and upper not in PROCESS_ENV and setting not in fields:
+            unknown.append(name)
     return sorted(unknown)
 
 

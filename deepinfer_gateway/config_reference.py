@@ -201,7 +201,7 @@ def _records(record: type[BaseModel], path: tuple[str, ...], field: FieldInfo) -
     default = field.get_default(call_default_factory=True)
     if isinstance(default, dict) and default:
         yield ""
-        yield f"Default entries: " + "; ".join(
+        yield "Default entries: " + "; ".join(
             f"`{name}` = `{json.dumps(to_jsonable_python(value.model_dump(exclude_defaults=True)))}`"
             for name, value in default.items()) + "."
     yield ""

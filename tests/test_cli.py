@@ -33,7 +33,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=60, env=env or clean_env())
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=60, env=env or clean_env(),
+                          check=False)
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()

@@ -14,7 +14,13 @@ import pytest
 from pydantic import Field, ValidationError
 
 from deepinfer_gateway import config_reference
-from deepinfer_gateway.config import ConfigError, GatewaySettings, RouterSettings, load_settings, unknown_environment
+from deepinfer_gateway.config import (
+    ConfigError,
+    GatewaySettings,
+    RouterSettings,
+    load_settings,
+    unknown_environment,
+)
 from deepinfer_gateway.config_reference import render
 
 
@@ -144,7 +150,7 @@ def test_loaded_settings_are_plain_frozen_gateway_settings(tmp_path: Path) -> No
     s = load_settings(toml(tmp_path, "port = 1\n"))
     assert type(s) is GatewaySettings and s == GatewaySettings(port=1)
     with pytest.raises(ValidationError):
-        s.port = 2  # type: ignore[misc]
+        s.port = 2
 
 
 # ------------------------------------------------------------------------------ secrets directory
@@ -198,8 +204,9 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "where", "reason"), [
     ("port = 70000\n", "port", "Input should be less than or equal to 65535 (got 70000)"),
     ("prot = 8000\n", "prot", "unknown setting"),
-    ('[router]\npolicy = "fastest"\n', "router.policy", "unknown routing policy 'fastest'; choose one of "
-     "cache_aware, estimated_ttft, least_load, power_of_two, prefix_approx, round_robin"),
+    ('[router]\npolicy = "fastest"\n', "router.policy", ("unknown routing policy 'fastest'; choose one of "
+                                                        "cache_aware, estimated_ttft, least_load, power_of_two, "
+                                                        "prefix_approx, round_robin")),
     ('[router]\ndecode_policy = "fastest"\n', "router.decode_policy", "unknown routing policy 'fastest'"),
     ('[router.pool_policies]\nagents = "fastest"\n', "router.pool_policies",
      "pool 'agents': unknown routing policy 'fastest'"),
