@@ -29,29 +29,24 @@ from starlette.responses import JSONResponse, Response
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import ApiKey, GatewaySettings, WorkerSpec
 from deepinfer_gateway.gateway.auth import KeyStore, presented_key
-from deepinfer_gateway.gateway.errors import (
+from deepinfer_gateway.errors import (
+    BridgeError,
+    ClientGone,
     Forbidden,
     GatewayError,
     InternalError,
     PayloadTooLarge,
     RateLimited,
     Unauthorized,
-    client_protocol,
-    error_response,
 )
+from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving import RequestServer
 from deepinfer_gateway.gateway.worker_client import Timeouts, WorkerClient
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
-from deepinfer_gateway.recipe_bridge.prepare import (
-    ApiProtocol,
-    BridgeConfig,
-    BridgeError,
-    PreparedRequest,
-    RequestPreparer,
-)
+from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, PreparedRequest, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
@@ -173,14 +168,6 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-class ClientGone(Exception):
-    """The client disconnected before its response started."""
-
-
-def _from_bridge(exc: BridgeError) -> GatewayError:
-    return GatewayError(exc.message, status_code=exc.status_code, param=exc.param, code=exc.code)
-
-
 def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None, *,
                shutting_down: threading.Event | None = None) -> GatewayApp:
     """`shutting_down`: set by the host when a stop signal arrives (asgi.serve_until_signal's
@@ -247,13 +234,11 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
 
     def caught(exc: Exception, request_id: str) -> GatewayError:
         """The GatewayError an endpoint answers for an exception it caught."""
-        if isinstance(exc, BridgeError):
-            return _from_bridge(exc)
-        if isinstance(exc, GatewayError):
-            return exc
         if isinstance(exc, (ClientGone, ClientDisconnect)):  # gone while we read its body or awaited a token
             metrics.client_disconnects.inc()
-            return GatewayError("client disconnected", status_code=499)
+            return ClientGone()
+        if isinstance(exc, GatewayError):
+            return exc
         log.error("request %s failed unexpectedly", request_id, exc_info=exc)
         return InternalError()
 
@@ -362,7 +347,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         try:
             key = await authenticate(request)
             if target is None or not may_use(key, target.served, model_id):
-                raise _from_bridge(BridgeError.model_not_found(model_id))
+                raise BridgeError.model_not_found(model_id)
         except GatewayError as exc:
             return refuse(MODELS, protocol, target.served if target else "unknown", exc)
         count(MODELS, target.served, 200)

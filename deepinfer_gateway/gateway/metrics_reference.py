@@ -17,6 +17,7 @@ from enum import StrEnum
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from deepinfer_gateway.errors import UpstreamKind
 from deepinfer_gateway.gateway.metrics import REQUEST_LABELS, GatewayMetrics
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
 from deepinfer_gateway.protocol import Hardware, Role
@@ -37,7 +38,7 @@ LABELS: dict[str, str] = {
     "status": "the HTTP status answered, as a string; `499` when the client left first",
     "tier": "`memory` (the worker's own KV blocks) or `store` (the shared KV store)",
     "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`",
-    "kind": "`connect`, `disconnect`, `timeout`, `http_status`, `protocol`, `worker_error`, `engine`",
+    "kind": _values(UpstreamKind),
     "worker": "a worker id from the configuration or `POST /admin/workers`; its series go when it is removed",
     "component": "`ratelimit`, `inflight`",
     "op": "the Redis prefix index's operation: `apply`, `lookup`, `remove_worker`",

@@ -34,17 +34,21 @@ from starlette.responses import Response, StreamingResponse
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import GatewaySettings
-from deepinfer_gateway.gateway.errors import (
+from deepinfer_gateway.errors import (
+    HEALTH_FAILURES,
     GatewayError,
     NoHealthyWorker,
     Overloaded,
+    UpstreamError,
     UpstreamFailed,
-    stream_error_frame,
+    UpstreamKind,
+    WorkerRefused,
 )
+from deepinfer_gateway.gateway.error_json import stream_error_frame
 from deepinfer_gateway import tracing
 from deepinfer_gateway.gateway.metrics import GatewayMetrics, RequestSeries
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
-from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient, WorkerStream
+from deepinfer_gateway.gateway.worker_client import WorkerClient, WorkerStream
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
@@ -244,10 +248,10 @@ class RequestServer:
             if ready is not None and ready["event"] == "finish":
                 _raise_if_error(ready)  # refused before scheduling: finish without ready
             if ready is None or ready["event"] != "ready":
-                raise UpstreamError("protocol", f"worker {worker.worker_id} did not start with a ready event")
+                raise UpstreamError(UpstreamKind.PROTOCOL, f"worker {worker.worker_id} did not start with a ready event")
             first = await stream.next_event()
             if first is None:
-                raise UpstreamError("protocol", f"worker {worker.worker_id} closed the stream before a token")
+                raise UpstreamError(UpstreamKind.PROTOCOL, f"worker {worker.worker_id} closed the stream before a token")
             if first["event"] == "finish" and "kv_handoff" not in first:
                 _raise_if_error(first)
             self.registry.record_success(worker)
@@ -264,10 +268,10 @@ class RequestServer:
 
     def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str) -> None:
         self.registry.count_error(worker, exc.kind)
-        if exc.kind in ("connect", "disconnect", "timeout", "http_status", "protocol"):
-            self.registry.record_failure(worker, str(exc), eject_now=exc.kind == "connect")
+        if exc.kind in HEALTH_FAILURES:
+            self.registry.record_failure(worker, str(exc), eject_now=exc.kind is UpstreamKind.CONNECT)
         if not exc.retryable:
-            raise GatewayError(str(exc).split(": ", 1)[-1], status_code=exc.status or 400) from None
+            raise WorkerRefused.of(exc) from None
         self.metrics.retries.labels(exc.kind).inc()
         log.warning("request %s: attempt on %s failed (%s), retrying", request_id, worker.worker_id, exc)
 
@@ -290,7 +294,7 @@ class RequestServer:
         while True:
             event = upstream.pending.pop(0) if upstream.pending else await upstream.leg.stream.next_event()
             if event is None:
-                raise UpstreamError("protocol", f"worker {upstream.leg.worker.worker_id} ended the stream early")
+                raise UpstreamError(UpstreamKind.PROTOCOL, f"worker {upstream.leg.worker.worker_id} ended the stream early")
             if event["event"] == "tokens":
                 upstream.output_ids.extend(event["token_ids"])
                 yield event
@@ -333,7 +337,7 @@ class RequestServer:
                                                           worker.spec.hardware)
             upstream.pending.append(first)
             return
-        raise UpstreamError("worker_error", f"no decode worker took the hand-off: {last_error or 'none compatible'}",
+        raise UpstreamError(UpstreamKind.WORKER_ERROR, f"no decode worker took the hand-off: {last_error or 'none compatible'}",
                             retryable=False)
 
     async def _relay(self, prepared: PreparedRequest, upstream: _Upstream, request_id: str,
@@ -362,7 +366,8 @@ class RequestServer:
                 upstream.status = "200"
             except (UpstreamError, GatewayError) as exc:
                 upstream.status = "502"
-                self.registry.count_error(upstream.leg.worker, getattr(exc, "kind", "engine"))
+                self.registry.count_error(upstream.leg.worker,
+                                          exc.kind if isinstance(exc, UpstreamError) else UpstreamKind.ENGINE)
                 log.warning("request %s: stream from %s failed after the first token: %s", request_id,
                             upstream.leg.worker.worker_id, exc)
                 yield stream_error_frame(prepared.protocol, f"The worker failed mid-stream: {exc}")
@@ -439,9 +444,9 @@ def _raise_if_error(finish: dict[str, Any]) -> None:
     if finish.get("reason") == wp.FinishReason.ERROR or error:
         error = error or {}
         kind = error.get("kind", "engine")
-        retryable = bool(error.get("retryable", False))
-        status = 400 if kind in {str(k) for k in wp.CLIENT_ERRORS} else 503
-        raise UpstreamError("worker_error", f"{kind}: {error.get('message', 'engine error')}", retryable=retryable,
-                            status=status)
+        message = error.get("message", "engine error")
+        raise UpstreamError(UpstreamKind.WORKER_ERROR, f"{kind}: {message}", detail=message,
+                            retryable=bool(error.get("retryable", False)),
+                            status=400 if kind in wp.CLIENT_ERRORS else 503)
     if finish.get("reason") == wp.FinishReason.ABORT:
-        raise UpstreamError("worker_error", "the worker aborted the request", retryable=True, status=503)
+        raise UpstreamError(UpstreamKind.WORKER_ERROR, "the worker aborted the request", retryable=True, status=503)

@@ -1,14 +1,13 @@
 """Worker protocol v1 client: the one place that knows the upstream HTTP library.
 
 aiohttp, chosen by measurement (docs/architecture: ~0.2 ms CPU per short request
-versus ~0.8 ms for httpx). Every aiohttp failure becomes an `UpstreamError` with a
-bounded `kind` (metrics label) and a `retryable` verdict for the router.
+versus ~0.8 ms for httpx). Every aiohttp failure becomes an `UpstreamError` (errors.py) with
+an `UpstreamKind` (metrics label) and a `retryable` verdict for the router.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,20 +16,10 @@ import orjson
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
+from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 
 
 POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)
-
-
-class UpstreamError(Exception):
-    """kind: connect (refused: the worker is down) | disconnect (an open connection broke) |
-    timeout | http_status | protocol | worker_error."""
-
-    def __init__(self, kind: str, message: str, *, retryable: bool = True, status: int | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.retryable = retryable
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -73,9 +62,9 @@ class WorkerStream:
         try:
             line = await self._response.content.readline()
         except _EventTimeout:
-            raise UpstreamError("timeout", f"no event from worker within {timeout}s") from None
+            raise UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {timeout}s") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise UpstreamError("disconnect", f"worker connection lost: {exc}") from None
+            raise UpstreamError(UpstreamKind.DISCONNECT, f"worker connection lost: {exc}") from None
         finally:
             self._reading = False
         if not line:
@@ -84,9 +73,9 @@ class WorkerStream:
         try:
             event = orjson.loads(line)
         except orjson.JSONDecodeError:
-            raise UpstreamError("protocol", f"worker sent a malformed line: {line[:80]!r}") from None
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"worker sent a malformed line: {line[:80]!r}") from None
         if not isinstance(event, dict) or "event" not in event:
-            raise UpstreamError("protocol", f"worker sent an unknown message: {line[:80]!r}")
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"worker sent an unknown message: {line[:80]!r}")
         return event
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -104,10 +93,6 @@ class WorkerStream:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        while (event := await self.next_event()) is not None:
-            yield event
 
     def close(self) -> None:
         self._disarm()
@@ -146,17 +131,17 @@ class WorkerClient:
                 headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: request_id}),
             )
         except TimeoutError:
-            raise UpstreamError("timeout", f"connect to {url} timed out") from None
+            raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {url} timed out") from None
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError("connect", f"cannot reach {url}: {exc}") from None
+            raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {url}: {exc}") from None
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:  # e.g. a pooled connection closed
-            raise UpstreamError("disconnect", f"connection to {url} broke: {exc}") from None
+            raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {url} broke: {exc}") from None
         if response.status != 200:
             text = (await response.read())[:300].decode(errors="replace")
             response.release()
             retryable = response.status >= 500 or response.status == 429
-            raise UpstreamError("http_status", f"worker {url} answered {response.status}: {text}",
-                                retryable=retryable, status=response.status)
+            raise UpstreamError(UpstreamKind.HTTP_STATUS, f"worker {url} answered {response.status}: {text}",
+                                retryable=retryable, status=response.status, detail=text)
         return WorkerStream(response, self.timeouts)
 
     async def abort(self, url: str, request_id: str) -> None:
@@ -174,11 +159,11 @@ class WorkerClient:
             async with self.session.get(url + path,
                                         timeout=aiohttp.ClientTimeout(total=self.timeouts.control_s)) as r:
                 if r.status != 200:
-                    raise UpstreamError("http_status", f"{url}{path} answered {r.status}", status=r.status)
+                    raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{url}{path} answered {r.status}", status=r.status)
                 return orjson.loads(await r.read())
         except TimeoutError:
-            raise UpstreamError("timeout", f"{url}{path} timed out") from None
+            raise UpstreamError(UpstreamKind.TIMEOUT, f"{url}{path} timed out") from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError("connect", f"{url}{path}: {exc}") from None
+            raise UpstreamError(UpstreamKind.CONNECT, f"{url}{path}: {exc}") from None
         except orjson.JSONDecodeError:
-            raise UpstreamError("protocol", f"{url}{path} returned malformed JSON") from None
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"{url}{path} returned malformed JSON") from None

@@ -30,6 +30,7 @@ import deepseek_recipe as dr
 import orjson
 
 from deepinfer_gateway.config import ImageSettings
+from deepinfer_gateway.errors import BridgeError
 from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAlias, ModelCatalog, ModelTarget
 from deepinfer_gateway.protocol import Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge import completions as legacy
@@ -46,31 +47,6 @@ class ApiProtocol(StrEnum):
     RESPONSES = "responses"
     MESSAGES = "messages"
     COMPLETIONS = "completions"  # legacy text completions: no chat template
-
-
-class BridgeError(Exception):
-    """A request the bridge refuses: carries the HTTP status and a message for the client."""
-
-    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        self.code = code or ("invalid_request_error" if status_code < 500 else "internal_error")
-        self.model: str | None = None  # the served model, once the requested name resolved (metrics label)
-
-    @classmethod
-    def model_not_found(cls, model: str) -> BridgeError:
-        return cls(404, f"The model `{model}` does not exist or you do not have access to it.", param="model",
-                   code="model_not_found")
-
-    @classmethod
-    def from_conversion(cls, error: dr.ConversionError) -> BridgeError:
-        try:
-            detail = orjson.loads(error.body)["error"]
-            return cls(error.status_code, detail.get("message", str(error)), param=detail.get("param"))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return cls(error.status_code, str(error))
 
 
 @dataclass(frozen=True)

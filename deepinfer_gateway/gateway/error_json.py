@@ -1,24 +1,11 @@
-"""The gateway's error hierarchy and its one translation into protocol error bodies.
+"""The one translation of errors into protocol bodies: OpenAI or Anthropic error JSON.
 
-    GatewayError                    -> rendered as OpenAI or Anthropic error JSON
-      (status_code, message, type)
-    NoHealthyWorker(GatewayError)   503 no worker can take the request
-    Overloaded(GatewayError)        429 admission control; carries Retry-After
-    UpstreamFailed(GatewayError)    502/503 every attempt failed before the first token
-    Unauthorized / Forbidden        401 / 403 API key missing or unknown / model not allowed
-    RateLimited(GatewayError)       429 per-key limits; carries Retry-After and x-ratelimit-*
-    PayloadTooLarge(GatewayError)   413 body over `max_body_bytes`
-    InternalError(GatewayError)     500 an unexpected exception (logged where it was caught)
+The error tree is deepinfer_gateway/errors.py. The app's handlers render a GatewayError
+with `error_response`; a stream that already started ends with `stream_error_frame`.
 
 OpenAI bodies: `{"error": {"message", "type", "param", "code"}}`; Anthropic bodies:
 `{"type": "error", "error": {"type", "message"}}`. `client_protocol` says which one a caller
 reads when no request has been parsed.
-
-A request the bridge refuses (recipe_bridge BridgeError: 400, or 404 `model_not_found`) is
-rendered the same way.
-
-Upstream (aiohttp) failures are mapped to `UpstreamError` in gateway/worker_client.py,
-the one place that knows the HTTP client.
 """
 
 from __future__ import annotations
@@ -29,6 +16,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from deepinfer_gateway.errors import GatewayError
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 
 _OPENAI_TYPES = {
@@ -51,62 +39,6 @@ _ANTHROPIC_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-
-
-class GatewayError(Exception):
-    status_code = 500
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int | None = None,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        if status_code is not None:
-            self.status_code = status_code
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-
-class NoHealthyWorker(GatewayError):
-    status_code = 503
-
-
-class Overloaded(GatewayError):
-    status_code = 429
-
-
-class UpstreamFailed(GatewayError):
-    status_code = 502
-
-
-class Unauthorized(GatewayError):
-    status_code = 401
-
-
-class Forbidden(GatewayError):
-    status_code = 403
-
-
-class RateLimited(GatewayError):
-    status_code = 429
-
-
-class PayloadTooLarge(GatewayError):
-    status_code = 413
-
-
-class InternalError(GatewayError):
-    status_code = 500
-
-    def __init__(self) -> None:
-        super().__init__("The server had an error while processing your request.")
 
 
 def client_protocol(path: str, headers: Mapping[str, str]) -> ApiProtocol | None:
