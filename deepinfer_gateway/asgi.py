@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-
 
 # Idle keep-alive connections are held longer by servers than by the gateway's client pool
 # (worker_client.POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
@@ -76,3 +77,38 @@ def run_until_signal(app: Any, host: str, port: int, **kwargs: Any) -> None:
         uvloop.run(serve_until_signal(app, host, port, **kwargs))
     except ImportError:
         asyncio.run(serve_until_signal(app, host, port, **kwargs))
+
+
+@dataclass
+class ServedApp:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0) -> ServedApp:
+    """Serve `app` in the running loop; returns once it accepts connections."""
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+    # proto says TCP, and without it Nagle + delayed ACK add ~40 ms to fast replies.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on",
+                            timeout_keep_alive=KEEP_ALIVE_S)
+    server = EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises the start-up error
+            raise RuntimeError(f"server on {host}:{port} exited during start-up")
+        await asyncio.sleep(0.01)
+    return ServedApp(server, task, host, sock.getsockname()[1])

@@ -147,7 +147,7 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
 
     from deepinfer_gateway import tracing
     from deepinfer_gateway.protocol import Role
-    from deepinfer_gateway.workers.cluster import SimWorkerSpec, serve_sim_cluster
+    from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, serve_sim_cluster
 
     specs = [
         SimWorkerSpec(f"{hardware}-{role}-{args.base_port + i}", Role(role), hardware, args.base_port + i,
@@ -212,7 +212,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             run_until_signal(with_spans(create_worker_app(build_deepinfer_engine(config))), args.host, args.port,
                              log_level=args.log_level)
             return 0
-        from deepinfer_gateway.workers.run import WorkerOptions, run_worker
+        from deepinfer_gateway.workers.sim.run import WorkerOptions, run_worker
 
         run_worker(WorkerOptions(role=Role(args.role), hardware=args.hardware, host=args.host, port=args.port,
                                  worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale),

@@ -244,7 +244,7 @@ async def _serve_double(args: argparse.Namespace) -> None:
 
 async def _serve_sim(args: argparse.Namespace) -> None:
     from deepinfer_gateway.protocol import Role
-    from deepinfer_gateway.workers.cluster import SimWorkerSpec, serve_sim_cluster
+    from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, serve_sim_cluster
     from deepinfer_gateway.workers.sim.engine import Failures
 
     failures = Failures(hang=True) if args.mode == "sim-hang" else Failures(fail_after_tokens=args.after)

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from deepinfer_gateway.workers.cluster import SimCluster, SimWorkerSpec, serve_sim_cluster
+from deepinfer_gateway.workers.sim.cluster import SimCluster, SimWorkerSpec, serve_sim_cluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

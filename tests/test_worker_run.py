@@ -10,7 +10,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from tests.conftest import free_port, wait_for_port
+from deepinfer_gateway.launch import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def test_run_worker_serves_and_stops_on_sigterm() -> None:
     port = free_port()
     code = (
         "from deepinfer_gateway.protocol import Role\n"
-        "from deepinfer_gateway.workers.run import WorkerOptions, run_worker\n"
+        "from deepinfer_gateway.workers.sim.run import WorkerOptions, run_worker\n"
         f"run_worker(WorkerOptions(role=Role.PREFILL, hardware='ascend950', port={port}, time_scale=1000.0))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

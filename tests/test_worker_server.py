@@ -19,7 +19,7 @@ from deepinfer_gateway.protocol import (
     KvHandoff,
     Role,
 )
-from deepinfer_gateway.workers.cluster import SimCluster, SimWorkerSpec, serve_sim_cluster
+from deepinfer_gateway.workers.sim.cluster import SimCluster, SimWorkerSpec, serve_sim_cluster
 from deepinfer_gateway.workers.sim.engine import Failures
 
 FAST = 1000.0  # time_scale: simulated seconds pass 1000x faster

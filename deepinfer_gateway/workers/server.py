@@ -7,7 +7,7 @@ disconnects mid-stream cancels the response task (Starlette listens for
 scope-bound, no bookkeeping by hand. Bad bodies get 400 (not JSON) or 422 (not a
 valid request) with an error JSON, never a 500.
 
-Optional extra routers (the OpenAI/SGLang compatibility layer, workers/compat.py)
+Optional extra routers (the OpenAI/SGLang compatibility layer, workers/sim/compat.py)
 are mounted beside the protocol endpoints.
 """
 

@@ -38,9 +38,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from deepinfer_gateway.protocol import GenerateRequest, Sampling, StructuredOutput
+from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, write_tokenizer_dir
 from deepinfer_gateway.workers.server import json_response
-from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.workers.sim.engine import SimEngine
 
 SSE = "text/event-stream"

@@ -13,19 +13,15 @@ one tokenizer/output planner.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import uvicorn
-from fastapi import FastAPI
-
-from deepinfer_gateway.asgi import KEEP_ALIVE_S, EmbeddedServer
+from deepinfer_gateway.asgi import ServedApp, serve_app
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.workers.compat import compat_router
 from deepinfer_gateway.workers.server import create_worker_app
+from deepinfer_gateway.workers.sim.compat import compat_router
 from deepinfer_gateway.workers.sim.engine import DEFAULT_MODEL, Failures, SimEngine
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore, KvStore
 from deepinfer_gateway.workers.sim.output import OutputPlanner
@@ -41,41 +37,6 @@ class SimWorkerSpec:
     time_scale: float = 1.0
     memory_capacity_blocks: int | None = None  # override the profile's
     failures: Failures = Failures()
-
-
-@dataclass
-class ServedApp:
-    server: uvicorn.Server
-    task: asyncio.Task[None]
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
-
-
-async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> ServedApp:
-    """Serve `app` in the running loop; returns once it accepts connections."""
-    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
-    # proto says TCP, and without it Nagle + delayed ACK add ~40 ms to fast replies.
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on",
-                            timeout_keep_alive=KEEP_ALIVE_S)
-    server = EmbeddedServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()  # raises the start-up error
-            raise RuntimeError(f"worker server on {host}:{port} exited during start-up")
-        await asyncio.sleep(0.01)
-    return ServedApp(server, task, host, sock.getsockname()[1])
 
 
 @dataclass
