@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -216,6 +216,13 @@ class GatewaySettings(_Frozen):
     access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
     tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
 
+    @model_validator(mode="after")
+    def _keys_in_redis_need_redis(self) -> GatewaySettings:
+        # Without Redis there is nowhere to look keys up: the gateway would serve everyone.
+        if self.api_keys_in_redis and not self.redis_url:
+            raise ValueError("api_keys_in_redis: needs redis_url (keys are looked up there)")
+        return self
+
 
 # ------------------------------------------------------------------------------ loading
 
@@ -338,6 +345,8 @@ def _problem(error: Any) -> tuple[str, str]:
     from_env = [env_name(*names[:n]) for n in range(len(names), 0, -1) if env_name(*names[:n]) in _upper_environ()]
     if from_env:
         reason += f" (from {from_env[0]})"
+    if not where and ": " in reason:  # a model-level check names its field as "field: reason"
+        where, reason = reason.split(": ", 1)
     return where or "settings", reason
 
 

@@ -211,6 +211,7 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
     ('[router.pool_policies]\nagents = "fastest"\n', "router.pool_policies",
      "pool 'agents': unknown routing policy 'fastest'"),
     ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
+    ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis_url"),
 ])
 def test_bad_settings_name_the_field(tmp_path: Path, text: str, where: str, reason: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -67,7 +67,7 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     free = {}
     for url, spec in zip(pd_cluster.urls, pd_cluster.specs):
         free.setdefault(spec, []).append(url)
-    for worker in load_settings(shipped).workers:
+    for worker in load_settings(shipped, {"redis_url": redis_url}).workers:
         text, n = re.subn(rf'(?m)^url = "{re.escape(worker.url)}"$',
                           f'url = "{free[f"{worker.role}:{worker.hardware}"].pop(0)}"', text)
         assert n == 1, worker.url
@@ -75,6 +75,8 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     config.write_text(text)
     port = free_port()
     env = {**shipped_env, "DGW_HOST": "127.0.0.1", "DGW_PORT": str(port), "DGW_REDIS_URL": redis_url}
+    if "DGW_SECRETS_DIR" in env:  # the optional key Secret, not created: an empty mount
+        env["DGW_SECRETS_DIR"] = str(tmp_path_factory.mktemp("secrets"))
     proc = Proc(CLI + ["serve", "--config", str(config)], env=env)
     try:
         wait_for_port(port, timeout=30)

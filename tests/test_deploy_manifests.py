@@ -125,6 +125,10 @@ def test_every_deploy_file_parses() -> None:
             assert yaml_docs(path), f"{path} holds no YAML document"
 
 
+# Keys in Redis need a Redis URL; the shipped TOMLs leave it to their deploy file's DGW_REDIS_URL.
+DEPLOYED_REDIS = {"redis_url": "redis://redis:6379/0"}
+
+
 def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in GatewaySettings.model_fields:
         monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
@@ -133,7 +137,7 @@ def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.Mo
     unified = DEPLOY / "gateway" / "compose-unified.toml"
     assert simulated <= set(configs)
     for path in configs:
-        settings = load_settings(path)
+        settings = load_settings(path, DEPLOYED_REDIS)
         assert settings.host == "0.0.0.0" and settings.port == GATEWAY_PORT, path
         assert settings.workers, path
         if path == unified:
@@ -167,6 +171,9 @@ class ShippedGateway:
                 monkeypatch.delenv(name)
         for name, value in self.env.items():
             monkeypatch.setenv(name, value)
+        if "DGW_SECRETS_DIR" in self.env:  # the optional key Secret, not created: an empty mount
+            (tmp_path / "secrets").mkdir(exist_ok=True)
+            monkeypatch.setenv("DGW_SECRETS_DIR", str(tmp_path / "secrets"))
         path = tmp_path / "gateway.toml"
         path.write_text(self.toml_text if toml_text is None else toml_text)
         return load_settings(path)
@@ -446,7 +453,7 @@ def test_compose_gateway_config_lists_the_compose_workers(monkeypatch: pytest.Mo
     mounts = {target: src for src, target, *_ in (v.split(":") for v in gateway["volumes"])}
     src = DEPLOY / mounts[config_path]
     assert src.exists()
-    settings = load_settings(src)
+    settings = load_settings(src, DEPLOYED_REDIS)
     for w in settings.workers:
         host, port = w.url.split("://", 1)[1].split(":")
         assert host in services and int(port) == WORKER_PORT
@@ -463,7 +470,7 @@ def test_unified_override_switches_workers_and_gateway_config(monkeypatch: pytes
     (mount,) = override["gateway-1"]["volumes"]
     src, target, *_ = mount.split(":")
     assert target == parse_cli(base["gateway-1"]["command"]).config
-    settings = load_settings(DEPLOY / src)
+    settings = load_settings(DEPLOY / src, DEPLOYED_REDIS)
     for w in settings.workers:
         host = w.url.split("://", 1)[1].split(":")[0]
         args = parse_cli(override[host]["command"])
@@ -619,7 +626,7 @@ def test_k8s_workers_are_addressable_and_listed_in_gateway_config(monkeypatch: p
         assert (labels["deepinfer.ai/role"], labels["deepinfer.ai/hardware"]) == (args.role, args.hardware)
         for i in range(sts["spec"]["replicas"]):
             expected_urls[f"http://{name}-{i}.{headless['metadata']['name']}:{args.port}"] = (args.role, args.hardware)
-    settings = load_settings(K8S / "gateway.toml")
+    settings = load_settings(K8S / "gateway.toml", DEPLOYED_REDIS)
     listed = {w.url: (str(w.role), str(w.hardware)) for w in settings.workers}
     assert listed == expected_urls
     assert all(w.worker_id == w.url.split("://")[1].split(".")[0] for w in settings.workers)
