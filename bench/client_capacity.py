@@ -27,8 +27,9 @@ from pathlib import Path
 import aiohttp
 from _harness import MODEL, flat_decode_profiles, start_gateway, start_worker
 
-from deepinfer_gateway.bench.replay import ReplayConfig
-from deepinfer_gateway.bench.run import BenchConfig, read_records, run_bench
+from deepinfer_gateway.loadgen.replay import ReplayConfig
+from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
+from deepinfer_gateway.workload.types import read_records
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 2400, 100
 

@@ -8,7 +8,7 @@ For every cluster configuration and every policy, one COLD run: a fresh `sim-clu
 process (the demo's PD topology: prefill pool 2 sm100 + 1 ascend950, decode pool 2 sm100
 + 1 ascend950) and a fresh gateway (`serve`, `[router] policy = NAME`), then the first
 `--requests` requests of the trace replayed open-loop through the HTTP gateway with the
-bench package (`deepinfer_gateway.bench.run.run_bench`: exact prompt synthesis from the
+load generator (`deepinfer_gateway.loadgen.run.run_bench`: exact prompt synthesis from the
 trace's hash ids, the openai SDK, streaming), then both processes stopped.
 
 Configurations
@@ -78,8 +78,8 @@ Figures, per configuration and policy
   the fraction of samples in which a prefill worker had queued prefill tokens, averaged
   over workers. The JSON's `prefill_utilization_round_robin` is round_robin's offered
   utilization in that configuration.
-- `oracle_hit_rate`: the trace slice's infinite global cache hit rate (bench/oracle.py,
-  512-token blocks, token-weighted).
+- `oracle_hit_rate`: the trace slice's infinite global cache hit rate
+  (deepinfer_gateway/workload/oracle.py, 512-token blocks, token-weighted).
 
 Default compression: S = 17 puts the prefill pool at ~60-80% offered utilization under
 round_robin in both configurations on the conversation trace (measured 0.74 / 0.72 on
@@ -111,15 +111,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer_gateway.bench.oracle import oracle_hit_rate
-from deepinfer_gateway.bench.replay import ReplayConfig
-from deepinfer_gateway.bench.run import BenchConfig, read_records, run_bench
-from deepinfer_gateway.bench.traces import load_trace
 from deepinfer_gateway.launch import Gateway, SimCluster
+from deepinfer_gateway.loadgen.replay import ReplayConfig
+from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.router.policies import POLICIES
 from deepinfer_gateway.workers.sim.profiles import load_profiles
 from deepinfer_gateway.workers.sim.step_model import prefill_seconds
+from deepinfer_gateway.workload.oracle import oracle_hit_rate
+from deepinfer_gateway.workload.traces import load_trace
+from deepinfer_gateway.workload.types import read_records
 
 DEFAULT_TRACE = "mooncake:conversation"  # downloaded once into the cache (docs/bench.md)
 PD_WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"

@@ -15,8 +15,8 @@ import json
 import time
 from pathlib import Path
 
-from deepinfer_gateway.bench.traces import load_trace
 from deepinfer_gateway.simulate import load_cluster, run_simulation
+from deepinfer_gateway.workload.traces import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = "mooncake:conversation"  # downloaded once into the cache (docs/bench.md)

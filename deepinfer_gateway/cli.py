@@ -223,7 +223,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.bench.command import main as bench_main
+    from deepinfer_gateway.loadgen.command import main as bench_main
 
     return bench_main(args)
 
@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_otel_arguments(cluster)
     cluster.set_defaults(func=cmd_sim_cluster)
 
-    from deepinfer_gateway.bench.command import add_arguments as add_bench_arguments
+    from deepinfer_gateway.loadgen.command import add_arguments as add_bench_arguments
 
     bench = command("bench", "replay a trace through the OpenAI/Anthropic SDK against a server; `bench report DIR...`")
     add_bench_arguments(bench)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.bench.replay import ReplayConfig
-from deepinfer_gateway.bench.report import load_summaries, table
-from deepinfer_gateway.bench.run import BenchConfig, read_records, run_bench
-from deepinfer_gateway.bench.summary import CostModel, Slo
 from deepinfer_gateway.cli import main as cli_main
+from deepinfer_gateway.loadgen.replay import ReplayConfig
+from deepinfer_gateway.loadgen.report import load_summaries, table
+from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
+from deepinfer_gateway.workload.summary import CostModel, Slo
+from deepinfer_gateway.workload.types import read_records
 
 CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 

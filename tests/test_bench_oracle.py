@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.bench.oracle import oracle_hit_rate
-from deepinfer_gateway.bench.traces import load_trace
-from deepinfer_gateway.bench.types import TraceRequest
+from deepinfer_gateway.workload.oracle import oracle_hit_rate
+from deepinfer_gateway.workload.traces import load_trace
+from deepinfer_gateway.workload.types import TraceRequest
 
 SHARED = Path("/work/shared/traces")
 

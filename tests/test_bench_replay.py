@@ -6,8 +6,8 @@ import asyncio
 import itertools
 import time
 
-from deepinfer_gateway.bench.replay import ReplayConfig, replay
-from deepinfer_gateway.bench.types import RequestRecord, TraceRequest
+from deepinfer_gateway.loadgen.replay import ReplayConfig, replay
+from deepinfer_gateway.workload.types import RequestRecord, TraceRequest
 
 
 class FakeSender:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deepinfer_gateway.bench import plots
-from deepinfer_gateway.bench.report import load_summaries, table
-from deepinfer_gateway.bench.summary import summarize
-from deepinfer_gateway.bench.types import RequestRecord
+from deepinfer_gateway.loadgen import plots
+from deepinfer_gateway.loadgen.report import load_summaries, table
+from deepinfer_gateway.workload.summary import summarize
+from deepinfer_gateway.workload.types import RequestRecord
 
 
 def write_run(d: Path, ttft: float, target: str, percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:  # type: ignore[type-arg]

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepinfer_gateway.bench import gateway_metrics
-from deepinfer_gateway.bench.summary import (
+from deepinfer_gateway.loadgen import gateway_metrics
+from deepinfer_gateway.workload.summary import (
     CostModel,
     Slo,
     TierTokens,
@@ -17,7 +17,7 @@ from deepinfer_gateway.bench.summary import (
     percentile,
     summarize,
 )
-from deepinfer_gateway.bench.types import ErrorKind, RequestRecord
+from deepinfer_gateway.workload.types import ErrorKind, RequestRecord
 
 
 def rec(i: int, ttft: float, e2e: float, out: int, prompt: int = 1000, cached: int | None = 500,

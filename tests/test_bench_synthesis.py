@@ -5,11 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from deepinfer_gateway.bench.synthesis import PromptSynthesizer
-from deepinfer_gateway.bench.types import TraceRequest
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.workload.synthesis import PromptSynthesizer
+from deepinfer_gateway.workload.types import TraceRequest
 
 B = 512
 HEADER = 28  # documented in synthesis.py and docs/bench.md

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.bench import trace_sources
-from deepinfer_gateway.bench.trace_sources import SOURCES, TraceFetchError, TraceSource, fetch
-from deepinfer_gateway.bench.traces import load_trace
 from deepinfer_gateway.cli import main as cli_main
+from deepinfer_gateway.workload import trace_sources
+from deepinfer_gateway.workload.trace_sources import SOURCES, TraceFetchError, TraceSource, fetch
+from deepinfer_gateway.workload.traces import load_trace
 
 SHARED = Path("/work/shared/traces")
 LINES = b"".join(

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from deepinfer_gateway.bench.traces import TraceFormatError, load_trace
+from deepinfer_gateway.workload.traces import TraceFormatError, load_trace
 
 SHARED = Path("/work/shared/traces")
 

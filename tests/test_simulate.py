@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deepinfer_gateway.bench.types import Trace, TraceRequest
 from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.simulate import ClusterConfig, load_cluster, run_simulation
 from deepinfer_gateway.simulate import simulator as simulator_module
 from deepinfer_gateway.simulate.config import WorkerGroup
 from deepinfer_gateway.simulate.tokens import HEADER_TOKENS, PromptTokens
+from deepinfer_gateway.workload.types import Trace, TraceRequest
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "bench" / "clusters"
 CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")

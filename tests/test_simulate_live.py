@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.bench.replay import ReplayConfig
-from deepinfer_gateway.bench.run import BenchConfig, run_bench
 from deepinfer_gateway.launch import Gateway, SimCluster
+from deepinfer_gateway.loadgen.replay import ReplayConfig
+from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.simulate import ClusterConfig, run_simulation
 from deepinfer_gateway.simulate.calibrate import measure_gateway_cost
 from deepinfer_gateway.simulate.config import GatewayCost, WorkerGroup

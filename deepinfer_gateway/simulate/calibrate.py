@@ -24,13 +24,13 @@ _MODEL = "DeepSeek-V4.1-Flash"
 
 
 def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int = 5) -> GatewayCost:
-    from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
-    from deepinfer_gateway.bench.types import TraceRequest
     from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
     from deepinfer_gateway.protocol import GenerateRequest
     from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
     from deepinfer_gateway.recipe_bridge.prepare import OFFLOAD_BODY_BYTES, ApiProtocol, RequestPreparer
     from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+    from deepinfer_gateway.workload.synthesis import PromptSynthesizer, Vocabulary
+    from deepinfer_gateway.workload.types import TraceRequest
 
     bundle = load_tokenizer()
     synthesizer = PromptSynthesizer(Vocabulary.from_tokenizer(bundle.tokenizer, bundle.json_text))

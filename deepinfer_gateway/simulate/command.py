@@ -32,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from deepinfer_gateway.bench.summary import Slo
-    from deepinfer_gateway.bench.traces import TraceFormatError
     from deepinfer_gateway.simulate.config import load_cluster
     from deepinfer_gateway.simulate.run import run_simulation
+    from deepinfer_gateway.workload.summary import Slo
+    from deepinfer_gateway.workload.traces import TraceFormatError
 
     try:
         config = load_cluster(args.cluster)

@@ -6,7 +6,7 @@
     config = config.model_copy(update={"router": config.router.model_copy(update={"policy": "cache_aware"})})
     records, summary = run_simulation(config, "mooncake:conversation", speedup=2.0, max_requests=1000)
 
-The summary is `bench.summary.summarize` over the simulated records (same schema as
+The summary is `workload.summary.summarize` over the simulated records (same schema as
 `bench`, docs/bench.md), with per-tier hit rates from the simulated workers' reports and
 a `simulation` object (events, steps, events/s, virtual seconds, routing modes).
 """
@@ -17,14 +17,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deepinfer_gateway.bench.oracle import oracle_hit_rate
-from deepinfer_gateway.bench.run import write_records
-from deepinfer_gateway.bench.summary import CostModel, Slo, summarize
-from deepinfer_gateway.bench.traces import load_trace
-from deepinfer_gateway.bench.types import RequestRecord, Trace
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.workers.sim.profiles import load_profiles
+from deepinfer_gateway.workload.oracle import oracle_hit_rate
+from deepinfer_gateway.workload.summary import CostModel, Slo, summarize
+from deepinfer_gateway.workload.traces import load_trace
+from deepinfer_gateway.workload.types import RequestRecord, Trace, write_records
 
 
 def cluster_gpus(config: ClusterConfig) -> int:

@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer_gateway.bench.summary import TierTokens
-from deepinfer_gateway.bench.types import ErrorKind, RequestRecord, TraceRequest
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
@@ -52,6 +50,8 @@ from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.tokens import PromptTokens
 from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SimRequest
 from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
+from deepinfer_gateway.workload.summary import TierTokens
+from deepinfer_gateway.workload.types import ErrorKind, RequestRecord, TraceRequest
 
 _ARRIVE, _STEP, _HANDOFF, _LOAD, _FEED, _CRUISE = range(6)
 CRUISE_MIN_STEPS = 4  # shorter steady stretches are stepped one by one

@@ -1,6 +1,6 @@
 """Synthetic token ids for trace requests: the simulator's stand-in for prompt synthesis.
 
-The live bench (bench/synthesis.py) turns each trace block id into 512 tokens of text
+The live bench (`workload/synthesis.py`) turns each trace block id into 512 tokens of text
 and sends it as one user message; the chat template wraps it in a fixed 28-token header
 and a 2-token trailer. Block hashes only see token ids, so the simulator needs no text
 and no tokenizer, only the same layout:
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from deepinfer_gateway.bench.types import TraceRequest
+from deepinfer_gateway.workload.types import TraceRequest
 
 VOCAB = 100_000  # stays below every real vocabulary size; ids are < 2**32 as block hashing needs
 HEADER_TOKENS = 28  # DeepSeek-V4.1 template: BOS, <｜System｜>, reasoning-effort line, <｜User｜>

@@ -14,7 +14,7 @@ import re
 import urllib.error
 import urllib.request
 
-from deepinfer_gateway.bench.summary import TierTokens
+from deepinfer_gateway.workload.summary import TierTokens
 
 _SAMPLE = re.compile(r'^(dgw_cached_prompt_tokens_total|dgw_prompt_tokens_total)(\{[^}]*\})?\s+(\S+)', re.MULTILINE)
 _TIER = re.compile(r'tier="([^"]*)"')

@@ -26,7 +26,7 @@ def duration(text: str) -> float:
 
 def percentiles(text: str) -> tuple[float, ...]:
     """`50,90,95,99` -> (50.0, 90.0, 95.0, 99.0)."""
-    from deepinfer_gateway.bench.summary import parse_percentiles
+    from deepinfer_gateway.workload.summary import parse_percentiles
 
     try:
         return parse_percentiles(text)
@@ -85,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from deepinfer_gateway.bench.replay import ReplayConfig
-    from deepinfer_gateway.bench.run import BenchConfig
-    from deepinfer_gateway.bench.summary import PERCENTILES, CostModel, Slo
+    from deepinfer_gateway.loadgen.replay import ReplayConfig
+    from deepinfer_gateway.loadgen.run import BenchConfig
+    from deepinfer_gateway.workload.summary import PERCENTILES, CostModel, Slo
 
     missing = [flag for flag, value in (("--url", args.url), ("--trace", args.trace), ("--out", args.out)) if not value]
     if missing:
@@ -108,7 +108,7 @@ def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def _sweep(config, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """A sweep; a policy sweep switches the gateway's policy per point and restores it after."""
-    from deepinfer_gateway.bench.sweep import GatewayRouting, run_sweep
+    from deepinfer_gateway.loadgen.sweep import GatewayRouting, run_sweep
 
     values = [v.strip() for v in args.sweep_values.split(",") if v.strip()]
     if args.sweep != "policy":
@@ -123,14 +123,14 @@ def _sweep(config, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped
 
 def main(args: argparse.Namespace) -> int:
     if args.bench_command == "report":
-        from deepinfer_gateway.bench.report import load_summaries, table
+        from deepinfer_gateway.loadgen.report import load_summaries, table
 
         print(table(load_summaries(args.dirs), markdown=args.markdown))
         return 0
-    from deepinfer_gateway.bench.run import TargetUnreachable, run_bench
-    from deepinfer_gateway.bench.sweep import SweepError
-    from deepinfer_gateway.bench.trace_sources import TraceFetchError
-    from deepinfer_gateway.bench.traces import TraceFormatError
+    from deepinfer_gateway.loadgen.run import TargetUnreachable, run_bench
+    from deepinfer_gateway.loadgen.sweep import SweepError
+    from deepinfer_gateway.workload.trace_sources import TraceFetchError
+    from deepinfer_gateway.workload.traces import TraceFormatError
 
     config = _config(args)
     if args.sweep and not args.sweep_values:

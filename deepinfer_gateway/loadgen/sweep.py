@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepinfer_gateway.bench import plots
-from deepinfer_gateway.bench.run import BenchConfig, run_bench
+from deepinfer_gateway.loadgen import plots
+from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 
 PolicyConfigurer = Callable[[str], None]
 SWEEPS = ("rate", "concurrency", "policy")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer_gateway.bench.summary import PERCENTILES, percentile_key
+from deepinfer_gateway.workload.summary import PERCENTILES, percentile_key
 
 # (label, dotted path in summary.json, format)
 HEAD_ROWS: tuple[tuple[str, str, str], ...] = (

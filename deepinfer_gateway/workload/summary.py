@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from deepinfer_gateway.bench.types import RequestRecord
+from deepinfer_gateway.workload.types import RequestRecord
 
 SCHEMA_VERSION = 1
 # Always in every distribution: sweeps, charts and the simulator's callers read p50/p90/p99.

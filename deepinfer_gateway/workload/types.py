@@ -1,4 +1,4 @@
-"""Value types shared by the bench modules (a leaf: imports no sibling).
+"""Workload and record value types, shared by `loadgen/` and `simulate/` (a leaf: imports no sibling).
 
 `TraceRequest` is one request of a workload (trace file or synthetic generator);
 `RequestRecord` is what one replayed request measured, one line of `results.jsonl`.
@@ -8,7 +8,10 @@ The offline simulator produces `RequestRecord`s too, so `summary.summarize` serv
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -100,3 +103,13 @@ class RequestRecord:
     def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
+
+
+def write_records(path: Path, records: list[RequestRecord]) -> None:
+    with open(path, "wb") as f:
+        f.writelines(orjson.dumps(record.to_dict()) + b"\n" for record in records)
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    with open(path, "rb") as f:
+        return [RequestRecord.from_dict(orjson.loads(line)) for line in f if line.strip()]

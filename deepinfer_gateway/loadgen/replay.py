@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from deepinfer_gateway.bench.types import RequestRecord, TraceRequest
+from deepinfer_gateway.workload.types import RequestRecord, TraceRequest
 
 
 class Sender(Protocol):

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.bench.types import ErrorKind, RequestRecord
+from deepinfer_gateway.workload.types import ErrorKind, RequestRecord
 
 WORKER_HEADER = "x-dgw-worker"
 PROTOCOLS = ("chat", "responses", "messages")

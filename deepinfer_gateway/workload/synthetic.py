@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deepinfer_gateway.bench.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 Segment = tuple[str, int]  # (globally unique content key, length in tokens)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from deepinfer_gateway.bench.types import TraceRequest
+from deepinfer_gateway.workload.types import TraceRequest
 
 
 def oracle_hit_rate(requests: Iterable[TraceRequest], block_size: int) -> float | None:

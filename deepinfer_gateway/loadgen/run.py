@@ -18,17 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from deepinfer_gateway.bench import gateway_metrics, plots
-from deepinfer_gateway.bench.client import ClientConfig, ProtocolClient
-from deepinfer_gateway.bench.oracle import oracle_hit_rate
-from deepinfer_gateway.bench.replay import ReplayConfig, ReplayResult, replay
-from deepinfer_gateway.bench.summary import PERCENTILES, CostModel, Slo, TierTokens, summarize
-from deepinfer_gateway.bench.synthesis import PromptSynthesizer, Vocabulary
-from deepinfer_gateway.bench.trace_sources import SOURCES
-from deepinfer_gateway.bench.traces import load_trace
-from deepinfer_gateway.bench.types import RequestRecord, Trace
+from deepinfer_gateway.loadgen import gateway_metrics, plots
+from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient
+from deepinfer_gateway.loadgen.replay import ReplayConfig, ReplayResult, replay
+from deepinfer_gateway.workload.oracle import oracle_hit_rate
+from deepinfer_gateway.workload.summary import PERCENTILES, CostModel, Slo, TierTokens, summarize
+from deepinfer_gateway.workload.synthesis import PromptSynthesizer, Vocabulary
+from deepinfer_gateway.workload.trace_sources import SOURCES
+from deepinfer_gateway.workload.traces import load_trace
+from deepinfer_gateway.workload.types import RequestRecord, Trace, write_records
 
 DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
 
@@ -113,16 +111,6 @@ async def _replay(config: BenchConfig, trace: Trace, model: str) -> tuple[Replay
         return result, gateway_metrics.delta(before, after)
     finally:
         await client.aclose()
-
-
-def write_records(path: Path, records: list[RequestRecord]) -> None:
-    with open(path, "wb") as f:
-        f.writelines(orjson.dumps(record.to_dict()) + b"\n" for record in records)
-
-
-def read_records(path: Path) -> list[RequestRecord]:
-    with open(path, "rb") as f:
-        return [RequestRecord.from_dict(orjson.loads(line)) for line in f if line.strip()]
 
 
 def _provenance(spec: str) -> dict[str, Any] | None:

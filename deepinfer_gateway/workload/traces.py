@@ -19,9 +19,9 @@ from pathlib import Path
 
 import orjson
 
-from deepinfer_gateway.bench.synthetic import GENERATORS
-from deepinfer_gateway.bench.trace_sources import SOURCES, fetch
-from deepinfer_gateway.bench.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+from deepinfer_gateway.workload.synthetic import GENERATORS
+from deepinfer_gateway.workload.trace_sources import SOURCES, fetch
+from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 
 class TraceFormatError(ValueError):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer_gateway.bench.types import RequestRecord
+from deepinfer_gateway.workload.types import RequestRecord
 
 
 def _pyplot() -> Any:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from deepinfer_gateway.bench.types import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 _WORD = re.compile(r"Ġ([a-z]{3,9})")
 _ID_DIGITS = 3
