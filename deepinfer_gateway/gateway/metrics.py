@@ -120,6 +120,11 @@ class GatewayMetrics:
                            self.upstream_errors)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
 
+    def count_request(self, protocol: str, model: str, status: int | str) -> None:
+        """dgw_requests_total: every request's outcome is recorded here, once.
+        `protocol`: an ApiProtocol or a non-generation route; `model`: a served name or `unknown`."""
+        self.requests.labels(protocol, model, str(status)).inc()
+
     def request_series(self, model: str, pool: str, hardware: str) -> RequestSeries:
         """The children for a served model name, a configured pool and a Hardware value:
         bounded keys, so the cache is too."""

@@ -1,0 +1,127 @@
+"""What the planner sees for one request, and the admission check on its choice.
+
+Candidates are the healthy workers with an info report, as `WorkerView`s: the last load
+report plus what this gateway knows since (its own open calls, in-flight reservations
+shared through Redis across replicas). The prompt's block hashes (one chain per KV format)
+are looked up in the prefix index in one call. `retry_after` is the admission rule as a
+pure function, so the simulator can apply the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from deepinfer_gateway import tracing
+from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.errors import NoHealthyWorker, Overloaded
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.kvcache.hashing import PrefixHasher
+from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
+from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
+from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+from deepinfer_gateway.router.planner import Plan, RoutePlanner, WorkerView, prompt_hashes
+
+log = logging.getLogger(__name__)
+
+# The worker role of a plan's first leg.
+LEG_ROLE = {"unified": "unified", "pd": "prefill", "bypass": "unified"}
+
+
+def worker_view(worker: WorkerState, reserved: int) -> WorkerView | None:
+    """A worker as the planner sees it; None before its first info report."""
+    if worker.info is None:
+        return None
+    load = worker.load
+    return WorkerView(
+        worker_id=worker.worker_id, role=worker.spec.role, pool=worker.pool, hardware=str(worker.spec.hardware),
+        kv_format=worker.kv_format, model=worker.info.model,
+        queued_prefill_tokens=(load.queued_prefill_tokens if load else 0) + reserved,
+        running=(load.running if load else 0) + worker.inflight,
+        dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size,
+        prefills=worker.info.prefills,
+    )
+
+
+def retry_after(views: Sequence[WorkerView], pool: str, budget: int,
+                prefill_speed: Callable[[str], float]) -> int | None:
+    """Admission control: the seconds a client should wait when `pool`'s queued prefill
+    tokens exceed `budget` (0: no limit), else None. `prefill_speed(hardware)`: tokens/s."""
+    if not budget:
+        return None
+    members = [v for v in views if v.pool == pool]
+    queued = sum(v.queued_prefill_tokens for v in members)
+    if queued <= budget:
+        return None
+    return max(1, math.ceil((queued - budget) / sum(prefill_speed(v.hardware) for v in members)))
+
+
+class RouteInputs:
+    """Candidates, prefix overlap, admission and the routing record for the request path."""
+
+    def __init__(self, registry: WorkerRegistry, planner: RoutePlanner, index: PrefixIndex,
+                 inflight: MemoryInflight | RedisInflight, metrics: GatewayMetrics, settings: GatewaySettings):
+        self.registry = registry
+        self.planner = planner
+        self.index = index
+        self.inflight = inflight
+        self.metrics = metrics
+        self.settings = settings
+        self.hasher = PrefixHasher()
+
+    async def views(self) -> list[WorkerView]:
+        workers = self.registry.healthy()
+        reserved = await self.inflight.totals([w.worker_id for w in workers])
+        return [v for w in workers if (v := worker_view(w, reserved.get(w.worker_id, 0))) is not None]
+
+    async def candidates(self, prepared: PreparedRequest) -> tuple[list[WorkerView], dict[str, list[int]], Overlap]:
+        """The views, the prompt's hashes per KV format and their overlap with each worker's cache."""
+        views = await self.views()
+        if not views:
+            raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
+        with tracing.span("router.lookup", candidates=len(views)):
+            hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens)
+            started = time.perf_counter()
+            overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
+            self.metrics.prefix_lookup.observe(time.perf_counter() - started)
+        return views, hashes, overlap
+
+    def admit(self, plan: Plan, views: list[WorkerView]) -> None:
+        """Refuse (429 + Retry-After) when the chosen pool's queued prefill is over the budget."""
+        pool = plan.worker.pool
+        wait = retry_after(views, pool, self.settings.router.admission_queued_tokens,
+                           lambda hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s)
+        if wait is None:
+            return
+        queued = sum(v.queued_prefill_tokens for v in views if v.pool == pool)
+        self.metrics.admission_rejections.labels(pool).inc()
+        raise Overloaded(f"Pool {pool} is overloaded ({queued} queued prompt tokens); retry later.",
+                         headers={"retry-after": str(wait)})
+
+    def record(self, plan: Plan, request_id: str) -> None:
+        w = plan.worker
+        self.metrics.routing_decisions.labels(w.pool, w.hardware, str(plan.decision.reason)).inc()
+        tracing.current_span().set_attributes({"route.mode": plan.mode, "route.worker": w.worker_id,
+                                               "route.reason": str(plan.decision.reason)})
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s mode=%s worker=%s reason=%s predicted=%d/%d costs=%s", request_id, plan.mode,
+                      w.worker_id, plan.decision.reason, plan.decision.predicted_memory_tokens,
+                      plan.decision.predicted_store_tokens, plan.decision.costs)
+
+    def count_prompt(self, plan: Plan, ready: dict[str, Any]) -> None:
+        """Prompt and cached tokens as the worker reported them, against what routing predicted."""
+        prompt = ready["prompt_tokens"]
+        reported = ready["cached_tokens"]
+        predicted = {"memory": plan.decision.predicted_memory_tokens, "store": plan.decision.predicted_store_tokens}
+        self.metrics.prompt_tokens.inc(prompt)
+        for tier in ("memory", "store"):
+            if reported.get(tier):
+                self.metrics.cached_tokens.labels(tier).inc(reported[tier])
+            if predicted[tier]:
+                self.metrics.predicted_cached_tokens.labels(tier).inc(predicted[tier])
+        error = (predicted["memory"] + predicted["store"] - reported["memory"] - reported["store"]) / max(prompt, 1)
+        self.metrics.prediction_error.observe(error)

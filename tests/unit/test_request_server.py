@@ -1,0 +1,234 @@
+"""RequestServer on scripted worker calls: retries, refusals, the stream/drain outcomes, and
+that every leg's lease is released whichever way the request ends.
+
+`ScriptedClient` stands in for the aiohttp seam (gateway/worker_client.py): each worker URL
+has a list of event scripts, one per generate call; an exception in a script is raised
+from that read. Everything else (registry, planner, in-memory index and reservations,
+tokenizer, response building, metrics) is the real thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from starlette.requests import ClientDisconnect
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.config import GatewaySettings, HealthSettings, WorkerSpec
+from deepinfer_gateway.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.registry import WorkerRegistry
+from deepinfer_gateway.gateway.relay import RelayResponse
+from deepinfer_gateway.gateway.serving import RequestServer
+from deepinfer_gateway.kvcache.factory import create_prefix_index
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, PreparedRequest, RequestPreparer
+from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.router.inflight import MemoryInflight
+from deepinfer_gateway.router.planner import RoutePlanner
+
+MODEL = "DeepSeek-V4.1-Flash"
+Script = list[Any]  # events (dicts), or an exception to raise at that read
+
+
+def ok_script(tokens: int = 3) -> Script:
+    return [wp.ready_event(10, 0, 0), *(wp.tokens_event([100 + i]) for i in range(tokens)),
+            wp.finish_event(wp.FinishReason.LENGTH, num_output_tokens=tokens)]
+
+
+class ScriptedStream:
+    def __init__(self, script: Script):
+        self.script = list(script)
+        self.closed = False
+
+    async def next_event(self) -> dict[str, Any] | None:
+        await asyncio.sleep(0)
+        if not self.script:
+            return None
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return dict(item)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedClient:
+    def __init__(self, scripts: dict[str, list[Script]]):
+        self.scripts = scripts
+        self.streams: list[ScriptedStream] = []
+        self.aborted: list[tuple[str, str]] = []
+
+    async def generate(self, url: str, body: dict[str, Any], request_id: str) -> ScriptedStream:
+        await asyncio.sleep(0)
+        script = self.scripts[url].pop(0)
+        if isinstance(script, UpstreamError):
+            raise script
+        stream = ScriptedStream(script)
+        self.streams.append(stream)
+        return stream
+
+    async def abort(self, url: str, request_id: str) -> None:
+        self.aborted.append((url, request_id))
+
+
+URLS = ("http://w1.test", "http://w2.test")
+
+
+@pytest.fixture(scope="module")
+def preparer() -> RequestPreparer:
+    return RequestPreparer(PromptEncoder(load_tokenizer(None)), BridgeConfig())
+
+
+def prepared_chat(preparer: RequestPreparer, *, stream: bool = False) -> PreparedRequest:
+    body = {"model": MODEL, "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "Hi"}]}
+    return preparer.prepare(ApiProtocol.CHAT, orjson.dumps(body))
+
+
+class Rig:
+    def __init__(self, scripts: dict[str, list[Script]], max_attempts: int = 2):
+        self.settings = GatewaySettings(max_attempts=max_attempts)
+        self.metrics = GatewayMetrics()
+        self.client = ScriptedClient(scripts)
+        specs = tuple(WorkerSpec(url=u) for u in scripts)
+        client: Any = self.client  # stands in for WorkerClient
+        self.registry = WorkerRegistry(specs, client, HealthSettings(), self.metrics)
+        for w in self.registry.workers.values():
+            w.healthy = True
+            w.info = wp.WorkerInfo(worker_id=w.worker_id, engine="sim", role=wp.Role.UNIFIED,
+                                   hardware=wp.Hardware.SM100, kv_format="fp8", model=MODEL, epoch="e1")
+        self.done: list[int] = []
+        self.server = RequestServer(self.registry, client, RoutePlanner(self.settings.router), create_prefix_index(None),
+                                    MemoryInflight(), load_tokenizer(None), self.metrics, self.settings)
+
+    async def serve(self, prepared: PreparedRequest) -> Any:
+        return await self.server.serve(prepared, "req-1", 0.0, on_done=self.done.append)
+
+    def gauge(self) -> float:
+        return self.metrics.inflight._value.get()
+
+    def requests(self, status: str) -> float:
+        return self.metrics.requests.labels("chat", MODEL, status)._value.get()
+
+    def assert_released(self) -> None:
+        assert self.gauge() == 0
+        assert all(w.inflight == 0 for w in self.registry.workers.values())
+        assert all(s.closed for s in self.client.streams)
+
+
+async def test_non_streamed_answer(preparer: RequestPreparer) -> None:
+    rig = Rig({URLS[0]: [ok_script(3)]})
+    response = await rig.serve(prepared_chat(preparer))
+    assert response.status_code == 200 and response.headers["x-dgw-worker"] == "w1.test"
+    assert orjson.loads(response.body)["choices"][0]["finish_reason"] == "length"
+    assert rig.requests("200") == 1 and rig.done == [3]
+    rig.assert_released()
+    assert rig.client.aborted == []  # the worker finished: nothing to abort
+
+
+async def test_a_malformed_ready_releases_the_leg(preparer: RequestPreparer) -> None:
+    """A `ready` without its cached-token counts fails after the call opened: an unexpected
+    exception (the app answers 500), and the worker call must still be released."""
+    bad_ready = [{"event": "ready", "prompt_tokens": 10}, wp.tokens_event([1])]
+    rig = Rig({URLS[0]: [bad_ready]})
+    with pytest.raises(KeyError):
+        await rig.serve(prepared_chat(preparer))
+    await asyncio.sleep(0)
+    rig.assert_released()
+    assert rig.done == [0]
+    assert rig.client.aborted == [(URLS[0], "req-1")]
+
+
+async def test_retry_on_another_worker_before_the_first_token(preparer: RequestPreparer) -> None:
+    refused = UpstreamError(UpstreamKind.CONNECT, "cannot reach")
+    rig = Rig({URLS[0]: [refused, refused], URLS[1]: [ok_script(2), ok_script(2)]})
+    for _ in range(2):  # whichever worker the policy tries first, the request is served
+        assert (await rig.serve(prepared_chat(preparer))).status_code == 200
+    rig.assert_released()
+    assert rig.metrics.retries.labels("connect")._value.get() >= 1
+
+
+async def test_every_attempt_failing_is_upstream_failed(preparer: RequestPreparer) -> None:
+    broken = [wp.ready_event(10, 0, 0), UpstreamError(UpstreamKind.DISCONNECT, "lost")]
+    rig = Rig({URLS[0]: [broken], URLS[1]: [broken]})
+    with pytest.raises(UpstreamFailed, match="All 2 attempted workers failed"):
+        await rig.serve(prepared_chat(preparer))
+    rig.assert_released()
+    assert rig.done == []  # no request reached its first token
+
+
+async def test_a_workers_refusal_answers_with_its_status_and_message(preparer: RequestPreparer) -> None:
+    refusal = [wp.finish_event(wp.FinishReason.ERROR, error_kind=wp.ErrorKind.PROMPT_TOO_LONG, message="too long")]
+    rig = Rig({URLS[0]: [refusal]})
+    with pytest.raises(WorkerRefused) as info:
+        await rig.serve(prepared_chat(preparer))
+    assert (info.value.status_code, info.value.message) == (400, "too long")
+    rig.assert_released()
+
+
+async def test_no_healthy_worker(preparer: RequestPreparer) -> None:
+    rig = Rig({URLS[0]: []})
+    rig.registry.workers["w1.test"].healthy = False
+    with pytest.raises(NoHealthyWorker):
+        await rig.serve(prepared_chat(preparer))
+
+
+async def test_a_failure_mid_answer_is_upstream_failed_and_releases(preparer: RequestPreparer) -> None:
+    script = [wp.ready_event(10, 0, 0), wp.tokens_event([1]), UpstreamError(UpstreamKind.DISCONNECT, "lost")]
+    rig = Rig({URLS[0]: [script]})
+    with pytest.raises(UpstreamFailed, match="mid-answer"):
+        await rig.serve(prepared_chat(preparer))
+    await asyncio.sleep(0)
+    rig.assert_released()
+    assert rig.requests("200") == 0  # the app counts the error it answers
+    assert rig.client.aborted == [(URLS[0], "req-1")]
+
+
+async def _run_stream(response: RelayResponse, *, disconnect_after: int | None = None) -> list[bytes]:
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+            if disconnect_after is not None and len(sent) >= disconnect_after:
+                raise OSError("client went away")
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/"}
+    try:
+        await response(scope, receive, send)
+    except ClientDisconnect:  # Starlette's word for the OSError send raised
+        pass
+    return sent
+
+
+async def test_streamed_answer_and_mid_stream_failure(preparer: RequestPreparer) -> None:
+    failing = [wp.ready_event(10, 0, 0), wp.tokens_event([1]), UpstreamError(UpstreamKind.DISCONNECT, "lost")]
+    rig = Rig({URLS[0]: [ok_script(3), failing]}, max_attempts=1)
+    response = await rig.serve(prepared_chat(preparer, stream=True))
+    assert isinstance(response, RelayResponse) and rig.gauge() == 1
+    frames = b"".join(await _run_stream(response))
+    assert b"[DONE]" in frames and rig.requests("200") == 1
+    response = await rig.serve(prepared_chat(preparer, stream=True))
+    frames = b"".join(await _run_stream(response))
+    assert b"The worker failed mid-stream" in frames and rig.requests("502") == 1
+    assert rig.metrics.upstream_errors.labels("w1.test", "disconnect")._value.get() == 1
+    rig.assert_released()
+    assert rig.done == [3, 1]
+
+
+async def test_a_client_leaving_mid_stream_is_499_and_aborts(preparer: RequestPreparer) -> None:
+    rig = Rig({URLS[0]: [ok_script(6)]})
+    response = await rig.serve(prepared_chat(preparer, stream=True))
+    await _run_stream(response, disconnect_after=1)
+    await asyncio.sleep(0)
+    assert rig.requests("499") == 1 and rig.metrics.client_disconnects._value.get() == 1
+    rig.assert_released()
+    assert rig.client.aborted == [(URLS[0], "req-1")]
