@@ -15,8 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
-
-MODEL = "DeepSeek-V4.1-Flash"
+from deepinfer_gateway.protocol import DEFAULT_MODEL as MODEL
 
 
 def chat_body(i: int, max_tokens: int = 8, **extra: object) -> bytes:

@@ -41,6 +41,7 @@ import deepseek_recipe as dr
 import orjson
 
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
+from deepinfer_gateway.protocol import DEFAULT_MODEL as MODEL
 from deepinfer_gateway.protocol import encode_line, tokens_event
 from deepinfer_gateway.recipe_bridge.encoder import (
     PromptEncoder,
@@ -55,7 +56,6 @@ from deepinfer_gateway.recipe_bridge.segment_cache import DEFAULT_DIGEST_MIN_CHA
 from deepinfer_gateway.recipe_bridge.stream import ResponseStream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
 
-MODEL = "DeepSeek-V4.1-Flash"
 SALT = kv_salt(MODEL, "sm100")
 SALTS = [kv_salt(MODEL, fmt) for fmt in ("v4.1-flash/sm100-fp8", "v4.1-flash/ascend950-int8")]
 OPTIONS = dr.ConversionOptions().with_model_versions_by_name({MODEL: dr.ModelVersion.DeepseekV41Flash})

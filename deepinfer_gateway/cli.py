@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from deepinfer_gateway.config import GatewaySettings
 
-DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
-
 
 def _configure_logging(level: str, fmt: str) -> None:
     from deepinfer_gateway.gateway.logs import configure_logging
@@ -105,6 +103,7 @@ def parse_worker_list(text: str) -> list[tuple[str, str]]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import GatewaySettings, WorkerSpec
+    from deepinfer_gateway.protocol import DEFAULT_MODEL
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
     ports = [args.worker_base_port + i for i in range(len(specs))]
@@ -316,7 +315,7 @@ workers and keys. A configuration error prints `config error: FIELD: REASON` and
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deepinfer_gateway.router.policies import POLICIES
+    from deepinfer_gateway.router.policy_config import POLICIES
 
     parser = CommandParser(prog="deepinfer-gateway", description=DESCRIPTION, epilog=EPILOG)
     _add_logging_arguments(parser, top_level=True)

@@ -29,16 +29,23 @@ from pydantic_settings import (
 )
 
 from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
-from deepinfer_gateway.protocol import Hardware, Role
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
+from deepinfer_gateway.router.policy_config import (
+    POLICIES,
+    EstimatedTtftConfig,
+    LeastLoadConfig,
+    PolicyConfig,
+    PolicyInput,
+    SessionAffinity,
+    SessionAffinityConfig,
+    parse_policy,
+)
 
 log = logging.getLogger(__name__)
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-WorkloadClass = Literal["chat", "agent"]
 
 
 class ApiKey(_Frozen):
@@ -99,24 +106,21 @@ DEFAULT_HARDWARE_COSTS = {
 }
 
 
-def _known_policy(name: str) -> str:
-    # Imported here, not at the top: router/ imports this module.
-    from deepinfer_gateway.router.policies import POLICIES
-
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
-    return name
-
-
 class RouterSettings(_Frozen):
-    policy: str = Field("estimated_ttft", description="Routing policy of prefill and unified pools (docs/policies.md).")
-    decode_policy: str = Field("least_load", description="Routing policy of decode pools (load per DP rank).")
-    pool_policies: dict[str, str] = Field(
+    """A policy is a name (its parameters at their defaults) or a table with `name` and parameters."""
+
+    policy: PolicyConfig = Field(
+        EstimatedTtftConfig(),
+        description="Routing policy of prefill and unified pools (docs/policies.md).")
+    decode_policy: PolicyConfig = Field(
+        LeastLoadConfig(),
+        description="Routing policy of decode pools (load per DP rank).")
+    pool_policies: dict[str, PolicyConfig] = Field(
         default_factory=dict,
         description="Pool name -> policy, overriding the two above.")
-    session_affinity: bool = Field(
-        False,
-        description="Keep a `user` (or x-session-id header) on its worker while load allows.")
+    session_affinity: SessionAffinity = Field(
+        SessionAffinityConfig(),
+        description="Keep a `user` (or x-session-id header) on its worker while load allows: true, or a table.")
     pd_bypass_tokens: int = Field(
         256, ge=0,
         description="Requests with at most this many uncached tokens skip the prefill pool.")
@@ -131,20 +135,18 @@ class RouterSettings(_Frozen):
         description="Shared in-flight reservations expire after this if a replica dies.")
     kv_events_interval_s: float = Field(0.05, gt=0, description="Seconds between polls of each worker's KV events.")
 
-    @field_validator("policy", "decode_policy")
-    @classmethod
-    def _policy_exists(cls, name: str) -> str:
-        return _known_policy(name)
-
-    @field_validator("pool_policies")
-    @classmethod
-    def _pool_policies_exist(cls, policies: dict[str, str]) -> dict[str, str]:
-        for pool, name in policies.items():
-            try:
-                _known_policy(name)
-            except ValueError as e:
-                raise ValueError(f"pool {pool!r}: {e}") from None
-        return policies
+    def with_policies(self, policy: PolicyInput | None = None,
+                      decode_policy: PolicyInput | None = None) -> RouterSettings:
+        """A copy with other default policies (a name, table or variant each; None keeps the
+        current one). ValueError names the policy and parameter at fault."""
+        update = {}
+        for key, given in (("policy", policy), ("decode_policy", decode_policy)):
+            if given:
+                try:
+                    update[key] = parse_policy(given)
+                except ValueError as e:
+                    raise ValueError(f"{key}: {e}") from None
+        return self.model_copy(update=update)
 
 
 class TracingSettings(_Frozen):
@@ -175,7 +177,7 @@ class GatewaySettings(_Frozen):
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     model_names: tuple[str, ...] = Field(
-        ("DeepSeek-V4.1-Flash",),
+        (DEFAULT_MODEL,),
         description="Served model names; metrics and usage use these.")
     model_aliases: ModelAliases = Field(
         default_factory=lambda: dict(BUILTIN_ALIASES),
@@ -331,7 +333,8 @@ def _without_none(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _problem(error: Any) -> tuple[str, str]:
-    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    loc = _without_policy_tag(error["loc"])
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     if error["type"] == "extra_forbidden":
         reason = "unknown setting"
     else:
@@ -341,13 +344,24 @@ def _problem(error: Any) -> tuple[str, str]:
         if isinstance(given, str | int | float) and len(repr(given)) <= 40 and not secret_ish \
                 and repr(given) not in reason:
             reason += f" (got {given!r})"
-    names = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    names = [str(part) for part in loc if not isinstance(part, int)]
     from_env = [env_name(*names[:n]) for n in range(len(names), 0, -1) if env_name(*names[:n]) in _upper_environ()]
     if from_env:
         reason += f" (from {from_env[0]})"
     if not where and ": " in reason:  # a model-level check names its field as "field: reason"
         where, reason = reason.split(": ", 1)
     return where or "settings", reason
+
+
+def _without_policy_tag(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """pydantic puts a policy table's variant name in the error location
+    (router.policy.estimated_ttft.stick_ratio); the TOML key has none."""
+    out: list[Any] = []
+    for part in loc:
+        in_policy = out[-1:] in (["policy"], ["decode_policy"]) or out[-2:-1] == ["pool_policies"]
+        if not (part in POLICIES and in_policy and out[:1] == ["router"]):
+            out.append(part)
+    return tuple(out)
 
 
 def _upper_environ() -> set[str]:

@@ -32,6 +32,13 @@ HEALTH_PATH = "/health"
 NDJSON = "application/x-ndjson"
 REQUEST_ID_HEADER = "x-request-id"
 
+DEFAULT_MODEL = "DeepSeek-V4.1-Flash"  # the served model name when none is configured
+
+# A request's workload class sets how long the shared KV store keeps its blocks
+# (DeepSeek's production store: agent 3 days, chat 7 days).
+WorkloadClass = Literal["chat", "agent"]
+STORE_TTL_S: dict[str, float] = {"agent": 3 * 86_400.0, "chat": 7 * 86_400.0}
+
 
 class Role(StrEnum):
     UNIFIED = "unified"
@@ -123,7 +130,7 @@ class GenerateRequest(_Model):
     # Prefill role: return after the first token with a KV hand-off handle.
     # Decode role: continue from `kv_handoff`; `token_ids` is prompt + first token.
     kv_handoff: KvHandoff | None = None
-    workload_class: Literal["chat", "agent"] = "chat"
+    workload_class: WorkloadClass = "chat"
     # Number of image placeholder tokens beyond one per placeholder (vision encoder cost).
     image_token_adjustment: int = Field(0, ge=0)
     images: list[str] = Field(default_factory=list)  # base64 preprocessed images

@@ -17,7 +17,7 @@ from deepinfer_gateway.workload.summary import (
     percentile,
     summarize,
 )
-from deepinfer_gateway.workload.types import ErrorKind, RequestRecord
+from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 
 def rec(i: int, ttft: float, e2e: float, out: int, prompt: int = 1000, cached: int | None = 500,
@@ -80,8 +80,8 @@ def test_summary_names_its_percentiles_and_method() -> None:
 def test_summary_figures() -> None:
     records = [rec(i, ttft=0.1 * (i + 1), e2e=0.1 * (i + 1) + 0.99, out=100, itl=[0.01] * 99, t=float(i))
                for i in range(10)]
-    records.append(RequestRecord(index=10, arrival_s=10.0, status="error", error=ErrorKind.HTTP_5XX, http_status=503))
-    records.append(RequestRecord(index=11, arrival_s=11.0, status="error", error=ErrorKind.TIMEOUT))
+    records.append(RequestRecord(index=10, arrival_s=10.0, status="error", error=RecordError.HTTP_5XX, http_status=503))
+    records.append(RequestRecord(index=11, arrival_s=11.0, status="error", error=RecordError.TIMEOUT))
     s = summarize(records, wall_s=20.0, oracle_hit_rate=0.4, slo=Slo(ttft_s=0.5, tpot_s=0.02),
                   cost=CostModel(gpus=4, gpu_hour_usd=2.0), tiers=TierTokens(memory=3000, store=1000, prompt=10000),
                   client_cpu_s=0.12, hit_window_s=5.0)

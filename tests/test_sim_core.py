@@ -8,7 +8,7 @@ import pytest
 
 from deepinfer_gateway.protocol import FinishReason, KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SchedulerCore, SimRequest
-from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.profiles import load_profile
 from deepinfer_gateway.workers.sim.step_model import decode_seconds, prefill_seconds
@@ -18,7 +18,7 @@ ONE_RANK = replace(SM100, dp_ranks=1, gpus_per_instance=1)
 
 
 def core(profile=ONE_RANK, store=None, time_scale=1.0) -> SchedulerCore:  # type: ignore[no-untyped-def]
-    return SchedulerCore(profile, KvEventLog("w"), "m", store=store, time_scale=time_scale)
+    return SchedulerCore(profile, SimKvEventLog("w"), "m", store=store, time_scale=time_scale)
 
 
 def req(rid: str, prompt: list[int], n_out: int = 3, **kw) -> SimRequest:  # type: ignore[no-untyped-def]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from deepinfer_gateway.protocol import KvEventKind, KvTier
-from deepinfer_gateway.workers.sim.kv_events import KvEventLog
-from deepinfer_gateway.workers.sim.kv_store import DAY, InMemoryKvStore
+from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.prefix_cache import PrefixCache
 
+DAY = 86_400.0
 
-def make(capacity: int) -> tuple[PrefixCache, KvEventLog]:
-    log = KvEventLog("w0")
+
+def make(capacity: int) -> tuple[PrefixCache, SimKvEventLog]:
+    log = SimKvEventLog("w0")
     return PrefixCache(capacity, log), log
 
 
@@ -59,11 +61,11 @@ def test_event_log_is_gap_free_starts_cleared_and_pages() -> None:
     page = log.batch(after=3, limit=2)
     assert [e.seq for e in page.events] == [4, 5]
     assert log.batch(after=batch.last_seq).events == []
-    assert len(log.epoch) == 32 and KvEventLog("w0").epoch != log.epoch
+    assert len(log.epoch) == 32 and SimKvEventLog("w0").epoch != log.epoch
 
 
 def test_event_log_retention_reports_oldest_seq() -> None:
-    log = KvEventLog("w0", retention=5)
+    log = SimKvEventLog("w0", retention=5)
     for i in range(20):
         log.append(KvEventKind.STORED, KvTier.MEMORY, [i])
     batch = log.batch(0)

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from deepinfer_gateway.workers.sim.cluster import SimCluster, SimWorkerSpec, serve_sim_cluster
+from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -18,7 +18,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 async def url() -> AsyncIterator[str]:
-    cluster: SimCluster = await serve_sim_cluster([SimWorkerSpec("c0", time_scale=1000.0)])
+    cluster: InProcessSimCluster = await serve_sim_cluster([SimWorkerSpec("c0", time_scale=1000.0)])
     yield cluster.urls["c0"]
     await cluster.stop()
 

@@ -19,14 +19,14 @@ from deepinfer_gateway.protocol import (
     KvHandoff,
     Role,
 )
-from deepinfer_gateway.workers.sim.cluster import SimCluster, SimWorkerSpec, serve_sim_cluster
+from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
 from deepinfer_gateway.workers.sim.engine import Failures
 
 FAST = 1000.0  # time_scale: simulated seconds pass 1000x faster
 
 
 @pytest.fixture(scope="module")
-async def cluster() -> AsyncIterator[SimCluster]:
+async def cluster() -> AsyncIterator[InProcessSimCluster]:
     c = await serve_sim_cluster(
         [
             SimWorkerSpec("u0", time_scale=FAST),
@@ -57,7 +57,7 @@ def text_prompt(n: int, seed: int = 0) -> list[int]:
     return [1000 + (i * 7 + seed) % 5000 for i in range(n)]
 
 
-async def test_stream_is_ready_tokens_finish(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_stream_is_ready_tokens_finish(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     events = await generate(http, cluster.urls["u0"], {"request_id": "r1", "token_ids": text_prompt(300), "sampling": {"max_tokens": 20}})
     assert events[0] == {"event": "ready", "prompt_tokens": 300, "cached_tokens": {"memory": 0, "store": 0}}
     assert all(e["event"] == "tokens" for e in events[1:-1])
@@ -65,7 +65,7 @@ async def test_stream_is_ready_tokens_finish(cluster: SimCluster, http: aiohttp.
     assert events[-1] == {"event": "finish", "reason": "length", "num_output_tokens": 20} and len(tokens) == 20
 
 
-async def test_shared_prefix_is_cached_on_the_same_worker(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_shared_prefix_is_cached_on_the_same_worker(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     shared = text_prompt(8000, seed=1)
     url = cluster.urls["u0"]
     await generate(http, url, {"request_id": "a", "token_ids": shared + [11, 12], "sampling": {"max_tokens": 2}})
@@ -76,14 +76,14 @@ async def test_shared_prefix_is_cached_on_the_same_worker(cluster: SimCluster, h
     assert load["cached_tokens_total"]["memory"] >= 7936
 
 
-async def test_store_tier_serves_another_worker(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_store_tier_serves_another_worker(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     prompt = text_prompt(2000, seed=2)
     await generate(http, cluster.urls["u0"], {"request_id": "s1", "token_ids": prompt, "sampling": {"max_tokens": 1}})
     events = await generate(http, cluster.urls["flaky"], {"request_id": "s2", "token_ids": prompt, "sampling": {"max_tokens": 1}})
     assert events[0]["cached_tokens"] == {"memory": 0, "store": 15 * 128}
 
 
-async def test_kv_events_endpoint(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_kv_events_endpoint(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     url = cluster.urls["u0"]
     await generate(http, url, {"request_id": "e1", "token_ids": text_prompt(1000, seed=3), "sampling": {"max_tokens": 1}})
     async with http.get(url + KV_EVENTS_PATH, params={"after": 0, "limit": 1000}) as resp:
@@ -108,7 +108,7 @@ async def wait_idle(http: aiohttp.ClientSession, url: str, within: float = 1.0) 
         await asyncio.sleep(0.02)
 
 
-async def test_abort_endpoint(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_abort_endpoint(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     url = cluster.urls["slow"]
     body = {"request_id": "ab", "token_ids": text_prompt(100), "sampling": {"max_tokens": 5000, "ignore_eos": True}}
     async with http.post(url + GENERATE_PATH, json=body) as resp:
@@ -122,7 +122,7 @@ async def test_abort_endpoint(cluster: SimCluster, http: aiohttp.ClientSession) 
     assert load["running"] == 0 and load["kv_usage"] == 0
 
 
-async def test_client_disconnect_aborts(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_client_disconnect_aborts(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     url = cluster.urls["slow"]
     body = {"request_id": "dc", "token_ids": text_prompt(100), "sampling": {"max_tokens": 5000, "ignore_eos": True}}
     resp = await http.post(url + GENERATE_PATH, json=body)
@@ -143,24 +143,24 @@ async def test_client_disconnect_aborts(cluster: SimCluster, http: aiohttp.Clien
         (ABORT_PATH, b"[]", 422),
     ],
 )
-async def test_malformed_bodies_are_4xx(cluster: SimCluster, http: aiohttp.ClientSession, path: str, payload: bytes, status: int) -> None:
+async def test_malformed_bodies_are_4xx(cluster: InProcessSimCluster, http: aiohttp.ClientSession, path: str, payload: bytes, status: int) -> None:
     async with http.post(cluster.urls["u0"] + path, data=payload, headers={"content-type": "application/json"}) as resp:
         assert resp.status == status
         assert (await resp.json())["error"]["kind"] == "invalid_request"
 
 
-async def test_bad_tokens_finish_with_client_error(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_bad_tokens_finish_with_client_error(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     (event,) = await generate(http, cluster.urls["u0"], {"request_id": "bad", "token_ids": [1, 10**9]})
     assert event["reason"] == "error" and event["error"]["kind"] == "invalid_tokens" and not event["error"]["retryable"]
 
 
-async def test_injected_failure_is_retryable(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_injected_failure_is_retryable(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     events = await generate(http, cluster.urls["flaky"], {"request_id": "f", "token_ids": text_prompt(50), "sampling": {"max_tokens": 50}})
     assert sum(len(e.get("token_ids", [])) for e in events) == 3
     assert events[-1]["error"] == {"kind": "engine", "message": "injected failure", "retryable": True}
 
 
-async def test_prefill_then_decode_hand_off(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
+async def test_prefill_then_decode_hand_off(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     prompt = text_prompt(1000, seed=5)
     sampling = {"max_tokens": 30, "seq_seed": 7}
     whole = await generate(http, cluster.urls["u0"], {"request_id": "w", "token_ids": prompt, "sampling": sampling})

@@ -27,9 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter
 
-from deepinfer_gateway.protocol import KvEventBatch
+from deepinfer_gateway.protocol import STORE_TTL_S, KvEventBatch
 
-DEFAULT_STORE_TTL_S = 7 * 24 * 3600.0  # the `chat` class; workers normally send expires_at
+DEFAULT_STORE_TTL_S = STORE_TTL_S["chat"]  # workers normally send expires_at
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.workload.types import ErrorKind, RequestRecord
+from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 WORKER_HEADER = "x-dgw-worker"
 PROTOCOLS = ("chat", "responses", "messages")
@@ -59,23 +59,23 @@ def _http_client(config: ClientConfig, cls: type) -> Any:
 
 
 def classify(exc: BaseException) -> tuple[str, int | None]:
-    """SDK/transport exception -> (ErrorKind, HTTP status or None), by type names so that it
+    """SDK/transport exception -> (RecordError, HTTP status or None), by type names so that it
     holds for openai, anthropic and either httpx flavour."""
     status = getattr(exc, "status_code", None)
     names = " ".join(c.__name__ for c in type(exc).__mro__)
     if isinstance(exc, asyncio.CancelledError):
-        return ErrorKind.CANCELLED, None
+        return RecordError.CANCELLED, None
     if "Timeout" in names:
-        return ErrorKind.TIMEOUT, None
+        return RecordError.TIMEOUT, None
     if isinstance(status, int):
         if status == 429:
-            return ErrorKind.RATE_LIMITED, status
-        return (ErrorKind.HTTP_5XX if status >= 500 else ErrorKind.HTTP_4XX), status
+            return RecordError.RATE_LIMITED, status
+        return (RecordError.HTTP_5XX if status >= 500 else RecordError.HTTP_4XX), status
     if "Connect" in names:
-        return ErrorKind.CONNECTION, None
+        return RecordError.CONNECTION, None
     if any(n in names for n in ("RemoteProtocolError", "ReadError", "StreamError", "DecodingError", "ValueError")):
-        return ErrorKind.STREAM, None
-    return ErrorKind.CLIENT, None
+        return RecordError.STREAM, None
+    return RecordError.CLIENT, None
 
 
 async def _parsed(raw: Any) -> Any:
@@ -132,7 +132,7 @@ class ProtocolClient:
             record.e2e_s = time.perf_counter() - start
             record.status = "ok"
         except asyncio.CancelledError:
-            record.status, record.error = "error", ErrorKind.CANCELLED
+            record.status, record.error = "error", RecordError.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a record
             record.status = "error"

@@ -21,14 +21,13 @@ from typing import Any
 from deepinfer_gateway.loadgen import gateway_metrics, plots
 from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient
 from deepinfer_gateway.loadgen.replay import ReplayConfig, ReplayResult, replay
+from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.summary import PERCENTILES, CostModel, Slo, TierTokens, summarize
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer, Vocabulary
 from deepinfer_gateway.workload.trace_sources import SOURCES
 from deepinfer_gateway.workload.traces import load_trace
 from deepinfer_gateway.workload.types import RequestRecord, Trace, write_records
-
-DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
 
 
 @dataclass(frozen=True)

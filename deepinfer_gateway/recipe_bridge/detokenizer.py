@@ -18,8 +18,8 @@ from functools import lru_cache
 from deepinfer_gateway.recipe_bridge import derived_cache
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2 `bytes_to_unicode`, inverted: printable char -> byte."""
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2 `bytes_to_unicode`, inverted: printable char -> byte (byte-level BPE pieces)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = list(printable)
     n = 0
@@ -33,7 +33,7 @@ def _byte_alphabet() -> dict[str, int]:
 
 def _pieces(tokenizer_json: str) -> dict[int, bytes]:
     data = json.loads(tokenizer_json)
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     pieces = {int(i): bytes(alphabet.get(ch, 0x3F) for ch in piece) for piece, i in data["model"]["vocab"].items()}
     for token in data["added_tokens"]:
         pieces[int(token["id"])] = token["content"].encode()

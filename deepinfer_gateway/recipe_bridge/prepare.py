@@ -32,7 +32,7 @@ import orjson
 from deepinfer_gateway.config import ImageSettings
 from deepinfer_gateway.errors import BridgeError
 from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAlias, ModelCatalog, ModelTarget
-from deepinfer_gateway.protocol import Sampling, StructuredOutput
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge import completions as legacy
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.images import (
@@ -51,7 +51,7 @@ class ApiProtocol(StrEnum):
 
 @dataclass(frozen=True)
 class BridgeConfig:
-    model_names: tuple[str, ...] = ("DeepSeek-V4.1-Flash",)
+    model_names: tuple[str, ...] = (DEFAULT_MODEL,)
     model_aliases: dict[str, ModelAlias] = field(default_factory=lambda: dict(BUILTIN_ALIASES))
     context_limit: int = 131_072
     max_tokens_upper_bound: int = 393_216

@@ -48,6 +48,7 @@ import deepseek_recipe as dr
 import tiktoken
 
 from deepinfer_gateway.recipe_bridge import derived_cache
+from deepinfer_gateway.recipe_bridge.detokenizer import byte_alphabet
 
 
 class PlainTokenizer(Protocol):
@@ -96,19 +97,6 @@ _SELF_CHECK = (
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
 
 
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet (byte -> printable code point)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    codes = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(code): byte for byte, code in zip(printable, codes)}
-
-
 def _recognised(data: dict[str, Any]) -> bool:
     """True when tokenizer.json is DeepSeek's byte-level BPE that `_DEEPSEEK_PAT` models."""
     normalizer = data.get("normalizer")
@@ -141,7 +129,7 @@ def _ranks(data: dict[str, Any]) -> dict[bytes, int] | None:
             return None
         previous = result
         results.add(result)
-    decoder = _byte_decoder()
+    decoder = byte_alphabet()
     added = {t["content"] for t in data.get("added_tokens", [])}
     ranks: dict[bytes, int] = {}
     for piece, token_id in vocab.items():

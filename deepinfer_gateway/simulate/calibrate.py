@@ -18,9 +18,8 @@ import time
 
 import orjson
 
+from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.simulate.config import GatewayCost
-
-_MODEL = "DeepSeek-V4.1-Flash"
 
 
 def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int = 5) -> GatewayCost:
@@ -35,11 +34,11 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
     bundle = load_tokenizer()
     synthesizer = PromptSynthesizer(Vocabulary.from_tokenizer(bundle.tokenizer, bundle.json_text))
     preparer = RequestPreparer(PromptEncoder(bundle))
-    salts = [kv_salt(_MODEL, "a"), kv_salt(_MODEL, "b")]
+    salts = [kv_salt(DEFAULT_MODEL, "a"), kv_salt(DEFAULT_MODEL, "b")]
     # Untimed warm-up: the first prepare builds the tokenizer's fast path (~0.7 s), a one-off
     # the live gateway pays at start-up, not per request.
     warm = TraceRequest(0, 0.0, 600, 16, (1, 2))
-    preparer.prepare(ApiProtocol.CHAT, orjson.dumps({"model": _MODEL, "max_tokens": 16, "messages": [
+    preparer.prepare(ApiProtocol.CHAT, orjson.dumps({"model": DEFAULT_MODEL, "max_tokens": 16, "messages": [
         {"role": "user", "content": synthesizer.content(warm)}]}))
     points: list[tuple[int, float]] = []
     bytes_per_token = 0.0
@@ -48,7 +47,7 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
         for k in range(repeats):  # distinct block ids: no segment-cache hits across repeats
             first = 10**7 * (k + 1) + n
             request = TraceRequest(0, 0.0, n, 16, tuple(range(first, first + -(-n // 512))))
-            body = orjson.dumps({"model": _MODEL, "messages": [{"role": "user", "content": synthesizer.content(request)}],
+            body = orjson.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": synthesizer.content(request)}],
                                  "max_tokens": 16, "stream": True, "ignore_eos": True})
             bytes_per_token = len(body) / n
             started = time.perf_counter()

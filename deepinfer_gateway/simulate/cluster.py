@@ -1,7 +1,7 @@
 """Simulated workers: the sim engine's `SchedulerCore` plus what the gateway knows of it.
 
 Each `SimWorker` holds the same scheduler the real-time sim worker runs (workers/sim/
-core.py) with its own `KvEventLog`, and the gateway-side state the live gateway keeps
+core.py) with its own `SimKvEventLog`, and the gateway-side state the live gateway keeps
 per worker (gateway/registry.py, gateway/serving.py): the last load report, the
 in-flight reservations and open legs, and the KV event feed cursor. `view()` builds the
 same `WorkerView` the live gateway's `RequestServer._views` builds:
@@ -20,7 +20,7 @@ from deepinfer_gateway.router.planner import WorkerView
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.cruise import CruisingCore
 from deepinfer_gateway.workers.sim.core import RequestUpdate
-from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.profiles import HardwareProfile, load_profiles
 
@@ -54,7 +54,7 @@ class SimWorker:
         self.pool = pool
         self.profile = profile
         self.model = model
-        self.events = KvEventLog(worker_id)
+        self.events = SimKvEventLog(worker_id)
         self.core = CruisingCore(profile, self.events, model, store=store, time_scale=time_scale)
         self.report_queued = 0  # the gateway's last load report of this worker
         self.report_running = 0

@@ -42,9 +42,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deepinfer_gateway.config import RouterSettings
-from deepinfer_gateway.protocol import Role
-
-DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
 
 
 class _Frozen(BaseModel):

@@ -51,7 +51,7 @@ from deepinfer_gateway.simulate.tokens import PromptTokens
 from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SimRequest
 from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
 from deepinfer_gateway.workload.summary import TierTokens
-from deepinfer_gateway.workload.types import ErrorKind, RequestRecord, TraceRequest
+from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
 
 _ARRIVE, _STEP, _HANDOFF, _LOAD, _FEED, _CRUISE = range(6)
 CRUISE_MIN_STEPS = 4  # shorter steady stretches are stepped one by one
@@ -236,7 +236,7 @@ class Simulator:
         try:
             plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap)
         except NoCandidate as exc:
-            self._fail(req, ErrorKind.HTTP_5XX, str(exc))
+            self._fail(req, RecordError.HTTP_5XX, str(exc))
             return
         if not self._admit(plan, views, req):
             return
@@ -248,7 +248,7 @@ class Simulator:
         try:
             worker.core.add_request(sim, hashes[worker.kv_format])
         except AdmissionError as exc:
-            self._fail(req, ErrorKind.HTTP_4XX, str(exc))
+            self._fail(req, RecordError.HTTP_4XX, str(exc))
             return
         req.worker = worker
         worker.inflight += 1
@@ -264,7 +264,7 @@ class Simulator:
         queued = sum(v.queued_prefill_tokens for v in views if v.pool == plan.worker.pool)
         if queued <= budget:
             return True
-        self._fail(req, ErrorKind.RATE_LIMITED, f"pool {plan.worker.pool} overloaded ({queued} queued tokens)")
+        self._fail(req, RecordError.RATE_LIMITED, f"pool {plan.worker.pool} overloaded ({queued} queued tokens)")
         return False
 
     def _hand_off(self, req: _Request, t: float) -> None:
@@ -275,7 +275,7 @@ class Simulator:
         try:
             view, _ = self.planner.plan_decode(views, prefill.kv_format, len(tokens))
         except NoCandidate as exc:
-            self._fail(req, ErrorKind.STREAM, str(exc))
+            self._fail(req, RecordError.STREAM, str(exc))
             return
         worker = self.by_id[view.worker_id]
         profile = worker.profile
@@ -286,7 +286,7 @@ class Simulator:
         if self.store is not None:
             handed = req.hashes[prefill.kv_format]
             if self.store.match(handed, self._unix(t)) < len(handed):
-                self._fail(req, ErrorKind.STREAM, "handed-off KV is no longer in the store")
+                self._fail(req, RecordError.STREAM, "handed-off KV is no longer in the store")
                 return
             bandwidth = profile.store_read_bytes_per_s
         else:
@@ -296,7 +296,7 @@ class Simulator:
         try:
             worker.core.add_request(sim, hashes)
         except AdmissionError as exc:
-            self._fail(req, ErrorKind.STREAM, str(exc))
+            self._fail(req, RecordError.STREAM, str(exc))
             return
         req.worker = worker
         worker.inflight += 1

@@ -46,7 +46,7 @@ class Trace:
         return self if n is None else Trace(self.name, self.requests[:n], self.block_size)
 
 
-class ErrorKind:
+class RecordError:
     """`RequestRecord.error` values (a bounded set, used as keys of summary `errors`)."""
 
     TIMEOUT = "timeout"

@@ -10,12 +10,11 @@ tier seam), events (KV event log). See docs/deepinfer.md.
 from deepinfer_gateway.workers.deepinfer.api import INSTALL_HINT, DeepInferApi, DeepInferNotInstalled, load_api
 from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
 from deepinfer_gateway.workers.deepinfer.engine import DeepInferEngine, build_deepinfer_engine
-from deepinfer_gateway.workers.deepinfer.kvstore import STORE_TTL_S, FileKvStore, KvStore, MemoryKvStore
+from deepinfer_gateway.workers.deepinfer.kvstore import FileKvStore, KvStore, MemoryKvStore
 from deepinfer_gateway.workers.deepinfer.transfer import KvTransfer, UnavailableKvTransfer
 
 __all__ = [
     "INSTALL_HINT",
-    "STORE_TTL_S",
     "DeepInferApi",
     "DeepInferConfig",
     "DeepInferEngine",

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deepinfer_gateway.protocol import Hardware, Role
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role
 
 # Same strings as the sim's profiles.toml: KV written on one format is useless on the other.
 DEFAULT_KV_FORMAT = {Hardware.SM100: "v4.1-flash/sm100-fp8", Hardware.ASCEND950: "v4.1-flash/ascend950-int8"}
@@ -19,7 +19,7 @@ class DeepInferConfig(BaseModel):
     role: Role = Role.UNIFIED
     hardware: Hardware = Hardware.SM100
     worker_id: str = Field("deepinfer-0", min_length=1)
-    served_model: str = Field("DeepSeek-V4.1-Flash", description="model name in kv_salt; must equal the gateway's")
+    served_model: str = Field(DEFAULT_MODEL, description="model name in kv_salt; must equal the gateway's")
     kv_format: str = Field("", description="empty: the hardware's default (DEFAULT_KV_FORMAT)")
     tokenizer: str | None = None
     max_model_len: int | None = Field(None, ge=1)

@@ -19,14 +19,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
-
-WorkloadClass = Literal["chat", "agent"]
-
-# DeepSeek's production store TTLs (deepinfer-interface.md): agent 3 days, chatbot 7 days.
-STORE_TTL_S: dict[str, float] = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
 
 _MASK63 = (1 << 63) - 1
 

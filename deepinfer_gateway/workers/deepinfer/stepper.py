@@ -26,6 +26,7 @@ from typing import Any
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.protocol import (
+    STORE_TTL_S,
     ErrorKind,
     FinishReason,
     GenerateRequest,
@@ -40,7 +41,7 @@ from deepinfer_gateway.protocol import (
 from deepinfer_gateway.workers.deepinfer.api import DeepInferApi
 from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
 from deepinfer_gateway.workers.deepinfer.events import KvEventLog
-from deepinfer_gateway.workers.deepinfer.kvstore import STORE_TTL_S, KvStore, tail_hash
+from deepinfer_gateway.workers.deepinfer.kvstore import KvStore, tail_hash
 from deepinfer_gateway.workers.deepinfer.mapping import map_finish, sampling_kwargs
 from deepinfer_gateway.workers.deepinfer.transfer import KvTransfer, pd_engine_class
 

@@ -2,7 +2,7 @@
 
 The demo and the HTTP tests run every sim worker in the caller's event loop, each
 behind its own uvicorn server on its own port, so they look to the gateway exactly like
-separate worker processes, while sharing one in-process KvStore (the "3FS" tier) and
+separate worker processes, while sharing one in-process SimKvStore (the "3FS" tier) and
 one tokenizer/output planner.
 
     cluster = await serve_sim_cluster([SimWorkerSpec("p0", Role.PREFILL), ...])
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deepinfer_gateway.asgi import ServedApp, serve_app
-from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.compat import compat_router
-from deepinfer_gateway.workers.sim.engine import DEFAULT_MODEL, Failures, SimEngine
-from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore, KvStore
+from deepinfer_gateway.workers.sim.engine import Failures, SimEngine
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore, SimKvStore
 from deepinfer_gateway.workers.sim.output import OutputPlanner
 from deepinfer_gateway.workers.sim.profiles import load_profiles
 
@@ -40,10 +40,10 @@ class SimWorkerSpec:
 
 
 @dataclass
-class SimCluster:
+class InProcessSimCluster:
     engines: dict[str, SimEngine]
     served: dict[str, ServedApp]
-    store: KvStore | None
+    store: SimKvStore | None
     specs: list[SimWorkerSpec] = field(default_factory=list)
 
     @property
@@ -61,7 +61,7 @@ class SimCluster:
 def build_sim_engine(
     spec: SimWorkerSpec,
     *,
-    store: KvStore | None,
+    store: SimKvStore | None,
     planner: OutputPlanner,
     profiles_path: str | None = None,
     model: str = DEFAULT_MODEL,
@@ -86,13 +86,13 @@ async def serve_sim_cluster(
     host: str = "127.0.0.1",
     *,
     with_store: bool = True,
-    store: KvStore | None = None,
+    store: SimKvStore | None = None,
     profiles_path: str | None = None,
     model: str = DEFAULT_MODEL,
     tokenizer_path: str | None = None,
     compat: bool = True,
     wrap: Callable[[Any], Any] = lambda app: app,
-) -> SimCluster:
+) -> InProcessSimCluster:
     """Start every worker of `specs`; `with_store=False` makes a memory-only cluster. `wrap`:
     ASGI middleware around each worker's app (e.g. tracing)."""
     if len({s.worker_id for s in specs}) != len(specs):
@@ -110,5 +110,5 @@ async def serve_sim_cluster(
     except BaseException:
         await asyncio.gather(*(app.stop() for app in served.values()))
         raise
-    return SimCluster(engines, served, shared, list(specs))
+    return InProcessSimCluster(engines, served, shared, list(specs))
 

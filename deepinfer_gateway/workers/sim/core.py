@@ -30,9 +30,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, DpRankLoad, ErrorKind, FinishReason, KvEventKind, KvTier
-from deepinfer_gateway.workers.sim.kv_events import KvEventLog
-from deepinfer_gateway.workers.sim.kv_store import KvStore, WorkloadClass
+from deepinfer_gateway.protocol import (
+    KV_BLOCK_TOKENS,
+    DpRankLoad,
+    ErrorKind,
+    FinishReason,
+    KvEventKind,
+    KvTier,
+    WorkloadClass,
+)
+from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
+from deepinfer_gateway.workers.sim.kv_store import SimKvStore
 from deepinfer_gateway.workers.sim.prefix_cache import PrefixCache
 from deepinfer_gateway.workers.sim.profiles import HardwareProfile
 from deepinfer_gateway.workers.sim.step_model import decode_seconds, kv_load_seconds, prefill_seconds
@@ -90,9 +98,9 @@ class SchedulerCore:
     def __init__(
         self,
         profile: HardwareProfile,
-        events: KvEventLog,
+        events: SimKvEventLog,
         model: str,
-        store: KvStore | None = None,
+        store: SimKvStore | None = None,
         time_scale: float = 1.0,
     ) -> None:
         if time_scale <= 0:

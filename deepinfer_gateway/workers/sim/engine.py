@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_gateway.protocol import (
+    DEFAULT_MODEL,
     ErrorKind,
     FinishReason,
     GenerateRequest,
@@ -39,13 +40,12 @@ from deepinfer_gateway.protocol import (
 )
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SchedulerCore, SimRequest
-from deepinfer_gateway.workers.sim.kv_events import KvEventLog
-from deepinfer_gateway.workers.sim.kv_store import KvStore
+from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
+from deepinfer_gateway.workers.sim.kv_store import SimKvStore
 from deepinfer_gateway.workers.sim.output import OutputPlanner, fake_logprobs
 from deepinfer_gateway.workers.sim.profiles import HardwareProfile
 from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
 
-DEFAULT_MODEL = "DeepSeek-V4.1-Flash"
 STORE_HANDLE, DIRECT_HANDLE = "store", "direct"
 # Bounds the event loop's busy time per wake-up when time_scale makes steps near-free.
 MAX_STEPS_PER_SLEEP = 64
@@ -77,7 +77,7 @@ class SimEngine:
         profile: HardwareProfile,
         role: Role = Role.UNIFIED,
         model: str = DEFAULT_MODEL,
-        store: KvStore | None = None,
+        store: SimKvStore | None = None,
         time_scale: float = 1.0,
         planner: OutputPlanner | None = None,
         failures: Failures = Failures(),
@@ -91,7 +91,7 @@ class SimEngine:
         self._model = model
         self._planner = planner or OutputPlanner(load_tokenizer())
         self._min_sleep = min_sleep_s
-        self._events = KvEventLog(worker_id)
+        self._events = SimKvEventLog(worker_id)
         self._core = SchedulerCore(profile, self._events, model, store=store, time_scale=time_scale)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()

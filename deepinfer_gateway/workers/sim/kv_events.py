@@ -18,7 +18,7 @@ from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTie
 _Row = tuple[int, KvEventKind, KvTier, list[int], float | None]
 
 
-class KvEventLog:
+class SimKvEventLog:
     def __init__(self, worker_id: str, retention: int = 100_000) -> None:
         self.worker_id = worker_id
         self.epoch = uuid.uuid4().hex

@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
-WorkloadClass = Literal["chat", "agent"]
-DAY = 86_400.0
-DEFAULT_TTL_S: dict[str, float] = {"agent": 3 * DAY, "chat": 7 * DAY}
+from deepinfer_gateway.protocol import STORE_TTL_S, WorkloadClass
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class StorePut:
     expires_at: float
 
 
-class KvStore(Protocol):
+class SimKvStore(Protocol):
     def match(self, hashes: Sequence[int], now: float) -> int:
         """Number of leading blocks of `hashes` held and unexpired at `now` (unix time)."""
 
@@ -42,7 +40,7 @@ class KvStore(Protocol):
 @dataclass
 class InMemoryKvStore:
     capacity_blocks: int = 10_000_000
-    ttl_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_S))
+    ttl_s: dict[str, float] = field(default_factory=lambda: dict(STORE_TTL_S))
     _blocks: OrderedDict[int, float] = field(default_factory=OrderedDict, repr=False)  # hash -> expires_at
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ cached, so `match` counts leading hits. To keep that property under eviction, a 
 is inserted and touched back to front: its first block becomes the most recent, and
 LRU eviction then takes a prefix's extensions before the prefix itself.
 
-Every insertion and eviction is appended to the worker's KvEventLog (tier `memory`).
+Every insertion and eviction is appended to the worker's SimKvEventLog (tier `memory`).
 Cost: O(blocks) per call, dict operations only.
 """
 
@@ -15,11 +15,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from deepinfer_gateway.protocol import KvEventKind, KvTier
-from deepinfer_gateway.workers.sim.kv_events import KvEventLog
+from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 
 
 class PrefixCache:
-    def __init__(self, capacity_blocks: int, events: KvEventLog) -> None:
+    def __init__(self, capacity_blocks: int, events: SimKvEventLog) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity = capacity_blocks

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_gateway.asgi import run_until_signal
-from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, build_sim_engine
 from deepinfer_gateway.workers.sim.compat import compat_router
-from deepinfer_gateway.workers.sim.engine import DEFAULT_MODEL
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.output import OutputPlanner
 
