@@ -83,9 +83,6 @@ class TextCompletionProcessor:
         out = [self._chunk(text, None)] if text else []
         return out + self._end(reason if reason in ("stop", "length", "content_filter") else "stop")
 
-    def close(self) -> None:
-        self.finished = True
-
     # --- outputs ----------------------------------------------------------------------
 
     def _text(self, text: str, lp: dict[str, Any] | None) -> list[Chunk]:

@@ -131,9 +131,6 @@ class ResponseStream:
                 return b"data: " + done.encode() + b"\n\n"
         return b""
 
-    def close(self) -> None:
-        self._processor.close()
-
     def body(self) -> bytes:
         return self._accumulator.to_json().encode()
 

@@ -423,12 +423,3 @@ class Simulator:
                 if not batch.events:
                     break
         self._dirty_feed = {w for w in self._dirty_feed if w.busy}
-
-
-def simulate_requests(config: ClusterConfig, requests: Sequence[TraceRequest], *, speedup: float = 1.0,
-                      block_size: int = 512, header_offset: bool = True) -> tuple[list[RequestRecord], SimStats]:
-    sim = Simulator(config, speedup=speedup, block_size=block_size, header_offset=header_offset)
-    records = sim.run(requests)
-    return records, sim.stats
-
-
