@@ -1,4 +1,4 @@
-"""End to end with the DeepInfer wrapper as the engine (issue 8): the gateway's OpenAI
+"""End to end with the DeepInfer wrapper as the engine: the gateway's OpenAI
 protocol suite, re-run against a cluster of `deepinfer` workers.
 
 Real processes and real HTTP throughout: the openai SDK -> gateway (`deepinfer-gateway

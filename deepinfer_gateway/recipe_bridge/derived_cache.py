@@ -10,7 +10,7 @@ An entry's key is a SHA-256 over everything the value depends on: the source tex
 source file of the module that derives it (any code change invalidates its entries), the
 Python version and the versions of the libraries involved. Values are plain data written
 with `marshal` (loading runs no code). The cache is only a shortcut: a missing, unreadable
-or unwritable entry means building the value as before.
+or unwritable entry means building the value from scratch.
 
 Location: $DGW_CACHE_DIR, else $XDG_CACHE_HOME/deepinfer-gateway, else
 ~/.cache/deepinfer-gateway. Each kind keeps its `KEEP_PER_KIND` newest entries.
