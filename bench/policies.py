@@ -115,7 +115,7 @@ from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
-from deepinfer_gateway.router.policies import POLICIES
+from deepinfer_gateway.router.policy_config import POLICIES
 from deepinfer_gateway.workers.sim.profiles import load_profiles
 from deepinfer_gateway.workers.sim.step_model import prefill_seconds
 from deepinfer_gateway.workload.oracle import oracle_hit_rate

@@ -13,7 +13,7 @@ import enum
 import json
 import types
 from collections.abc import Iterator
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel
@@ -97,8 +97,22 @@ def _constraints(field: FieldInfo) -> str:
     return ", ".join(out)
 
 
+def _variants(annotation: Any) -> tuple[type[BaseModel], ...]:
+    """The models of a union told apart by a literal `name` (routing policies); () otherwise."""
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return ()
+    models = get_args(annotation)
+    if all(isinstance(m, type) and issubclass(m, BaseModel) and "name" in m.model_fields for m in models):
+        return models
+    return ()
+
+
 def type_name(annotation: Any) -> str:
     """A settings annotation in words: `int | None` -> 'integer or none'."""
+    if _variants(annotation):
+        return "policy name or table"
     origin, args = get_origin(annotation), get_args(annotation)
     if origin in (Union, types.UnionType):
         named = [type_name(a) for a in args if a is not type(None)]
@@ -108,7 +122,7 @@ def type_name(annotation: Any) -> str:
     if origin is tuple:
         return f"list of {type_name(args[0])}s"
     if origin is dict:
-        return f"table of {type_name(args[1])}s"
+        return "table of policies" if _variants(args[1]) else f"table of {type_name(args[1])}s"
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return "one of " + ", ".join(f"`{m.value}`" for m in annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -140,6 +154,8 @@ def _default(field: FieldInfo) -> str:
     value = field.get_default(call_default_factory=True)
     if value is None:
         return "none"
+    if _variants(field.annotation):
+        return f"`{json.dumps(value.name)}`"
     if isinstance(value, BaseModel):
         return "see below"
     if isinstance(value, dict) and value and isinstance(next(iter(value.values())), BaseModel):
@@ -171,18 +187,62 @@ def _sections(model: type[BaseModel], path: tuple[str, ...]) -> Iterator[str]:
         yield ""
     yield from TABLE_HEAD
     nested: list[tuple[str, FieldInfo]] = []
+    variants: dict[tuple[type[BaseModel], ...], list[str]] = {}
     for key, field in model.model_fields.items():
         yield _row(".".join(path + (key,)) if path else key, field, f"`{env_name(*path, key)}`", title or "settings")
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) or _record_model(
                 field.annotation):
             nested.append((key, field))
+        entry = get_args(field.annotation)[-1] if get_origin(field.annotation) is dict else field.annotation
+        if _variants(entry):
+            variants.setdefault(_variants(entry), []).append(".".join(path + (key,)) + (
+                ".<pool>" if get_origin(field.annotation) is dict else ""))
     yield ""
+    for models, keys in variants.items():
+        yield from _variant_sections(models, keys)
     for key, field in nested:
         record = _record_model(field.annotation)
         if record is None:
             yield from _sections(field.annotation, path + (key,))  # type: ignore[arg-type]
         else:
             yield from _records(record, path + (key,), field)
+
+
+def _variant_sections(models: tuple[type[BaseModel], ...], keys: list[str]) -> Iterator[str]:
+    """One table of parameters per variant of a union told apart by `name` (routing policies)."""
+    tables = ", ".join(f"`[{key}]`" for key in keys)
+    yield f"### Policies: {tables}"
+    yield ""
+    yield (f"Each is a policy name (`policy = \"round_robin\"`: every parameter at its default) or a table "
+           f"with `name` and any of that policy's parameters. From the environment: the name, or the table "
+           f"as JSON (`{env_name('router', 'policy')}='{{\"name\": \"cache_aware\", \"min_match\": 0.2}}'`).")
+    yield ""
+    yield "```toml"
+    yield "[router]"
+    yield 'policy = "estimated_ttft"            # a name: every parameter at its default'
+    yield ""
+    yield "[router.decode_policy]               # a table: the name and some parameters"
+    yield 'name = "power_of_two"'
+    yield "choices = 3"
+    yield ""
+    yield "[router.pool_policies.agents]        # the pool named agents"
+    yield 'name = "cache_aware"'
+    yield "min_match = 0.2"
+    yield "```"
+    yield ""
+    for model in models:
+        yield f"#### `{model.model_fields['name'].default}`"
+        yield ""
+        yield " ".join(line.strip() for line in (model.__doc__ or "").strip().split("\n\n")[0].splitlines())
+        yield ""
+        parameters = {key: field for key, field in model.model_fields.items() if key != "name"}
+        if not parameters:
+            continue
+        yield from RECORD_HEAD
+        for key, field in parameters.items():
+            row = _row(key, field, "", f"{model.__name__}").split(" | ")
+            yield " | ".join(row[:3] + row[4:])
+        yield ""
 
 
 def _records(record: type[BaseModel], path: tuple[str, ...], field: FieldInfo) -> Iterator[str]:

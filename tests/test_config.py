@@ -22,6 +22,15 @@ from deepinfer_gateway.config import (
     unknown_environment,
 )
 from deepinfer_gateway.config_reference import render
+from deepinfer_gateway.router.policy_config import (
+    CacheAwareConfig,
+    EstimatedTtftConfig,
+    LeastLoadConfig,
+    PowerOfTwoConfig,
+    PrefixApproxConfig,
+    RoundRobinConfig,
+    SessionAffinityConfig,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +70,7 @@ def test_environment_reaches_nested_and_list_settings(monkeypatch: pytest.Monkey
     monkeypatch.setenv("dgw_port", "9001")  # names are case-insensitive
     monkeypatch.setenv("DGW_TOKENIZER_PATH", "null")  # an optional setting back to none
     s = load_settings()
-    assert s.router.policy == "round_robin" and s.router.pool_policies == {"agents": "cache_aware"}
+    assert s.router.policy == RoundRobinConfig() and s.router.pool_policies == {"agents": CacheAwareConfig()}
     assert s.router.decode_policy == RouterSettings().decode_policy  # the rest of the table keeps its defaults
     assert s.model_names == ("a", "b") and s.tracing.enabled is True and s.health.interval_s == 0.5
     assert s.images.allow == ("10.0.0.0/8",)
@@ -69,6 +78,22 @@ def test_environment_reaches_nested_and_list_settings(monkeypatch: pytest.Monkey
     assert (worker.url, str(worker.role), str(worker.hardware)) == ("http://10.0.0.5:8100", "prefill", "ascend950")
     assert s.api_keys[0].name == "ops" and s.api_keys[0].admin
     assert s.port == 9001 and s.tokenizer_path is None
+
+
+def test_policies_as_names_or_tables_with_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = toml(tmp_path, '[router]\nsession_affinity = true\n'
+                          '[router.policy]\nname = "estimated_ttft"\nstick_ratio = 2.0\n'
+                          '[router.pool_policies.agents]\nname = "prefix_approx"\ncapacity = 500\n')
+    s = load_settings(path)
+    assert s.router.policy == EstimatedTtftConfig(stick_ratio=2.0) and s.router.decode_policy == LeastLoadConfig()
+    assert s.router.pool_policies == {"agents": PrefixApproxConfig(capacity=500)}
+    assert s.router.session_affinity == SessionAffinityConfig(enabled=True)
+    monkeypatch.setenv("DGW_ROUTER__DECODE_POLICY", '{"name": "power_of_two", "choices": 3}')
+    monkeypatch.setenv("DGW_ROUTER__POLICY__GUARD_TOKENS", "1000")  # one key of the file's table
+    s = load_settings(path)
+    assert s.router.decode_policy == PowerOfTwoConfig(choices=3)
+    assert s.router.policy == EstimatedTtftConfig(stick_ratio=2.0, guard_tokens=1000)
+    assert load_settings(path, {"router": {"policy": "round_robin"}}).router.policy == RoundRobinConfig()  # serve --policy
 
 
 def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,13 +162,13 @@ def test_precedence_flags_over_environment_over_secrets_over_toml_over_defaults(
     assert s.port == 2  # environment over TOML
     assert s.context_limit == 13  # environment over secrets
     assert s.redis_url == "redis://secret:1" and s.shutdown_grace_s == 6.0  # secrets over TOML
-    assert (s.router.policy, s.router.decode_policy) == ("least_load", "round_robin")  # tables merge by key
+    assert (s.router.policy.name, s.router.decode_policy.name) == ("least_load", "round_robin")  # tables merge
     assert s.max_attempts == GatewaySettings().max_attempts  # nobody set it: the default
 
     flags = {"port": 3, "redis_url": None, "router": {"policy": "power_of_two", "decode_policy": None}}
     s = load_settings(path, flags, secrets_dir=secrets)
-    assert s.port == 3 and s.router.policy == "power_of_two"  # flags over everything
-    assert s.redis_url == "redis://secret:1" and s.router.decode_policy == "round_robin"  # None: no flag given
+    assert s.port == 3 and s.router.policy.name == "power_of_two"  # flags over everything
+    assert s.redis_url == "redis://secret:1" and s.router.decode_policy.name == "round_robin"  # None: no flag
 
 
 def test_loaded_settings_are_plain_frozen_gateway_settings(tmp_path: Path) -> None:
@@ -208,8 +233,16 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
                                                         "cache_aware, estimated_ttft, least_load, power_of_two, "
                                                         "prefix_approx, round_robin")),
     ('[router]\ndecode_policy = "fastest"\n', "router.decode_policy", "unknown routing policy 'fastest'"),
-    ('[router.pool_policies]\nagents = "fastest"\n', "router.pool_policies",
-     "pool 'agents': unknown routing policy 'fastest'"),
+    ('[router.pool_policies]\nagents = "fastest"\n', "router.pool_policies.agents",
+     "unknown routing policy 'fastest'"),
+    ('[router.policy]\nname = "estimated_ttft"\nstick_ratio = 0.5\n', "router.policy.stick_ratio",
+     "Input should be greater than or equal to 1 (got 0.5)"),
+    ('[router.policy]\nname = "least_load"\nstick_ratio = 2\n', "router.policy.stick_ratio", "unknown setting"),
+    ('[router.policy]\nmin_match = 0.2\n', "router.policy", "a policy table needs a name: one of cache_aware, "),
+    ('[router.pool_policies.agents]\nname = "prefix_approx"\ncapacity = 0\n', "router.pool_policies.agents.capacity",
+     "Input should be greater than or equal to 1"),
+    ('[router.session_affinity]\nenabled = true\nmax_queue_tokens = -1\n', "router.session_affinity.max_queue_tokens",
+     "Input should be greater than or equal to 0"),
     ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
     ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis_url"),
 ])

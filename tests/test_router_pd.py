@@ -166,10 +166,17 @@ def test_admin_routing_switches_the_policy_at_run_time(pd_gateway: Gateway) -> N
     assert httpx.put(url, json={"policy": "round_robin"}).status_code == 401
     current = httpx.get(url, headers=headers).json()
     assert current["policy"] == "estimated_ttft" and "round_robin" in current["available"]
-    for bad in ({"policy": "fastest_please"}, {"polcy": "round_robin"}):
+    for bad, why in (({"policy": "fastest_please"}, "unknown routing policy 'fastest_please'"),
+                     ({"polcy": "round_robin"}, "polcy"),
+                     ({"decode_policy": {"name": "least_load", "choices": 3}}, "decode_policy: choices: unknown"),
+                     ({"policy": {"name": "estimated_ttft", "stick_ratio": 0.5}}, "policy: stick_ratio: Input")):
         r = httpx.put(url, headers=headers, json=bad)
-        assert r.status_code == 400 and r.json()["error"]["message"].startswith("Invalid routing update"), r.text
-    assert httpx.get(url, headers=headers).json()["policy"] == "estimated_ttft"  # nothing changed
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and message.startswith("Invalid routing update") and why in message, r.text
+    assert httpx.get(url, headers=headers).json() == current  # nothing changed
+    r = httpx.put(url, headers=headers, json={"policy": {"name": "estimated_ttft", "stick_ratio": 2.0}})
+    assert r.status_code == 200 and r.json()["policy"] == "estimated_ttft"
+    assert r.json()["parameters"]["policy"] == {**current["parameters"]["policy"], "stick_ratio": 2.0}
     before = _prefill_decisions(pd_gateway, "round_robin")
     try:
         r = httpx.put(url, headers=headers, json={"policy": "round_robin"})

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer_gateway.router.policies import (
-    POLICIES,
     CacheAware,
     EstimatedTtft,
     LeastLoad,
+    PowerOfTwo,
     PrefixApprox,
     RoundRobin,
     SessionAffinity,
@@ -17,6 +18,13 @@ from deepinfer_gateway.router.policies import (
     make_policy,
 )
 from deepinfer_gateway.router.policy import Candidate, Reason, RoutingView
+from deepinfer_gateway.router.policy_config import (
+    POLICIES,
+    EstimatedTtftConfig,
+    PrefixApproxConfig,
+    SessionAffinityConfig,
+    parse_policy,
+)
 
 
 def cand(wid: str, **kw: object) -> Candidate:
@@ -83,7 +91,7 @@ def test_prefix_approx_learns_from_its_own_routing() -> None:
 
 
 def test_prefix_approx_is_bounded() -> None:
-    policy = PrefixApprox(capacity=5)
+    policy = PrefixApprox(PrefixApproxConfig(capacity=5))
     view = RoutingView(1280, (cand("a"),), block_hashes=tuple(range(10)))
     policy.observe(view, policy.choose(view))
     assert len(policy._where) == 5
@@ -96,7 +104,7 @@ def test_cache_aware_balances_when_imbalanced() -> None:
 
 
 def test_session_affinity_sticks_and_yields_to_load() -> None:
-    policy = SessionAffinity(LeastLoad(), max_queue_tokens=1000)
+    policy = SessionAffinity(LeastLoad(), SessionAffinityConfig(enabled=True, max_queue_tokens=1000))
     view = RoutingView(100, (cand("a"), cand("b", queued_prefill_tokens=10)), session_key="u1")
     policy.observe(view, policy.choose(view))  # -> a
     later = RoutingView(100, (cand("a", queued_prefill_tokens=500), cand("b")), session_key="u1")
@@ -158,3 +166,47 @@ def test_estimated_ttft_leaves_the_holder_when_its_queue_costs_too_much() -> Non
     idle = cand("idle")
     decision = EstimatedTtft().choose(RoutingView(40_000, (holder, idle)))
     assert decision.worker_id == "idle" and decision.reason is Reason.QUEUE_OVER_CACHE
+
+
+# ------------------------------------------------------------------------------ configuration
+
+@pytest.mark.parametrize(("given", "kind"), [
+    ("round_robin", RoundRobin), ("least_load", LeastLoad), ({"name": "power_of_two", "choices": 3}, PowerOfTwo),
+    (PrefixApproxConfig(capacity=9), PrefixApprox), ({"name": "cache_aware"}, CacheAware),
+    (EstimatedTtftConfig(stick_s=0.0), EstimatedTtft),
+])
+def test_make_policy_builds_the_variant_from_a_name_a_table_or_a_config(given: object, kind: type) -> None:
+    policy = make_policy(given)  # type: ignore[arg-type]
+    assert type(policy) is kind and policy.name in POLICIES
+
+
+def test_policy_parameters_reach_the_policy() -> None:
+    holder = cand("holder", memory_hit_blocks=300, queued_prefill_tokens=60_000)
+    view = RoutingView(40_000, (holder, cand("idle")))
+    assert make_policy("estimated_ttft").choose(view).worker_id == "holder"  # within the default margin
+    strict = make_policy({"name": "estimated_ttft", "stick_ratio": 1.0, "stick_s": 0.0})
+    assert strict.choose(view).worker_id == "idle"  # no margin: the cheaper estimate wins
+    partial = RoutingView(12_800, (cand("a", memory_hit_blocks=20), cand("b")))  # a holds 20% of the prompt
+    assert make_policy("cache_aware").choose(partial).reason is Reason.PREFIX_HIT
+    assert make_policy({"name": "cache_aware", "min_match": 0.5}).choose(partial).reason is Reason.LEAST_LOAD
+    loads = RoutingView(100, tuple(cand(f"w{i}", queued_prefill_tokens=1000 * i) for i in range(6)))
+    every = make_policy({"name": "power_of_two", "choices": 6})  # draws all: always the least loaded
+    assert {every.choose(loads).worker_id for _ in range(20)} == {"w0"}
+
+
+def test_session_affinity_wraps_only_when_enabled() -> None:
+    assert type(make_policy("least_load", SessionAffinityConfig())) is LeastLoad
+    sticky = make_policy("least_load", SessionAffinityConfig(enabled=True, max_queue_tokens=7))
+    assert isinstance(sticky, SessionAffinity) and sticky.max_queue_tokens == 7 and sticky.name == "least_load"
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ("fastest", "unknown routing policy 'fastest'; choose one of cache_aware, estimated_ttft, "),
+    ({"stick_ratio": 2.0}, "a policy table needs a name"),
+    ({"name": "estimated_ttft", "stick_ratio": 0.5}, "stick_ratio: Input should be greater than or equal to 1"),
+    ({"name": "round_robin", "seed": 1}, "seed: unknown parameter"),
+])
+def test_invalid_policy_configs_say_what_is_wrong(given: object, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_policy(given)  # type: ignore[arg-type]
+    assert str(e.value).startswith(message)

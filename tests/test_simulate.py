@@ -101,11 +101,30 @@ def test_run_produces_bench_summary_and_is_deterministic(cluster: str, tmp_path:
 
 def test_policy_changes_routing() -> None:
     config = load_cluster(CLUSTERS / "demo-unified.toml")
-    rr = config.model_copy(update={"router": config.router.model_copy(update={"policy": "round_robin"})})
+    rr = config.model_copy(update={"router": config.router.with_policies("round_robin")})
     _, ttft = run_simulation(config, _trace(), speedup=2.0)
     _, robin = run_simulation(rr, _trace(), speedup=2.0)
     assert sorted(robin["workers"].values()) == [20, 20, 20]
     assert ttft["cache_hit_rate"]["total"] > robin["cache_hit_rate"]["total"]
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    ("fastest", "argument --policy: unknown routing policy 'fastest'; choose one of "),
+    ('{"name": "cache_aware", "min_match": 2}', "argument --policy: min_match: Input should be less than or equal"),
+    ('{"name": "cache_aware",', "argument --policy: Expecting"),
+])
+def test_cli_simulate_checks_the_policy_before_anything_runs(capsys: pytest.CaptureFixture[str], policy: str,
+                                                              message: str) -> None:
+    with pytest.raises(SystemExit) as e:  # the cluster file does not exist: the policy is checked first
+        cli_main(["simulate", "--trace", "synthetic:chat", "--cluster", "/nonexistent.toml", "--policy", policy])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_simulate_takes_a_policy_table(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["--log-level", "warning", "simulate", "--trace", "synthetic:chat:requests=20", "--cluster",
+                   str(CLUSTERS / "demo-unified.toml"), "--policy", '{"name": "power_of_two", "choices": 3}'])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and last["requests"] == 20 and last["simulation"]["policy"] == "power_of_two"
 
 
 def test_too_long_prompt_is_an_error_not_a_crash() -> None:

@@ -53,17 +53,17 @@ from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
-from deepinfer_gateway.router.policies import POLICIES
 
 log = logging.getLogger(__name__)
 
 
 class RoutingUpdate(BaseModel):
-    """Body of `PUT /admin/routing`: the policies to switch to (omitted ones stay)."""
+    """Body of `PUT /admin/routing`: the policies to switch to (omitted ones stay), each a
+    name or a table with parameters; the planner validates them."""
 
     model_config = ConfigDict(extra="forbid")
-    policy: str | None = None
-    decode_policy: str | None = None
+    policy: str | dict[str, Any] | None = None
+    decode_policy: str | dict[str, Any] | None = None
 
 
 @dataclass
@@ -398,15 +398,10 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         await require_admin(request)
         return JSONResponse(await request.app.state.gateway.server.index.stats())
 
-    def routing_settings(planner: RoutePlanner) -> dict[str, Any]:
-        s = planner.settings
-        return {"policy": s.policy, "decode_policy": s.decode_policy, "pool_policies": s.pool_policies,
-                "available": sorted(POLICIES)}
-
     @app.get("/admin/routing")
     async def get_routing(request: Request) -> Response:
         await require_admin(request)
-        return JSONResponse(routing_settings(request.app.state.gateway.server.planner))
+        return JSONResponse(request.app.state.gateway.server.planner.describe())
 
     @app.put("/admin/routing")
     async def set_routing(request: Request) -> Response:
@@ -420,7 +415,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
             raise GatewayError(f"Invalid routing update: {exc}", status_code=400) from None
         log.info("routing policies set: policy=%s decode_policy=%s", planner.settings.policy,
                  planner.settings.decode_policy)
-        return JSONResponse(routing_settings(planner))
+        return JSONResponse(planner.describe())
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer_gateway.config import HardwareCost, RouterSettings
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
@@ -25,6 +26,7 @@ from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.policies import make_policy
 from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+from deepinfer_gateway.router.policy_config import POLICIES, PolicyInput
 
 
 @dataclass(frozen=True)
@@ -72,19 +74,27 @@ class RoutePlanner:
     def policy_for(self, pool: str, role: Role) -> Policy:
         if pool not in self._policies:
             default = self.settings.decode_policy if role is Role.DECODE else self.settings.policy
-            name = self.settings.pool_policies.get(pool, default)
-            self._policies[pool] = make_policy(name, self.settings.session_affinity and role is not Role.DECODE)
+            config = self.settings.pool_policies.get(pool, default)
+            affinity = self.settings.session_affinity if role is not Role.DECODE else None
+            self._policies[pool] = make_policy(config, affinity)
         return self._policies[pool]
 
-    def reconfigure(self, policy: str | None = None, decode_policy: str | None = None) -> None:
-        """Switch the default policies at run time (admin API; `bench --sweep policy`).
-        Unknown names raise ValueError before anything changes; `pool_policies` overrides
-        still win; every pool starts a fresh policy (round-robin positions, affinities)."""
-        update = {key: name for key, name in (("policy", policy), ("decode_policy", decode_policy)) if name}
-        for name in update.values():
-            make_policy(name)
-        self.settings = self.settings.model_copy(update=update)
+    def reconfigure(self, policy: PolicyInput | None = None, decode_policy: PolicyInput | None = None) -> None:
+        """Switch the default policies at run time (admin API; `bench --sweep policy`), each
+        given by name or as a table with parameters. An invalid one raises ValueError before
+        anything changes; `pool_policies` overrides still win; every pool starts a fresh
+        policy (round-robin positions, affinities)."""
+        self.settings = self.settings.with_policies(policy, decode_policy)
         self._policies.clear()
+
+    def describe(self) -> dict[str, Any]:
+        """The routing policies in force, by name, with every parameter (admin API)."""
+        s = self.settings
+        return {"policy": s.policy.name, "decode_policy": s.decode_policy.name,
+                "pool_policies": {pool: config.name for pool, config in s.pool_policies.items()},
+                "parameters": s.model_dump(mode="json", include={"policy", "decode_policy", "pool_policies",
+                                                                 "session_affinity"}),
+                "available": list(POLICIES)}
 
     def hardware_cost(self, hardware: str) -> HardwareCost:
         return self.settings.hardware.get(hardware) or next(iter(self.settings.hardware.values()))

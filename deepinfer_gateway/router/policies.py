@@ -25,6 +25,9 @@ P = prompt tokens, B = 128-token blocks. Two adjustments on top of the cheapest 
 - Guard: when the pick's queue exceeds `guard_ratio` x the mean queue + `guard_tokens`,
   the cheapest candidate under that bound wins instead (reason load_fallback), so a stale
   load report cannot pile a popular prefix onto one worker.
+
+Each policy's parameters and their defaults are its variant in router/policy_config.py;
+`make_policy` builds a policy from one.
 """
 
 from __future__ import annotations
@@ -32,8 +35,20 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import assert_never
 
 from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+from deepinfer_gateway.router.policy_config import (
+    CacheAwareConfig,
+    EstimatedTtftConfig,
+    LeastLoadConfig,
+    PolicyInput,
+    PowerOfTwoConfig,
+    PrefixApproxConfig,
+    RoundRobinConfig,
+    SessionAffinityConfig,
+    parse_policy,
+)
 
 
 def estimated_ttft_s(c: Candidate, view: RoutingView) -> tuple[float, int, int]:
@@ -84,16 +99,17 @@ class LeastLoad:
 
 
 class PowerOfTwo:
-    """The less loaded of two random candidates: robust to stale load without herding."""
+    """The least loaded of `choices` (two) random candidates: robust to stale load without herding."""
 
     name = "power_of_two"
 
-    def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, config: PowerOfTwoConfig = PowerOfTwoConfig()) -> None:
+        self.choices = config.choices
+        self._rng = random.Random(config.seed)
 
     def choose(self, view: RoutingView) -> Decision:
-        pair = self._rng.sample(view.candidates, min(2, len(view.candidates)))
-        return Decision(min(pair, key=_load_key).worker_id, Reason.POWER_OF_TWO)
+        drawn = self._rng.sample(view.candidates, min(self.choices, len(view.candidates)))
+        return Decision(min(drawn, key=_load_key).worker_id, Reason.POWER_OF_TWO)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
         pass
@@ -103,12 +119,12 @@ class _OverlapThenLoad:
     """SGLang's cache-aware rule: balance when imbalanced, else the longest prefix match
     (if it covers at least `min_match` of the prompt), else the least loaded."""
 
-    def __init__(self, overlap: Callable[[Candidate, RoutingView], int], balance_abs_tokens: int = 32_768,
-                 balance_rel: float = 1.5, min_match: float = 0.1):
+    def __init__(self, overlap: Callable[[Candidate, RoutingView], int],
+                 config: CacheAwareConfig | PrefixApproxConfig):
         self._overlap = overlap
-        self.balance_abs_tokens = balance_abs_tokens
-        self.balance_rel = balance_rel
-        self.min_match = min_match
+        self.balance_abs_tokens = config.balance_abs_tokens
+        self.balance_rel = config.balance_rel
+        self.min_match = config.min_match
 
     def decide(self, view: RoutingView) -> Decision:
         loads = [c.queued_prefill_tokens for c in view.candidates]
@@ -127,8 +143,8 @@ class CacheAware:
 
     name = "cache_aware"
 
-    def __init__(self, **guard: float) -> None:
-        self._rule = _OverlapThenLoad(lambda c, view: c.memory_hit_blocks, **guard)  # type: ignore[arg-type]
+    def __init__(self, config: CacheAwareConfig = CacheAwareConfig()) -> None:
+        self._rule = _OverlapThenLoad(lambda c, view: c.memory_hit_blocks, config)
 
     def choose(self, view: RoutingView) -> Decision:
         return self._rule.decide(view)
@@ -144,10 +160,10 @@ class PrefixApprox:
 
     name = "prefix_approx"
 
-    def __init__(self, capacity: int = 1_000_000, **guard: float) -> None:
+    def __init__(self, config: PrefixApproxConfig = PrefixApproxConfig()) -> None:
         self._where: OrderedDict[int, str] = OrderedDict()
-        self.capacity = capacity
-        self._rule = _OverlapThenLoad(self._overlap, **guard)  # type: ignore[arg-type]
+        self.capacity = config.capacity
+        self._rule = _OverlapThenLoad(self._overlap, config)
 
     def _overlap(self, c: Candidate, view: RoutingView) -> int:
         n = 0
@@ -175,12 +191,11 @@ class EstimatedTtft:
 
     name = "estimated_ttft"
 
-    def __init__(self, guard_ratio: float = 2.0, guard_tokens: int = 65_536, stick_ratio: float = 1.5,
-                 stick_s: float = 0.05) -> None:
-        self.guard_ratio = guard_ratio
-        self.guard_tokens = guard_tokens
-        self.stick_ratio = stick_ratio
-        self.stick_s = stick_s
+    def __init__(self, config: EstimatedTtftConfig = EstimatedTtftConfig()) -> None:
+        self.guard_ratio = config.guard_ratio
+        self.guard_tokens = config.guard_tokens
+        self.stick_ratio = config.stick_ratio
+        self.stick_s = config.stick_s
 
     def choose(self, view: RoutingView) -> Decision:
         scored = {c.worker_id: estimated_ttft_s(c, view) for c in view.candidates}
@@ -211,13 +226,13 @@ class EstimatedTtft:
 
 class SessionAffinity:
     """Keeps a session (the request's `user`, or a header) on its last worker while that
-    worker's queue stays under the inner policy's guard; otherwise defers to `inner`."""
+    worker's queue stays under `max_queue_tokens`; otherwise defers to `inner`."""
 
-    def __init__(self, inner: Policy, max_queue_tokens: int = 65_536, capacity: int = 100_000):
+    def __init__(self, inner: Policy, config: SessionAffinityConfig = SessionAffinityConfig(enabled=True)):
         self.inner = inner
         self.name = inner.name
-        self.max_queue_tokens = max_queue_tokens
-        self.capacity = capacity
+        self.max_queue_tokens = config.max_queue_tokens
+        self.capacity = config.capacity
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
     def choose(self, view: RoutingView) -> Decision:
@@ -239,19 +254,24 @@ class SessionAffinity:
                 self._sessions.popitem(last=False)
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    RoundRobin.name: RoundRobin,
-    LeastLoad.name: LeastLoad,
-    PowerOfTwo.name: PowerOfTwo,
-    PrefixApprox.name: PrefixApprox,
-    CacheAware.name: CacheAware,
-    EstimatedTtft.name: EstimatedTtft,
-}
-
-
-def make_policy(name: str, session_affinity: bool = False) -> Policy:
-    try:
-        policy = POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return SessionAffinity(policy) if session_affinity else policy
+def make_policy(config: PolicyInput, affinity: SessionAffinityConfig | None = None) -> Policy:
+    """The policy a config variant describes (a name or table is validated first: ValueError),
+    wrapped in session affinity when `affinity` is enabled."""
+    config = parse_policy(config)
+    policy: Policy
+    match config:
+        case RoundRobinConfig():
+            policy = RoundRobin()
+        case LeastLoadConfig():
+            policy = LeastLoad()
+        case PowerOfTwoConfig():
+            policy = PowerOfTwo(config)
+        case PrefixApproxConfig():
+            policy = PrefixApprox(config)
+        case CacheAwareConfig():
+            policy = CacheAware(config)
+        case EstimatedTtftConfig():
+            policy = EstimatedTtft(config)
+        case _:
+            assert_never(config)
+    return SessionAffinity(policy, affinity) if affinity is not None and affinity.enabled else policy

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from deepinfer_gateway.router.policy_config import PolicyVariant, parse_policy
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True,
@@ -17,8 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write results.jsonl and summary.json here (default: summary on stdout only)")
     parser.add_argument("--speedup", type=float, default=1.0, help="arrivals at trace time / SPEEDUP")
     parser.add_argument("--max-requests", type=int, default=None, help="first N trace requests (default: all)")
-    parser.add_argument("--policy", default=None,
-                        help="routing policy instead of the cluster file's (default: the file's)")
+    parser.add_argument("--policy", type=policy_argument, default=None,
+                        help="routing policy instead of the cluster file's: a name, or a JSON table with its "
+                             "parameters, e.g. '{\"name\": \"cache_aware\", \"min_match\": 0.2}' "
+                             "(default: the file's)")
     parser.add_argument("--slo-ttft", type=float, default=None,
                         help="time-to-first-token goal for goodput, seconds (default: none)")
     parser.add_argument("--slo-tpot", type=float, default=None,
@@ -27,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="price of a GPU hour for cost per million tokens (default: no cost)")
     parser.add_argument("--no-header-offset", action="store_true",
                         help="trace block 0 at prompt position 0 (default: after the chat template's 28 tokens)")
+
+
+def policy_argument(text: str) -> PolicyVariant:
+    """`--policy`: a policy name or a JSON table, validated before anything runs (argparse type)."""
+    try:
+        given = json.loads(text) if text.lstrip().startswith("{") else text
+        return parse_policy(given)
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -42,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ValidationError) as exc:
         raise SystemExit(f"simulate: cluster file {args.cluster}: {exc}") from None
     if args.policy:
-        config = config.model_copy(update={"router": config.router.model_copy(update={"policy": args.policy})})
+        config = config.model_copy(update={"router": config.router.with_policies(args.policy)})
     slo = Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft or args.slo_tpot else None
     try:
         _, summary = run_simulation(config, args.trace, speedup=args.speedup, max_requests=args.max_requests,

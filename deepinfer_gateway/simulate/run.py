@@ -3,7 +3,7 @@
 `run_simulation` is the Python API (the router-policy benchmark sweeps with it):
 
     config = load_cluster("bench/clusters/demo-pd.toml")
-    config = config.model_copy(update={"router": config.router.model_copy(update={"policy": "cache_aware"})})
+    config = config.model_copy(update={"router": config.router.with_policies("cache_aware")})
     records, summary = run_simulation(config, "mooncake:conversation", speedup=2.0, max_requests=1000)
 
 The summary is `workload.summary.summarize` over the simulated records (same schema as
@@ -63,7 +63,7 @@ def run_simulation(
         "prompt_synthesis": ("synthetic token ids per trace block id" + (
             ", after a 28-token header as the chat template adds" if header_offset else ", no header")),
         "simulation": {
-            "workers": len(sim.workers), "time_scale": config.time_scale, "policy": config.router.policy,
+            "workers": len(sim.workers), "time_scale": config.time_scale, "policy": config.router.policy.name,
             "events": stats.events, "steps": stats.steps, "heap_events": stats.heap_events, "wall_s": round(stats.wall_s, 3),
             "events_per_s": round(stats.events_per_s), "virtual_s": stats.sim_s, "modes": stats.modes,
             "load_report_interval_s": config.load_report_interval_s,
