@@ -370,8 +370,8 @@ async def in_process() -> AsyncIterator[str]:
     one on FastAPI's path: the two places an unexpected exception can escape to."""
     port = free_port()
     app = create_app(GatewaySettings(port=port))
-    app.hot["/v1/messages/raise"] = _raise
-    app.hot["/v1/chat/raise"] = _raise
+    app.fast_routes["/v1/messages/raise"] = _raise
+    app.fast_routes["/v1/chat/raise"] = _raise
     app.get("/v1/models-raise")(_raise)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
                                            lifespan="on", log_config=None))

@@ -1,0 +1,96 @@
+"""The admin API under /admin: workers (list, add, remove), routing policies (read, switch)
+and the prefix index's stats.
+
+Every route needs a valid API key, one with admin rights when `admin_keys_required`.
+Changes apply to this replica only (each replica has its own registry and planner): an
+operator sends them to every replica. Errors are GatewayErrors, rendered by the app's handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import JSONResponse, Response
+
+from deepinfer_gateway.config import GatewaySettings, WorkerSpec
+from deepinfer_gateway.errors import Forbidden, GatewayError, Unauthorized
+from deepinfer_gateway.gateway.auth import presented_key
+from deepinfer_gateway.gateway.routes import gateway_state
+
+log = logging.getLogger(__name__)
+
+
+class RoutingUpdate(BaseModel):
+    """Body of `PUT /admin/routing`: the policies to switch to (omitted ones stay), each a
+    name or a table with parameters; the planner validates them."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str | dict[str, Any] | None = None
+    decode_policy: str | dict[str, Any] | None = None
+
+
+def admin_router(settings: GatewaySettings) -> APIRouter:
+    async def require_admin(request: Request) -> None:
+        key = await gateway_state(request).keys.lookup(presented_key(request.headers))
+        if key is None:
+            raise Unauthorized("Missing or invalid API key.")
+        if not key.admin and settings.admin_keys_required:
+            raise Forbidden("This endpoint needs an API key with admin rights.")
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+    @router.get("/workers")
+    async def list_workers(request: Request) -> Response:
+        state = gateway_state(request)
+        return JSONResponse({"workers": [
+            {"id": w.worker_id, "url": w.url, "role": str(w.spec.role), "hardware": str(w.spec.hardware),
+             "pool": w.pool, "kv_format": w.kv_format, "healthy": w.healthy, "inflight": w.inflight,
+             "consecutive_failures": w.consecutive_failures, "kv_events_cursor": state.feeder.cursor(w.worker_id),
+             "load": w.load.model_dump(mode="json") if w.load else None}
+            for w in state.registry.workers.values()]})
+
+    @router.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        state = gateway_state(request)
+        try:
+            spec = WorkerSpec.model_validate_json(await request.body())
+        except ValueError as exc:
+            raise GatewayError(f"Invalid worker: {exc}", status_code=400) from None
+        worker = state.registry.add(spec)
+        state.feeder.add_worker(worker.worker_id, worker.url)
+        await state.registry.check_all()
+        return JSONResponse({"id": worker.worker_id, "healthy": worker.healthy}, status_code=201)
+
+    @router.delete("/workers/{worker_id:path}")
+    async def remove_worker(worker_id: str, request: Request) -> Response:
+        state = gateway_state(request)
+        if not state.registry.remove(worker_id):
+            raise GatewayError(f"No worker {worker_id}.", status_code=404)
+        await state.feeder.remove_worker(worker_id)
+        return JSONResponse({"id": worker_id, "removed": True})
+
+    @router.get("/index")
+    async def index_stats(request: Request) -> Response:
+        return JSONResponse(await gateway_state(request).server.index.stats())
+
+    @router.get("/routing")
+    async def get_routing(request: Request) -> Response:
+        return JSONResponse(gateway_state(request).server.planner.describe())
+
+    @router.put("/routing")
+    async def set_routing(request: Request) -> Response:
+        """Switch this replica's routing policies."""
+        planner = gateway_state(request).server.planner
+        try:
+            update = RoutingUpdate.model_validate_json(await request.body())
+            planner.reconfigure(update.policy, update.decode_policy)
+        except ValueError as exc:
+            raise GatewayError(f"Invalid routing update: {exc}", status_code=400) from None
+        log.info("routing policies set: policy=%s decode_policy=%s", planner.settings.policy,
+                 planner.settings.decode_policy)
+        return JSONResponse(planner.describe())
+
+    return router

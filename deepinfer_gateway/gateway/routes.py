@@ -1,0 +1,260 @@
+"""The client-facing API: the route table and its endpoints.
+
+`GENERATION_ROUTES` (path -> protocol) plus count_tokens are the fast routes: `ClientRoutes.
+fast_routes()` turns them into endpoints and the app registers each once, with FastAPI and
+its fast path (app.GatewayApp.add_fast_route). `/v1/models` goes through FastAPI.
+
+A generation request: authenticate, read the body (size limit), prepare it (recipe_bridge),
+check the key's model allow-list, admit it (rate limits), then serving.RequestServer.serve.
+Every endpoint catches, counts (dgw_requests_total) and renders its own errors in the
+protocol's JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.config import ApiKey, GatewaySettings
+from deepinfer_gateway.errors import (
+    BridgeError,
+    ClientGone,
+    Forbidden,
+    GatewayError,
+    InternalError,
+    PayloadTooLarge,
+    RateLimited,
+    Unauthorized,
+)
+from deepinfer_gateway.gateway.auth import presented_key
+from deepinfer_gateway.gateway.error_json import client_protocol, error_response
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.recipe_bridge.prepare import (
+    ApiProtocol,
+    PreparedRequest,
+    RequestPreparer,
+)
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.gateway.app import GatewayState
+
+log = logging.getLogger(__name__)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+GENERATION_ROUTES: dict[str, ApiProtocol] = {
+    "/v1/chat/completions": ApiProtocol.CHAT,
+    "/v1/responses": ApiProtocol.RESPONSES,
+    "/v1/completions": ApiProtocol.COMPLETIONS,
+    "/v1/messages": ApiProtocol.MESSAGES,
+}
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+SESSION_HEADER = "x-session-id"
+# dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
+MODELS = "models"
+COUNT_TOKENS = "count_tokens"
+
+
+def gateway_state(request: Request) -> GatewayState:
+    """What the lifespan built (app.create_app)."""
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+async def authenticate(request: Request) -> ApiKey:
+    key = await gateway_state(request).keys.lookup(presented_key(request.headers))
+    if key is None:
+        raise Unauthorized("Missing or invalid API key.")
+    return key
+
+
+def may_use(key: ApiKey, served: str, requested: str) -> bool:
+    """A key's allow-list admits a served name and every alias of it, or an alias by its own name."""
+    return key.allows(served) or key.allows(requested)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def admit(state: GatewayState, key: ApiKey, prepared: PreparedRequest
+                ) -> tuple[dict[str, str], Callable[[int], None] | None]:
+    """Rate limits: (x-ratelimit headers, a callback debiting output tokens at the end), or 429."""
+    limits = (key.requests_per_minute, key.tokens_per_minute)
+    if limits == (None, None):
+        return {}, None
+    verdict = await state.limiter.admit(key.name, limits, prepared.prompt_tokens)
+    headers = verdict.headers()
+    if not verdict.allowed:
+        raise RateLimited(f"Rate limit reached for API key {key.name}; retry after {headers['retry-after']}s.",
+                          headers=headers)
+    limiter = state.limiter
+
+    def debit(tokens: int) -> None:
+        asyncio.get_running_loop().create_task(limiter.debit(key.name, tokens))
+
+    return headers, debit
+
+
+async def unless_disconnected(request: Request, serving: Awaitable[Response]) -> Response:
+    """Await `serving` (routing + waiting for the first token), but cancel it if the client
+    leaves first, so a long prefill for a client that is gone is aborted on the worker.
+    Streaming responses watch for disconnects themselves once they start."""
+    task = asyncio.ensure_future(serving)
+    watcher = asyncio.ensure_future(request.receive())  # the body is read: the next message is a disconnect
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            # It may have finished before the cancel landed: then its response holds a worker
+            # stream; returning it lets the response run, see the disconnect and release it.
+            return await task
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+
+
+class ClientRoutes:
+    """The endpoints clients call, over the settings, metrics and request preparer that
+    `create_app` builds; per-request state (keys, limiter, server) comes from the lifespan."""
+
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, preparer: RequestPreparer) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.preparer = preparer
+
+    def fast_routes(self) -> dict[str, Endpoint]:
+        """Path -> endpoint of every POST route the app's fast path serves."""
+        routes = {path: self._generation_endpoint(protocol) for path, protocol in GENERATION_ROUTES.items()}
+        routes[COUNT_TOKENS_PATH] = self.count_tokens
+        return routes
+
+    def _generation_endpoint(self, protocol: ApiProtocol) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            return await self.generate(request, protocol)
+        endpoint.__name__ = str(protocol)
+        return endpoint
+
+    def count(self, label: str, model: str, status: int) -> None:
+        """dgw_requests_total for an answer given here; `label` is the protocol (or `models`,
+        `count_tokens`). Answers from a worker are counted by relay.Relay.close."""
+        if model not in self.settings.model_names:
+            model = "unknown"  # bounded label: never a client-chosen string
+        self.metrics.count_request(label, model, status)
+
+    def refuse(self, label: str, protocol: ApiProtocol | None, model: str, error: GatewayError,
+               request_id: str | None = None) -> Response:
+        self.count(label, model, error.status_code)
+        response = error_response(protocol, error)
+        if request_id is not None:
+            response.headers[wp.REQUEST_ID_HEADER] = request_id
+        return response
+
+    def caught(self, exc: Exception, request_id: str) -> GatewayError:
+        """The GatewayError an endpoint answers for an exception it caught."""
+        if isinstance(exc, (ClientGone, ClientDisconnect)):  # gone while we read its body or awaited a token
+            self.metrics.client_disconnects.inc()
+            return ClientGone()
+        if isinstance(exc, GatewayError):
+            return exc
+        log.error("request %s failed unexpectedly", request_id, exc_info=exc)
+        return InternalError()
+
+    async def generate(self, request: Request, protocol: ApiProtocol) -> Response:
+        arrival = time.perf_counter()
+        state = gateway_state(request)
+        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        model = "unknown"
+        try:
+            key = await authenticate(request)
+            body = await read_body(request, self.settings.max_body_bytes)
+            prepared = await self.preparer.prepare_async(protocol, body)
+            model = prepared.model
+            self.metrics.preprocess.observe(time.perf_counter() - arrival)
+            if not may_use(key, model, prepared.requested_model):
+                raise Forbidden(f"This API key may not use model {prepared.requested_model}.")
+            headers, on_done = await admit(state, key, prepared)
+            serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
+                                         headers=headers, on_done=on_done,
+                                         session_key=request.headers.get(SESSION_HEADER))
+            return await unless_disconnected(request, serving)
+        except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
+            if isinstance(exc, BridgeError) and exc.model:
+                model = exc.model
+            return self.refuse(str(protocol), protocol, model, self.caught(exc, request_id), request_id)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's `POST /v1/messages/count_tokens`: the Messages body's prompt tokens."""
+        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        model = "unknown"
+        try:
+            key = await authenticate(request)
+            body = await read_body(request, self.settings.max_body_bytes)
+            counted = await self.preparer.count_tokens_async(body)
+            model = counted.model
+            if not may_use(key, model, counted.requested_model):
+                raise Forbidden(f"This API key may not use model {counted.requested_model}.")
+        except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
+            if isinstance(exc, BridgeError) and exc.model:
+                model = exc.model
+            return self.refuse(COUNT_TOKENS, ApiProtocol.MESSAGES, model, self.caught(exc, request_id), request_id)
+        self.count(COUNT_TOKENS, model, 200)
+        return JSONResponse({"input_tokens": counted.input_tokens}, headers={wp.REQUEST_ID_HEADER: request_id})
+
+    def model_card(self, name: str, served: str, created: int, protocol: ApiProtocol | None) -> dict[str, Any]:
+        """vLLM's model object (`max_model_len`: the context limit; aliases name their served
+        model in `root`/`parent`), or Anthropic's for the Anthropic SDK."""
+        if protocol is ApiProtocol.MESSAGES:
+            created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+            return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+        return {"id": name, "object": "model", "created": created, "owned_by": "deepseek", "root": served,
+                "parent": None if name == served else served, "max_model_len": self.settings.context_limit}
+
+    async def models(self, request: Request) -> Response:
+        """`GET /v1/models`: the names the caller's key may use, served names then aliases."""
+        protocol = client_protocol(request.url.path, request.headers)
+        try:
+            key = await authenticate(request)
+        except GatewayError as exc:
+            return self.refuse(MODELS, protocol, "unknown", exc)
+        created = gateway_state(request).started_at
+        data = [self.model_card(name, served, created, protocol)
+                for name, served in self.preparer.catalog.visible(key.allows)]
+        self.count(MODELS, "unknown", 200)
+        if protocol is ApiProtocol.MESSAGES:
+            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model_info(self, model_id: str, request: Request) -> Response:
+        """`GET /v1/models/{model_id}`: one model card, 404 for a name the key may not use."""
+        protocol = client_protocol(request.url.path, request.headers)
+        target = self.preparer.catalog.resolve(model_id)
+        try:
+            key = await authenticate(request)
+            if target is None or not may_use(key, target.served, model_id):
+                raise BridgeError.model_not_found(model_id)
+        except GatewayError as exc:
+            return self.refuse(MODELS, protocol, target.served if target else "unknown", exc)
+        self.count(MODELS, target.served, 200)
+        return JSONResponse(self.model_card(model_id, target.served, gateway_state(request).started_at, protocol))
