@@ -2,25 +2,44 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import deepseek_recipe as dr
 import pytest
+from openai import AsyncOpenAI
 
-from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
+from deepinfer_gateway.launch import CLI, free_port, wait_for_port
+from deepinfer_gateway.recipe_bridge.encoder import ReferencePromptEncoder
+from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.workers.sim.cluster import (
+    InProcessSimCluster,
+    SimWorkerSpec,
+    serve_sim_cluster,
+)
+from deepinfer_gateway.workers.sim.compat import shared_encoder
 
 MODEL = "DeepSeek-V4.1-Flash"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
 @pytest.fixture(scope="module")
-async def url() -> AsyncIterator[str]:
-    cluster: InProcessSimCluster = await serve_sim_cluster([SimWorkerSpec("c0", time_scale=1000.0)])
-    yield cluster.urls["c0"]
-    await cluster.stop()
+async def cluster() -> AsyncIterator[InProcessSimCluster]:
+    served = await serve_sim_cluster([SimWorkerSpec("c0", time_scale=1000.0), SimWorkerSpec("c1", time_scale=1000.0)])
+    yield served
+    await served.stop()
+
+
+@pytest.fixture(scope="module")
+async def url(cluster: InProcessSimCluster) -> str:
+    return cluster.urls["c0"]
 
 
 @pytest.fixture
@@ -99,3 +118,72 @@ async def test_discovery_load_and_tokenize(url: str, http: aiohttp.ClientSession
     async with http.post(url + "/v1/chat/completions/render", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as resp:
         rendered = await resp.json()
     assert rendered["prompt_token_ids"][-1] == 128821  # <think>
+
+
+async def test_render_is_the_reference_encoding_and_shared_by_workers(cluster: InProcessSimCluster,
+                                                                      http: aiohttp.ClientSession) -> None:
+    system = "You are terse. " * 300 + f"{time.time_ns()}"  # unseen text: the first render must tokenize it
+    body = {"model": MODEL, "tools": TOOLS, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Weather in Paris? <｜User｜> typed, not special."}]}
+    encoder = shared_encoder(load_tokenizer())
+    rendered = []
+    for wid in ("c0", "c1"):
+        before = encoder.cache_stats()
+        async with http.post(cluster.urls[wid] + "/v1/chat/completions/render", json=body) as resp:
+            assert resp.status == 200
+            rendered.append(await resp.json())
+        after = encoder.cache_stats()
+        if wid == "c0":
+            assert after.misses > before.misses
+        else:  # the second worker reads every segment the first one tokenized
+            assert after.misses == before.misses and after.hits > before.hits
+    reference = ReferencePromptEncoder(load_tokenizer()).encode(
+        dr.ChatCompletionRequest(body).convert(dr.ConversionOptions()).conversation)
+    for reply in rendered:
+        assert reply["token_ids"] == reply["tokens"] == reply["prompt_token_ids"] == reference
+        assert reply["count"] == len(reference)
+    async with http.post(cluster.urls["c1"] + "/v1/chat/completions", json=body) as resp:
+        assert (await resp.json())["usage"]["prompt_tokens"] == len(reference)
+
+
+# --- a client that leaves mid-body --------------------------------------------------------------
+
+
+@pytest.fixture
+def worker_process(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A sim worker process whose stdout and stderr (its logs) go to a file."""
+    port = free_port()
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(CLI + ["worker", "--engine", "sim", "--port", str(port), "--time-scale", "1000"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port(port, timeout=30)
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def send_half_body_and_leave(port: int, path: str, body: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+        time.sleep(0.2)  # the worker is now waiting inside the body read
+
+
+async def test_client_leaving_mid_body_leaves_no_traceback(worker_process: tuple[str, Path]) -> None:
+    url, log = worker_process
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 20_000}]}).encode()
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    await client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    for path in ("/v1/chat/completions/render", "/v1/completions/render", "/v1/chat/completions", "/tokenize",
+                 "/generate", "/v1/completions"):
+        await asyncio.to_thread(send_half_body_and_leave, port, path, body)
+    await asyncio.sleep(0.5)  # let the worker notice every disconnect
+    reply = await client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    logged = log.read_text()
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-3000:]

@@ -1,12 +1,19 @@
 """OpenAI/SGLang-compatible endpoints on a sim worker, so third-party routers (SGLang's
 and vLLM's routers, LiteLLM) can be benchmarked against the very same cluster.
 
-Chat requests go through deepseek-recipe directly (convert, V4.1 prompt encoding,
-StreamProcessor for the output), then through the same engine, prefix cache and KV
-store as worker-protocol requests; `usage.prompt_tokens_details.cached_tokens` is the
-engine's memory + store hit. Text completions and SGLang `/generate` take a prompt
-string (plain tokenizer encoding) or token ids, and return text from the sim's
-detokenizer. Not a full OpenAI implementation: n=1, no logprobs, no stop strings.
+Chat requests go through deepseek-recipe directly (convert, StreamProcessor for the
+output) and the gateway's segment-cached V4.1 prompt encoder, then through the same
+engine, prefix cache and KV store as worker-protocol requests;
+`usage.prompt_tokens_details.cached_tokens` is the engine's memory + store hit.
+Text completions and SGLang `/generate` take a prompt string (plain tokenizer encoding)
+or token ids, and return text from the sim's detokenizer. Not a full OpenAI
+implementation: n=1, no logprobs, no stop strings.
+
+Peer routers render or tokenize every request, on every worker, before sending it (vLLM's
+router calls `/v1/chat/completions/render` on each), so the encoder is shared by all the
+workers of a process: one worker tokenizes a prompt; the others, and the chat request that
+follows, read its segments from the cache. A client that leaves while its body is being
+read (a router abandoning a render) gets no answer and leaves no traceback.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ from deepseek_recipe import (
     ConversationRequest,
     ConversionError,
     ConversionOptions,
-    DeepseekV41Encoding,
     InferenceChunk,
     InferenceFinishReason,
     PromptUsage,
@@ -36,15 +42,28 @@ from deepseek_recipe import (
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from deepinfer_gateway.protocol import GenerateRequest, Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, write_tokenizer_dir
 from deepinfer_gateway.workers.server import json_response
 from deepinfer_gateway.workers.sim.engine import SimEngine
 
 SSE = "text/event-stream"
 _RECIPE_FINISH = {"stop": InferenceFinishReason.Stop, "length": InferenceFinishReason.Length}
+CLIENT_GONE = 499  # the status nobody reads: the client left before its body arrived
+_ENCODER_CACHE_BYTES = 64 * 1024 * 1024  # a sim process's share: recent prompts, not a fleet's history
+_ENCODERS: dict[str, PromptEncoder] = {}
+
+
+def shared_encoder(bundle: TokenizerBundle) -> PromptEncoder:
+    """One segment-cached encoder per tokenizer.json and process, shared by every worker in it."""
+    encoder = _ENCODERS.get(bundle.json_text)
+    if encoder is None:
+        encoder = _ENCODERS.setdefault(bundle.json_text, PromptEncoder(bundle, cache_bytes=_ENCODER_CACHE_BYTES))
+    return encoder
 
 
 def tokenizer_dir(bundle: TokenizerBundle) -> Path:
@@ -78,12 +97,11 @@ class CompatLayer:
 
     def convert_chat(self, body: dict[str, Any]) -> tuple[ConversationRequest, list[int]]:
         conv = ChatCompletionRequest(body).convert(ConversionOptions())
-        return conv, self.encoding.encode(conv.conversation)
+        return conv, self.encoder.encode(conv.conversation)
 
     @cached_property
-    def encoding(self) -> DeepseekV41Encoding:
-        # Built once: `with_tokenizer` copies the tokenizer (~100 ms for the 129k vocabulary).
-        return DeepseekV41Encoding().with_tokenizer(self.bundle.tokenizer)
+    def encoder(self) -> PromptEncoder:
+        return shared_encoder(self.bundle)
 
     def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False) -> Sampling:
         opts = conv.inference_options
@@ -152,6 +170,8 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
     async def body_of(request: Request) -> dict[str, Any] | Response:
         try:
             body = orjson.loads(await request.body())
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
         except orjson.JSONDecodeError:
             return _error(400, "body is not JSON")
         return body if isinstance(body, dict) else _error(400, "body must be a JSON object")
@@ -339,7 +359,11 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
                 return Response(err.body, status_code=err.status_code, media_type="application/json")
         else:
             ids = layer.text_prompt(body.get("prompt", body.get("text", "")))
-        return json_response({"tokens": ids, "token_ids": ids, "prompt_token_ids": ids, "count": len(ids), "max_model_len": engine.profile.max_model_len})
+        # The ids under each name routers read (SGLang/vLLM `tokens`, vLLM render `token_ids`), encoded once.
+        encoded = orjson.dumps(ids)
+        tail = orjson.dumps({"count": len(ids), "max_model_len": engine.profile.max_model_len})
+        payload = b'{"tokens":%s,"token_ids":%s,"prompt_token_ids":%s,%s' % (encoded, encoded, encoded, tail[1:])
+        return Response(payload, media_type="application/json")
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
