@@ -6,7 +6,7 @@ engine's `SchedulerCore` per worker (workers/sim/core.py). What the simulator ad
 only the glue the gateway and the real-time engine provide, mirrored:
 
 - arrival (+ the configured gateway overhead): views (load report + reservations, as
-  `RequestServer._views`), hashes per KV format, one index lookup, `plan_first`, then
+  `RouteInputs.views` in gateway/route_inputs.py), hashes per KV format, one index lookup, `plan_first`, then
   `add_request` on the chosen worker with the leg's role (`pd` -> prefill, stop after
   the first token; `unified`/`bypass` -> unified), reserving the prompt tokens until the
   first token comes back;
@@ -257,7 +257,7 @@ class Simulator:
         self._kick(worker, t)
 
     def _admit(self, plan: Plan, views: list[Any], req: _Request) -> bool:
-        """The gateway's admission control (`RequestServer._admit`): 429 over the pool's budget."""
+        """The gateway's admission control (`RouteInputs.admit`): 429 over the pool's budget."""
         budget = self.config.router.admission_queued_tokens
         if not budget:
             return True
