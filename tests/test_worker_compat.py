@@ -187,3 +187,10 @@ async def test_client_leaving_mid_body_leaves_no_traceback(worker_process: tuple
     assert reply.usage is not None and reply.usage.completion_tokens == 3
     logged = log.read_text()
     assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-3000:]
+
+
+async def test_max_completion_tokens_bounds_the_reply(url: str) -> None:
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    reply = await client.chat.completions.create(model=MODEL, max_completion_tokens=7, extra_body={"ignore_eos": True},
+                                                 messages=[{"role": "user", "content": "hi"}])
+    assert reply.usage is not None and reply.usage.completion_tokens == 7

@@ -96,6 +96,9 @@ class CompatLayer:
     # --- prompts ----------------------------------------------------------------------
 
     def convert_chat(self, body: dict[str, Any]) -> tuple[ConversationRequest, list[int]]:
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+            # deepseek-recipe reads only `max_tokens`; SGLang's router forwards the newer name.
+            body = {**body, "max_tokens": body["max_completion_tokens"]}
         conv = ChatCompletionRequest(body).convert(ConversionOptions())
         return conv, self.encoder.encode(conv.conversation)
 
