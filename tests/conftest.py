@@ -1,11 +1,16 @@
-"""Shared fixtures. Real parts only: a real Redis-compatible server (deepinfer_gateway/redis_process.py
-says which binary), real HTTP on loopback."""
+"""Shared fixtures and the test layers. Real parts only: a real Redis-compatible server
+(deepinfer_gateway/redis_process.py says which binary), real HTTP on loopback.
+
+Two layers, marked by directory: tests/unit/ (`unit`: pure, in-process; no subprocess, no
+socket server, no Redis) and everything else, tests/e2e/ (`e2e`: real processes, real HTTP,
+Redis, vLLM). `pytest -m unit` or `pytest -m e2e` runs one layer alone."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,6 +23,27 @@ if TYPE_CHECKING:
     import openai
 
     from deepinfer_gateway.launch import Gateway, SimCluster
+
+
+UNIT = Path(__file__).resolve().parent / "unit"
+# Fixtures that start processes or servers; a unit test using one belongs in tests/e2e/.
+E2E_FIXTURES = {"redis_url", "redis_cluster_url", "redis_server", "sim_cluster", "gateway", "openai_client",
+                "vllm_server"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its layer. Only tests/unit/ is `unit`: a module anywhere else counts
+    as e2e, so `-m unit` stays pure; a unit test that asks for a process fixture is an error."""
+    for item in items:
+        if not item.path.is_relative_to(UNIT):
+            item.add_marker(pytest.mark.e2e)
+            continue
+        item.add_marker(pytest.mark.unit)
+        used = E2E_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if used:
+            raise pytest.UsageError(f"{item.nodeid} uses {', '.join(sorted(used))}: "
+                                    "a test with real processes belongs in tests/e2e/")
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 Leaf module (imports only the protocol). Backends: `memory.InMemoryPrefixIndex`
 (embedded default, one process) and `redis_index.RedisPrefixIndex` (shared by gateway
 replicas); build either with `kvcache.create_prefix_index`. Both pass one contract test
-suite (tests/test_kv_index_contract.py).
+suite (tests/e2e/test_kv_index_contract.py).
 
 Semantics every backend keeps:
 - Memory tier: per worker, the set of block hashes it reported `stored` and not

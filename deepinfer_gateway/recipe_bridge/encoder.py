@@ -36,7 +36,7 @@ with text keys; see segment_cache.py) plus one interned int per vocabulary id (~
 segments' cached packed bytes: the gateway never converts a whole prompt's id list).
 
 `ReferencePromptEncoder` is deepseek-recipe's own `encode`: the baseline the fast path
-is tested against (tests/test_encoder.py) and benchmarked against (bench/preprocess.py).
+is tested against (tests/unit/test_encoder.py) and benchmarked against (bench/preprocess.py).
 """
 
 from __future__ import annotations

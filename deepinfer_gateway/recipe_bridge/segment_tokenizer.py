@@ -5,7 +5,7 @@ between the rendered special-token ranges as plain text: the tokenizer.json's
 pre-tokenizer + byte-level BPE, with NO matching of the added vocabulary (a user who
 types `<｜User｜>` or `<think>` gets the plain-text pieces, not the special id). Checked:
 per-segment encoding with either tokenizer below reproduces `encode` token for token
-(tests/test_encoder.py, a hypothesis property test over whole conversations).
+(tests/unit/test_encoder.py, a hypothesis property test over whole conversations).
 
 Two implementations, both exact:
 

@@ -11,7 +11,7 @@ a model's through the gateway), then:
 - prefill/decode: the same calls, plus the double's KV transfer adapter (the CLI passes
   none: no adapter works on real DeepInfer 0.1.0 yet, see workers/deepinfer/transfer.py).
 `--mtp N` turns on DSpark-style multi-token steps (1 + N tokens per decode step).
-Tests only: end-to-end runs of the gateway against the wrapper (tests/test_gateway_deepinfer_engine.py).
+Tests only: end-to-end runs of the gateway against the wrapper (tests/e2e/test_gateway_deepinfer_engine.py).
 """
 
 from __future__ import annotations

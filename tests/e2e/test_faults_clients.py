@@ -1,7 +1,7 @@
 """Faults: nothing lost when clients misbehave (slow readers, random disconnects, bursts) and
 when Redis goes away.
 
-Same checks as tests/test_faults_workers.py: the gateway stays up, every request ends with
+Same checks as tests/e2e/test_faults_workers.py: the gateway stays up, every request ends with
 a complete answer or an explicit error, worker load returns to zero, metrics count each
 outcome (`dgw_requests_total` status 499 and `dgw_client_disconnects_total` for clients
 that left).
@@ -23,7 +23,7 @@ import pytest
 
 from deepinfer_gateway.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, stream_chat, total
-from tests.test_faults_workers import gateway_alive
+from tests.e2e.test_faults_workers import gateway_alive
 
 MODEL = "DeepSeek-V4.1-Flash"
 

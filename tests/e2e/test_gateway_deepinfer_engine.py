@@ -8,7 +8,7 @@ server) on the interface double of DeepInfer's LLMEngine in planner mode (the si
 deterministic OutputPlanner is its "model"). One sm100 worker runs DSpark-style
 multi-token steps (`--mtp 3`); one worker is ascend950 (another KV format).
 
-The test functions are those of tests/test_gateway_openai.py and tests/test_protocol_chat.py,
+The test functions are those of tests/e2e/test_gateway_openai.py and tests/e2e/test_protocol_chat.py,
 imported here; this module's `gateway` fixture (and conftest's `openai_client`, which uses
 it) points them at this cluster instead of the sim cluster. Tests that only hold for the
 sim are replaced below by explicit skips that say why.
@@ -25,11 +25,11 @@ import httpx
 import pytest
 
 from deepinfer_gateway.launch import Gateway, Proc, free_port, wait_for_port
-from tests.test_gateway_openai import MODEL
-from tests.test_gateway_openai import *  # noqa: F403  the protocol suite, re-run here
-from tests.test_protocol_chat import *  # noqa: F403
+from tests.e2e.test_gateway_openai import MODEL
+from tests.e2e.test_gateway_openai import *  # noqa: F403  the protocol suite, re-run here
+from tests.e2e.test_protocol_chat import *  # noqa: F403
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # (role, hardware, draft tokens per decode step)
 WORKERS = [("unified", "sm100", 0), ("unified", "sm100", 3), ("unified", "ascend950", 0)]
 

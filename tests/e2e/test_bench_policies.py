@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 ROW_KEYS = {"hit_rate", "hit_rate_memory", "hit_rate_store", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
             "load_max_over_mean", "requests", "errors", "lost"}

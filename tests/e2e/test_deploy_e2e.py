@@ -25,7 +25,7 @@ import yaml
 from deepinfer_gateway.config import load_settings
 from deepinfer_gateway.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 MODEL = "DeepSeek-V4.1-Flash"

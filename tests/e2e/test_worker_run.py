@@ -12,7 +12,7 @@ from pathlib import Path
 
 from deepinfer_gateway.launch import free_port, wait_for_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_run_worker_serves_and_stops_on_sigterm() -> None:

@@ -26,7 +26,7 @@ from deepinfer_gateway.gateway.metrics_reference import LABELS, exposed_names, m
 from deepinfer_gateway.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "deepinfer-gateway.json"
 MODEL = "DeepSeek-V4.1-Flash"
 ADMIN_KEY = "metrics-admin"

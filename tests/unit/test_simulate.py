@@ -16,7 +16,7 @@ from deepinfer_gateway.simulate.config import WorkerGroup
 from deepinfer_gateway.simulate.tokens import HEADER_TOKENS, PromptTokens
 from deepinfer_gateway.workload.types import Trace, TraceRequest
 
-CLUSTERS = Path(__file__).resolve().parent.parent / "bench" / "clusters"
+CLUSTERS = Path(__file__).resolve().parents[2] / "bench" / "clusters"
 CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 
 

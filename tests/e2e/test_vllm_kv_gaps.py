@@ -1,7 +1,7 @@
 """VllmKvSubscriber's ordering rules over real ZMQ sockets: a publisher in the test speaks vLLM's
 framing (PUB `[topic, seq, batch]`, ROUTER replay answering `[topic, seq, batch]`... then the end
 marker) and drops chosen seqs from the live feed. The real vLLM's encoding is covered by
-tests/test_vllm_kv_events.py; this file makes the gaps vLLM will not make on demand."""
+tests/e2e/test_vllm_kv_events.py; this file makes the gaps vLLM will not make on demand."""
 
 from __future__ import annotations
 

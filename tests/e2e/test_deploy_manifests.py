@@ -26,7 +26,7 @@ from deepinfer_gateway.config import GatewaySettings, load_settings
 from deepinfer_gateway.gateway.auth import KeyStore
 from deepinfer_gateway.gateway.metrics_reference import exposed_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
