@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 UNIT = Path(__file__).resolve().parent / "unit"
 # Fixtures that start processes or servers; a unit test using one belongs in tests/e2e/.
-E2E_FIXTURES = {"redis_url", "redis_cluster_url", "redis_server", "sim_cluster", "gateway", "openai_client",
-                "vllm_server"}
+E2E_FIXTURES = {"redis_url", "redis_cluster_url", "redis_server", "sim_cluster", "sim_gateway", "deepinfer_workers",
+                "deepinfer_gateway", "gateway", "openai_client", "vllm_server"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
@@ -132,7 +132,7 @@ def sim_cluster() -> Iterator["SimCluster"]:
 
 
 @pytest.fixture(scope="session")
-def gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
+def sim_gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
     from deepinfer_gateway.launch import Gateway
 
     roles = [spec.split(":") for spec in sim_cluster.specs]
@@ -140,6 +140,50 @@ def gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory)
     gw.wait_ready(len(roles))
     yield gw
     gw.stop()
+
+
+# (role, hardware, draft tokens per decode step): one sm100 worker runs DSpark-style multi-token
+# steps, one is ascend950 (another KV format).
+DEEPINFER_WORKERS = [("unified", "sm100", 0), ("unified", "sm100", 3), ("unified", "ascend950", 0)]
+
+
+@pytest.fixture(scope="session")
+def deepinfer_workers() -> Iterator[list[tuple[str, str, str]]]:
+    """(url, role, hardware) of three worker processes running the real CLI path `worker --engine
+    deepinfer` on the interface double of DeepInfer's LLMEngine (tests/deepinfer_double/serve.py)."""
+    from tests.deepinfer_double.serve import start_workers
+
+    with start_workers([(role, hw, ["--mtp", str(mtp)]) for role, hw, mtp in DEEPINFER_WORKERS]) as workers:
+        yield workers
+
+
+@pytest.fixture(scope="session")
+def deepinfer_gateway(deepinfer_workers: list[tuple[str, str, str]],
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
+    from deepinfer_gateway.launch import Gateway
+
+    gw = Gateway(tmp_path_factory.mktemp("gw-deepinfer"), deepinfer_workers)
+    try:
+        gw.wait_ready(len(deepinfer_workers), timeout=30)
+        yield gw
+    finally:
+        gw.stop()
+
+
+ENGINES = ("sim", "deepinfer")
+
+
+@pytest.fixture(scope="session")
+def engine(request: pytest.FixtureRequest) -> str:
+    """The engine behind `gateway`: the sim, unless a suite runs on each of ENGINES with
+    `pytestmark = pytest.mark.parametrize("engine", ENGINES, indirect=True, scope="session")`."""
+    return str(getattr(request, "param", "sim"))
+
+
+@pytest.fixture(scope="session")
+def gateway(engine: str, request: pytest.FixtureRequest) -> "Gateway":
+    """The gateway process in front of `engine`'s workers (`sim_gateway` or `deepinfer_gateway`)."""
+    return request.getfixturevalue(f"{engine}_gateway")  # type: ignore[no-any-return]
 
 
 @pytest.fixture

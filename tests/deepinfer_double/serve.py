@@ -11,7 +11,8 @@ a model's through the gateway), then:
 - prefill/decode: the same calls, plus the double's KV transfer adapter (the CLI passes
   none: no adapter works on real DeepInfer 0.1.0 yet, see workers/deepinfer/transfer.py).
 `--mtp N` turns on DSpark-style multi-token steps (1 + N tokens per decode step).
-Tests only: end-to-end runs of the gateway against the wrapper (tests/e2e/test_gateway_deepinfer_engine.py).
+Tests only: `start_workers` runs these for the `deepinfer_workers` fixture (tests/conftest.py),
+behind the gateway in the protocol suites run on each engine and in tests/e2e/test_gateway_deepinfer_engine.py.
 """
 
 from __future__ import annotations
@@ -19,9 +20,34 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 MODEL_DIR = "/nonexistent/deepinfer-double-checkpoint"  # EngineArgs.model: the double loads nothing
+
+
+@contextmanager
+def start_workers(specs: Sequence[tuple[str, str, Sequence[str]]]) -> Iterator[list[tuple[str, str, str]]]:
+    """Worker processes for (role, hardware, extra flags), all started before waiting on any;
+    yields their (url, role, hardware) once each listens, and stops them on exit."""
+    from deepinfer_gateway.launch import Proc, free_port, wait_for_port
+
+    root = Path(__file__).resolve().parents[2]  # the checkout, so `tests` imports in the child
+    procs: list[Proc] = []
+    workers: list[tuple[str, str, str]] = []
+    try:
+        for role, hardware, extra in specs:
+            port = free_port()
+            procs.append(Proc([sys.executable, "-m", "tests.deepinfer_double.serve", "--port", str(port), "--role", role,
+                               "--hardware", hardware, *extra], env={"PYTHONPATH": str(root)}))
+            workers.append((f"http://127.0.0.1:{port}", role, hardware))
+        for url, _, _ in workers:
+            wait_for_port(int(url.rsplit(":", 1)[1]), timeout=60)
+        yield workers
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

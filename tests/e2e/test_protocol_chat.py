@@ -1,4 +1,5 @@
-"""End to end, OpenAI Chat Completions: the real openai SDK -> gateway -> sim workers.
+"""End to end, OpenAI Chat Completions: the real openai SDK -> gateway -> workers, once per
+engine: sim workers, and the DeepInfer wrapper on its interface double (conftest `engine`).
 
 Tools (every tool_choice, thinking on and off), parallel calls, structured output,
 stop sequences, sampling parameters, logprobs, reasoning, usage, an agent loop, images.
@@ -15,6 +16,10 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+
+from tests.conftest import ENGINES
+
+pytestmark = pytest.mark.parametrize("engine", ENGINES, indirect=True, scope="session")
 
 MODEL = "DeepSeek-V4.1-Flash"
 WEATHER = {"type": "function", "function": {
