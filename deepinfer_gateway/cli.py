@@ -1,7 +1,7 @@
 """`deepinfer-gateway` console script: demo, serve, worker, sim-cluster, bench, simulate, warm-cache.
 
-Argument parsing only; each command builds a validated settings object and hands it
-to the module that does the work.
+Argument parsing, help text and dispatch only; the commands themselves are in
+`cli_commands.py`.
 """
 
 from __future__ import annotations
@@ -10,57 +10,22 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from deepinfer_gateway.config import GatewaySettings
-
-
-def _configure_logging(level: str, fmt: str) -> None:
-    from deepinfer_gateway.gateway.logs import configure_logging
-
-    configure_logging(level, fmt)
-
-
-def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.asgi import run_until_signal
-    from deepinfer_gateway.gateway.app import create_app
-    from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
-
-    tracing.configure(settings.tracing)
-    try:
-        shutting_down = threading.Event()  # set by SIGTERM/SIGINT: /ready answers 503 from then on
-        spans = tracing.ServerSpans(create_app(settings, shutting_down=shutting_down),
-                                    request_id=lambda _scope: current_request_id())
-        app = RequestContext(spans, access=settings.access_log)
-        run_until_signal(app, settings.host, settings.port, log_level=log_level,
-                         graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
-                         on_signal=shutting_down.set)
-    finally:
-        tracing.shutdown()
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.config import load_settings
-    from deepinfer_gateway.gateway.auth import hash_key
-
-    api_keys = None
-    if args.api_key:
-        digests = [hash_key(key) for key in args.api_key]
-        api_keys = [{"name": f"cli-{digest[:8]}", "key_sha256": digest} for digest in digests]
-    overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url, "workers": args.worker_url,
-                 "api_keys": api_keys, "router": {"policy": args.policy}}
-    settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
-    if args.log_format is None and settings.log_format != "text":  # the config file asked for JSON logs
-        _configure_logging(args.log_level, settings.log_format)
-    _run_gateway(settings, args.log_level)
-    return 0
+from deepinfer_gateway.cli_commands import (
+    DEMO_TOPOLOGIES,
+    cmd_bench,
+    cmd_demo,
+    cmd_serve,
+    cmd_sim_cluster,
+    cmd_simulate,
+    cmd_warm_cache,
+    cmd_worker,
+    configure_logging,
+)
 
 
 def worker_url(text: str) -> dict[str, str]:
@@ -82,165 +47,6 @@ def worker_url(text: str) -> dict[str, str]:
                                          " (expected ROLE:HARDWARE@URL, e.g. prefill:sm100@http://10.0.0.5:8100)"
                                          ) from None
     return entry
-
-
-DEMO_TOPOLOGIES = {
-    "pd": ["prefill:sm100", "prefill:sm100", "prefill:ascend950", "decode:sm100", "decode:sm100", "decode:ascend950"],
-    "unified": ["unified:sm100", "unified:sm100", "unified:ascend950"],
-}
-
-
-def parse_worker_list(text: str) -> list[tuple[str, str]]:
-    """`unified:sm100,prefill:ascend950` -> [(role, hardware), ...]."""
-    out = []
-    for item in text.split(","):
-        role, _, hardware = item.strip().partition(":")
-        if role not in ("unified", "prefill", "decode") or hardware not in ("sm100", "ascend950"):
-            raise SystemExit(f"bad worker {item!r}: expected ROLE:HARDWARE, e.g. prefill:sm100")
-        out.append((role, hardware))
-    return out
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.config import GatewaySettings, WorkerSpec
-    from deepinfer_gateway.protocol import DEFAULT_MODEL
-
-    specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
-    ports = [args.worker_base_port + i for i in range(len(specs))]
-    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", args.log_level,
-                   "--log-format", args.log_format or "text", "sim-cluster",
-                   "--workers", ",".join(DEMO_TOPOLOGIES[args.topology]),
-                   "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale)]
-    child = subprocess.Popen(cluster_cmd, start_new_session=True)
-
-    def stop_child(*_: object) -> None:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-
-    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)  # type: ignore[arg-type]
-                    for (role, hardware), port in zip(specs, ports, strict=True))
-    settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url)
-    base = f"http://{args.host}:{args.port}/v1"
-    print(
-        f"\nDeepInfer Gateway demo: {len(workers)} simulated workers "
-        f"({', '.join(DEMO_TOPOLOGIES[args.topology])}), OpenAI base URL {base}\n\n"
-        "  from openai import OpenAI\n"
-        f"  client = OpenAI(base_url=\"{base}\", api_key=\"demo\")\n"
-        f"  print(client.chat.completions.create(model=\"{DEFAULT_MODEL}\", "
-        "messages=[{\"role\": \"user\", \"content\": \"Hello!\"}]).choices[0].message.content)\n",
-        flush=True,
-    )
-    try:
-        _run_gateway(settings, args.log_level)
-    finally:
-        stop_child()
-    return 0
-
-
-def cmd_sim_cluster(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.protocol import Role
-    from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, serve_sim_cluster
-
-    specs = [
-        SimWorkerSpec(f"{hardware}-{role}-{args.base_port + i}", Role(role), hardware, args.base_port + i,
-                      args.time_scale, args.memory_blocks)
-        for i, (role, hardware) in enumerate(parse_worker_list(args.workers))
-    ]
-
-    with_spans = _worker_spans(args)
-
-    async def serve_until_stopped() -> None:
-        cluster = await serve_sim_cluster(specs, args.host, with_store=not args.no_store,
-                                          profiles_path=args.profiles, wrap=with_spans)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            await cluster.stop()
-
-    try:
-        asyncio.run(serve_until_stopped())
-    finally:
-        tracing.shutdown()
-    return 0
-
-
-def _worker_spans(args: argparse.Namespace) -> Callable[[Any], Any]:
-    """Tracing for a worker process (`--otel-exporter`): its app wrapped in server spans
-    that continue the gateway's trace; the polled endpoints get none."""
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.config import TracingSettings
-    from deepinfer_gateway.protocol import HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
-
-    if args.otel_exporter is None:
-        return lambda app: app
-    tracing.configure(TracingSettings(enabled=True, exporter=args.otel_exporter, endpoint=args.otel_endpoint,
-                                      service_name="deepinfer-worker"))
-    polled = frozenset({HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH})
-    return lambda app: tracing.ServerSpans(app, skip=polled)
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.protocol import Role
-
-    with_spans = _worker_spans(args)
-    try:
-        if args.engine == "deepinfer":
-            from deepinfer_gateway.asgi import run_until_signal
-            from deepinfer_gateway.protocol import Hardware
-            from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
-            from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
-            from deepinfer_gateway.workers.server import create_worker_app
-
-            if not args.model:
-                raise SystemExit("--engine deepinfer needs --model CHECKPOINT_DIR")
-            config = DeepInferConfig(model=args.model, role=Role(args.role), hardware=Hardware(args.hardware),
-                                     worker_id=args.worker_id or f"{args.hardware}-{args.role}-{args.port}",
-                                     kv_store_dir=args.kv_store_dir)
-            run_until_signal(with_spans(create_worker_app(build_deepinfer_engine(config))), args.host, args.port,
-                             log_level=args.log_level)
-            return 0
-        from deepinfer_gateway.workers.sim.run import WorkerOptions, run_worker
-
-        run_worker(WorkerOptions(role=Role(args.role), hardware=args.hardware, host=args.host, port=args.port,
-                                 worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale),
-                   wrap=with_spans)
-        return 0
-    finally:
-        tracing.shutdown()
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.loadgen.command import main as bench_main
-
-    return bench_main(args)
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.simulate.command import main as simulate_main
-
-    return simulate_main(args)
-
-
-def cmd_warm_cache(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.recipe_bridge.warm import warm_start_up_cache
-
-    entries = warm_start_up_cache(args.tokenizer)
-    if not entries:
-        raise SystemExit("warm-cache: nothing could be written (is the cache directory writable? DGW_CACHE_DIR)")
-    print(f"{len(entries)} entries in {entries[0].parent}")
-    return 0
 
 
 def _add_otel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -420,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.log_level not in LOG_LEVELS:  # from DGW_LOG_LEVEL, which argparse does not check
         parser.error(f"DGW_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-    _configure_logging(args.log_level, args.log_format or "text")
+    configure_logging(args.log_level, args.log_format or "text")
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
     try:
