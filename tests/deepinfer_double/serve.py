@@ -39,8 +39,8 @@ def start_workers(specs: Sequence[tuple[str, str, Sequence[str]]]) -> Iterator[l
     try:
         for role, hardware, extra in specs:
             port = free_port()
-            procs.append(Proc([sys.executable, "-m", "tests.deepinfer_double.serve", "--port", str(port), "--role", role,
-                               "--hardware", hardware, *extra], env={"PYTHONPATH": str(root)}))
+            procs.append(Proc([sys.executable, "-m", "tests.deepinfer_double.serve", "--port", str(port),
+                               "--role", role, "--hardware", hardware, *extra], env={"PYTHONPATH": str(root)}))
             workers.append((f"http://127.0.0.1:{port}", role, hardware))
         for url, _, _ in workers:
             wait_for_port(int(url.rsplit(":", 1)[1]), timeout=60)

@@ -56,7 +56,7 @@ def test_models_lists_the_served_model_then_its_aliases(openai_client: openai.Op
     assert [m.id for m in openai_client.models.list()] == [MODEL, "deepseek-chat", "deepseek-reasoner"]
 
 
-def test_shared_prefix_is_served_from_cache(openai_client: openai.OpenAI, gateway, engine: str) -> None:  # type: ignore[no-untyped-def]
+def test_shared_prefix_is_served_from_cache(openai_client: openai.OpenAI, engine: str) -> None:
     if engine == "deepinfer":
         pytest.skip("sim-specific: needs a cross-request prefix cache (cached_tokens >= 7936); DeepInfer 0.1.0 "
                     "has none and the wrapper reports memory-tier cached tokens as 0")
