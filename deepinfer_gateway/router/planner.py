@@ -51,6 +51,21 @@ class Plan:
     view: RoutingView
 
 
+# `Candidate(**fields)` without the frozen dataclass's per-field object.__setattr__: the same
+# object as long as Candidate keeps a plain __dict__ and has no __post_init__.
+assert not hasattr(Candidate, "__slots__") and not hasattr(Candidate, "__post_init__")
+_new_object = object.__new__
+
+
+def _with_hits(base: Candidate, memory_hit_blocks: int, store_hit_blocks: int) -> Candidate:
+    c = _new_object(Candidate)
+    fields = c.__dict__
+    fields.update(base.__dict__)
+    fields["memory_hit_blocks"] = memory_hit_blocks
+    fields["store_hit_blocks"] = store_hit_blocks
+    return c
+
+
 class NoCandidate(Exception):
     """No healthy, compatible, untried worker for this leg."""
 
@@ -60,7 +75,8 @@ def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView],
     """Chained block hashes of the prompt for every KV format among `workers` (salted per
     model+format); `hasher` reuses the chains of recent prompts with the same beginning;
     `packed` is the prompt already packed (kvcache.hashing.pack_tokens), when known."""
-    salts = {w.kv_format: kv_salt(w.model, w.kv_format) for w in workers}
+    models = {w.kv_format: w.model for w in workers}  # a fleet has ~1,000 workers and few formats
+    salts = {fmt: kv_salt(model, fmt) for fmt, model in models.items()}
     if hasher is None:
         return {fmt: block_hashes(token_ids, salt, packed=packed) for fmt, salt in salts.items()}
     return dict(zip(salts, hasher.hashes(token_ids, list(salts.values()), packed=packed), strict=True))
@@ -70,6 +86,7 @@ class RoutePlanner:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
         self._policies: dict[str, Policy] = {}
+        self._bases: dict[str, tuple[WorkerView, Candidate]] = {}  # worker id -> (view, its no-hit candidate)
 
     def policy_for(self, pool: str, role: Role) -> Policy:
         if pool not in self._policies:
@@ -86,6 +103,7 @@ class RoutePlanner:
         policy (round-robin positions, affinities)."""
         self.settings = self.settings.with_policies(policy, decode_policy)
         self._policies.clear()
+        self._bases.clear()
 
     def describe(self) -> dict[str, Any]:
         """The routing policies in force, by name, with every parameter (admin API)."""
@@ -99,15 +117,32 @@ class RoutePlanner:
     def hardware_cost(self, hardware: str) -> HardwareCost:
         return self.settings.hardware.get(hardware) or next(iter(self.settings.hardware.values()))
 
-    def _candidate(self, w: WorkerView, overlap: Overlap) -> Candidate:
+    def _base(self, w: WorkerView) -> Candidate:
+        """The candidate for `w` with no cache hit."""
         cost = self.hardware_cost(w.hardware)
         return Candidate(
             worker_id=w.worker_id, hardware=w.hardware, pool=w.pool, kv_format=w.kv_format,
             queued_prefill_tokens=w.queued_prefill_tokens, running=w.running, dp_ranks=w.dp_ranks,
-            memory_hit_blocks=overlap.memory.get(w.worker_id, 0), store_hit_blocks=overlap.store.get(w.kv_format, 0),
             prefill_tokens_per_s=cost.prefill_tokens_per_s, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
             kv_bytes_per_token=cost.kv_bytes_per_token,
         )
+
+    def _candidates(self, members: list[WorkerView], overlap: Overlap) -> tuple[Candidate, ...]:
+        """One `Candidate` per member with its overlap. A fleet routes over ~1,000 workers per
+        request and the frozen dataclass constructor costs ~2 us, so each worker's no-hit
+        candidate is kept while its view is unchanged, and a hit copies its fields."""
+        bases = self._bases
+        memory = overlap.memory.get
+        store = overlap.store.get
+        out = []
+        for w in members:
+            entry = bases.get(w.worker_id)
+            if entry is None or (entry[0] is not w and entry[0] != w):
+                entry = bases[w.worker_id] = (w, self._base(w))
+            base = entry[1]
+            mem, stored = memory(w.worker_id, 0), store(w.kv_format, 0)
+            out.append(_with_hits(base, mem, stored) if mem or stored else base)
+        return tuple(out)
 
     def _choose(self, role: Role, workers: list[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
                 overlap: Overlap, session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
@@ -120,7 +155,7 @@ class RoutePlanner:
         fmt = members[0].kv_format
         view = RoutingView(
             prompt_tokens=prompt_tokens,
-            candidates=tuple(self._candidate(w, overlap) for w in members),
+            candidates=self._candidates(members, overlap),
             block_hashes=tuple(hashes.get(fmt, ())),
             block_tokens=KV_BLOCK_TOKENS,
             session_key=session_key,
@@ -167,6 +202,10 @@ class RoutePlanner:
     def _bypass_candidates(self, decode: list[WorkerView], prompt_tokens: int, overlap: Overlap) -> list[WorkerView]:
         limit = self.settings.pd_bypass_tokens
         if limit <= 0:
+            return []
+        # Nobody qualifies unless the longest hit anywhere does (one pass in C, not one per worker).
+        best = max(max(overlap.memory.values(), default=0), max(overlap.store.values(), default=0))
+        if prompt_tokens - min(best * KV_BLOCK_TOKENS, prompt_tokens) > limit:
             return []
         out = []
         for w in (w for w in decode if w.prefills):

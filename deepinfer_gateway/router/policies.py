@@ -35,6 +35,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Callable
+from operator import attrgetter
 from typing import assert_never
 
 from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
@@ -64,8 +65,7 @@ def estimated_ttft_s(c: Candidate, view: RoutingView) -> tuple[float, int, int]:
     return seconds, mem, store
 
 
-def _load_key(c: Candidate) -> tuple[int, int, str]:
-    return (c.queued_prefill_tokens, c.running, c.worker_id)
+_load_key: Callable[[Candidate], tuple[int, int, str]] = attrgetter("queued_prefill_tokens", "running", "worker_id")
 
 
 class RoundRobin:
@@ -198,27 +198,35 @@ class EstimatedTtft:
         self.stick_s = config.stick_s
 
     def choose(self, view: RoutingView) -> Decision:
-        scored = {c.worker_id: estimated_ttft_s(c, view) for c in view.candidates}
-        ranked = sorted(view.candidates, key=lambda c: (scored[c.worker_id][0], c.worker_id))
-        holder = max(ranked, key=lambda c: c.memory_hit_blocks)  # ties: the cheaper (ranked order)
-        mean_queue = sum(c.queued_prefill_tokens for c in view.candidates) / len(view.candidates)
-        bound = self.guard_ratio * mean_queue + self.guard_tokens
-        chosen, reason = ranked[0], None
-        if holder.memory_hit_blocks > chosen.memory_hit_blocks and \
-                scored[holder.worker_id][0] <= self.stick_ratio * scored[chosen.worker_id][0] + self.stick_s:
+        # Candidates rank by (seconds, worker id); each pick below is the first in that order
+        # among some candidates, so it is a min() over their rank keys, with no sort: a fleet
+        # pool has hundreds of candidates per request.
+        candidates = view.candidates
+        scored = [estimated_ttft_s(c, view) for c in candidates]
+        ids = [c.worker_id for c in candidates]
+        rank = list(zip([sc[0] for sc in scored], ids))
+        everyone = range(len(candidates))
+        first = rank.index(min(rank))
+        hits = [c.memory_hit_blocks for c in candidates]
+        most = max(hits)
+        holder = rank.index(min(rank[i] for i in everyone if hits[i] == most))  # ties: the cheaper
+        queues = [c.queued_prefill_tokens for c in candidates]
+        bound = self.guard_ratio * (sum(queues) / len(candidates)) + self.guard_tokens
+        chosen, reason = first, None
+        if hits[holder] > hits[first] and rank[holder][0] <= self.stick_ratio * rank[first][0] + self.stick_s:
             chosen = holder
-        if chosen.queued_prefill_tokens > bound:
-            under = [c for c in ranked if c.queued_prefill_tokens <= bound]
+        if queues[chosen] > bound:
+            under = [rank[i] for i in everyone if queues[i] <= bound]
             if under:
-                chosen, reason = under[0], Reason.LOAD_FALLBACK
-        _, mem, store = scored[chosen.worker_id]
+                chosen, reason = rank.index(min(under)), Reason.LOAD_FALLBACK
+        _, mem, store = scored[chosen]
         if reason is None:
-            if chosen.memory_hit_blocks < holder.memory_hit_blocks:
+            if hits[chosen] < hits[holder]:
                 reason = Reason.QUEUE_OVER_CACHE
             else:
                 reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
-        costs = {w: round(sc[0], 6) for w, sc in scored.items()}
-        return Decision(chosen.worker_id, reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
+        costs = {w: round(key[0], 6) for w, key in zip(ids, rank, strict=True)}
+        return Decision(ids[chosen], reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
         pass
