@@ -14,7 +14,7 @@ limit, so the gateway refuses them with a 400 *after* preparing them in full (pa
 template, tokenize, max_tokens resolution): their whole cost lands on the gateway, none on
 the worker, and any change in the small streams' latency is the gateway's.
 
-Modes (`DGW_PREPARE_OFFLOAD`, recipe_bridge/prepare.py): `thread` (the default) = one
+Modes (`DGW_PREPARE_OFFLOAD`, recipe_bridge/offload.py): `thread` (the default) = one
 dedicated preparation thread with a 0.5 ms GIL switch interval, `pool` = asyncio's default
 executor (up to min(32, cpus + 4) preparations at once; Python's 5 ms switch interval),
 `loop` = prepared inline on the event loop. `MODE@MS` sets the gateway's switch interval
