@@ -3,8 +3,9 @@
 Importing this package never imports `deepinfer` (Python 3.12 + CUDA 13 / CANN 9.2
 only); constructing `DeepInferEngine` does, and says what to install when it cannot.
 Layout: api (lazy imports), config, engine (asyncio side), stepper (the engine thread),
-mapping (sampling/finish translation), transfer (PD hooks + KV adapter), kvstore (store
-tier seam), events (KV event log). See docs/deepinfer.md.
+step_messages (commands, event batches and load between the two), handoff (PD KV hand-off
+through the store), mapping (sampling/finish translation), transfer (PD hooks + KV
+adapter), kvstore (store tier seam), events (KV event log). See docs/deepinfer.md.
 """
 
 from deepinfer_gateway.workers.deepinfer.api import INSTALL_HINT, DeepInferApi, DeepInferNotInstalled, load_api

@@ -32,7 +32,8 @@ from deepinfer_gateway.workers.deepinfer.api import DeepInferApi, load_api
 from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
 from deepinfer_gateway.workers.deepinfer.events import KvEventLog
 from deepinfer_gateway.workers.deepinfer.kvstore import FileKvStore, KvStore
-from deepinfer_gateway.workers.deepinfer.stepper import Abort, Add, Batch, Event, Stepper, Stop
+from deepinfer_gateway.workers.deepinfer.step_messages import Abort, Add, Batch, Event, Stop
+from deepinfer_gateway.workers.deepinfer.stepper import Stepper
 from deepinfer_gateway.workers.deepinfer.transfer import KvTransfer, UnavailableKvTransfer
 
 

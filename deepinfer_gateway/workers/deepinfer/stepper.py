@@ -24,13 +24,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.protocol import (
-    STORE_TTL_S,
     ErrorKind,
     FinishReason,
     GenerateRequest,
-    KvEventKind,
     KvHandoff,
     KvTier,
     Role,
@@ -41,45 +38,21 @@ from deepinfer_gateway.protocol import (
 from deepinfer_gateway.workers.deepinfer.api import DeepInferApi
 from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
 from deepinfer_gateway.workers.deepinfer.events import KvEventLog
-from deepinfer_gateway.workers.deepinfer.kvstore import KvStore, tail_hash
+from deepinfer_gateway.workers.deepinfer.handoff import HandoffError, KvHandoffs
+from deepinfer_gateway.workers.deepinfer.kvstore import KvStore
 from deepinfer_gateway.workers.deepinfer.mapping import map_finish, sampling_kwargs
+from deepinfer_gateway.workers.deepinfer.step_messages import (
+    Abort,
+    Add,
+    Batch,
+    Command,
+    LoadSnapshot,
+    RequestError,
+    Stop,
+)
 from deepinfer_gateway.workers.deepinfer.transfer import KvTransfer, pd_engine_class
 
 log = logging.getLogger(__name__)
-
-Event = dict[str, Any]
-Batch = list[tuple[str, Event]]
-HANDLE_PREFIX = "kvstore:"
-
-
-@dataclass(slots=True)
-class Add:
-    request: GenerateRequest
-
-
-@dataclass(slots=True)
-class Abort:
-    request_id: str
-    reply: Callable[[bool], None] | None = None  # called on the step thread with "was in flight"
-
-
-@dataclass(slots=True)
-class Stop:
-    deadline: float  # time.monotonic() after which the rest is aborted
-
-
-Command = Add | Abort | Stop
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    kv_usage: float = 0.0
-    capacity_blocks: int = 0
-    dp_rank: int = 0
-
 
 @dataclass(slots=True)
 class _Live:
@@ -96,13 +69,10 @@ class _Live:
     logprobs: list[Any] = field(default_factory=list)
 
 
-class RequestError(Exception):
-    def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 class Stepper:
+    """Owns the step thread and the `LLMEngine` on it; the event loop only calls `start`,
+    `submit`, `join` and `is_alive` and reads `load`, the token counters and `failure`."""
+
     def __init__(
         self,
         config: DeepInferConfig,
@@ -116,11 +86,8 @@ class Stepper:
         self._config = config
         self._api = api
         self._deliver = deliver
-        self._events = events
-        self._store = kv_store
+        self._handoffs = KvHandoffs(config, kv_store, events, clock)
         self._transfer = kv_transfer
-        self._clock = clock
-        self._salt = kv_salt(config.served_model, config.resolved_kv_format)
         self._role = config.role
         engine_type = {Role.UNIFIED: "NORMAL", Role.PREFILL: "PROMPT", Role.DECODE: "COMPLETION"}[config.role]
         self._engine_type = getattr(api.EngineType, engine_type)
@@ -262,7 +229,7 @@ class Stepper:
         except OverflowError as exc:
             raise RequestError(ErrorKind.INVALID_TOKENS, "token id outside int32") from exc
         images = {"image_bytes": [base64.b64decode(i) for i in request.images]} if request.images else None
-        blocks = self._fetch_handoff(request) if decode else None
+        blocks = self._handoffs.fetch(request) if decode else None
         try:
             seq = self._llm.add_request(
                 "gateway", request.request_id, params, prompt, multi_modal_data=images, enqueue=not decode
@@ -286,60 +253,16 @@ class Stepper:
             live.cached_store = request.kv_handoff.num_tokens
         self._live[request.request_id] = live
 
-    def _fetch_handoff(self, request: GenerateRequest) -> list[bytes]:
-        """Decode side: the prompt's KV blocks from the store (prompt = token_ids minus the
-        first generated token), after checking the hand-off describes this prompt."""
-        handoff = request.kv_handoff
-        assert handoff is not None
-        if self._store is None:
-            raise RequestError(ErrorKind.KV_TRANSFER, "this worker has no KV store configured")
-        if handoff.kv_format != self._config.resolved_kv_format:
-            raise RequestError(ErrorKind.KV_TRANSFER, f"KV format {handoff.kv_format!r} is not this worker's")
-        prompt = request.token_ids[: handoff.num_tokens]
-        full = block_hashes(prompt, self._salt)
-        if handoff.num_tokens != len(request.token_ids) - 1 or tuple(full) != handoff.block_hashes:
-            raise RequestError(ErrorKind.KV_TRANSFER, "kv_handoff does not describe this prompt")
-        if not handoff.handle.startswith(HANDLE_PREFIX):
-            raise RequestError(ErrorKind.KV_TRANSFER, f"unknown hand-off handle {handoff.handle!r}")
-        keys = list(full)
-        tail = handoff.handle[len(HANDLE_PREFIX) :]
-        if tail:
-            keys.append(int(tail, 16))
-        blocks = [self._store.get(k) for k in keys]
-        missing = sum(b is None for b in blocks)
-        if missing:
-            raise RequestError(ErrorKind.KV_TRANSFER, f"{missing} of {len(keys)} KV blocks missing from the store")
-        return [b for b in blocks if b is not None]
-
     def _on_prompt_kv(self, request_id: str, blocks: list[bytes]) -> None:
         """Prefill side, from `pe_do_save_kvcache` on this thread: store the prompt's KV
         and remember the hand-off. Errors stay with the request, never reach the engine."""
         live = self._live.get(request_id)
-        if live is None or self._store is None:
+        if live is None or self._handoffs.store is None:
             return
-        tokens = live.request.token_ids
-        full = block_hashes(tokens, self._salt)
-        tail = tail_hash(tokens, full)
-        keys = full + ([tail] if tail is not None else [])
-        if len(blocks) != len(keys):
-            live.handoff_error = f"engine gave {len(blocks)} KV blocks for {len(keys)} prompt blocks"
-            return
-        expires_at = self._clock() + STORE_TTL_S[live.request.workload_class]
         try:
-            for key, data in zip(keys, blocks, strict=True):
-                self._store.put(key, data, expires_at)
-        except Exception as exc:  # noqa: BLE001
-            live.handoff_error = f"KV store write failed: {exc!r}"
-            return
-        if full:
-            self._events.append(KvEventKind.STORED, KvTier.STORE, full, expires_at)
-        live.handoff = KvHandoff(
-            handle=HANDLE_PREFIX + (f"{tail:016x}" if tail is not None else ""),
-            source_worker=self._config.worker_id,
-            kv_format=self._config.resolved_kv_format,
-            num_tokens=len(tokens),
-            block_hashes=tuple(full),
-        )
+            live.handoff = self._handoffs.save(live.request, blocks)
+        except HandoffError as exc:
+            live.handoff_error = str(exc)
 
     def _dispatch(self, outputs: Iterable[Any]) -> None:
         """Read this step's handles (valid only until the next step) into per-request events."""
@@ -464,22 +387,7 @@ class Stepper:
             self._deliver(batch)
 
     def _refresh_load(self) -> None:
-        llm = self._llm
-        unfinished = llm.get_num_unfinished_requests()
-        waiting = llm.get_num_pendings()  # 0.1.0: number of waiting sequences, not tokens
-        scheduler = getattr(llm, "scheduler", None)
-        queued = scheduler.get_sum_prompt_len_waiting()[1] if scheduler is not None else 0
-        blocks = getattr(getattr(llm, "cache_config", None), "num_gpu_blocks", 0) or 0
-        manager = getattr(llm, "block_manager", None)
-        usage = 1.0 - manager.get_num_free_blocks() / blocks if manager is not None and blocks else 0.0
-        self.load = LoadSnapshot(
-            running=max(0, unfinished - waiting),
-            waiting=waiting,
-            queued_prefill_tokens=queued,
-            kv_usage=min(1.0, max(0.0, usage)),
-            capacity_blocks=blocks,
-            dp_rank=int(getattr(llm, "dp_rank", 0) or 0),
-        )
+        self.load = LoadSnapshot.read(self._llm)
 
     def _close_engine(self) -> None:
         if self._llm is not None:
