@@ -5,8 +5,8 @@
 
 `--workers N` picks bench/clusters/pd-N.toml (default 128); `--cluster` any cluster file.
 The arrival speedup defaults to workers / 16, the same offered load per worker at every
-size (pd-128: 8x, pd-1024: 64x). `--baseline FILE`: a file whose last line is an earlier
-run's JSON; the run is compared with it (`vs_baseline`: wall ratio, hit rate and TTFT p99
+size (pd-128: 8x, pd-1024: 64x). `--baseline FILE`: a file holding an earlier run's output (its
+last JSON line is read); the run is compared with it (`vs_baseline`: wall ratio, hit rate and TTFT p99
 ratios, and whether the records' figures are identical).
 
 Prints a few lines, then ONE JSON object on the last line with `requests`, `workers`,
@@ -32,8 +32,8 @@ WORKERS_PER_SPEEDUP = 16  # default speedup = workers / 16: constant offered loa
 
 
 def compare(result: dict, baseline_path: str) -> dict:
-    lines = Path(baseline_path).read_text().strip().splitlines()
-    base = json.loads(lines[-1])
+    lines = Path(baseline_path).read_text().splitlines()
+    base = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
     return {
         "baseline_wall_s": base["wall_s"], "speedup_x": round(base["wall_s"] / result["wall_s"], 2),
         "hit_rate_ratio": round(result["hit_rate"] / base["hit_rate"], 4),

@@ -86,7 +86,8 @@ class RoutePlanner:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
         self._policies: dict[str, Policy] = {}
-        self._bases: dict[str, tuple[WorkerView, Candidate]] = {}  # worker id -> (view, its no-hit candidate)
+        # worker id -> [view, its no-hit candidate, memory hits, store hits, the candidate with those]
+        self._bases: dict[str, list[Any]] = {}
 
     def policy_for(self, pool: str, role: Role) -> Policy:
         if pool not in self._policies:
@@ -129,29 +130,40 @@ class RoutePlanner:
 
     def _candidates(self, members: list[WorkerView], overlap: Overlap) -> tuple[Candidate, ...]:
         """One `Candidate` per member with its overlap. A fleet routes over ~1,000 workers per
-        request and the frozen dataclass constructor costs ~2 us, so each worker's no-hit
-        candidate is kept while its view is unchanged, and a hit copies its fields."""
-        bases = self._bases
+        request and the frozen dataclass constructor costs ~2 us, so each worker's last
+        candidate is kept and reused while its view and hits are unchanged (most of them
+        from one request to the next); a new hit on the same view copies the fields."""
+        cache = self._bases
         memory = overlap.memory.get
         store = overlap.store.get
         out = []
         for w in members:
-            entry = bases.get(w.worker_id)
-            if entry is None or (entry[0] is not w and entry[0] != w):
-                entry = bases[w.worker_id] = (w, self._base(w))
-            base = entry[1]
             mem, stored = memory(w.worker_id, 0), store(w.kv_format, 0)
-            out.append(_with_hits(base, mem, stored) if mem or stored else base)
+            entry = cache.get(w.worker_id)
+            if entry is None or (entry[0] is not w and entry[0] != w):
+                base = self._base(w)
+                entry = cache[w.worker_id] = [w, base, 0, 0, base]
+            elif entry[2] == mem and entry[3] == stored:
+                out.append(entry[4])
+                continue
+            base = entry[1]
+            candidate = _with_hits(base, mem, stored) if mem or stored else base
+            entry[2:] = mem, stored, candidate
+            out.append(candidate)
         return tuple(out)
 
     def _choose(self, role: Role, workers: list[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
                 overlap: Overlap, session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
         # One policy per pool; with several pools of a role, the largest pool serves (pool choice
         # by cost across pools is future work: configure one pool per role for now).
-        pools: dict[str, list[WorkerView]] = {}
-        for w in workers:
-            pools.setdefault(w.pool, []).append(w)
-        pool, members = max(pools.items(), key=lambda item: (len(item[1]), item[0]))
+        names = {w.pool for w in workers}
+        if len(names) == 1:
+            pool, members = names.pop(), workers
+        else:
+            pools: dict[str, list[WorkerView]] = {}
+            for w in workers:
+                pools.setdefault(w.pool, []).append(w)
+            pool, members = max(pools.items(), key=lambda item: (len(item[1]), item[0]))
         fmt = members[0].kv_format
         view = RoutingView(
             prompt_tokens=prompt_tokens,
@@ -168,7 +180,7 @@ class RoutePlanner:
 
     def plan_first(self, workers: Sequence[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
                    overlap: Overlap, session_key: str | None = None, exclude: frozenset[str] = frozenset()) -> Plan:
-        live = [w for w in workers if w.worker_id not in exclude]
+        live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
         prefill = [w for w in live if w.role is Role.PREFILL]
         decode = [w for w in live if w.role is Role.DECODE]
         unified = [w for w in live if w.role is Role.UNIFIED]

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import assert_never
 
@@ -54,15 +55,33 @@ from deepinfer_gateway.router.policy_config import (
 
 def estimated_ttft_s(c: Candidate, view: RoutingView) -> tuple[float, int, int]:
     """(seconds, predicted memory-tier tokens, predicted store-tier tokens) for candidate c."""
-    prompt = view.prompt_tokens
-    mem = min(c.memory_hit_blocks * view.block_tokens, prompt)
-    store = max(0, min(c.store_hit_blocks * view.block_tokens, prompt) - mem)
-    seconds = (
-        c.queued_prefill_tokens / c.prefill_tokens_per_s
-        + (prompt - mem - store) * max(1, c.dp_ranks) / c.prefill_tokens_per_s
-        + store * c.kv_bytes_per_token / c.kv_load_bytes_per_s
-    )
-    return seconds, mem, store
+    return estimated_ttfts((c,), view)[0]
+
+
+# What the estimate reads of a candidate besides its queue.
+_ESTIMATE_INPUTS = attrgetter("memory_hit_blocks", "store_hit_blocks", "dp_ranks", "prefill_tokens_per_s",
+                              "kv_bytes_per_token", "kv_load_bytes_per_s")
+
+
+def estimated_ttfts(candidates: Sequence[Candidate], view: RoutingView) -> list[tuple[float, int, int]]:
+    """`estimated_ttft_s` of each candidate. A fleet pool has hundreds of candidates and few
+    distinct hit/hardware combinations: the terms that do not depend on the queue are
+    computed once per combination, and summed in the same order for every candidate."""
+    prompt, block = view.prompt_tokens, view.block_tokens
+    inputs = list(map(_ESTIMATE_INPUTS, candidates))
+    terms = {}
+    for key in set(inputs):
+        hits, stored, dp_ranks, prefill_tokens_per_s, kv_bytes_per_token, kv_load_bytes_per_s = key
+        mem = min(hits * block, prompt)
+        store = max(0, min(stored * block, prompt) - mem)
+        terms[key] = (
+            (prompt - mem - store) * max(1, dp_ranks) / prefill_tokens_per_s,  # its own prefill, on one rank
+            store * kv_bytes_per_token / kv_load_bytes_per_s,  # KV load at store bandwidth
+            mem, store,
+        )
+    # queue wait + own prefill + KV load
+    return [(c.queued_prefill_tokens / c.prefill_tokens_per_s + t[0] + t[1], t[2], t[3])
+            for c, t in zip(candidates, map(terms.__getitem__, inputs))]
 
 
 _load_key: Callable[[Candidate], tuple[int, int, str]] = attrgetter("queued_prefill_tokens", "running", "worker_id")
@@ -202,9 +221,10 @@ class EstimatedTtft:
         # among some candidates, so it is a min() over their rank keys, with no sort: a fleet
         # pool has hundreds of candidates per request.
         candidates = view.candidates
-        scored = [estimated_ttft_s(c, view) for c in candidates]
+        scored = estimated_ttfts(candidates, view)
         ids = [c.worker_id for c in candidates]
-        rank = list(zip([sc[0] for sc in scored], ids))
+        seconds = [sc[0] for sc in scored]
+        rank = list(zip(seconds, ids))
         everyone = range(len(candidates))
         first = rank.index(min(rank))
         hits = [c.memory_hit_blocks for c in candidates]
@@ -225,7 +245,7 @@ class EstimatedTtft:
                 reason = Reason.QUEUE_OVER_CACHE
             else:
                 reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
-        costs = {w: round(key[0], 6) for w, key in zip(ids, rank, strict=True)}
+        costs = dict(zip(ids, map(round, seconds, repeat(6))))
         return Decision(ids[chosen], reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
