@@ -36,7 +36,7 @@ Figures per target
   reaped children included) over the replay, per selected request; `workers_cpu_ms_per_req`:
   the same for the sim-cluster process. Both include what the process spends while idle
   (health checks, KV event polls, background threads): `router_idle_cpu_ms_per_s` is the
-  router's CPU per second over 2 s of idling after the warm-up, for scale at small `--requests`.
+  router's CPU per second over 5 s of idling after the warm-up, for scale at small `--requests`.
 The last line of stdout is one JSON object `{"rows": [...], ...}`.
 """
 
@@ -72,7 +72,7 @@ DEFAULT_TRACE = "mooncake:conversation"
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:ascend950"
 TARGETS = ("gateway", "sglang-router", "vllm-router")
 GATEWAY_HEALTH_INTERVAL_S = 1.0  # the gateway's default ([health] interval_s), not launch.Gateway's test value
-IDLE_PROBE_S = 2.0
+IDLE_PROBE_S = 5.0
 
 
 # --- CPU of a process tree -------------------------------------------------------------------
