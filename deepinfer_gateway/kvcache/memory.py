@@ -76,6 +76,10 @@ class InMemoryPrefixIndex:
         self._slot: dict[str, int] = {}
         self._worker_at: dict[int, str] = {}
         self._free_slots: list[int] = []
+        self._slots_version = 0  # bumped when a worker gets or loses a slot
+        # The last lookup's (slots version, formats, workers, slot mask per format): a router
+        # looks up over the same ~1,000 workers request after request.
+        self._masks: tuple[int, tuple[str, ...], dict[str, str], dict[str, int]] | None = None
         self._cursors: dict[str, Cursor] = {}
         self._store: OrderedDict[int, float] = OrderedDict()
 
@@ -91,6 +95,7 @@ class InMemoryPrefixIndex:
         if slot is not None:
             del self._worker_at[slot]
             self._free_slots.append(slot)
+            self._slots_version += 1
 
     async def lookup(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> Overlap:
         return self.lookup_now(hashes, workers)
@@ -122,14 +127,23 @@ class InMemoryPrefixIndex:
     def lookup_now(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> Overlap:
         memory = dict.fromkeys(workers, 0)
         store = {fmt: self._store_leading(hs) for fmt, hs in hashes.items()}
+        for fmt, mask in self._format_masks(hashes, workers).items():
+            self._memory_leading(hashes[fmt], mask, memory)
+        return Overlap(memory=memory, store=store)
+
+    def _format_masks(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> dict[str, int]:
+        """Per KV format among `hashes`, the slot mask of the `workers` of that format."""
+        formats = tuple(hashes)
+        last = self._masks
+        if last is not None and last[0] == self._slots_version and last[1] == formats and last[2] == workers:
+            return last[3]
         by_format: dict[str, int] = {}
         for worker_id, fmt in workers.items():
             slot = self._slot.get(worker_id)
             if slot is not None and fmt in hashes:
                 by_format[fmt] = by_format.get(fmt, 0) | (1 << slot)
-        for fmt, mask in by_format.items():
-            self._memory_leading(hashes[fmt], mask, memory)
-        return Overlap(memory=memory, store=store)
+        self._masks = (self._slots_version, formats, dict(workers), by_format)
+        return by_format
 
     async def stats(self) -> dict[str, Any]:
         return self.stats_now()
@@ -200,6 +214,7 @@ class InMemoryPrefixIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot)
             self._slot[worker_id] = slot
             self._worker_at[slot] = worker_id
+            self._slots_version += 1
         return slot
 
     def _memory_add(self, worker_id: str, hashes: Iterable[int]) -> None:

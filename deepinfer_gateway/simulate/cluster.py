@@ -43,6 +43,7 @@ class SimWorker:
         "report_running",
         "reserved",
         "role",
+        "stale",
         "version",
         "worker_id",
     )
@@ -67,6 +68,7 @@ class SimWorker:
         self.cruise: tuple[float, float, int] | None = None  # steady stretch under way: (start, step s, steps)
         self.version = 0  # invalidates a cruise's end event when an arrival interrupts it
         self._view: WorkerView | None = None
+        self.stale: set[SimWorker] = set()  # where a changed view is announced (the simulator's)
 
     @property
     def kv_format(self) -> str:
@@ -78,10 +80,11 @@ class SimWorker:
         self.report_queued = sum(r.queued_prefill_tokens for r in ranks)
         self.report_running = sum(r.running for r in ranks)
         self.report_ranks = len(ranks) or self.profile.dp_ranks
-        self._view = None
+        self.changed()
 
     def changed(self) -> None:
         self._view = None
+        self.stale.add(self)
 
     def view(self) -> WorkerView:
         view = self._view

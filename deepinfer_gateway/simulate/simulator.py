@@ -107,15 +107,21 @@ class Simulator:
         self.config = config
         self.speedup = speedup
         self.now = 0.0
+        self.hasher = PrefixHasher()  # as the gateway's: a follow-up turn digests only its new blocks
         self.workers, self.store = build_workers(config)
         self.by_id = {w.worker_id: w for w in self.workers}
+        # Every worker's view, rebuilt only for the workers whose view changed.
+        self._views = [w.view() for w in self.workers]
+        self._position = {w: i for i, w in enumerate(self.workers)}
+        self._stale: set[SimWorker] = set()
+        for w in self.workers:
+            w.stale = self._stale
         self.formats = {w.worker_id: w.kv_format for w in self.workers}
         self.planner = RoutePlanner(config.router)
         index = create_prefix_index(None, clock=lambda: self.now)
         assert isinstance(index, InMemoryPrefixIndex)
         self.index = index
         self.prompts = PromptTokens(block_size, header=header_offset)
-        self.hasher = PrefixHasher()  # as the gateway's: a follow-up turn digests only its new blocks
         self.stats = SimStats()
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -247,7 +253,7 @@ class Simulator:
         self._requests[rid] = req
         self._active += 1
         record.prompt_tokens = len(req.tokens)
-        views = [w.view() for w in self.workers]
+        views = self._current_views()
         req.hashes = hashes = prompt_hashes(req.tokens, views, self.hasher)
         overlap = self.index.lookup_now(hashes, self.formats)
         try:
@@ -273,6 +279,16 @@ class Simulator:
         worker.changed()
         self._kick(worker, t)
 
+    def _current_views(self) -> list[Any]:
+        """What `[w.view() for w in self.workers]` gives, from the last list and the changed workers."""
+        views = self._views
+        if self._stale:
+            position = self._position
+            for worker in self._stale:
+                views[position[worker]] = worker.view()
+            self._stale.clear()
+        return list(views)
+
     def _admit(self, plan: Plan, views: list[Any], req: _Request) -> bool:
         """The gateway's admission control (`RouteInputs.admit`): 429 over the pool's budget."""
         budget = self.config.router.admission_queued_tokens
@@ -287,7 +303,7 @@ class Simulator:
     def _hand_off(self, req: _Request, t: float) -> None:
         prefill = req.worker
         assert prefill is not None
-        views = [w.view() for w in self.workers]
+        views = self._current_views()
         tokens = req.tokens + req.output[:1]
         try:
             view, _ = self.planner.plan_decode(views, prefill.kv_format, len(tokens))
