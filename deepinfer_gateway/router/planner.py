@@ -88,6 +88,8 @@ class RoutePlanner:
         self._policies: dict[str, Policy] = {}
         # worker id -> [view, its no-hit candidate, memory hits, store hits, the candidate with those]
         self._bases: dict[str, list[Any]] = {}
+        # (pool, first member) -> the last call without hits: (members, candidates)
+        self._no_hits: dict[tuple[str, str], tuple[list[WorkerView], tuple[Candidate, ...]]] = {}
 
     def policy_for(self, pool: str, role: Role) -> Policy:
         if pool not in self._policies:
@@ -105,6 +107,7 @@ class RoutePlanner:
         self.settings = self.settings.with_policies(policy, decode_policy)
         self._policies.clear()
         self._bases.clear()
+        self._no_hits.clear()
 
     def describe(self) -> dict[str, Any]:
         """The routing policies in force, by name, with every parameter (admin API)."""
@@ -132,7 +135,28 @@ class RoutePlanner:
         """One `Candidate` per member with its overlap. A fleet routes over ~1,000 workers per
         request and the frozen dataclass constructor costs ~2 us, so each worker's last
         candidate is kept and reused while its view and hits are unchanged (most of them
-        from one request to the next); a new hit on the same view copies the fields."""
+        from one request to the next); a new hit on the same view copies the fields.
+        Without any hit (a decode leg), the last such list of the same members is reused
+        with only the members whose view changed redone."""
+        if overlap.memory or overlap.store:
+            return self._with_overlap(members, overlap)
+        key = (members[0].pool, members[0].worker_id)
+        last = self._no_hits.get(key)
+        if last is not None and len(last[0]) == len(members):
+            changed = [i for i, (w, before) in enumerate(zip(members, last[0])) if w is not before]
+            if not changed:
+                return last[1]
+            redone = self._with_overlap([members[i] for i in changed], overlap)
+            out = list(last[1])
+            for i, candidate in zip(changed, redone):
+                out[i] = candidate
+            candidates = tuple(out)
+        else:
+            candidates = self._with_overlap(members, overlap)
+        self._no_hits[key] = (list(members), candidates)
+        return candidates
+
+    def _with_overlap(self, members: list[WorkerView], overlap: Overlap) -> tuple[Candidate, ...]:
         cache = self._bases
         memory = overlap.memory.get
         store = overlap.store.get
