@@ -15,6 +15,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,8 +64,26 @@ class ApiKey(_Frozen):
         return not self.models or model in self.models
 
 
+class WorkerEngine(StrEnum):
+    """The API a worker speaks."""
+
+    DGW = "dgw"  # worker protocol v1 (docs/worker-protocol.md): sim and DeepInfer workers
+    VLLM = "vllm"  # vLLM's OpenAI server, token ids in and out (docs/real-engines.md)
+
+
 class WorkerSpec(_Frozen):
     url: str = Field(description="Worker base URL, http:// or https://.")
+    engine: WorkerEngine = Field(
+        WorkerEngine.DGW,
+        description="dgw: worker protocol v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
+                    "sent token ids (docs/real-engines.md).")
+    model: str = Field("", description="vllm: the served model name to request; empty: the first of its /v1/models.")
+    kv_events_endpoint: str = Field(
+        "", description="vllm: its KV events publisher (ZMQ) as this gateway reaches it, e.g. tcp://10.0.0.5:5557; "
+                        "empty: no KV events, no prefix-aware routing to it.")
+    kv_events_replay_endpoint: str = Field(
+        "", description="vllm: its KV events replay socket (ZMQ ROUTER); empty: a gap clears its index entries.")
+    kv_events_topic: str = Field("", description="vllm: the topic its KV events publisher uses.")
     role: Role = Field(Role.UNIFIED, description="unified, prefill or decode.")
     hardware: Hardware = Field(Hardware.SM100, description="sm100 or ascend950: the router's cost model.")
     kv_format: str = Field("", description="KV cache format; empty: learned from the worker's info endpoint.")
@@ -77,6 +96,15 @@ class WorkerSpec(_Frozen):
         if not v.startswith(("http://", "https://")):
             raise ValueError("worker url must start with http:// or https://")
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> WorkerSpec:
+        if self.engine is WorkerEngine.VLLM and self.role is not Role.UNIFIED:
+            raise ValueError("a vllm worker serves whole requests: role must be unified")
+        if self.engine is not WorkerEngine.VLLM and (self.model or self.kv_events_endpoint
+                                                     or self.kv_events_replay_endpoint or self.kv_events_topic):
+            raise ValueError("model and kv_events_* apply to vllm workers only")
+        return self
 
     @property
     def worker_id(self) -> str:

@@ -60,7 +60,7 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
         except ValueError as exc:
             raise GatewayError(f"Invalid worker: {exc}", status_code=400) from None
         worker = state.registry.add(spec)
-        state.feeder.add_worker(worker.worker_id, worker.url)
+        state.feeder.add(worker.spec)
         await state.registry.check_all()
         return JSONResponse({"id": worker.worker_id, "healthy": worker.healthy}, status_code=201)
 

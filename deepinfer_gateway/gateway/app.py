@@ -121,12 +121,13 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                    else MemoryRateLimiter())
         index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
                                     registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
-        feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
+        feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s,
+                               vllm_salt=client.vllm_kv_salt)
         inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)
                     if redis else MemoryInflight())
         registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
         for worker in registry.workers.values():
-            feeder.add_worker(worker.worker_id, worker.url)
+            feeder.add(worker.spec)
         await registry.start()
         server = RequestServer(registry, client, RoutePlanner(settings.router), index, inflight, bundle, metrics,
                                settings)

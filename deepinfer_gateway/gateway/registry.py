@@ -1,6 +1,7 @@
 """Worker registry: who the workers are, whether they are healthy, and their last load report.
 
-Active health checks poll each worker's info and load endpoints every `interval_s`;
+Active health checks poll each worker's info and load endpoints every `interval_s` (a vLLM
+worker: its /v1/models and Prometheus /metrics, read as the same reports);
 `failures_to_eject` consecutive failures eject a worker, `successes_to_readmit` readmit
 it. Request failures count as health failures too (passive checks), so a dead worker
 is ejected at the first failed request rather than at the next poll.
@@ -16,7 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import HealthSettings, WorkerSpec
+from deepinfer_gateway.config import HealthSettings, WorkerEngine, WorkerSpec
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient
 
@@ -55,6 +56,9 @@ class WorkerRegistry:
                  metrics: GatewayMetrics):
         self.workers: dict[str, WorkerState] = {s.worker_id: WorkerState(s) for s in specs}
         self._client = client
+        for spec in specs:
+            if spec.engine is not WorkerEngine.DGW:
+                client.register(spec)
         self._settings = settings
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
@@ -64,12 +68,16 @@ class WorkerRegistry:
 
     def add(self, spec: WorkerSpec) -> WorkerState:
         state = self.workers.setdefault(spec.worker_id, WorkerState(spec))
+        if state.spec is spec and spec.engine is not WorkerEngine.DGW:
+            self._client.register(spec)
         return state
 
     def remove(self, worker_id: str) -> bool:
         state = self.workers.pop(worker_id, None)
         if state is not None:
             self._metrics.forget_worker(worker_id)
+            if state.spec.engine is not WorkerEngine.DGW:
+                self._client.unregister(state.url)
         return state is not None
 
     def registered(self, worker: WorkerState) -> bool:
@@ -102,10 +110,14 @@ class WorkerRegistry:
 
     async def _check(self, worker: WorkerState) -> None:
         try:
-            load = wp.LoadReport.model_validate(await self._client.get_json(worker.url, wp.LOAD_PATH))
-            # (Re)read the info on admission and when the worker restarted (new epoch).
-            if worker.info is None or not worker.healthy or (load.epoch and load.epoch != worker.info.epoch):
-                worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
+            if worker.spec.engine is WorkerEngine.VLLM:
+                facts = await self._client.probe_vllm(worker.url)  # one probe gives both reports
+                load, worker.info = facts.load(worker.spec), facts.info(worker.spec)
+            else:
+                load = wp.LoadReport.model_validate(await self._client.get_json(worker.url, wp.LOAD_PATH))
+                # (Re)read the info on admission and when the worker restarted (new epoch).
+                if worker.info is None or not worker.healthy or (load.epoch and load.epoch != worker.info.epoch):
+                    worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
         except (UpstreamError, ValueError) as exc:
             self.record_failure(worker, f"health check: {exc}")
             return

@@ -14,6 +14,11 @@ flight per worker. A failing worker is retried with exponential backoff up to
 `max_backoff_s` and logged once per outage. Cancel-safe: `aclose()` stops every task.
 The `aiohttp.ClientSession` is injected (the gateway's shared upstream session; tests
 pass their own) and never closed here.
+
+A vLLM worker (`add(spec)` with `engine = "vllm"` and a `kv_events_endpoint`) is followed
+by a `VllmKvSubscriber` on its ZMQ events instead (vllm_events.py). Its hashes are salted by
+the model and KV format the worker reports, so its task first asks `vllm_salt(spec)` (the
+app's probe of the worker), retrying with backoff while the worker is unreachable.
 """
 
 from __future__ import annotations
@@ -23,11 +28,18 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
+from collections.abc import Awaitable, Callable
+
 import aiohttp
 from pydantic import ValidationError
 
+from deepinfer_gateway.config import WorkerEngine, WorkerSpec
+from deepinfer_gateway.errors import UpstreamError
 from deepinfer_gateway.kvcache.types import PrefixIndex
+from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
 from deepinfer_gateway.protocol import KV_EVENTS_PATH, KvEventBatch
+
+VllmSalt = Callable[[WorkerSpec], Awaitable[bytes]]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +50,7 @@ class _Worker:
     base_url: str
     cursor: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    vllm: VllmKvSubscriber | None = field(default=None, repr=False)  # a vLLM worker's, once started
 
 
 class KvEventFeeder:
@@ -50,8 +63,10 @@ class KvEventFeeder:
         limit: int = 2000,
         timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
+        vllm_salt: VllmSalt | None = None,
     ) -> None:
         self.index = index
+        self._vllm_salt = vllm_salt
         self._session = session
         self.interval_s = interval_s
         self.limit = limit
@@ -70,13 +85,23 @@ class KvEventFeeder:
         worker.task = asyncio.get_running_loop().create_task(self._run(worker), name=f"kv-events:{worker_id}")
         self._workers[worker_id] = worker
 
+    def add(self, spec: WorkerSpec) -> None:
+        """Start feeding from a configured worker, as its engine publishes KV events."""
+        if spec.engine is WorkerEngine.DGW:
+            self.add_worker(spec.worker_id, spec.url)
+        elif spec.engine is WorkerEngine.VLLM and spec.kv_events_endpoint:
+            if spec.worker_id in self._workers:
+                return
+            worker = _Worker(spec.worker_id, spec.url)
+            worker.task = asyncio.get_running_loop().create_task(self._follow_vllm(worker, spec),
+                                                                 name=f"kv-events:{spec.worker_id}")
+            self._workers[spec.worker_id] = worker
+
     async def remove_worker(self, worker_id: str, *, forget: bool = True) -> None:
         """Stop feeding; with `forget`, also drop the worker from the index."""
         worker = self._workers.pop(worker_id, None)
-        if worker is not None and worker.task is not None:
-            worker.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker.task
+        if worker is not None:
+            await self._stop(worker)
         if forget:
             await self.index.remove_worker(worker_id)
 
@@ -90,13 +115,42 @@ class KvEventFeeder:
         return await self._poll(worker)
 
     async def aclose(self) -> None:
-        tasks = [w.task for w in self._workers.values() if w.task is not None]
+        workers = list(self._workers.values())
         self._workers.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        for worker in workers:
+            if worker.task is not None:
+                worker.task.cancel()
+        for worker in workers:
+            await self._stop(worker)
+
+    @staticmethod
+    async def _stop(worker: _Worker) -> None:
+        if worker.task is not None:
+            worker.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await worker.task
+        if worker.vllm is not None:
+            await worker.vllm.aclose()
+
+    async def _follow_vllm(self, worker: _Worker, spec: WorkerSpec) -> None:
+        """Learn the worker's salt (retrying while it is unreachable), then subscribe."""
+        if self._vllm_salt is None:
+            log.warning("kv events: no way to learn %s's KV salt; its events are not followed", spec.worker_id)
+            return
+        failures = 0
+        while True:
+            try:
+                salt = await self._vllm_salt(spec)
+                break
+            except (UpstreamError, aiohttp.ClientError, TimeoutError) as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("kv events: %s not reachable yet (%s); retrying with backoff", spec.worker_id, exc)
+                await asyncio.sleep(min(self.max_backoff_s, self.interval_s * 2**failures))
+        subscriber = VllmKvSubscriber(self.index, spec.worker_id, spec.kv_events_endpoint,
+                                      spec.kv_events_replay_endpoint or None, salt, topic=spec.kv_events_topic)
+        worker.vllm = subscriber
+        await subscriber.start()
 
     async def _poll(self, worker: _Worker) -> bool:
         params = {"after": str(worker.cursor), "limit": str(self.limit)}

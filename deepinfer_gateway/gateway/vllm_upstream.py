@@ -1,0 +1,391 @@
+"""A vLLM OpenAI server as a worker: the worker protocol over `/v1/completions` with token ids.
+
+The gateway renders and tokenizes as for any worker and sends the prompt's token ids
+(`prompt: [ids]`), so routing hashes, vLLM's prefix cache and its KV events see the same
+tokens; `return_token_ids` brings the output back as ids, which the response path turns
+into the client's protocol exactly as for sim workers. `VllmStream` yields worker-protocol
+events (`ready`, `tokens`, `finish`), so legs and relay do not know which engine served.
+
+`ready`'s cached count: vLLM reports `prompt_tokens_details.cached_tokens` only in its final
+usage chunk, while the response path needs it with `ready` (deepseek-recipe fixes a
+response's prompt usage then). So a request runs as two calls on the same vLLM: the first
+with `max_tokens: 1` (its usage gives the real cached count; its one token is the first
+token, `ready` and `tokens` are emitted together when it ends), the second continues from
+prompt + first token with the remaining `max_tokens`. The second call's prompt is in
+vLLM's prefix cache by then: it recomputes only the partial last block. Cost: one more
+HTTP call per request and that recompute before the second token (docs/real-engines.md).
+
+Health, model, context length and load: `/v1/models` (model, `max_model_len`) and the
+Prometheus `/metrics` (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, `vllm:cache_config_info{block_size}`, `process_start_time_seconds`
+as the epoch) become the registry's `WorkerInfo` and `LoadReport`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway import tracing
+from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
+
+COMPLETIONS_PATH = "/v1/completions"
+MODELS_PATH = "/v1/models"
+METRICS_PATH = "/metrics"
+_DONE = b"[DONE]"
+_TOKEN_ID = re.compile(r"token_id:(-?\d+)")
+_METRIC_LINE = re.compile(r'^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$', re.M)
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+_QUEUED_PROMPT_TOKENS_PER_WAITING = 0  # vLLM reports no queued token count; waiting requests stand in
+
+
+def vllm_kv_format(model: str, block_size: int) -> str:
+    """The KV format of a vLLM worker (its KV is compatible only with the same model and block size)."""
+    return f"vllm:{model}:{block_size}"
+
+
+@dataclass(frozen=True)
+class VllmFacts:
+    """What one probe of a vLLM server found."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    running: int
+    waiting: int
+    kv_usage: float
+    started_at: str  # process start time: a new value means a new process (empty cache)
+
+    def info(self, spec: WorkerSpec) -> wp.WorkerInfo:
+        return wp.WorkerInfo(worker_id=spec.worker_id, engine="vllm", role=spec.role, hardware=spec.hardware,
+                             kv_format=spec.kv_format or vllm_kv_format(self.model, self.block_size),
+                             model=self.model, block_tokens=self.block_size, epoch=self.started_at)
+
+    def load(self, spec: WorkerSpec) -> wp.LoadReport:
+        return wp.LoadReport(worker_id=spec.worker_id, role=spec.role, hardware=spec.hardware,
+                             kv_format=spec.kv_format or vllm_kv_format(self.model, self.block_size),
+                             running=self.running, waiting=self.waiting,
+                             queued_prefill_tokens=self.waiting * _QUEUED_PROMPT_TOKENS_PER_WAITING,
+                             kv_usage=min(1.0, max(0.0, self.kv_usage)), memory_capacity_blocks=0, dp_ranks=[],
+                             epoch=self.started_at)
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], int]:
+    """vLLM's gauges summed over engines (DP ranks), and its KV block size (0: not reported)."""
+    values: dict[str, float] = {}
+    for name, _labels, value in _METRIC_LINE.findall(text):
+        values[name] = values.get(name, 0.0) + float(value)
+    block = _BLOCK_SIZE.search(text[text.find("vllm:cache_config_info{"):]) if "vllm:cache_config_info{" in text else None
+    return values, int(block.group(1)) if block else 0
+
+
+async def probe(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: float) -> VllmFacts:
+    """Read a vLLM server's model list and metrics; any failure is an UpstreamError."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(spec.url + MODELS_PATH, timeout=timeout) as r:
+            if r.status != 200:
+                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{MODELS_PATH} answered {r.status}",
+                                    status=r.status)
+            models = orjson.loads(await r.read())["data"]
+        async with session.get(spec.url + METRICS_PATH, timeout=timeout) as r:
+            if r.status != 200:
+                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{METRICS_PATH} answered {r.status}",
+                                    status=r.status)
+            metrics = (await r.read()).decode(errors="replace")
+    except TimeoutError:
+        raise UpstreamError(UpstreamKind.TIMEOUT, f"{spec.url} timed out") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamError(UpstreamKind.CONNECT, f"{spec.url}: {exc}") from None
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url}{MODELS_PATH} returned no model list") from None
+    model = next((m for m in models if not spec.model or m.get("id") == spec.model), None)
+    if model is None:
+        raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url} does not serve model {spec.model or '(any)'}")
+    gauges, block_size = parse_metrics(metrics)
+    return VllmFacts(
+        model=model["id"], max_model_len=int(model.get("max_model_len") or 0), block_size=block_size,
+        running=int(gauges.get("vllm:num_requests_running", 0)), waiting=int(gauges.get("vllm:num_requests_waiting", 0)),
+        kv_usage=gauges.get("vllm:kv_cache_usage_perc", 0.0),
+        started_at=repr(gauges.get("process_start_time_seconds", 0.0)),
+    )
+
+
+def completion_body(model: str, token_ids: list[int], sampling: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The `/v1/completions` body for a worker-protocol request (`sampling` as the worker
+    body carries it: non-default fields only)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": token_ids, "max_tokens": max_tokens,
+        "temperature": sampling.get("temperature", 1.0), "top_p": sampling.get("top_p", 1.0),
+        "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    if sampling.get("top_k", -1) > 0:
+        body["top_k"] = sampling["top_k"]
+    if sampling.get("ignore_eos"):
+        body["ignore_eos"] = True
+    if sampling.get("seq_seed") is not None:
+        body["seed"] = sampling["seq_seed"]
+    if sampling.get("stop_token_ids"):
+        body["stop_token_ids"] = list(sampling["stop_token_ids"])
+    if sampling.get("logprobs"):
+        body["logprobs"] = sampling.get("top_logprobs", 0)
+        body["return_tokens_as_token_ids"] = True  # top candidates keyed "token_id:N", not text
+    structured = _structured_outputs(sampling.get("so_args"))
+    if structured is not None:
+        body["structured_outputs"] = structured
+    return body
+
+
+def _structured_outputs(so_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """DeepInfer's so_args as vLLM's structured outputs; DSML tool-call grammars have no vLLM
+    equivalent and are not forwarded (the gateway still parses the calls)."""
+    if not so_args:
+        return None
+    kind, schema = so_args.get("schema_type"), so_args.get("schema", "")
+    if kind == "json":
+        return {"json": orjson.loads(schema)} if schema else {"json_object": True}
+    if kind == "regex":
+        return {"regex": schema}
+    if kind == "ebnf":
+        return {"grammar": schema}
+    return None
+
+
+def _logprobs(choice: dict[str, Any]) -> list[Any] | None:
+    """vLLM's completion logprobs as the worker protocol's `[logprob, [[id, logprob], ...]]` per token."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    out = []
+    for logprob, top in zip(lp.get("token_logprobs") or [], lp.get("top_logprobs") or [], strict=False):
+        pairs = [[int(m.group(1)), float(v)] for k, v in (top or {}).items() if (m := _TOKEN_ID.fullmatch(k))]
+        out.append([float(logprob if logprob is not None else 0.0), pairs])
+    return out
+
+
+def _refusal(kind: wp.ErrorKind, message: str, *, retryable: bool | None = None) -> dict[str, Any]:
+    event = wp.finish_event(wp.FinishReason.ERROR, error_kind=kind, message=message)
+    if retryable is not None:
+        event["error"]["retryable"] = retryable
+    return event
+
+
+class VllmStream:
+    """One worker-protocol request on vLLM (two completion calls, see the module doc)."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, request_id: str, model: str,
+                 token_ids: list[int], sampling: dict[str, Any], max_tokens: int, timeouts: Timeouts):
+        self._session = session
+        self._url = url
+        self._request_id = request_id
+        self._model = model
+        self._prompt = token_ids
+        self._sampling = sampling
+        self._max_tokens = max_tokens
+        self._timeouts = timeouts
+        self._line: LineStream | None = None
+        self._events: deque[dict[str, Any]] = deque()
+        self._phase = "first"  # first -> rest -> done
+        self._first_id: int | None = None
+        self._sent = 0  # output tokens streamed
+
+    async def open(self, refusal: dict[str, Any] | None = None) -> None:
+        if refusal is not None:
+            self._events.append(refusal)
+            self._phase = "done"
+            return
+        body = completion_body(self._model, self._prompt, self._sampling, 1)
+        self._line = await self._post(body, self._timeouts.first_event_s)
+
+    async def _post(self, body: dict[str, Any], first_s: float) -> LineStream:
+        try:
+            response = await self._session.post(
+                self._url + COMPLETIONS_PATH, data=orjson.dumps(body),
+                headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: self._request_id}),
+            )
+        except TimeoutError:
+            raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {self._url} timed out") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {self._url}: {exc}") from None
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self._url} broke: {exc}") from None
+        if response.status != 200:
+            raw = await response.read()
+            response.release()
+            raise _status_error(self._url, response.status, raw)
+        return LineStream(response, first_s, self._timeouts.between_events_s)
+
+    async def next_event(self) -> dict[str, Any] | None:
+        while not self._events:
+            if self._phase == "done":
+                return None
+            if self._phase == "first":
+                await self._read_first()
+            else:
+                await self._read_rest()
+        return self._events.popleft()
+
+    async def _next_chunk(self) -> dict[str, Any] | None:
+        """The current call's next SSE data object; None at `[DONE]` or after an error chunk
+        (then a `finish` with the error is queued)."""
+        assert self._line is not None
+        while True:
+            line = await self._line.read_line()
+            if not line:
+                raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} ended the stream before [DONE]")
+            if line.startswith(b"data: "):
+                break  # others: blank separators
+        data = line[6:].strip()
+        if data == _DONE:
+            return None
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM sent a malformed chunk: {data[:80]!r}") from None
+        if "error" in chunk or chunk.get("object") == "error":
+            error = chunk.get("error", chunk)
+            message = error.get("message", "vLLM error") if isinstance(error, dict) else str(error)
+            self._events.append(_refusal(wp.ErrorKind.ENGINE, message))
+            self._phase = "done"
+            return None
+        return chunk
+
+    async def _read_first(self) -> None:
+        """The `max_tokens: 1` call: `ready` with vLLM's real counts, the first token."""
+        ids: list[int] = []
+        logprobs: list[Any] = []
+        finish = stop_reason = None
+        usage: dict[str, Any] = {}
+        while (chunk := await self._next_chunk()) is not None:
+            for choice in chunk.get("choices") or ():
+                ids.extend(choice.get("token_ids") or ())
+                logprobs.extend(_logprobs(choice) or ())
+                finish = choice.get("finish_reason") or finish
+                stop_reason = choice.get("stop_reason", stop_reason)
+            usage = chunk.get("usage") or usage
+        self._release_line()
+        if self._phase == "done":  # an error chunk
+            return
+        if not usage or len(ids) > 1 or finish is None:
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} sent no usage or an unexpected first answer")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self._events.append(wp.ready_event(usage["prompt_tokens"], cached, 0))
+        if finish == "stop" and not isinstance(stop_reason, str):  # EOS or a stop token id: not streamed
+            self._finish(wp.FinishReason.STOP)
+            return
+        if ids:
+            self._first_id = ids[0]
+            self._events.append(wp.tokens_event(ids, logprobs or None))
+            self._sent = len(ids)
+        if self._max_tokens <= self._sent or self._first_id is None:
+            self._finish(wp.FinishReason.LENGTH)
+            return
+        self._phase = "rest"
+
+    async def _read_rest(self) -> None:
+        """The continuation call (prompt + first token): queue the events of its next chunk."""
+        if self._line is None:
+            assert self._first_id is not None
+            body = completion_body(self._model, [*self._prompt, self._first_id], self._sampling,
+                                   self._max_tokens - self._sent)
+            self._line = await self._post(body, self._timeouts.between_events_s)
+        chunk = await self._next_chunk()
+        if chunk is None:
+            self._release_line()
+            if self._phase != "done":  # [DONE] without a finish reason
+                raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} ended without a finish reason")
+            return
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") or []
+            finish = choice.get("finish_reason")
+            if finish == "stop" and ids and not isinstance(choice.get("stop_reason"), str):
+                ids = ids[:-1]  # the stop token (EOS or a stop token id) is not streamed
+            if ids:
+                self._events.append(wp.tokens_event(ids, _logprobs(choice)))
+                self._sent += len(ids)
+            if finish is not None:
+                reason = (wp.FinishReason.STOP if finish == "stop"
+                          else wp.FinishReason.ABORT if finish == "abort" else wp.FinishReason.LENGTH)
+                self._finish(reason)
+        if self._phase == "done":  # read the usage chunk and [DONE]: the connection stays reusable
+            while await self._next_chunk() is not None:
+                pass
+            self._release_line()
+
+    def _finish(self, reason: wp.FinishReason) -> None:
+        self._events.append(wp.finish_event(reason, num_output_tokens=self._sent))
+        self._phase = "done"
+
+    def _release_line(self) -> None:
+        if self._line is not None:
+            self._line.release()
+            self._line = None
+
+    def _close_line(self) -> None:
+        if self._line is not None:
+            self._line.close()
+            self._line = None
+
+    def close(self) -> None:
+        """Drop the connection: vLLM aborts the request."""
+        self._close_line()
+        self._phase = "done"
+
+
+def _status_error(url: str, status: int, raw: bytes) -> UpstreamError:
+    """vLLM's refusal: 400 is the request's fault (prompt too long, bad ids), never retried
+    and not a health failure; 429 and 5xx go elsewhere."""
+    try:
+        error = orjson.loads(raw).get("error", {})
+        message = error.get("message", "") if isinstance(error, dict) else str(error)
+    except (orjson.JSONDecodeError, AttributeError):
+        message = raw[:300].decode(errors="replace")
+    if status in (400, 422):
+        return UpstreamError(UpstreamKind.WORKER_ERROR, f"vLLM {url} refused the request: {message}",
+                             retryable=False, status=400, detail=message)
+    return UpstreamError(UpstreamKind.HTTP_STATUS, f"vLLM {url} answered {status}: {message}",
+                         retryable=status >= 500 or status == 429, status=status, detail=message)
+
+
+class VllmUpstream:
+    """One vLLM worker: its last probed facts, and requests on it."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.facts: VllmFacts | None = None
+
+    async def probe(self, session: aiohttp.ClientSession, timeout_s: float) -> VllmFacts:
+        self.facts = await probe(session, self.spec, timeout_s)
+        return self.facts
+
+    async def generate(self, session: aiohttp.ClientSession, body: dict[str, Any], request_id: str,
+                       timeouts: Timeouts) -> VllmStream:
+        facts = self.facts
+        if facts is None:
+            raise UpstreamError(UpstreamKind.CONNECT, f"vLLM {self.spec.url} not probed yet")
+        sampling = body.get("sampling") or {}
+        token_ids = body["token_ids"]
+        max_tokens = sampling.get("max_tokens", 16)
+        refusal = None
+        if facts.max_model_len:
+            room = facts.max_model_len - len(token_ids)
+            if room <= 0:
+                refusal = _refusal(wp.ErrorKind.PROMPT_TOO_LONG,
+                                   f"The prompt has {len(token_ids)} tokens; this worker's context is "
+                                   f"{facts.max_model_len}.")
+            max_tokens = min(max_tokens, room)  # vLLM refuses max_tokens past its context; others stop at it
+        if body.get("role", "unified") != "unified" or body.get("kv_handoff"):
+            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "a vLLM worker serves whole requests only")
+        elif body.get("images"):
+            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to vLLM workers", retryable=True)
+        stream = VllmStream(session, self.spec.url, request_id, facts.model, token_ids, sampling, max_tokens, timeouts)
+        await stream.open(refusal)
+        return stream

