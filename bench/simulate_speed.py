@@ -5,9 +5,9 @@
 
 `--workers N` picks bench/clusters/pd-N.toml (default 128); `--cluster` any cluster file.
 The arrival speedup defaults to workers / 16, the same offered load per worker at every
-size (pd-128: 8x, pd-1024: 64x). `--baseline FILE`: a file holding an earlier run's output (its
-last JSON line is read); the run is compared with it (`vs_baseline`: wall ratio, hit rate and TTFT p99
-ratios, and whether the records' figures are identical).
+size (pd-128: 8x, pd-1024: 64x). `--baseline FILE`: a file holding an earlier run's
+output (its last JSON line is read); the run is compared with it (`vs_baseline`: wall
+ratio, hit rate and TTFT p99 ratios, and whether the figures are identical).
 
 Prints a few lines, then ONE JSON object on the last line with `requests`, `workers`,
 `wall_s`, `events_per_s` (events = engine steps + arrivals + hand-offs + ticks; steady
