@@ -79,7 +79,8 @@ def _install(router: PeerRouter, root: Path, log: bool) -> None:
             print(f"{router.dist} venv: {' '.join(cmd)}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise PeerInstallError(f"{' '.join(cmd[:6])} exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
+            output = (done.stderr or done.stdout)[-2000:]
+            raise PeerInstallError(f"{' '.join(cmd[:6])} exited {done.returncode}: {output}")
     if log:
         print(f"{router.dist} venv: installed in {time.monotonic() - started:.0f} s at {root}", file=sys.stderr)
 

@@ -260,13 +260,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200, help="first N requests of the trace (default 200)")
-    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {list(TARGETS)} (default all)")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma-separated, of {list(TARGETS)} (default all)")
     parser.add_argument("--trace", default=DEFAULT_TRACE, help=f"trace spec or file (default {DEFAULT_TRACE})")
     parser.add_argument("--speedup", type=float, default=17.0, help="arrival compression vs the sim clock (default 17)")
     parser.add_argument("--time-scale", type=float, default=0.25, help="sim time scale (default 0.25)")
     parser.add_argument("--workers", default=DEFAULT_WORKERS, help=f"sim-cluster spec (default {DEFAULT_WORKERS})")
     parser.add_argument("--memory-blocks", default="auto",
-                        help="per-worker prefix cache blocks: auto (policies.py's), 0 (the profile's) or N (default auto)")
+                        help="per-worker prefix cache blocks: auto (policies.py's), 0 (the profile's) "
+                             "or N (default auto)")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
     args = parser.parse_args()
     targets = [t for t in args.targets.split(",") if t]

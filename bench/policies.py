@@ -194,7 +194,7 @@ class LoadSampler:
 def active_window(samples: dict[str, list[int]]) -> dict[str, list[int]]:
     """Drop the leading and trailing rounds in which no prefill worker had queued tokens
     (tokenizer load, warm-up, drain): the replay's window, without hooking into it."""
-    rounds = list(zip(*samples.values())) if samples else []
+    rounds = list(zip(*samples.values(), strict=True)) if samples else []
     busy = [i for i, r in enumerate(rounds) if any(r)]
     if not busy:
         return {w: [] for w in samples}
@@ -306,7 +306,8 @@ def run_one(config: str, policy: str, spec: RunSpec, tmp: Path) -> dict[str, Any
         replay_wall = time.monotonic() - started
         metrics = scrape_metrics(gateway.url)
         loads = {label: _get_json(url + "/v1/worker/load") for label, url, _, _ in workers}
-        cpu = {"gateway": _cpu_s(gateway.proc.proc.pid) - gw_cpu0, "sim_cluster": _cpu_s(cluster.proc.proc.pid) - sim_cpu0}
+        cpu = {"gateway": _cpu_s(gateway.proc.proc.pid) - gw_cpu0,
+               "sim_cluster": _cpu_s(cluster.proc.proc.pid) - sim_cpu0}
     finally:
         if gateway is not None:
             gateway.stop()

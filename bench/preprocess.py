@@ -60,9 +60,17 @@ SALT = kv_salt(MODEL, "sm100")
 SALTS = [kv_salt(MODEL, fmt) for fmt in ("v4.1-flash/sm100-fp8", "v4.1-flash/ascend950-int8")]
 OPTIONS = dr.ConversionOptions().with_model_versions_by_name({MODEL: dr.ModelVersion.DeepseekV41Flash})
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "from", "at", "or", "an", "have", "not", "which", "model", "token", "cache", "request", "latency", "prefix", "worker", "gateway", "decode", "prefill", "block", "hash", "tensor", "function", "return", "value", "error", "result", "memory", "throughput", "schedule", "batch", "queue", "stream", "client", "server", "config", "policy", "route", "index", "store", "engine", "vision", "image", "context", "window", "session", "agent", "because", "however", "therefore", "although", "quickly", "carefully", "simply", "exactly", "roughly", "probably"]
+_WORDS = [
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are",
+    "from", "at", "or", "an", "have", "not", "which", "model", "token", "cache", "request", "latency", "prefix",
+    "worker", "gateway", "decode", "prefill", "block", "hash", "tensor", "function", "return", "value", "error",
+    "result", "memory", "throughput", "schedule", "batch", "queue", "stream", "client", "server", "config", "policy",
+    "route", "index", "store", "engine", "vision", "image", "context", "window", "session", "agent", "because",
+    "however", "therefore", "although", "quickly", "carefully", "simply", "exactly", "roughly", "probably",
+]
 _CODE = [
-    "def handle(request):\n    if not request.ok:\n        raise ValueError(request.status)\n    return request.json()\n",
+    "def handle(request):\n    if not request.ok:\n        raise ValueError(request.status)\n"
+    "    return request.json()\n",
     "for (let i = 0; i < items.length; i++) {\n  total += items[i].price * 1.2;\n}\n",
     "SELECT id, name FROM users WHERE created_at > '2025-01-01' ORDER BY id LIMIT 100;\n",
 ]
@@ -104,7 +112,8 @@ def conversation(rng: random.Random, turns: int, turn_tokens: int) -> list[dict[
         if turn % 5 == 2:
             call = {"id": f"call_{turn}", "type": "function",
                     "function": {"name": "search_docs", "arguments": json.dumps({"query": _text(rng, 10)})}}
-            messages.append({"role": "assistant", "content": "", "reasoning_content": _text(rng, 60), "tool_calls": [call]})
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _text(rng, 60),
+                             "tool_calls": [call]})
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": _text(rng, turn_tokens // 2)})
         messages.append({"role": "assistant", "content": _text(rng, turn_tokens), "reasoning_content": _text(rng, 100)})
     messages.append({"role": "user", "content": _text(rng, 200)})
@@ -137,7 +146,8 @@ def _pipeline(preparer: RequestPreparer, payload: bytes, hasher: PrefixHasher | 
     return run
 
 
-def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int, digest_min_chars: int | None) -> dict[str, Any]:
+def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
+               digest_min_chars: int | None) -> dict[str, Any]:
     config = BridgeConfig()
     fast = PromptEncoder(bundle, digest_min_chars=digest_min_chars)
     reference = ReferencePromptEncoder(bundle)

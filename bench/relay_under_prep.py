@@ -181,9 +181,11 @@ def main() -> None:
                     gateway.stop()
                 row = {**{f"quiet_{k}": v for k, v in quiet.items()}, **{f"loaded_{k}": v for k, v in loaded.items()}}
                 results[spec].append(row)
-                print(f"round {round_no} {spec:12s} quiet ttft p50/p90 {quiet['ttft_p50_ms']:6.1f}/{quiet['ttft_p90_ms']:6.1f}"
+                print(f"round {round_no} {spec:12s} quiet ttft p50/p90 {quiet['ttft_p50_ms']:6.1f}/"
+                      f"{quiet['ttft_p90_ms']:6.1f}"
                       f" itl p99 {quiet['itl_p99_ms']:6.1f} | loaded ttft p50/p90 {loaded['ttft_p50_ms']:6.1f}/"
-                      f"{loaded['ttft_p90_ms']:6.1f} itl p50/p99/max {loaded['itl_p50_ms']:5.1f}/{loaded['itl_p99_ms']:6.1f}/"
+                      f"{loaded['ttft_p90_ms']:6.1f} itl p50/p99/max {loaded['itl_p50_ms']:5.1f}/"
+                      f"{loaded['itl_p99_ms']:6.1f}/"
                       f"{loaded['itl_max_ms']:6.1f} big p50 {loaded['big_latency_p50_ms']:6.1f} ms"
                       f" {loaded['big_per_s']:.2f}/s errors {quiet['errors']}+{loaded['errors']}", flush=True)
     finally:

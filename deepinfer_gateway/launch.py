@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import IO
-
-import json
-import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import IO
 
 
 def free_port() -> int:

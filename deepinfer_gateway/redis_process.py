@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 from types import TracebackType
 
@@ -126,9 +127,9 @@ class RedisClusterProcesses:
         clients = [redis.Redis(port=node.port, decode_responses=True) for node in self.nodes]
         try:
             bounds = [self.SLOTS * i // len(clients) for i in range(len(clients) + 1)]
-            for client, first, end in zip(clients, bounds, bounds[1:]):
+            for client, (first, end) in zip(clients, pairwise(bounds), strict=True):
                 client.cluster("ADDSLOTSRANGE", first, end - 1)
-            for node, bus_port in zip(self.nodes[1:], self.bus_ports[1:]):  # gossip does the rest
+            for node, bus_port in zip(self.nodes[1:], self.bus_ports[1:], strict=True):  # gossip does the rest
                 clients[0].cluster("MEET", "127.0.0.1", node.port, bus_port)
             deadline = time.monotonic() + timeout_s
             while not all(_cluster_ok(client, len(clients)) for client in clients):

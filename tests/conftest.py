@@ -122,7 +122,7 @@ DEMO_WORKERS = "unified:sm100,unified:sm100,unified:ascend950"
 
 
 @pytest.fixture(scope="session")
-def sim_cluster() -> Iterator["SimCluster"]:
+def sim_cluster() -> Iterator[SimCluster]:
     """The demo's unified cluster (2 sm100 + 1 ascend950) in one process, 20x faster than real time."""
     from deepinfer_gateway.launch import SimCluster
 
@@ -132,11 +132,12 @@ def sim_cluster() -> Iterator["SimCluster"]:
 
 
 @pytest.fixture(scope="session")
-def sim_gateway(sim_cluster: "SimCluster", tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
+def sim_gateway(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     from deepinfer_gateway.launch import Gateway
 
     roles = [spec.split(":") for spec in sim_cluster.specs]
-    gw = Gateway(tmp_path_factory.mktemp("gw"), [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles)])
+    gw = Gateway(tmp_path_factory.mktemp("gw"),
+                 [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)])
     gw.wait_ready(len(roles))
     yield gw
     gw.stop()
@@ -159,7 +160,7 @@ def deepinfer_workers() -> Iterator[list[tuple[str, str, str]]]:
 
 @pytest.fixture(scope="session")
 def deepinfer_gateway(deepinfer_workers: list[tuple[str, str, str]],
-                      tmp_path_factory: pytest.TempPathFactory) -> Iterator["Gateway"]:
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     from deepinfer_gateway.launch import Gateway
 
     gw = Gateway(tmp_path_factory.mktemp("gw-deepinfer"), deepinfer_workers)
@@ -181,13 +182,13 @@ def engine(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def gateway(engine: str, request: pytest.FixtureRequest) -> "Gateway":
+def gateway(engine: str, request: pytest.FixtureRequest) -> Gateway:
     """The gateway process in front of `engine`'s workers (`sim_gateway` or `deepinfer_gateway`)."""
     return request.getfixturevalue(f"{engine}_gateway")  # type: ignore[no-any-return]
 
 
 @pytest.fixture
-def openai_client(gateway: "Gateway") -> Iterator["openai.OpenAI"]:
+def openai_client(gateway: Gateway) -> Iterator[openai.OpenAI]:
     import openai
 
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="test", max_retries=0, timeout=60) as client:

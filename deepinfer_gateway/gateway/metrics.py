@@ -57,7 +57,8 @@ class GatewayMetrics:
         self.build = Info("dgw_build", "Build of this gateway process (value 1): version, python, git_sha",
                           registry=r)
         self.build.info(build_labels())
-        self.requests = Counter("dgw_requests", "Client requests by outcome", ["protocol", "model", "status"], registry=r)
+        self.requests = Counter("dgw_requests", "Client requests by outcome", ["protocol", "model", "status"],
+                                registry=r)
         self.ttft = Histogram("dgw_time_to_first_token_seconds",
                               "Request arrival to its first token sent (labels: the worker that produced it)",
                               REQUEST_LABELS, buckets=TTFT_BUCKETS, registry=r)

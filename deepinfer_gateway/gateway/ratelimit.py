@@ -20,6 +20,7 @@ from typing import Any
 
 from deepinfer_gateway.outage import Outage
 
+
 @dataclass(frozen=True)
 class Verdict:
     allowed: bool

@@ -26,9 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
-
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 from pydantic import ValidationError

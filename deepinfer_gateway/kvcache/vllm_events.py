@@ -285,7 +285,8 @@ class VllmKvSubscriber:
             if self._seen.get(seq) == batch.ts:
                 return  # a duplicate of a replayed batch
             self.stats["restarts"] += 1  # seqs went back with a batch we never saw: a new vLLM process
-            log.info("vllm kv events: %s restarted (seq %d after %d); clearing its entries", self.worker_id, seq, expected)
+            log.info("vllm kv events: %s restarted (seq %d after %d); clearing its entries",
+                     self.worker_id, seq, expected)
             await self._resync()
             await self._catch_up(live_seq=seq)
         elif expected is None or seq > expected:
@@ -310,7 +311,8 @@ class VllmKvSubscriber:
         if live_seq is None and self._next_seq is not None:
             if not self._same_publisher(replayed):
                 self.stats["restarts"] += 1
-                log.info("vllm kv events: %s is a new process (replay buffer differs); clearing its entries", self.worker_id)
+                log.info("vllm kv events: %s is a new process (replay buffer differs); clearing its entries",
+                         self.worker_id)
                 await self._resync()
         for seq, payload in replayed:
             if live_seq is not None and seq >= live_seq:

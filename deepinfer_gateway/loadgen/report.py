@@ -110,5 +110,6 @@ def table(runs: Sequence[tuple[str, dict[str, Any]]], markdown: bool = False) ->
         lines.insert(1, "|" + "---|" * len(header))
         return "\n".join(lines)
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                      for r in cells)

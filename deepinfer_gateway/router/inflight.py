@@ -25,6 +25,7 @@ from typing import Any
 
 from deepinfer_gateway.outage import Outage
 
+
 class MemoryInflight:
     def __init__(self) -> None:
         self._tokens: dict[str, dict[str, int]] = {}

@@ -143,12 +143,12 @@ class RoutePlanner:
         key = (members[0].pool, members[0].worker_id)
         last = self._no_hits.get(key)
         if last is not None and len(last[0]) == len(members):
-            changed = [i for i, (w, before) in enumerate(zip(members, last[0])) if w is not before]
+            changed = [i for i, (w, before) in enumerate(zip(members, last[0], strict=True)) if w is not before]
             if not changed:
                 return last[1]
             redone = self._with_overlap([members[i] for i in changed], overlap)
             out = list(last[1])
-            for i, candidate in zip(changed, redone):
+            for i, candidate in zip(changed, redone, strict=True):
                 out[i] = candidate
             candidates = tuple(out)
         else:

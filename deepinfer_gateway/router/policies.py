@@ -81,7 +81,7 @@ def estimated_ttfts(candidates: Sequence[Candidate], view: RoutingView) -> list[
         )
     # queue wait + own prefill + KV load
     return [(c.queued_prefill_tokens / c.prefill_tokens_per_s + t[0] + t[1], t[2], t[3])
-            for c, t in zip(candidates, map(terms.__getitem__, inputs))]
+            for c, t in zip(candidates, map(terms.__getitem__, inputs), strict=True)]
 
 
 _load_key: Callable[[Candidate], tuple[int, int, str]] = attrgetter("queued_prefill_tokens", "running", "worker_id")
@@ -224,7 +224,7 @@ class EstimatedTtft:
         scored = estimated_ttfts(candidates, view)
         ids = [c.worker_id for c in candidates]
         seconds = [sc[0] for sc in scored]
-        rank = list(zip(seconds, ids))
+        rank = list(zip(seconds, ids, strict=True))
         everyone = range(len(candidates))
         first = rank.index(min(rank))
         hits = [c.memory_hit_blocks for c in candidates]
@@ -245,7 +245,7 @@ class EstimatedTtft:
                 reason = Reason.QUEUE_OVER_CACHE
             else:
                 reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
-        costs = dict(zip(ids, map(round, seconds, repeat(6))))
+        costs = dict(zip(ids, map(round, seconds, repeat(6)), strict=True))
         return Decision(ids[chosen], reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:

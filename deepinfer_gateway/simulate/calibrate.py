@@ -47,7 +47,8 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
         for k in range(repeats):  # distinct block ids: no segment-cache hits across repeats
             first = 10**7 * (k + 1) + n
             request = TraceRequest(0, 0.0, n, 16, tuple(range(first, first + -(-n // 512))))
-            body = orjson.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": synthesizer.content(request)}],
+            messages = [{"role": "user", "content": synthesizer.content(request)}]
+            body = orjson.dumps({"model": DEFAULT_MODEL, "messages": messages,
                                  "max_tokens": 16, "stream": True, "ignore_eos": True})
             bytes_per_token = len(body) / n
             started = time.perf_counter()

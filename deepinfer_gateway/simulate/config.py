@@ -17,8 +17,10 @@ request_overhead_s = 0.0          # arrival -> routing (parsing, HTTP)
 per_prompt_token_s = 0.0          # tokenization + hashing, per prompt token
 handoff_overhead_s = 0.0          # prefill finish -> decode worker gets the hand-off
 serial = true                     # one event loop: requests are prepared one after another
-relay_waits = true                # serial: a first token is relayed only once the event loop's preparation backlog is done
-# offload_tokens = 16000          # serial: prompts this long are prepared in a second lane (the gateway's preparation thread)
+relay_waits = true                # serial: a first token is relayed only once the event loop's
+                                  # preparation backlog is done
+# offload_tokens = 16000          # serial: prompts this long are prepared in a second lane
+                                  # (the gateway's preparation thread)
 jitter = 0.0                      # relative spread (lognormal sigma) of each request's preparation cost
 seed = 0                          # of the jitter
 

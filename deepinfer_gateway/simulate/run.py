@@ -64,7 +64,8 @@ def run_simulation(
             ", after a 28-token header as the chat template adds" if header_offset else ", no header")),
         "simulation": {
             "workers": len(sim.workers), "time_scale": config.time_scale, "policy": config.router.policy.name,
-            "events": stats.events, "steps": stats.steps, "heap_events": stats.heap_events, "wall_s": round(stats.wall_s, 3),
+            "events": stats.events, "steps": stats.steps, "heap_events": stats.heap_events,
+            "wall_s": round(stats.wall_s, 3),
             "events_per_s": round(stats.events_per_s), "virtual_s": stats.sim_s, "modes": stats.modes,
             "load_report_interval_s": config.load_report_interval_s,
             "kv_events_interval_s": config.kv_events_interval_s,

@@ -159,7 +159,8 @@ def _cache(records: Sequence[RequestRecord], tiers: TierTokens | None, window_s:
     if not reporting:
         out["note"] = "the server reported no cached-token counts in usage; total hit rate unknown"
     if tiers is None:
-        out["tier_note"] = "per-tier figures need a DeepInfer Gateway /metrics endpoint (dgw_cached_prompt_tokens_total)"
+        out["tier_note"] = ("per-tier figures need a DeepInfer Gateway /metrics endpoint "
+                            "(dgw_cached_prompt_tokens_total)")
     return out
 
 

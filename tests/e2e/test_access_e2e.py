@@ -29,7 +29,8 @@ def secured(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -
              + _key("other-model", "sk-other", models=("some-other-model",))
              + _key("tight", "sk-tight", requests_per_minute=2, tokens_per_minute=100000))
     roles = [s.split(":") for s in sim_cluster.specs]
-    gw = Gateway(tmp_path_factory.mktemp("access"), [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles)],
+    gw = Gateway(tmp_path_factory.mktemp("access"),
+                 [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles, strict=True)],
                  extra_toml=extra)
     gw.wait_ready(len(roles))
     yield gw

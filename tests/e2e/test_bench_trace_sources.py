@@ -193,7 +193,8 @@ def test_bench_cli_replays_a_named_trace(gateway, mirror: Mirror, monkeypatch: p
     assert rc == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["trace"] == "azure:code" and last["completed"] == 4
-    assert last["trace_source"]["sha256"] == SOURCES["azure:code"].sha256 and "CC-BY-4.0" in last["trace_source"]["license"]
+    assert last["trace_source"]["sha256"] == SOURCES["azure:code"].sha256
+    assert "CC-BY-4.0" in last["trace_source"]["license"]
     assert mirror.hits_for(SOURCES["azure:code"]) == 1
 
 

@@ -65,7 +65,7 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     shipped, shipped_env = SHIPPED[request.param]()
     text = shipped.read_text()
     free = {}
-    for url, spec in zip(pd_cluster.urls, pd_cluster.specs):
+    for url, spec in zip(pd_cluster.urls, pd_cluster.specs, strict=True):
         free.setdefault(spec, []).append(url)
     for worker in load_settings(shipped, {"redis_url": redis_url}).workers:
         text, n = re.subn(rf'(?m)^url = "{re.escape(worker.url)}"$',

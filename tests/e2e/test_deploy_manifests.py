@@ -385,7 +385,8 @@ def test_lock_pins_every_dependency_of_pyproject_with_hashes() -> None:
     from packaging.utils import canonicalize_name
 
     text = (ROOT / "requirements.lock").read_text()
-    entries = re.findall(r"(?m)^([A-Za-z0-9_.\-]+)==([^\s;\\]+)((?:\s*;[^\\\n]*)?)\s*\\\n((?:\s+--hash=sha256:[0-9a-f]{64}\s*\\?\n?)+)",
+    entries = re.findall(r"(?m)^([A-Za-z0-9_.\-]+)==([^\s;\\]+)((?:\s*;[^\\\n]*)?)\s*\\\n"
+                         r"((?:\s+--hash=sha256:[0-9a-f]{64}\s*\\?\n?)+)",
                          text)
     pinned = {canonicalize_name(name): version for name, version, _marker, _hashes in entries}
     assert len(entries) == len(re.findall(r"(?m)^[A-Za-z0-9_.\-]+==", text)), "a locked package without hashes"

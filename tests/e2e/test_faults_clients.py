@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 
 from deepinfer_gateway.launch import Gateway, SimCluster
-from tests.fault_doubles import scrape, stream_chat, total
 from tests.e2e.test_faults_workers import gateway_alive
+from tests.fault_doubles import scrape, stream_chat, total
 
 MODEL = "DeepSeek-V4.1-Flash"
 

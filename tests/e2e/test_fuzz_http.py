@@ -83,23 +83,34 @@ bodies = {
 # Well-formed requests with random (valid) options: these reach the workers.
 words = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
 few_tokens = st.integers(1, 40)
-sampling = {"stream": st.booleans(), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "seed": st.integers(0, 2**40)}
+sampling = {"stream": st.booleans(), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+            "seed": st.integers(0, 2**40)}
 chat_tool = st.just({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
 user_turn = st.fixed_dictionaries({"role": st.just("user"), "content": words})
 valid = {
-    "/v1/chat/completions": st.fixed_dictionaries({"model": st.just(MODEL), "messages": st.lists(user_turn, min_size=1, max_size=2), "max_tokens": few_tokens}, optional={
+    "/v1/chat/completions": st.fixed_dictionaries({
+        "model": st.just(MODEL), "messages": st.lists(user_turn, min_size=1, max_size=2), "max_tokens": few_tokens,
+    }, optional={
         **sampling, "stop": st.lists(words, max_size=3), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
         "tools": st.lists(chat_tool, min_size=1, max_size=1), "tool_choice": st.sampled_from(["auto", "none"]),
         "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"])}),
         "response_format": st.just({"type": "json_object"}),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}),
-    "/v1/responses": st.fixed_dictionaries({"model": st.just(MODEL), "input": words, "max_output_tokens": few_tokens}, optional={
-        **sampling, "instructions": words, "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["low", "high"])})}),
-    "/v1/messages": st.fixed_dictionaries({"model": st.just(MODEL), "messages": st.lists(user_turn, min_size=1, max_size=1), "max_tokens": few_tokens}, optional={
+    "/v1/responses": st.fixed_dictionaries({
+        "model": st.just(MODEL), "input": words, "max_output_tokens": few_tokens,
+    }, optional={
+        **sampling, "instructions": words,
+        "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["low", "high"])})}),
+    "/v1/messages": st.fixed_dictionaries({
+        "model": st.just(MODEL), "messages": st.lists(user_turn, min_size=1, max_size=1), "max_tokens": few_tokens,
+    }, optional={
         **sampling, "system": words, "stop_sequences": st.lists(words, max_size=2),
         "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}])}),
-    "/v1/completions": st.fixed_dictionaries({"model": st.just(MODEL), "prompt": st.one_of(words, st.lists(st.integers(0, 100_000), min_size=1, max_size=8)), "max_tokens": few_tokens}, optional={
+    "/v1/completions": st.fixed_dictionaries({
+        "model": st.just(MODEL), "prompt": st.one_of(words, st.lists(st.integers(0, 100_000), min_size=1, max_size=8)),
+        "max_tokens": few_tokens,
+    }, optional={
         **sampling, "stop": st.one_of(words, st.lists(words, max_size=4)), "logprobs": st.integers(0, 5),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}),
 }

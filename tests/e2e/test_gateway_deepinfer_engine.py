@@ -20,7 +20,6 @@ from deepinfer_gateway.launch import Gateway
 from tests.deepinfer_double.serve import start_workers
 from tests.e2e.test_gateway_openai import MODEL
 
-
 # --- this cluster really is the wrapper on the double ------------------------------------------
 
 def test_workers_are_the_deepinfer_wrapper(deepinfer_workers: list[tuple[str, str, str]],
@@ -86,7 +85,8 @@ def _same_answer(pd: httpx.Response, unified: httpx.Response, prefill_url: str) 
     assert pd.json()["usage"]["completion_tokens"] == unified.json()["usage"]["completion_tokens"]
 
 
-@pytest.mark.parametrize("prompt", ["Hi", "Summarise: " + " ".join(f"point {i} is block {i * 7 % 100}." for i in range(60))])
+@pytest.mark.parametrize("prompt",
+                         ["Hi", "Summarise: " + " ".join(f"point {i} is block {i * 7 % 100}." for i in range(60))])
 def test_pd_answer_equals_the_unified_answer(pd_workers: list[tuple[str, str, str]], pd_gateway: Gateway,
                                              deepinfer_gateway: Gateway, prompt: str) -> None:
     """Prefill hands the KV off through the store; decode continues the same stream."""

@@ -66,7 +66,7 @@ def test_worker_is_ejected_and_readmitted_after_restart(tmp_path: Path) -> None:
         while httpx.get(gw.url + "/ready").status_code != 503:  # active health checks eject it
             assert time.monotonic() < deadline, "dead worker never ejected"
             time.sleep(0.05)
-        assert 'dgw_worker_healthy{worker="127.0.0.1:%d"} 0.0' % port in httpx.get(gw.url + "/metrics").text
+        assert f'dgw_worker_healthy{{worker="127.0.0.1:{port}"}} 0.0' in httpx.get(gw.url + "/metrics").text
         worker = Proc(cmd)  # back on the same address, with a new epoch
         wait_for_port(port, timeout=30)
         gw.wait_ready(1)

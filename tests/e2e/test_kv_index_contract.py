@@ -11,11 +11,11 @@ import pytest
 
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
-from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.protocol import KvEventKind, KvTier
-from tests.kv_helpers import EventLog
+from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import redis_backend_url
+from tests.kv_helpers import EventLog
 
 Factory = Callable[..., PrefixIndex]
 H = list(range(1000, 1064))  # a prompt's block hashes (format "f1")

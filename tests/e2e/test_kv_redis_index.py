@@ -13,8 +13,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
-from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
+from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import RedisServer
 from tests.kv_helpers import EventLog
 
@@ -22,7 +22,8 @@ H = list(range(1000, 1128))
 
 
 def top_level_calls(stats: dict[str, dict[str, float]]) -> dict[str, float]:
-    inner = {"cmdstat_sismember", "cmdstat_smismember", "cmdstat_zmscore", "cmdstat_zrangebyscore", "cmdstat_info"}  # inside the script
+    # inside the script
+    inner = {"cmdstat_sismember", "cmdstat_smismember", "cmdstat_zmscore", "cmdstat_zrangebyscore", "cmdstat_info"}
     return {k: v["calls"] for k, v in stats.items() if k not in inner}
 
 

@@ -75,7 +75,8 @@ def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, gateway) -> No
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(model="claude-nope", max_tokens=10, messages=[{"role": "user", "content": "x"}])
     assert info.value.body == {"type": "error", "error": {
-        "type": "not_found_error", "message": "The model `claude-nope` does not exist or you do not have access to it."}}
+        "type": "not_found_error",
+        "message": "The model `claude-nope` does not exist or you do not have access to it."}}
     for body in (b"{nope", b'{"model": "DeepSeek-V4.1-Flash"}', b"[]"):
         r = httpx.post(gateway.url + "/v1/messages", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400

@@ -58,7 +58,8 @@ def small_gateway(sim_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     roles = [spec.split(":") for spec in sim_cluster.specs]
     extra = "\n".join([f"max_body_bytes = {64 * 1024}", f"context_limit = {CONTEXT}", "[images]",
                        "max_images = 2", "remote_fetch = true", 'allow = ["localhost"]', ""])
-    gw = Gateway(tmp_path_factory.mktemp("small"), [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles)],
+    gw = Gateway(tmp_path_factory.mktemp("small"),
+                 [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles, strict=True)],
                  extra_toml=extra)
     gw.wait_ready(len(roles))
     yield gw

@@ -59,7 +59,8 @@ def configured(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory
              + _key("full", "sk-full") + _key("served", "sk-served", (MODEL,))
              + _key("chat-only", "sk-chat", ("deepseek-chat",)) + _key("none", "sk-none", ("other-model",)))
     roles = [s.split(":") for s in sim_cluster.specs]
-    gw = Gateway(tmp_path_factory.mktemp("parity"), [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles)],
+    gw = Gateway(tmp_path_factory.mktemp("parity"),
+                 [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles, strict=True)],
                  extra_toml=extra)
     gw.wait_ready(len(roles))
     yield gw

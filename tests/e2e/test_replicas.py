@@ -3,7 +3,6 @@ and in-flight reservations so a burst split across replicas does not herd."""
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 from collections.abc import Iterator
@@ -13,8 +12,8 @@ import httpx
 import pytest
 
 from deepinfer_gateway.launch import Gateway, SimCluster
-from tests.fault_doubles import scrape, total
 from tests.conftest import redis_backend_url
+from tests.fault_doubles import scrape, total
 
 MODEL = "DeepSeek-V4.1-Flash"
 
@@ -28,7 +27,7 @@ def unified_cluster() -> Iterator[SimCluster]:
 
 def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s: float,
               redis_cluster: bool = False) -> list[Gateway]:
-    workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs)]
+    workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
     toml = f'redis_url = "{redis_url}"\nredis_cluster = {str(redis_cluster).lower()}'
     gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]  # type: ignore[arg-type]
     for gw in gateways:

@@ -42,7 +42,7 @@ def pd_cluster() -> Iterator[SimCluster]:
 
 
 def _workers(cluster: SimCluster) -> list[tuple[str, str, str]]:
-    return [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs)]  # type: ignore[misc]
+    return [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ with the gateway's per-request cost measured on this machine before each live re
 (the median of those; `measure_gateway_cost`: preparation, tokenization, hashing, worker
 parsing; and the prompt length from which the gateway prepares in its thread,
 `offload_tokens`), first tokens held while the gateway's event loop prepares
-(`GatewayCost.relay_waits`), and TTFT p50 taken as the median over SEEDS jittered replays. Asserts the issue's bounds: hit rate
-within 2 points, TTFT p50 within 15%.
+(`GatewayCost.relay_waits`), and TTFT p50 taken as the median over SEEDS jittered replays.
+Asserts the issue's bounds: hit rate within 2 points, TTFT p50 within 15%.
 
 Output lengths are capped at OUTPUT_CAP tokens in both runs: token relay costs CPU in
 three processes (worker, gateway, SDK client) on a 2-core machine, which slows the live
@@ -69,7 +69,7 @@ def _live_replay(tmp: Path, trace: str) -> dict:
     cluster = SimCluster(WORKERS, time_scale=TIME_SCALE)
     gateway = None
     try:
-        gateway = Gateway(tmp, [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs)],
+        gateway = Gateway(tmp, [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)],
                           health_interval_s=HEALTH_INTERVAL_S)
         gateway.wait_ready(len(cluster.specs))
         return run_bench(BenchConfig(url=gateway.url, trace=trace, out=tmp, ignore_eos=True, plots=False,

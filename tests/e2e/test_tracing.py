@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from deepinfer_gateway.config import GatewaySettings, TracingSettings
 from deepinfer_gateway import tracing
+from deepinfer_gateway.config import GatewaySettings, TracingSettings
 from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
@@ -139,6 +139,7 @@ def test_one_trace_spans_gateway_and_worker_processes(tmp_path: Path, command: s
     assert served["context"]["trace_id"] == call["context"]["trace_id"] == ours["POST /v1/chat/completions"][
         "context"]["trace_id"]
     assert served["parent_id"] == call["context"]["span_id"]
-    assert served["kind"] == "SpanKind.SERVER" and served["resource"]["attributes"]["service.name"] == "deepinfer-worker"
+    assert served["kind"] == "SpanKind.SERVER"
+    assert served["resource"]["attributes"]["service.name"] == "deepinfer-worker"
     assert served["attributes"]["dgw.request_id"] == request_id == ours["POST /v1/chat/completions"]["attributes"][
         "dgw.request_id"]

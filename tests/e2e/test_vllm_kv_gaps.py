@@ -16,7 +16,12 @@ import zmq.asyncio
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, VllmEventBatch, VllmKvSubscriber, VllmKvTranslator,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    VllmEventBatch,
+    VllmKvSubscriber,
+    VllmKvTranslator,
 )
 from deepinfer_gateway.launch import free_port
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, KvEventKind

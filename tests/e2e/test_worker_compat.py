@@ -27,7 +27,8 @@ from deepinfer_gateway.workers.sim.cluster import (
 from deepinfer_gateway.workers.sim.compat import shared_encoder
 
 MODEL = "DeepSeek-V4.1-Flash"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,8 @@ async def test_chat_non_streaming_reports_cached_tokens(url: str, http: aiohttp.
     body = {"model": MODEL, "messages": [{"role": "system", "content": long}, {"role": "user", "content": "hi"}]}
     async with http.post(url + "/v1/chat/completions", json=body) as resp:
         first = await resp.json()
-    async with http.post(url + "/v1/chat/completions", json={**body, "messages": [*body["messages"][:1], {"role": "user", "content": "again"}]}) as resp:
+    again = {**body, "messages": [*body["messages"][:1], {"role": "user", "content": "again"}]}
+    async with http.post(url + "/v1/chat/completions", json=again) as resp:
         second = await resp.json()
     message = second["choices"][0]["message"]
     assert message["content"] and message["reasoning_content"]
@@ -90,13 +92,15 @@ async def test_completions_and_sglang_generate(url: str, http: aiohttp.ClientSes
     async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5}) as resp:
         done = await resp.json()
     assert done["choices"][0]["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 5
-    async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1000, 1001], "max_tokens": 3, "stream": True}) as resp:
+    async with http.post(url + "/v1/completions",
+                         json={"model": MODEL, "prompt": [1000, 1001], "max_tokens": 3, "stream": True}) as resp:
         events = await sse(resp)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     async with http.post(url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}}) as resp:
         gen = await resp.json()
     assert len(gen["output_ids"]) == 4 and gen["meta_info"]["finish_reason"] == {"type": "length"}
-    async with http.post(url + "/generate", json={"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2}}) as resp:
+    stream = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2}}
+    async with http.post(url + "/generate", json=stream) as resp:
         events = await sse(resp)
     assert events[-1] == "[DONE]" and events[-2]["meta_info"]["completion_tokens"] == 2
 
@@ -111,11 +115,13 @@ async def test_discovery_load_and_tokenize(url: str, http: aiohttp.ClientSession
     assert (Path(info["model_path"]) / "tokenizer.json").is_file()
     async with http.get(url + "/get_load") as resp:
         load = await resp.json()
-    assert [r["dp_rank"] for r in load] == [0, 1, 2, 3] and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    assert [r["dp_rank"] for r in load] == [0, 1, 2, 3]
+    assert {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
     async with http.post(url + "/tokenize", json={"prompt": "Hello world"}) as resp:
         tok = await resp.json()
     assert tok["count"] == len(tok["tokens"]) > 0
-    async with http.post(url + "/v1/chat/completions/render", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as resp:
+    async with http.post(url + "/v1/chat/completions/render",
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as resp:
         rendered = await resp.json()
     assert rendered["prompt_token_ids"][-1] == 128821  # <think>
 
@@ -183,7 +189,8 @@ async def test_client_leaving_mid_body_leaves_no_traceback(worker_process: tuple
                  "/generate", "/v1/completions"):
         await asyncio.to_thread(send_half_body_and_leave, port, path, body)
     await asyncio.sleep(0.5)  # let the worker notice every disconnect
-    reply = await client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    reply = await client.chat.completions.create(model=MODEL, max_tokens=3,
+                                                 messages=[{"role": "user", "content": "hi"}])
     assert reply.usage is not None and reply.usage.completion_tokens == 3
     logged = log.read_text()
     assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-3000:]

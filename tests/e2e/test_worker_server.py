@@ -58,18 +58,21 @@ def text_prompt(n: int, seed: int = 0) -> list[int]:
 
 
 async def test_stream_is_ready_tokens_finish(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
-    events = await generate(http, cluster.urls["u0"], {"request_id": "r1", "token_ids": text_prompt(300), "sampling": {"max_tokens": 20}})
+    events = await generate(http, cluster.urls["u0"],
+                            {"request_id": "r1", "token_ids": text_prompt(300), "sampling": {"max_tokens": 20}})
     assert events[0] == {"event": "ready", "prompt_tokens": 300, "cached_tokens": {"memory": 0, "store": 0}}
     assert all(e["event"] == "tokens" for e in events[1:-1])
     tokens = [t for e in events[1:-1] for t in e["token_ids"]]
     assert events[-1] == {"event": "finish", "reason": "length", "num_output_tokens": 20} and len(tokens) == 20
 
 
-async def test_shared_prefix_is_cached_on_the_same_worker(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
+async def test_shared_prefix_is_cached_on_the_same_worker(cluster: InProcessSimCluster,
+                                                          http: aiohttp.ClientSession) -> None:
     shared = text_prompt(8000, seed=1)
     url = cluster.urls["u0"]
     await generate(http, url, {"request_id": "a", "token_ids": shared + [11, 12], "sampling": {"max_tokens": 2}})
-    events = await generate(http, url, {"request_id": "b", "token_ids": shared + [13, 14, 15], "sampling": {"max_tokens": 2}})
+    events = await generate(http, url,
+                            {"request_id": "b", "token_ids": shared + [13, 14, 15], "sampling": {"max_tokens": 2}})
     assert events[0]["cached_tokens"]["memory"] >= 7936
     async with http.get(url + LOAD_PATH) as resp:
         load = await resp.json()
@@ -79,13 +82,15 @@ async def test_shared_prefix_is_cached_on_the_same_worker(cluster: InProcessSimC
 async def test_store_tier_serves_another_worker(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     prompt = text_prompt(2000, seed=2)
     await generate(http, cluster.urls["u0"], {"request_id": "s1", "token_ids": prompt, "sampling": {"max_tokens": 1}})
-    events = await generate(http, cluster.urls["flaky"], {"request_id": "s2", "token_ids": prompt, "sampling": {"max_tokens": 1}})
+    events = await generate(http, cluster.urls["flaky"],
+                            {"request_id": "s2", "token_ids": prompt, "sampling": {"max_tokens": 1}})
     assert events[0]["cached_tokens"] == {"memory": 0, "store": 15 * 128}
 
 
 async def test_kv_events_endpoint(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
     url = cluster.urls["u0"]
-    await generate(http, url, {"request_id": "e1", "token_ids": text_prompt(1000, seed=3), "sampling": {"max_tokens": 1}})
+    await generate(http, url,
+                   {"request_id": "e1", "token_ids": text_prompt(1000, seed=3), "sampling": {"max_tokens": 1}})
     async with http.get(url + KV_EVENTS_PATH, params={"after": 0, "limit": 1000}) as resp:
         batch = await resp.json()
     async with http.get(url + INFO_PATH) as resp:
@@ -143,7 +148,8 @@ async def test_client_disconnect_aborts(cluster: InProcessSimCluster, http: aioh
         (ABORT_PATH, b"[]", 422),
     ],
 )
-async def test_malformed_bodies_are_4xx(cluster: InProcessSimCluster, http: aiohttp.ClientSession, path: str, payload: bytes, status: int) -> None:
+async def test_malformed_bodies_are_4xx(cluster: InProcessSimCluster, http: aiohttp.ClientSession, path: str,
+                                        payload: bytes, status: int) -> None:
     async with http.post(cluster.urls["u0"] + path, data=payload, headers={"content-type": "application/json"}) as resp:
         assert resp.status == status
         assert (await resp.json())["error"]["kind"] == "invalid_request"
@@ -155,7 +161,8 @@ async def test_bad_tokens_finish_with_client_error(cluster: InProcessSimCluster,
 
 
 async def test_injected_failure_is_retryable(cluster: InProcessSimCluster, http: aiohttp.ClientSession) -> None:
-    events = await generate(http, cluster.urls["flaky"], {"request_id": "f", "token_ids": text_prompt(50), "sampling": {"max_tokens": 50}})
+    events = await generate(http, cluster.urls["flaky"],
+                            {"request_id": "f", "token_ids": text_prompt(50), "sampling": {"max_tokens": 50}})
     assert sum(len(e.get("token_ids", [])) for e in events) == 3
     assert events[-1]["error"] == {"kind": "engine", "message": "injected failure", "retryable": True}
 
@@ -166,19 +173,22 @@ async def test_prefill_then_decode_hand_off(cluster: InProcessSimCluster, http: 
     whole = await generate(http, cluster.urls["u0"], {"request_id": "w", "token_ids": prompt, "sampling": sampling})
     expected = [t for e in whole if e["event"] == "tokens" for t in e["token_ids"]]
 
-    pre = await generate(http, cluster.urls["p0"], {"request_id": "p", "token_ids": prompt, "sampling": sampling, "role": "prefill"})
+    pre = await generate(http, cluster.urls["p0"],
+                         {"request_id": "p", "token_ids": prompt, "sampling": sampling, "role": "prefill"})
     first = [t for e in pre if e["event"] == "tokens" for t in e["token_ids"]]
     finish = pre[-1]
     assert first == expected[:1] and finish["reason"] == "stop"
     handoff = KvHandoff.model_validate(finish["kv_handoff"])
     assert handoff.num_tokens == 1000 and len(handoff.block_hashes) == 7 and handoff.handle.startswith("store:")
 
-    body = {"request_id": "d", "token_ids": prompt + first, "sampling": sampling, "role": "decode", "kv_handoff": finish["kv_handoff"]}
+    body = {"request_id": "d", "token_ids": prompt + first, "sampling": sampling, "role": "decode",
+            "kv_handoff": finish["kv_handoff"]}
     dec = await generate(http, cluster.urls["d0"], body)
     rest = [t for e in dec if e["event"] == "tokens" for t in e["token_ids"]]
     assert first + rest == expected and dec[-1]["reason"] == whole[-1]["reason"]
 
-    wrong = await generate(http, cluster.urls["d0"], {**body, "request_id": "d2", "kv_handoff": {**finish["kv_handoff"], "kv_format": "other"}})
+    wrong = await generate(http, cluster.urls["d0"],
+                           {**body, "request_id": "d2", "kv_handoff": {**finish["kv_handoff"], "kv_format": "other"}})
     assert wrong[-1]["error"]["kind"] == "kv_transfer"
     refused = await generate(http, cluster.urls["p0"], {**body, "request_id": "d3"})
     assert refused[-1]["error"]["kind"] == "invalid_request"

@@ -93,7 +93,8 @@ def test_policies_as_names_or_tables_with_parameters(tmp_path: Path, monkeypatch
     s = load_settings(path)
     assert s.router.decode_policy == PowerOfTwoConfig(choices=3)
     assert s.router.policy == EstimatedTtftConfig(stick_ratio=2.0, guard_tokens=1000)
-    assert load_settings(path, {"router": {"policy": "round_robin"}}).router.policy == RoundRobinConfig()  # serve --policy
+    # serve --policy
+    assert load_settings(path, {"router": {"policy": "round_robin"}}).router.policy == RoundRobinConfig()
 
 
 def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,7 +125,8 @@ def chat_body(draw: st.DrawFn) -> dict[str, Any]:
         for _ in range(draw(st.integers(0, 2))):
             parts.insert(draw(st.integers(0, len(parts))), {"type": "image_url", "image_url": {"url": draw(image_url)}})
             parts.append({"type": "text", "text": draw(text)})
-        messages.append({"role": "user", "content": parts if len(parts) > 1 or draw(st.booleans()) else parts[0]["text"]})
+        content = parts if len(parts) > 1 or draw(st.booleans()) else parts[0]["text"]
+        messages.append({"role": "user", "content": content})
         if draw(st.booleans()) and tool_names:
             calls = []
             for tool in draw(st.lists(st.sampled_from(tool_names), min_size=1, max_size=2)):
@@ -133,7 +134,8 @@ def chat_body(draw: st.DrawFn) -> dict[str, Any]:
                 args = draw(st.dictionaries(name, json_value, max_size=3))
                 calls.append({"id": f"call_{call_no}", "type": "function",
                               "function": {"name": tool, "arguments": json.dumps(args, ensure_ascii=False)}})
-            messages.append({"role": "assistant", "content": draw(text), "reasoning_content": draw(text), "tool_calls": calls})
+            messages.append({"role": "assistant", "content": draw(text), "reasoning_content": draw(text),
+                             "tool_calls": calls})
             messages.extend({"role": "tool", "tool_call_id": c["id"], "content": draw(text)} for c in calls)
         messages.append({"role": "assistant", "content": draw(nonempty_text), "reasoning_content": draw(text)})
     if draw(st.booleans()):
@@ -186,7 +188,8 @@ def messages_body(draw: st.DrawFn) -> dict[str, Any]:
 
 def _convert(kind: type, body: dict[str, Any]) -> dr.Conversation:
     try:
-        conversation: dr.Conversation = kind(json.dumps(body, ensure_ascii=False).encode()).convert(OPTIONS).conversation
+        request = kind(json.dumps(body, ensure_ascii=False).encode())
+        conversation: dr.Conversation = request.convert(OPTIONS).conversation
         return conversation
     except dr.ConversionError as exc:  # a combination the protocol itself refuses
         assume(False)
@@ -221,7 +224,9 @@ def _check(encoder: PromptEncoder, reference: ReferencePromptEncoder, kind: type
     assert encoded.packed == pack_tokens(expected), "packed for hashing"
 
 
-_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+_SETTINGS = settings(max_examples=100, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                            HealthCheck.data_too_large])
 
 
 @pytest.mark.parametrize("which", ["tiktoken", "hf"])
@@ -244,7 +249,8 @@ def test_messages_conversations_match_reference(
     _check(encoder, reference, dr.MessagesRequest, body)
 
 
-def test_special_spellings_in_user_text_stay_plain(tiktoken_encoder: PromptEncoder, reference: ReferencePromptEncoder) -> None:
+def test_special_spellings_in_user_text_stay_plain(tiktoken_encoder: PromptEncoder,
+                                                    reference: ReferencePromptEncoder) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "<｜User｜><think><｜image｜>"}]}
     conv = _convert(dr.ChatCompletionRequest, body)
     ids = tiktoken_encoder.encode(conv)
@@ -252,7 +258,8 @@ def test_special_spellings_in_user_text_stay_plain(tiktoken_encoder: PromptEncod
     assert ids.count(tiktoken_encoder.bundle.special_token_id("<｜User｜>")) == 1  # only the rendered one
 
 
-def test_image_placeholder_is_one_special_id(tiktoken_encoder: PromptEncoder, reference: ReferencePromptEncoder) -> None:
+def test_image_placeholder_is_one_special_id(tiktoken_encoder: PromptEncoder,
+                                             reference: ReferencePromptEncoder) -> None:
     parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": _png(2, 2, (1, 2, 3))}}]
     conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": parts}]})
     ids = tiktoken_encoder.encode(conv)
@@ -266,7 +273,8 @@ def test_follow_up_turn_tokenizes_only_new_segments(bundle: TokenizerBundle, ref
     first = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": history[:1]})
     encoder.encode(first)
     before = encoder.cache_stats()
-    follow = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [*history, {"role": "user", "content": "next"}]})
+    follow = _convert(dr.ChatCompletionRequest,
+                      {"model": MODEL, "messages": [*history, {"role": "user", "content": "next"}]})
     assert encoder.encode(follow) == reference.encode(follow)
     after = encoder.cache_stats()
     assert after.hits > before.hits  # the system preamble and the first question were reused

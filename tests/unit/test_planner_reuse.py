@@ -36,7 +36,8 @@ def test_long_lived_planner_decides_as_a_fresh_one() -> None:
         store = {fmt: rng.choice((0, rng.randint(0, prompt // 128))) for fmt in ("fmt-sm100", "fmt-ascend950")}
         overlap = Overlap(memory, store) if rng.random() < 0.8 else Overlap()
         fresh = RoutePlanner(settings)
-        got, want = kept.plan_first(list(views), prompt, {}, overlap), fresh.plan_first(list(views), prompt, {}, overlap)
+        got = kept.plan_first(list(views), prompt, {}, overlap)
+        want = fresh.plan_first(list(views), prompt, {}, overlap)
         assert (got.mode, got.worker, got.decision, got.view) == (want.mode, want.worker, want.decision, want.view)
         fmt = got.worker.kv_format
         assert kept.plan_decode(list(views), fmt, prompt) == fresh.plan_decode(list(views), fmt, prompt)

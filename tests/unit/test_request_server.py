@@ -102,8 +102,9 @@ class Rig:
             w.info = wp.WorkerInfo(worker_id=w.worker_id, engine="sim", role=wp.Role.UNIFIED,
                                    hardware=wp.Hardware.SM100, kv_format="fp8", model=MODEL, epoch="e1")
         self.done: list[int] = []
-        self.server = RequestServer(self.registry, client, RoutePlanner(self.settings.router), create_prefix_index(None),
-                                    MemoryInflight(), load_tokenizer(None), self.metrics, self.settings)
+        self.server = RequestServer(self.registry, client, RoutePlanner(self.settings.router),
+                                    create_prefix_index(None), MemoryInflight(), load_tokenizer(None), self.metrics,
+                                    self.settings)
 
     async def serve(self, prepared: PreparedRequest) -> Any:
         return await self.server.serve(prepared, "req-1", 0.0, on_done=self.done.append)

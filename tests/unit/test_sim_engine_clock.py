@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from itertools import pairwise
 
 from deepinfer_gateway.protocol import GenerateRequest, Sampling
 from deepinfer_gateway.workers.sim.engine import SimEngine
@@ -68,6 +69,6 @@ async def test_stall_longer_than_a_step_resyncs_instead_of_bursting() -> None:
         time.sleep(0.2)
 
     events = await _stream_beside(stall, "r2")
-    gaps = [b[0] - a[0] for a, b in zip(events, events[1:])]
+    gaps = [b[0] - a[0] for a, b in pairwise(events)]
     assert max(gaps) >= 0.15  # the stall happened mid-stream
     assert sum(g < 0.005 for g in gaps) <= 1, sorted(gaps)[:5]  # not ten steps back to back

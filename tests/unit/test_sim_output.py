@@ -43,7 +43,8 @@ def planner() -> OutputPlanner:
     return OutputPlanner(load_tokenizer())
 
 
-def run_chat(planner: OutputPlanner, body: dict[str, Any], max_tokens: int = 4096) -> tuple[dict[str, Any], FinishReason]:
+def run_chat(planner: OutputPlanner, body: dict[str, Any],
+             max_tokens: int = 4096) -> tuple[dict[str, Any], FinishReason]:
     """Prompt -> sim output -> StreamProcessor -> accumulated Chat Completions message."""
     bundle = load_tokenizer()
     conv = ChatCompletionRequest({"model": MODEL, **body}).convert(ConversionOptions())
@@ -51,7 +52,8 @@ def run_chat(planner: OutputPlanner, body: dict[str, Any], max_tokens: int = 409
     constraint = conv.inference_options.output_constraint
     so = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None  # type: ignore[arg-type]
     plan = planner.plan(prompt, Sampling(max_tokens=max_tokens, so_args=so))
-    proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, "id", MODEL), conv.parsing_options, bundle.tokenizer)
+    proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, "id", MODEL), conv.parsing_options,
+                           bundle.tokenizer)
     chunks = proc.push(InferenceChunk.ready(prompt_usage=PromptUsage(prompt_tokens=len(prompt))))
     for token in plan.token_ids:  # one token per push: the parser must cope with any split
         chunks += proc.push(InferenceChunk.tokens([token]))
@@ -108,7 +110,8 @@ def test_required_tool_choice_continues_the_opened_calls_block(planner: OutputPl
 
 
 def test_tool_result_turn_is_answered_in_text(planner: OutputPlanner) -> None:
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":1}'}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":1}'}}
     body = {
         "messages": [
             {"role": "user", "content": "weather?"},
@@ -122,7 +125,8 @@ def test_tool_result_turn_is_answered_in_text(planner: OutputPlanner) -> None:
 
 
 def test_json_schema_output(planner: OutputPlanner) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "number"}}, "required": ["a", "n"]}
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "number"}},
+              "required": ["a", "n"]}
     body = {
         "messages": [{"role": "user", "content": "json"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},

@@ -100,7 +100,8 @@ async def serve_sim_cluster(
     bundle = load_tokenizer(tokenizer_path)
     planner = OutputPlanner(bundle)
     shared = (store or InMemoryKvStore()) if with_store else None
-    engines = {s.worker_id: build_sim_engine(s, store=shared, planner=planner, profiles_path=profiles_path, model=model) for s in specs}
+    engines = {s.worker_id: build_sim_engine(s, store=shared, planner=planner, profiles_path=profiles_path, model=model)
+               for s in specs}
     served: dict[str, ServedApp] = {}
     try:
         for spec in specs:

@@ -144,7 +144,8 @@ class CompatLayer:
     async def chat_chunks(self, conv: ConversationRequest, prompt: list[int], rid: str,
                           ignore_eos: bool = False) -> AsyncIterator[Any]:
         sampling = self.chat_sampling(conv, len(prompt), ignore_eos)
-        proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, rid, self.model), conv.parsing_options, self.bundle.tokenizer)
+        proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, rid, self.model), conv.parsing_options,
+                               self.bundle.tokenizer)
         try:
             async for event in self.events(prompt, sampling):
                 kind = event["event"]
@@ -240,7 +241,8 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
             return body
         try:
             ids = layer.text_prompt(body.get("prompt", ""))
-            sampling = Sampling(max_tokens=int(body.get("max_tokens") or 16), seq_seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos", False)))
+            sampling = Sampling(max_tokens=int(body.get("max_tokens") or 16), seq_seed=body.get("seed"),
+                                ignore_eos=bool(body.get("ignore_eos", False)))
         except (ValidationError, TypeError, ValueError) as err:
             return _error(400, str(err))
         if not ids:
@@ -276,7 +278,8 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
         params = body.get("sampling_params") or {}
         try:
             ids = layer.text_prompt(body["input_ids"] if body.get("input_ids") else body.get("text", ""))
-            sampling = Sampling(max_tokens=int(params.get("max_new_tokens") or 128), ignore_eos=bool(params.get("ignore_eos", False)))
+            sampling = Sampling(max_tokens=int(params.get("max_new_tokens") or 128),
+                                ignore_eos=bool(params.get("ignore_eos", False)))
         except (ValidationError, TypeError, ValueError) as err:
             return _error(400, str(err))
         if not ids:
@@ -285,7 +288,8 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
 
         def meta(n: int, cached: int, reason: str | None) -> dict[str, Any]:
             finish = {"type": reason} if reason else None
-            return {"id": rid, "prompt_tokens": len(ids), "completion_tokens": n, "cached_tokens": cached, "finish_reason": finish}
+            return {"id": rid, "prompt_tokens": len(ids), "completion_tokens": n, "cached_tokens": cached,
+                    "finish_reason": finish}
 
         if body.get("stream"):
 
@@ -298,13 +302,15 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
                         continue
                     reason = event.get("reason") if event["event"] == "finish" else None
                     out.extend(event.get("token_ids", []))
-                    payload = {"text": layer.decode(out), "output_ids": out, "meta_info": meta(len(out), cached, reason)}
+                    payload = {"text": layer.decode(out), "output_ids": out,
+                               "meta_info": meta(len(out), cached, reason)}
                     yield _sse(orjson.dumps(payload))
                 yield _sse("[DONE]")
 
             return StreamingResponse(stream(), media_type=SSE)
         r = await complete(ids, sampling)
-        return json_response({"text": layer.decode(r["ids"]), "output_ids": r["ids"], "meta_info": meta(len(r["ids"]), r["cached"], r["reason"])})
+        return json_response({"text": layer.decode(r["ids"]), "output_ids": r["ids"],
+                              "meta_info": meta(len(r["ids"]), r["cached"], r["reason"])})
 
     # --- discovery, load, tokenization ------------------------------------------------
 
@@ -339,14 +345,16 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
 
     @router.get("/v1/models")
     async def models() -> Response:
-        card = {"id": model, "object": "model", "created": 0, "owned_by": "deepinfer-sim", "max_model_len": engine.profile.max_model_len}
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "deepinfer-sim",
+                "max_model_len": engine.profile.max_model_len}
         return json_response({"object": "list", "data": [card]})
 
     @router.get("/get_load")
     async def get_load() -> Response:
         return json_response(
             [
-                {"dp_rank": r.dp_rank, "num_reqs": r.running, "num_waiting_reqs": r.waiting, "num_tokens": r.queued_prefill_tokens}
+                {"dp_rank": r.dp_rank, "num_reqs": r.running, "num_waiting_reqs": r.waiting,
+                 "num_tokens": r.queued_prefill_tokens}
                 for r in engine.load().dp_ranks
             ]
         )

@@ -129,7 +129,8 @@ class SchedulerCore:
             raise AdmissionError(ErrorKind.INVALID_REQUEST, f"request {req.request_id!r} is already in flight")
         total = len(req.token_ids) + len(req.output)
         if len(req.token_ids) >= self.profile.max_model_len:
-            raise AdmissionError(ErrorKind.PROMPT_TOO_LONG, f"prompt of {len(req.token_ids)} tokens exceeds max_model_len")
+            raise AdmissionError(ErrorKind.PROMPT_TOO_LONG,
+                                 f"prompt of {len(req.token_ids)} tokens exceeds max_model_len")
         blocks = _blocks(total)
         if blocks > self.profile.memory_capacity_blocks:
             raise AdmissionError(ErrorKind.RESOURCE_EXHAUSTED, f"request needs {blocks} KV blocks, worker has fewer")

@@ -187,7 +187,8 @@ class SimEngine:
         sampling = request.sampling
         wants = sampling.logprobs or sampling.top_logprobs > 0
         # Images count in the prompt at their image token count (one placeholder each in `token_ids`).
-        stream = _Stream(asyncio.Queue(), len(tokens) + request.image_token_adjustment, hashes, top_logprobs=sampling.top_logprobs if wants else None)
+        stream = _Stream(asyncio.Queue(), len(tokens) + request.image_token_adjustment, hashes,
+                         top_logprobs=sampling.top_logprobs if wants else None)
         self._streams[request.request_id] = stream
         self._wake.set()
         return stream
@@ -195,9 +196,11 @@ class SimEngine:
     def _decode_request(self, request: GenerateRequest) -> SimRequest:
         handoff = request.kv_handoff
         if handoff is None or len(request.token_ids) < 2:
-            raise AdmissionError(ErrorKind.INVALID_REQUEST, "a decode request needs kv_handoff and prompt + first token")
+            raise AdmissionError(ErrorKind.INVALID_REQUEST,
+                                 "a decode request needs kv_handoff and prompt + first token")
         if handoff.kv_format != self.profile.kv_format:
-            raise AdmissionError(ErrorKind.KV_TRANSFER, f"KV format {handoff.kv_format} is not {self.profile.kv_format}")
+            raise AdmissionError(ErrorKind.KV_TRANSFER,
+                                 f"KV format {handoff.kv_format} is not {self.profile.kv_format}")
         if handoff.handle.startswith(STORE_HANDLE + ":") and self.store is not None:
             bandwidth = self.profile.store_read_bytes_per_s
             if self.store.match(handoff.block_hashes, time.time()) < len(handoff.block_hashes):
@@ -267,7 +270,8 @@ class SimEngine:
                 put(_tokens(stream, tokens[: limit - stream.streamed]))
             stream.streamed = limit
             self._core.abort(update.request_id)
-            self._close(stream, finish_event(FinishReason.ERROR, error_kind=ErrorKind.ENGINE, message="injected failure"))
+            self._close(stream,
+                        finish_event(FinishReason.ERROR, error_kind=ErrorKind.ENGINE, message="injected failure"))
             return
         if tokens:
             stream.streamed += len(tokens)

@@ -34,8 +34,8 @@ from functools import lru_cache
 from typing import Any
 
 from deepinfer_gateway.protocol import FinishReason, Sampling
-from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.workers.sim.json_values import example_value
 
 TAIL_TOKENS = 64
@@ -51,7 +51,8 @@ _REASONING = (
     "I should read the request carefully, consider the context so far, and give a concise reply.",
 )
 _ANSWERS = (
-    "Here is a short answer from the simulated DeepInfer engine. It has no model weights, so this text is a placeholder.",
+    "Here is a short answer from the simulated DeepInfer engine. "
+    "It has no model weights, so this text is a placeholder.",
     "This reply comes from the DeepInfer simulator: the tokens are real, the wisdom is not.",
     "Simulated answer: the request was received, scheduled, prefilled and decoded on a simulated worker.",
 )
@@ -92,7 +93,8 @@ def dsml_invoke(tool: dict[str, Any]) -> str:
     for key, value in (args if isinstance(args, dict) else {}).items():
         is_str = isinstance(value, str)
         text = value if is_str else json.dumps(value, ensure_ascii=False)
-        lines.append(f'<{DSML} parameter name="{key}" string="{"true" if is_str else "false"}">{text}</{DSML} parameter>')
+        string = "true" if is_str else "false"
+        lines.append(f'<{DSML} parameter name="{key}" string="{string}">{text}</{DSML} parameter>')
     lines.append(f"</{DSML} invoke>")
     return "\n".join(lines) + "\n"
 
