@@ -31,7 +31,7 @@ from deepinfer_gateway.errors import (
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.route_inputs import LEG_ROLE, RouteInputs
-from deepinfer_gateway.gateway.worker_client import WorkerClient, WorkerStream
+from deepinfer_gateway.gateway.worker_client import EventStream, WorkerClient
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.planner import NoCandidate, Plan
 
@@ -48,7 +48,7 @@ class Lease:
         self.request_id = request_id
         self._metrics = metrics
         self._client = client
-        self.stream: WorkerStream | None = None
+        self.stream: EventStream | None = None
         self.ready_at = 0.0  # perf_counter when the leg's `ready` event arrived
         self.released = False
         worker.inflight += 1

@@ -44,7 +44,6 @@ _DONE = b"[DONE]"
 _TOKEN_ID = re.compile(r"token_id:(-?\d+)")
 _METRIC_LINE = re.compile(r'^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$', re.M)
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
-_QUEUED_PROMPT_TOKENS_PER_WAITING = 0  # vLLM reports no queued token count; waiting requests stand in
 
 
 def vllm_kv_format(model: str, block_size: int) -> str:
@@ -73,7 +72,7 @@ class VllmFacts:
         return wp.LoadReport(worker_id=spec.worker_id, role=spec.role, hardware=spec.hardware,
                              kv_format=spec.kv_format or vllm_kv_format(self.model, self.block_size),
                              running=self.running, waiting=self.waiting,
-                             queued_prefill_tokens=self.waiting * _QUEUED_PROMPT_TOKENS_PER_WAITING,
+                             queued_prefill_tokens=0,  # vLLM exports no queued prompt tokens; see `waiting`
                              kv_usage=min(1.0, max(0.0, self.kv_usage)), memory_capacity_blocks=0, dp_ranks=[],
                              epoch=self.started_at)
 
@@ -83,7 +82,8 @@ def parse_metrics(text: str) -> tuple[dict[str, float], int]:
     values: dict[str, float] = {}
     for name, _labels, value in _METRIC_LINE.findall(text):
         values[name] = values.get(name, 0.0) + float(value)
-    block = _BLOCK_SIZE.search(text[text.find("vllm:cache_config_info{"):]) if "vllm:cache_config_info{" in text else None
+    info = text.find("vllm:cache_config_info{")
+    block = _BLOCK_SIZE.search(text[info:]) if info >= 0 else None
     return values, int(block.group(1)) if block else 0
 
 
@@ -113,7 +113,8 @@ async def probe(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: flo
     gauges, block_size = parse_metrics(metrics)
     return VllmFacts(
         model=model["id"], max_model_len=int(model.get("max_model_len") or 0), block_size=block_size,
-        running=int(gauges.get("vllm:num_requests_running", 0)), waiting=int(gauges.get("vllm:num_requests_waiting", 0)),
+        running=int(gauges.get("vllm:num_requests_running", 0)),
+        waiting=int(gauges.get("vllm:num_requests_waiting", 0)),
         kv_usage=gauges.get("vllm:kv_cache_usage_perc", 0.0),
         started_at=repr(gauges.get("process_start_time_seconds", 0.0)),
     )

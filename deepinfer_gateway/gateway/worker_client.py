@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
+from deepinfer_gateway.config import WorkerEngine, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 
-from deepinfer_gateway.config import WorkerEngine, WorkerSpec
-
 if TYPE_CHECKING:
-    from deepinfer_gateway.gateway.vllm_upstream import VllmFacts, VllmStream, VllmUpstream
+    from deepinfer_gateway.gateway.vllm_upstream import VllmFacts, VllmUpstream
 
 
 POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)
@@ -36,6 +35,14 @@ class Timeouts:
     first_event_s: float = 30.0  # ready event: queue wait is the engine's business, but not forever
     between_events_s: float = 120.0  # a long prefill may sit between ready and the first token
     control_s: float = 2.0  # abort, health, load, kv events
+
+
+class EventStream(Protocol):
+    """An open generate call as the request path reads it: worker-protocol events, then None."""
+
+    async def next_event(self) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
 
 
 class _EventTimeout(Exception):
@@ -177,7 +184,7 @@ class WorkerClient:
         assert self._session is not None, "WorkerClient.start() was not called"
         return self._session
 
-    async def generate(self, url: str, body: dict[str, Any], request_id: str) -> WorkerStream | VllmStream:
+    async def generate(self, url: str, body: dict[str, Any], request_id: str) -> EventStream:
         vllm = self._vllm.get(url)
         if vllm is not None:
             return await vllm.generate(self.session, body, request_id, self.timeouts)
