@@ -20,7 +20,7 @@ import signal
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 
@@ -43,8 +43,9 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
                              on_signal: Callable[[], None] | None = None) -> None:
     # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
     # (gateway/logs.py), so `--log-format json` covers uvicorn's lines too.
+    # uvicorn hints timeout_graceful_shutdown as int, but hands it to asyncio.timeout: seconds as float.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=graceful_s, lifespan="on", log_config=None,
+                            timeout_graceful_shutdown=cast(int, graceful_s), lifespan="on", log_config=None,
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = EmbeddedServer(config)
     loop = asyncio.get_running_loop()

@@ -100,7 +100,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
 
-    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)  # type: ignore[arg-type]
+    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)
                     for (role, hardware), port in zip(specs, ports, strict=True))
     settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url)
     base = f"http://{args.host}:{args.port}/v1"

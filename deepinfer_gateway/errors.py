@@ -69,8 +69,12 @@ class GatewayError(DeepInferError):
 class _ConversionError(Protocol):
     """deepseek-recipe's ConversionError, as far as BridgeError reads it."""
 
-    status_code: int
-    body: str | bytes
+    # Read-only members: a read-only protocol member accepts a narrower type (`body: str`).
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def body(self) -> str | bytes: ...
 
 
 class BridgeError(GatewayError):

@@ -76,7 +76,7 @@ class KeyStore:
         return ApiKey(
             name=f.get("name", digest[:8]), key_sha256=digest,
             models=tuple(m for m in f.get("models", "").split(",") if m),
-            workload_class=f.get("workload_class", "chat"),  # type: ignore[arg-type]
+            workload_class=f.get("workload_class", "chat"),
             requests_per_minute=int(f["requests_per_minute"]) if f.get("requests_per_minute") else None,
             tokens_per_minute=int(f["tokens_per_minute"]) if f.get("tokens_per_minute") else None,
             admin=f.get("admin", "false").lower() in ("1", "true", "yes"),

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -60,7 +60,7 @@ def bound_request_id(request_id: str) -> Iterator[None]:
         request_id_var.reset(token)
 
 
-def valid_request_id(value: str | None) -> bool:
+def valid_request_id(value: str | None) -> TypeGuard[str]:
     return value is not None and 0 < len(value) <= 128 and value.isascii() and value.isprintable()
 
 
@@ -145,7 +145,7 @@ class RequestContext:
         status = 0
         worker = None
         finished = False
-        rid_bytes = rid.encode()  # type: ignore[union-attr]
+        rid_bytes = rid.encode()
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             nonlocal status, worker, finished

@@ -74,7 +74,7 @@ class MemoryRateLimiter:
         self._buckets: dict[str, tuple[float | None, float | None, float]] = {}
 
     async def admit(self, key: str, limits: tuple[int | None, int | None], prompt_tokens: int) -> Verdict:
-        r, t, last = self._buckets.get(key, (None, None, None))  # type: ignore[assignment]
+        r, t, last = self._buckets.get(key, (None, None, None))
         now = time.monotonic()
         verdict, (r2, t2) = take((r, t), last, now, limits, prompt_tokens)
         self._buckets[key] = (r2, t2, now)

@@ -11,6 +11,10 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.loadgen.run import BenchConfig
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -84,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true", help="no PNG charts in --out")
 
 
-def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _config(args: argparse.Namespace) -> BenchConfig:
     from deepinfer_gateway.loadgen.replay import ReplayConfig
     from deepinfer_gateway.loadgen.run import BenchConfig
     from deepinfer_gateway.workload.summary import PERCENTILES, CostModel, Slo
@@ -106,7 +110,7 @@ def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         hit_window_s=args.hit_window, plots=not args.no_plots, percentiles=args.percentiles or PERCENTILES)
 
 
-def _sweep(config, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _sweep(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
     """A sweep; a policy sweep switches the gateway's policy per point and restores it after."""
     from deepinfer_gateway.loadgen.sweep import GatewayRouting, run_sweep
 

@@ -47,7 +47,7 @@ class ReplayResult:
 
 class _Progress:
     def __init__(self, total: int, enabled: bool):
-        from tqdm import tqdm  # type: ignore[import-untyped]
+        from tqdm import tqdm
 
         self.bar = tqdm(total=total, disable=not enabled, unit="req", smoothing=0.1, mininterval=0.5)
         self.errors = 0

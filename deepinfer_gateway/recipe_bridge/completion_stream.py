@@ -132,7 +132,7 @@ class TextCompletionResponse:
     def __init__(self, response_id: str, model: str, created: int, prompt_tokens: int, cached_tokens: int):
         self._head = {"id": response_id, "object": OBJECT, "created": created, "model": model}
         self._text: list[str] = []
-        self._logprobs: dict[str, list[Any]] | None = None
+        self._logprobs: dict[str, list[Any] | None] | None = None
         self._finish: str | None = None
         self._usage = usage_of(prompt_tokens, cached_tokens, 0)
 
@@ -148,10 +148,11 @@ class TextCompletionResponse:
                 if self._logprobs is None:
                     self._logprobs = {key: [] for key in lp}
                 for key, values in lp.items():
+                    kept = self._logprobs[key]
                     if values is None:
-                        self._logprobs[key] = None  # type: ignore[assignment]
-                    elif self._logprobs[key] is not None:
-                        self._logprobs[key].extend(values)
+                        self._logprobs[key] = None
+                    elif kept is not None:
+                        kept.extend(values)
 
     @staticmethod
     def sse_event_name(chunk: Chunk) -> str | None:

@@ -110,7 +110,7 @@ def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str 
         if len(prompt) != 1:
             raise CompletionRefused("Batched prompts are not supported: send one prompt per request.", "prompt")
         only: Any = prompt[0]
-        return only  # type: ignore[no-any-return]
+        return only
     return list(prompt)  # type: ignore[arg-type]
 
 

@@ -40,7 +40,7 @@ def conversion_options(config: BridgeConfig, names: tuple[str, ...], thinking: b
 def sampling_of(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool) -> Sampling:
     opts = conv.inference_options
     constraint = opts.output_constraint
-    so_args = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None
+    so_args = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
     return Sampling(
         temperature=opts.temperature if opts.temperature is not None else 1.0,
         top_p=opts.top_p if opts.top_p is not None else 1.0,

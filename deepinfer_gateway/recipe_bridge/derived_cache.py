@@ -112,7 +112,7 @@ def cached(kind: str, key: str, build: Callable[[], T], valid: Callable[[Any], b
     """The stored value if it passes `valid`, else `build()` (stored for next time)."""
     value = load(kind, key)
     if value is not None and valid(value):
-        return value  # type: ignore[no-any-return]
+        return value
     value = build()
     store(kind, key, value)
     return value

@@ -109,7 +109,7 @@ class CompatLayer:
     def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False) -> Sampling:
         opts = conv.inference_options
         constraint = opts.output_constraint
-        so = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None  # type: ignore[arg-type]
+        so = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
         max_tokens = conv.resolve_max_tokens(prompt_len, self.engine.profile.max_model_len)
         return Sampling(
             temperature=opts.temperature if opts.temperature is not None else 1.0,
@@ -139,7 +139,7 @@ class CompatLayer:
             async for event in events:
                 yield event
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
 
     async def chat_chunks(self, conv: ConversationRequest, prompt: list[int], rid: str,
                           ignore_eos: bool = False) -> AsyncIterator[Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +130,7 @@ class SimEngine:
 
     # --- requests ---------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[dict[str, Any], None]:
         rid = request.request_id
         try:
             stream = self._admit(request)
@@ -229,7 +229,8 @@ class SimEngine:
                 await self._wake.wait()
                 deadline = loop.time()
                 continue
-            elapsed, merged, steps = 0.0, {}, 0
+            merged: dict[str, RequestUpdate] = {}
+            elapsed, steps = 0.0, 0
             while self._core.has_work() and elapsed < self._min_sleep and steps < MAX_STEPS_PER_SLEEP:
                 duration, updates = self._core.step(time.time())
                 elapsed, steps = elapsed + duration, steps + 1
