@@ -1,11 +1,13 @@
-"""Gateway configuration: one frozen, validated pydantic object, passed in (never a global).
+"""Gateway configuration: loading the settings models (config_models.py) from their sources.
 
 `load_settings` layers its sources, highest first: explicit overrides (the CLI flags),
 `DGW_*` environment variables, files in the secrets directory, the TOML file, defaults.
 Every setting has an environment variable: `DGW_<FIELD>`, nested fields joined by `__`
 (`DGW_ROUTER__POLICY=round_robin`), lists and tables as JSON
 (`DGW_MODEL_NAMES='["a","b"]'`, `DGW_WORKERS='[{"url": "http://10.0.0.5:8100"}]'`).
-The reference of every field, generated from these models, is docs/config.md.
+Problems come back as one `ConfigError` naming each field (and the variable it came from);
+unknown `DGW_*` names draw a warning. The models are importable from here too, so the rest of
+the program has one place to import its configuration from.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ValidationError
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -29,232 +30,28 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
-from deepinfer_gateway.router.policy_config import (
-    POLICIES,
-    EstimatedTtftConfig,
-    LeastLoadConfig,
-    PolicyConfig,
-    PolicyInput,
-    SessionAffinity,
-    SessionAffinityConfig,
-    parse_policy,
+from deepinfer_gateway.config_models import (
+    DEFAULT_HARDWARE_COSTS,
+    ApiKey,
+    GatewaySettings,
+    HardwareCost,
+    HealthSettings,
+    ImageSettings,
+    RouterSettings,
+    TracingSettings,
+    WorkerEngine,
+    WorkerSpec,
 )
+from deepinfer_gateway.router.policy_config import POLICIES
+
+__all__ = [
+    "DEFAULT_HARDWARE_COSTS", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "PROCESS_ENV", "SECRETS_DIR_ENV",
+    "ApiKey", "ConfigError", "GatewaySettings", "HardwareCost", "HealthSettings", "ImageSettings",
+    "RouterSettings", "TracingSettings", "WorkerEngine", "WorkerSpec",
+    "env_name", "load_settings", "unknown_environment",
+]
 
 log = logging.getLogger(__name__)
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ApiKey(_Frozen):
-    """An API key record; the key itself is stored only as its SHA-256 hex digest."""
-
-    name: str = Field(description="Shown in logs; the rate limiter's bucket.")
-    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 hex digest of the key.")
-    models: tuple[str, ...] = Field((), description="Names this key may use (served names or aliases); empty: all.")
-    workload_class: WorkloadClass = Field("chat", description="Selects the KV store TTL class of its requests.")
-    requests_per_minute: int | None = Field(None, ge=1, description="Rate limit; none: unlimited.")
-    tokens_per_minute: int | None = Field(None, ge=1, description="Prompt + output token limit; none: unlimited.")
-    admin: bool = Field(False, description="May call the /admin endpoints.")
-
-    def allows(self, model: str) -> bool:
-        return not self.models or model in self.models
-
-
-class WorkerEngine(StrEnum):
-    """The API a worker speaks."""
-
-    DGW = "dgw"  # worker protocol v1 (docs/worker-protocol.md): sim and DeepInfer workers
-    VLLM = "vllm"  # vLLM's OpenAI server, token ids in and out (docs/real-engines.md)
-
-
-class WorkerSpec(_Frozen):
-    url: str = Field(description="Worker base URL, http:// or https://.")
-    engine: WorkerEngine = Field(
-        WorkerEngine.DGW,
-        description="dgw: worker protocol v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
-                    "sent token ids (docs/real-engines.md).")
-    model: str = Field("", description="vllm: the served model name to request; empty: the first of its /v1/models.")
-    kv_events_endpoint: str = Field(
-        "", description="vllm: its KV events publisher (ZMQ) as this gateway reaches it, e.g. tcp://10.0.0.5:5557; "
-                        "empty: no KV events, no prefix-aware routing to it.")
-    kv_events_replay_endpoint: str = Field(
-        "", description="vllm: its KV events replay socket (ZMQ ROUTER); empty: a gap clears its index entries.")
-    kv_events_topic: str = Field("", description="vllm: the topic its KV events publisher uses.")
-    role: Role = Field(Role.UNIFIED, description="unified, prefill or decode.")
-    hardware: Hardware = Field(Hardware.SM100, description="sm100 or ascend950: the router's cost model.")
-    kv_format: str = Field("", description="KV cache format; empty: learned from the worker's info endpoint.")
-    pool: str = Field("", description="Pool name; empty: the role's default pool.")
-    id: str = Field("", description="Worker id in metrics and logs; empty: host:port of the URL.")
-
-    @field_validator("url")
-    @classmethod
-    def _strip_slash(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("worker url must start with http:// or https://")
-        return v.rstrip("/")
-
-    @model_validator(mode="after")
-    def _engine_fields(self) -> WorkerSpec:
-        if self.engine is WorkerEngine.VLLM and self.role is not Role.UNIFIED:
-            raise ValueError("a vllm worker serves whole requests: role must be unified")
-        if self.engine is not WorkerEngine.VLLM and (self.model or self.kv_events_endpoint
-                                                     or self.kv_events_replay_endpoint or self.kv_events_topic):
-            raise ValueError("model and kv_events_* apply to vllm workers only")
-        return self
-
-    @property
-    def worker_id(self) -> str:
-        return self.id or self.url.split("://", 1)[1]
-
-
-class HealthSettings(_Frozen):
-    interval_s: float = Field(1.0, gt=0, description="Seconds between health checks of each worker.")
-    failures_to_eject: int = Field(2, ge=1, description="Consecutive failed checks that take a worker out.")
-    successes_to_readmit: int = Field(1, ge=1, description="Consecutive good checks that bring it back.")
-
-
-class HardwareCost(_Frozen):
-    """What the router assumes of one engine instance of a hardware kind (cost model inputs)."""
-
-    prefill_tokens_per_s: float = Field(gt=0, description="Prefill throughput of a whole instance at a typical batch.")
-    kv_load_bytes_per_s: float = Field(gt=0, description="Shared-store read bandwidth of one instance.")
-    kv_bytes_per_token: float = Field(890.0, gt=0, description="KV cache bytes per token (V4.1-Flash: ~890).")
-
-
-DEFAULT_HARDWARE_COSTS = {
-    # DeepInfer chart: ~85k tok/s/GPU at 16-64k-token batches, 4-GPU prefill instance;
-    # store read 4 x 6.25 GB/s (3FS: ~400 Gbps per 8 GPUs).
-    "sm100": HardwareCost(prefill_tokens_per_s=340_000.0, kv_load_bytes_per_s=25e9),
-    # ASSUMPTION (no published Ascend 950 figures): 0.6 x sm100, as the sim profile.
-    "ascend950": HardwareCost(prefill_tokens_per_s=204_000.0, kv_load_bytes_per_s=25e9),
-}
-
-
-class RouterSettings(_Frozen):
-    """A policy is a name (its parameters at their defaults) or a table with `name` and parameters."""
-
-    policy: PolicyConfig = Field(
-        EstimatedTtftConfig(),
-        description="Routing policy of prefill and unified pools (docs/policies.md).")
-    decode_policy: PolicyConfig = Field(
-        LeastLoadConfig(),
-        description="Routing policy of decode pools (load per DP rank).")
-    pool_policies: dict[str, PolicyConfig] = Field(
-        default_factory=dict,
-        description="Pool name -> policy, overriding the two above.")
-    session_affinity: SessionAffinity = Field(
-        SessionAffinityConfig(),
-        description="Keep a `user` (or x-session-id header) on its worker while load allows: true, or a table.")
-    pd_bypass_tokens: int = Field(
-        256, ge=0,
-        description="Requests with at most this many uncached tokens skip the prefill pool.")
-    admission_queued_tokens: int = Field(
-        0, ge=0,
-        description="Per pool: refuse (429) beyond this many queued tokens; 0: no admission control.")
-    hardware: dict[str, HardwareCost] = Field(
-        default_factory=lambda: dict(DEFAULT_HARDWARE_COSTS),
-        description="Cost model per hardware kind (sm100, ascend950).")
-    inflight_lease_s: float = Field(
-        60.0, gt=0,
-        description="Shared in-flight reservations expire after this if a replica dies.")
-    kv_events_interval_s: float = Field(0.05, gt=0, description="Seconds between polls of each worker's KV events.")
-
-    def with_policies(self, policy: PolicyInput | None = None,
-                      decode_policy: PolicyInput | None = None) -> RouterSettings:
-        """A copy with other default policies (a name, table or variant each; None keeps the
-        current one). ValueError names the policy and parameter at fault."""
-        update = {}
-        for key, given in (("policy", policy), ("decode_policy", decode_policy)):
-            if given:
-                try:
-                    update[key] = parse_policy(given)
-                except ValueError as e:
-                    raise ValueError(f"{key}: {e}") from None
-        return self.model_copy(update=update)
-
-
-class TracingSettings(_Frozen):
-    """OpenTelemetry tracing (deepinfer_gateway/tracing.py); needs the `otel` extra. Off by default."""
-
-    enabled: bool = Field(False, description="Emit OpenTelemetry server spans (needs the `otel` extra).")
-    exporter: Literal["otlp", "console", "none"] = Field("otlp", description="Where spans go.")
-    endpoint: str | None = Field(
-        None,
-        description="OTLP/HTTP traces endpoint; none: the exporter's default or OTEL_* env.")
-    service_name: str = Field("deepinfer-gateway", description="service.name of the spans.")
-    sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0,
-        description="Share of root traces sampled; a sampled caller's traceparent wins.")
-
-
-class ImageSettings(_Frozen):
-    """Image inputs (recipe_bridge/images.py): limits, and whether remote URLs are fetched."""
-
-    max_images: int = Field(16, ge=0, description="Images per request.")
-    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Encoded bytes per image.")
-    max_total_image_bytes: int = Field(32 * 1024 * 1024, ge=1, description="Encoded bytes per request.")
-    remote_fetch: bool = Field(False, description="Fetch http(s) image URLs; off: only data URLs and inline images.")
-    allow: tuple[str, ...] = Field((), description="Hosts or CIDRs fetched even when not globally routable.")
-
-
-class GatewaySettings(_Frozen):
-    host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
-    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
-    model_names: tuple[str, ...] = Field(
-        (DEFAULT_MODEL,),
-        description="Served model names; metrics and usage use these.")
-    model_aliases: ModelAliases = Field(
-        default_factory=lambda: dict(BUILTIN_ALIASES),
-        description='Other names for served models: name = {model, thinking} or name = "served name"; '
-                    "deepseek-chat and deepseek-reasoner are built in (model_catalog.py).")
-    tokenizer_path: str | None = Field(
-        None,
-        description="tokenizer.json or its directory; none: the packaged DeepSeek-V4 vocabulary.")
-    context_limit: int = Field(131_072, ge=1, description="Prompt + output tokens per request (max_model_len).")
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
-    images: ImageSettings = Field(ImageSettings(), description="Image input limits.")
-    redis_url: str | None = Field(
-        None,
-        description="Shared prefix index, in-flight reservations, rate limits and keys; none: this process's memory.")
-    redis_cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster.")
-    kv_writer_lease_s: float = Field(
-        3.0, ge=0,
-        description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
-    workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")
-    max_attempts: int = Field(3, ge=1, description="Tries on other workers before the first token reaches the client.")
-    router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
-    admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")
-    health: HealthSettings = Field(HealthSettings(), description="Worker health checks.")
-    connect_timeout_s: float = Field(2.0, gt=0, description="Connecting to a worker.")
-    first_event_timeout_s: float = Field(30.0, gt=0, description="Waiting for a worker's first stream event.")
-    between_events_timeout_s: float = Field(120.0, gt=0, description="Waiting between stream events.")
-    shutdown_delay_s: float = Field(
-        0.0, ge=0,
-        description="SIGTERM: /ready answers 503 and the listener stays open this long (load balancers stop sending).")
-    shutdown_grace_s: float = Field(
-        30.0, ge=0,
-        description="SIGTERM, after the delay: in-flight streams get this long to finish.")
-    api_keys: tuple[ApiKey, ...] = Field(
-        (),
-        description="Accepted keys; empty with api_keys_in_redis off: authentication off.")
-    api_keys_in_redis: bool = Field(False, description="Also accept keys stored in Redis (dgw:apikey:{sha256}).")
-    log_format: Literal["text", "json"] = Field("text", description="json: one object per line with request_id.")
-    access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
-    tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
-
-    @model_validator(mode="after")
-    def _keys_in_redis_need_redis(self) -> GatewaySettings:
-        # Without Redis there is nowhere to look keys up: the gateway would serve everyone.
-        if self.api_keys_in_redis and not self.redis_url:
-            raise ValueError("api_keys_in_redis: needs redis_url (keys are looked up there)")
-        return self
-
-
-# ------------------------------------------------------------------------------ loading
 
 ENV_PREFIX = "DGW_"
 ENV_NESTED_DELIMITER = "__"
