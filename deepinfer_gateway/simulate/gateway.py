@@ -1,0 +1,175 @@
+"""The gateway's side of a simulated request: routing on arrival and at the hand-off.
+
+Mirrors the live request path: on arrival, views (load report + reservations, as
+`RouteInputs.views` in gateway/route_inputs.py), hashes per KV format, one index lookup,
+`plan_first`, admission control, then `add_request` on the chosen worker with the leg's
+role (`pd` -> prefill, stop after the first token; `unified`/`bypass` -> unified),
+reserving the prompt tokens until the first token comes back. At a prefill's hand-off:
+`plan_decode` on fresh views, and the decode worker gets prompt + first token with the KV
+load cost the sim engine's `_decode_request` charges (store read bandwidth when there is a
+store, else the direct transfer bandwidth). `SimGateway` also holds the requests in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_gateway.kvcache.factory import create_prefix_index
+from deepinfer_gateway.kvcache.hashing import PrefixHasher
+from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
+from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
+from deepinfer_gateway.router.planner import (
+    NoCandidate,
+    Plan,
+    RoutePlanner,
+    prompt_hashes,
+)
+from deepinfer_gateway.simulate.cluster import SimWorker
+from deepinfer_gateway.simulate.config import ClusterConfig
+from deepinfer_gateway.simulate.stats import SimStats
+from deepinfer_gateway.simulate.tokens import PromptTokens
+from deepinfer_gateway.workers.sim.core import AdmissionError, SimRequest
+from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
+from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
+from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
+
+_LEG_ROLE = {"unified": False, "pd": True, "bypass": False}  # stop after the first token?
+
+
+@dataclass(slots=True)
+class RequestState:
+    """A request in flight: its trace entry, the record being filled, and its current leg."""
+
+    trace: TraceRequest
+    record: RequestRecord
+    tokens: list[int]
+    output: list[int]
+    hashes: dict[str, list[int]] = field(default_factory=dict)
+    plan: Plan | None = None
+    worker: SimWorker | None = None  # the current leg's worker
+    last_token_t: float = -1.0
+    emitted: int = 0
+
+
+class SimGateway:
+    def __init__(self, config: ClusterConfig, workers: list[SimWorker], store: InMemoryKvStore | None,
+                 prompts: PromptTokens, stats: SimStats, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.store = store
+        self.prompts = prompts
+        self.stats = stats
+        self.hasher = PrefixHasher()  # as the gateway's: a follow-up turn digests only its new blocks
+        self.by_id = {w.worker_id: w for w in workers}
+        # Every worker's view, rebuilt only for the workers whose view changed.
+        self._views = [w.view() for w in workers]
+        self._position = {w: i for i, w in enumerate(workers)}
+        self._stale: set[SimWorker] = set()
+        for w in workers:
+            w.stale = self._stale
+        self.formats = {w.worker_id: w.kv_format for w in workers}
+        self.planner = RoutePlanner(config.router)
+        index = create_prefix_index(None, clock=clock)
+        assert isinstance(index, InMemoryPrefixIndex)
+        self.index = index
+        self.requests: dict[str, RequestState] = {}
+        self.active = 0  # requests arrived and not finished
+
+    def arrive(self, trace: TraceRequest, record: RequestRecord) -> SimWorker | None:
+        """Route a new request and start its first leg; the worker to kick, None if it failed."""
+        rid = str(trace.index)
+        req = RequestState(trace, record, self.prompts.prompt(trace), self.prompts.output(trace))
+        self.requests[rid] = req
+        self.active += 1
+        record.prompt_tokens = len(req.tokens)
+        views = self.current_views()
+        req.hashes = hashes = prompt_hashes(req.tokens, views, self.hasher)
+        overlap = self.index.lookup_now(hashes, self.formats)
+        try:
+            plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap)
+        except NoCandidate as exc:
+            self.fail(req, RecordError.HTTP_5XX, str(exc))
+            return None
+        if not self._admit(plan, views, req):
+            return None
+        req.plan = plan
+        self.stats.modes[plan.mode] = self.stats.modes.get(plan.mode, 0) + 1
+        worker = self.by_id[plan.worker.worker_id]
+        record.worker = worker.worker_id
+        sim = SimRequest(rid, req.tokens, req.output, FinishReason.LENGTH, stop_after_first=_LEG_ROLE[plan.mode])
+        try:
+            worker.core.add_request(sim, hashes[worker.kv_format])
+        except AdmissionError as exc:
+            self.fail(req, RecordError.HTTP_4XX, str(exc))
+            return None
+        req.worker = worker
+        worker.inflight += 1
+        worker.reserved += len(req.tokens)
+        worker.changed()
+        return worker
+
+    def current_views(self) -> list[Any]:
+        """What `[w.view() for w in workers]` gives, from the last list and the changed workers."""
+        views = self._views
+        if self._stale:
+            position = self._position
+            for worker in self._stale:
+                views[position[worker]] = worker.view()
+            self._stale.clear()
+        return list(views)
+
+    def _admit(self, plan: Plan, views: list[Any], req: RequestState) -> bool:
+        """The gateway's admission control (`RouteInputs.admit`): 429 over the pool's budget."""
+        budget = self.config.router.admission_queued_tokens
+        if not budget:
+            return True
+        queued = sum(v.queued_prefill_tokens for v in views if v.pool == plan.worker.pool)
+        if queued <= budget:
+            return True
+        self.fail(req, RecordError.RATE_LIMITED, f"pool {plan.worker.pool} overloaded ({queued} queued tokens)")
+        return False
+
+    def hand_off(self, req: RequestState, t: float) -> SimWorker | None:
+        """Start the decode leg of a finished prefill; the worker to kick, None if it failed."""
+        prefill = req.worker
+        assert prefill is not None
+        views = self.current_views()
+        tokens = req.tokens + req.output[:1]
+        try:
+            view, _ = self.planner.plan_decode(views, prefill.kv_format, len(tokens))
+        except NoCandidate as exc:
+            self.fail(req, RecordError.STREAM, str(exc))
+            return None
+        worker = self.by_id[view.worker_id]
+        profile = worker.profile
+        hashes = req.hashes[prefill.kv_format]
+        if len(tokens) // KV_BLOCK_TOKENS > len(hashes):
+            hashes = worker.core.hashes(tokens)
+        # As SimEngine._decode_request: KV from the store at its read bandwidth, else direct transfer.
+        if self.store is not None:
+            handed = req.hashes[prefill.kv_format]
+            # The store's TTLs share the virtual clock.
+            if self.store.match(handed, t) < len(handed):
+                self.fail(req, RecordError.STREAM, "handed-off KV is no longer in the store")
+                return None
+            bandwidth = profile.store_read_bytes_per_s
+        else:
+            bandwidth = profile.transfer_bytes_per_s
+        sim = SimRequest(str(req.trace.index), tokens, req.output[1:], FinishReason.LENGTH,
+                         kv_loaded_seconds=kv_load_seconds(profile, len(req.tokens), bandwidth))
+        try:
+            worker.core.add_request(sim, hashes)
+        except AdmissionError as exc:
+            self.fail(req, RecordError.STREAM, str(exc))
+            return None
+        req.worker = worker
+        worker.inflight += 1
+        worker.changed()
+        return worker
+
+    def fail(self, req: RequestState, kind: str, detail: str) -> None:
+        req.record.status, req.record.error, req.record.detail = "error", kind, detail[:200]
+        req.record.ttft_s = req.record.e2e_s = None
+        self.requests.pop(str(req.trace.index), None)
+        self.active -= 1
