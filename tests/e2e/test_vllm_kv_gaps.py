@@ -15,12 +15,12 @@ import zmq.asyncio
 
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.kvcache.vllm_events import (
+from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
+from deepinfer_gateway.kvcache.vllm_translate import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     VllmEventBatch,
-    VllmKvSubscriber,
     VllmKvTranslator,
 )
 from deepinfer_gateway.launch import free_port
