@@ -87,19 +87,24 @@ class Gateway:
         wait_for_port(self.port, timeout=30)
 
     def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if json.load(r)["healthy_workers"] >= healthy:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"gateway never saw {healthy} healthy workers")
+        wait_for_healthy_workers(self.url, healthy, timeout)
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def wait_for_healthy_workers(url: str, healthy: int, timeout: float = 15.0) -> None:
+    """Poll a gateway's /ready until it reports at least `healthy` workers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                if json.load(r)["healthy_workers"] >= healthy:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"gateway never saw {healthy} healthy workers")
 
 
 def _free_port_block(n: int) -> int:

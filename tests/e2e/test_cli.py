@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import openai
 import pytest
 
 from deepinfer_gateway.cli import build_parser
-from deepinfer_gateway.launch import SimCluster, free_port, wait_for_port
+from deepinfer_gateway.launch import SimCluster, free_port, wait_for_healthy_workers, wait_for_port
 
 CLI = [sys.executable, "-m", "deepinfer_gateway.cli"]
 MODEL = "DeepSeek-V4.1-Flash"
@@ -141,16 +140,10 @@ class Served:
         wait_for_port(self.port, timeout=30)
 
     def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if json.load(r)["healthy_workers"] >= healthy:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"gateway never saw {healthy} healthy workers: {self.log.read_text()[-2000:]}")
+        try:
+            wait_for_healthy_workers(self.url, healthy, timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {self.log.read_text()[-2000:]}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
