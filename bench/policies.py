@@ -1,4 +1,4 @@
-"""Routing policies compared on a real trace: the issue-5 acceptance run.
+"""Routing policies compared on a real trace: every policy, memory-only vs tiered KV (docs/policies.md).
 
     python bench/policies.py [--trace FILE] [--requests 2000] [--speedup 17] [--time-scale 0.25]
                              [--policies round_robin,...] [--configs memory_only,tiered]
@@ -423,7 +423,7 @@ def print_table(config: str, result: dict[str, Any]) -> None:
 
 
 def targets(result: dict[str, Any], oracle: float | None) -> dict[str, Any]:
-    """The issue's targets for estimated_ttft, checked (None when a run is missing)."""
+    """The targets for estimated_ttft (docs/policies.md), checked (None when a run is missing)."""
     out: dict[str, Any] = {}
     for config, res in result.items():
         pol = res["policies"]

@@ -10,11 +10,11 @@ Exactness: `cruise(n)` does what n calls of `step()` would do in a steady state,
 nothing else: `_admit` has nobody to admit, no prefill chunk runs, no KV block is cached
 or evicted (no KV events), no request finishes (n is kept below the first finish), so
 the step time is the same every step (`decode_seconds` of the busiest DP rank, divided
-by `time_scale`). tests/test_simulate_cruise.py checks token-for-token and
-time-for-time equality against plain `step()` calls.
+by `time_scale`). tests/unit/test_simulate.py (`test_steady_stretches_match_step_by_step`)
+checks every request's tokens and times against a run with cruising off.
 
 Coupling: this subclass reads the scheduler's private per-rank queues (`_waiting`,
-`_running`) and advances `_Seq.emitted`; workers/sim/core.py is not edited. The
+`_running`) and advances `_Seq.emitted`; workers/sim/core.py has no hook for it. The
 equality test fails if core's stepping rules change underneath it.
 """
 

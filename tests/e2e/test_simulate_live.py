@@ -8,7 +8,7 @@ with the gateway's per-request cost measured on this machine before each live re
 parsing; and the prompt length from which the gateway prepares in its thread,
 `offload_tokens`), first tokens held while the gateway's event loop prepares
 (`GatewayCost.relay_waits`), and TTFT p50 taken as the median over SEEDS jittered replays.
-Asserts the issue's bounds: hit rate within 2 points, TTFT p50 within 15%.
+Asserts: hit rate within 2 points, TTFT p50 within 15%.
 
 Output lengths are capped at OUTPUT_CAP tokens in both runs: token relay costs CPU in
 three processes (worker, gateway, SDK client) on a 2-core machine, which slows the live

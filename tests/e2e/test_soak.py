@@ -8,7 +8,7 @@ equal it character for character, with `usage.completion_tokens` equal to the tr
 length.
 
 Scale (2 shared cores by default): DGW_SOAK_STREAMS (200) concurrent clients for
-DGW_SOAK_SECONDS (10); DGW_SOAK_FULL=1 is the issue's 1,000 clients for 60 s.
+DGW_SOAK_SECONDS (10); DGW_SOAK_FULL=1: 1,000 clients for 60 s.
 """
 
 from __future__ import annotations
