@@ -261,7 +261,6 @@ def relay(bundle: TokenizerBundle, total_tokens: int, per_message: int, response
             event = orjson.loads(line)
             sent += len(stream.tokens(event["token_ids"], event.get("logprobs")))
         sent += len(stream.finish("stop"))
-        stream.close()
     wall, cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
     assert sent > 0
     return responses * len(ids) / max(wall, cpu)  # max: never credit a second core
