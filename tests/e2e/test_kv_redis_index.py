@@ -213,8 +213,10 @@ async def test_big_snapshot_is_staged_in_chunks_then_swapped_in(redis_url: str) 
     namespace = f"snap:{uuid.uuid4().hex[:8]}"
     admin = aioredis.Redis.from_url(redis_url)
     big = list(range(1, 20_001))  # three upload calls of 8,192
-    pusher = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
-    stale = RedisPrefixIndex(redis_client(redis_url), namespace=namespace)
+    # Patient clients: this checks staging, not the gateway's 0.5 s fail-fast timeout, which a
+    # busy 2-core CI machine can exceed while another client uploads 20,000 hashes.
+    pusher = RedisPrefixIndex(redis_client(redis_url, timeout_s=5.0), namespace=namespace)
+    stale = RedisPrefixIndex(redis_client(redis_url, timeout_s=5.0), namespace=namespace)
     try:
         log = EventLog("w")
         log.store_mem(big)
