@@ -48,6 +48,7 @@ class WorkerEngine(StrEnum):
 
     DGW = "dgw"  # worker protocol v1 (docs/worker-protocol.md): sim and DeepInfer workers
     VLLM = "vllm"  # vLLM's OpenAI server, token ids in and out (docs/real-engines.md)
+    OPENAI = "openai"  # any OpenAI-compatible server, text in and out (docs/real-engines.md)
 
 
 class WorkerSpec(_Frozen):
@@ -55,8 +56,9 @@ class WorkerSpec(_Frozen):
     engine: WorkerEngine = Field(
         WorkerEngine.DGW,
         description="dgw: worker protocol v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
-                    "sent token ids (docs/real-engines.md).")
-    model: str = Field("", description="vllm: the served model name to request; empty: the first of its /v1/models.")
+                    "sent token ids; openai: any OpenAI-compatible server, sent text (docs/real-engines.md).")
+    model: str = Field("", description="vllm, openai: the served model name to request; empty: the first of its "
+                                       "/v1/models.")
     kv_events_endpoint: str = Field(
         "", description="vllm: its KV events publisher (ZMQ) as this gateway reaches it, e.g. tcp://10.0.0.5:5557; "
                         "empty: no KV events, no prefix-aware routing to it.")
@@ -78,11 +80,13 @@ class WorkerSpec(_Frozen):
 
     @model_validator(mode="after")
     def _engine_fields(self) -> WorkerSpec:
-        if self.engine is WorkerEngine.VLLM and self.role is not Role.UNIFIED:
-            raise ValueError("a vllm worker serves whole requests: role must be unified")
-        if self.engine is not WorkerEngine.VLLM and (self.model or self.kv_events_endpoint
-                                                     or self.kv_events_replay_endpoint or self.kv_events_topic):
-            raise ValueError("model and kv_events_* apply to vllm workers only")
+        if self.engine is WorkerEngine.OPENAI and self.role is not Role.UNIFIED:
+            raise ValueError("an openai worker serves whole requests: role must be unified")
+        if self.engine is WorkerEngine.DGW and self.model:
+            raise ValueError("model applies to vllm and openai workers only")
+        if self.engine is not WorkerEngine.VLLM and (self.kv_events_endpoint or self.kv_events_replay_endpoint
+                                                     or self.kv_events_topic):
+            raise ValueError("kv_events_* apply to vllm workers only")
         return self
 
     @property
