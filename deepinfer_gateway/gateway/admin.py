@@ -2,13 +2,14 @@
 and the prefix index's stats.
 
 Every route needs a valid API key, one with admin rights when `admin_keys_required`.
-Changes apply to this replica only (each replica has its own registry and planner): an
-operator sends them to every replica. Errors are GatewayErrors, rendered by the app's handler.
+Changes (workers added or removed, routing policies) go through `AdminSync` (admin_sync.py):
+with `redis_url` every replica applies them, and a refused Redis write answers 503 with
+nothing changed; without Redis they apply to the process that receives them. Reads
+(`GET`) show this replica's view. Errors are GatewayErrors, rendered by the app's handler.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -19,8 +20,6 @@ from deepinfer_gateway.config import GatewaySettings, WorkerSpec
 from deepinfer_gateway.errors import Forbidden, GatewayError, Unauthorized
 from deepinfer_gateway.gateway.auth import presented_key
 from deepinfer_gateway.gateway.routes import gateway_state
-
-log = logging.getLogger(__name__)
 
 
 class RoutingUpdate(BaseModel):
@@ -59,18 +58,16 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
             spec = WorkerSpec.model_validate_json(await request.body())
         except ValueError as exc:
             raise GatewayError(f"Invalid worker: {exc}", status_code=400) from None
-        worker = state.registry.add(spec)
-        state.feeder.add(worker.spec)
-        await state.registry.check_all()
-        return JSONResponse({"id": worker.worker_id, "healthy": worker.healthy}, status_code=201)
+        worker = await state.admin.add_worker(spec)
+        return JSONResponse({"id": worker.worker_id, "healthy": worker.healthy, "shared": state.admin.shared},
+                            status_code=201)
 
     @router.delete("/workers/{worker_id:path}")
     async def remove_worker(worker_id: str, request: Request) -> Response:
         state = gateway_state(request)
-        if not state.registry.remove(worker_id):
+        if not await state.admin.remove_worker(worker_id):
             raise GatewayError(f"No worker {worker_id}.", status_code=404)
-        await state.feeder.remove_worker(worker_id)
-        return JSONResponse({"id": worker_id, "removed": True})
+        return JSONResponse({"id": worker_id, "removed": True, "shared": state.admin.shared})
 
     @router.get("/index")
     async def index_stats(request: Request) -> Response:
@@ -82,15 +79,13 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
 
     @router.put("/routing")
     async def set_routing(request: Request) -> Response:
-        """Switch this replica's routing policies."""
-        planner = gateway_state(request).server.planner
+        """Switch the routing policies (every replica's, with Redis)."""
+        state = gateway_state(request)
         try:
             update = RoutingUpdate.model_validate_json(await request.body())
-            planner.reconfigure(update.policy, update.decode_policy)
+            await state.admin.set_routing(update.model_dump(exclude_none=True))
         except ValueError as exc:
             raise GatewayError(f"Invalid routing update: {exc}", status_code=400) from None
-        log.info("routing policies set: policy=%s decode_policy=%s", planner.settings.policy,
-                 planner.settings.decode_policy)
-        return JSONResponse(planner.describe())
+        return JSONResponse(state.server.planner.describe())
 
     return router

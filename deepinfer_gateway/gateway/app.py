@@ -29,6 +29,8 @@ from starlette.responses import JSONResponse, Response
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.admin import admin_router
+from deepinfer_gateway.gateway.admin_store import AdminStore
+from deepinfer_gateway.gateway.admin_sync import AdminSync
 from deepinfer_gateway.gateway.auth import KeyStore
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
@@ -59,6 +61,7 @@ class GatewayState:
     limiter: MemoryRateLimiter | RedisRateLimiter
     feeder: KvEventFeeder
     started_at: int
+    admin: AdminSync
 
 
 class GatewayApp(FastAPI):
@@ -131,10 +134,14 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         await registry.start()
         server = RequestServer(registry, client, RoutePlanner(settings.router), index, inflight, bundle, metrics,
                                settings)
-        app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()))
+        admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, server.planner, settings.workers,
+                          metrics.redis_errors.labels("admin").inc)
+        await admin.start()  # with Redis: the shared admin changes, before the first request
+        app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin)
         try:
             yield
         finally:
+            await admin.stop()
             await registry.stop()
             await feeder.aclose()
             await index.aclose()

@@ -1,0 +1,28 @@
+"""The rule that turns the shared admin state into a replica's worker set."""
+
+from __future__ import annotations
+
+from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.gateway.admin_store import WorkerEntry, desired_workers, routing_inputs
+
+A, B, C = (WorkerSpec(url=f"http://127.0.0.1:{port}") for port in (9001, 9002, 9003))
+
+
+def test_added_workers_join_the_configured_ones_and_tombstones_remove_either() -> None:
+    entries = {C.worker_id: WorkerEntry(spec=C), A.worker_id: WorkerEntry()}
+    assert desired_workers((A, B), entries) == {B.worker_id: B, C.worker_id: C}
+    assert desired_workers((A, B), {}) == {A.worker_id: A, B.worker_id: B}
+    assert desired_workers((), {C.worker_id: WorkerEntry()}) == {}
+
+
+def test_an_added_spec_replaces_a_configured_one_of_the_same_id() -> None:
+    moved = WorkerSpec(url=A.url, hardware="ascend950")
+    assert desired_workers((A,), {A.worker_id: WorkerEntry(spec=moved)}) == {A.worker_id: moved}
+
+
+def test_entries_round_trip_and_routing_fields_decode() -> None:
+    for entry in (WorkerEntry(spec=B), WorkerEntry()):
+        assert WorkerEntry.model_validate_json(entry.model_dump_json()) == entry
+    stored = {"policy": '{"name": "round_robin"}', "decode_policy": '"least_load"'}
+    assert routing_inputs(stored) == {"policy": {"name": "round_robin"}, "decode_policy": "least_load"}
+    assert routing_inputs({}) == {}
