@@ -38,11 +38,7 @@ from deepinfer_gateway.errors import (
 from deepinfer_gateway.gateway.auth import presented_key
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.recipe_bridge.prepare import (
-    ApiProtocol,
-    PreparedRequest,
-    RequestPreparer,
-)
+from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 
 if TYPE_CHECKING:
     from deepinfer_gateway.gateway.app import GatewayState
@@ -95,13 +91,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def admit(state: GatewayState, key: ApiKey, prepared: PreparedRequest
+async def admit(state: GatewayState, key: ApiKey, prompt_tokens: int
                 ) -> tuple[dict[str, str], Callable[[int], None] | None]:
     """Rate limits: (x-ratelimit headers, a callback debiting output tokens at the end), or 429."""
     limits = (key.requests_per_minute, key.tokens_per_minute)
     if limits == (None, None):
         return {}, None
-    verdict = await state.limiter.admit(key.name, limits, prepared.prompt_tokens)
+    verdict = await state.limiter.admit(key.name, limits, prompt_tokens)
     headers = verdict.headers()
     if not verdict.allowed:
         raise RateLimited(f"Rate limit reached for API key {key.name}; retry after {headers['retry-after']}s.",
@@ -193,7 +189,7 @@ class ClientRoutes:
             self.metrics.preprocess.observe(time.perf_counter() - arrival)
             if not may_use(key, model, prepared.requested_model):
                 raise Forbidden(f"This API key may not use model {prepared.requested_model}.")
-            headers, on_done = await admit(state, key, prepared)
+            headers, on_done = await admit(state, key, prepared.prompt_tokens)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session_key=request.headers.get(SESSION_HEADER))
@@ -204,7 +200,10 @@ class ClientRoutes:
             return self.refuse(str(protocol), protocol, model, self.caught(exc, request_id), request_id)
 
     async def count_tokens(self, request: Request) -> Response:
-        """Anthropic's `POST /v1/messages/count_tokens`: the Messages body's prompt tokens."""
+        """Anthropic's `POST /v1/messages/count_tokens`: the Messages body's prompt tokens.
+
+        Rate limits: it takes one request from the key's request bucket and is refused while
+        either bucket is empty, but spends no tokens (nothing is generated or prefilled)."""
         request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
         model = "unknown"
         try:
@@ -214,12 +213,14 @@ class ClientRoutes:
             model = counted.model
             if not may_use(key, model, counted.requested_model):
                 raise Forbidden(f"This API key may not use model {counted.requested_model}.")
+            headers, _ = await admit(gateway_state(request), key, 0)
         except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
             return self.refuse(COUNT_TOKENS, ApiProtocol.MESSAGES, model, self.caught(exc, request_id), request_id)
         self.count(COUNT_TOKENS, model, 200)
-        return JSONResponse({"input_tokens": counted.input_tokens}, headers={wp.REQUEST_ID_HEADER: request_id})
+        return JSONResponse({"input_tokens": counted.input_tokens},
+                            headers={**headers, wp.REQUEST_ID_HEADER: request_id})
 
     def model_card(self, name: str, served: str, created: int, protocol: ApiProtocol | None) -> dict[str, Any]:
         """vLLM's model object (`max_model_len`: the context limit; aliases name their served

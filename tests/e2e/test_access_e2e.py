@@ -27,7 +27,8 @@ def _key(name: str, key: str, **fields: object) -> str:
 def secured(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     extra = (_key("full", "sk-full", requests_per_minute=1000)
              + _key("other-model", "sk-other", models=("some-other-model",))
-             + _key("tight", "sk-tight", requests_per_minute=2, tokens_per_minute=100000))
+             + _key("tight", "sk-tight", requests_per_minute=2, tokens_per_minute=100000)
+             + _key("counter", "sk-counter", requests_per_minute=2))
     roles = [s.split(":") for s in sim_cluster.specs]
     gw = Gateway(tmp_path_factory.mktemp("access"),
                  [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles, strict=True)],
@@ -95,3 +96,20 @@ def test_rate_limit_is_429_with_retry_after(secured: Gateway) -> None:
     # Streaming requests are refused before the stream starts: a plain 429, not an SSE error.
     with pytest.raises(openai.RateLimitError):
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4, stream=True)  # type: ignore[arg-type]
+
+
+def test_count_tokens_counts_against_the_request_limit(secured: Gateway) -> None:
+    """count_tokens spends the key's requests like any other call: the third within a minute
+    is a 429 in Anthropic's format, and the key's next generation request is refused too."""
+    client = ant(secured, "sk-counter")
+    for remaining in ("1", "0"):
+        raw = client.messages.with_raw_response.count_tokens(model=MODEL, messages=MSG)  # type: ignore[arg-type]
+        assert raw.parse().input_tokens > 0
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+        assert raw.headers["x-ratelimit-remaining-requests"] == remaining
+    with pytest.raises(anthropic.RateLimitError) as e:
+        client.messages.count_tokens(model=MODEL, messages=MSG)  # type: ignore[arg-type]
+    assert e.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    with pytest.raises(anthropic.RateLimitError):
+        client.messages.create(model=MODEL, messages=MSG, max_tokens=4)  # type: ignore[arg-type]
