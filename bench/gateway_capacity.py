@@ -1,11 +1,30 @@
 """Gateway capacity on this machine: what the gateway adds in front of sim workers.
 
     python bench/gateway_capacity.py [--requests 2000] [--concurrency 16] [--rounds 3]
-        [--streams 50,100,150,200,300,400] [--stream-seconds 8] [--stream-rounds 3] [--profile DIR]
+        [--streams 50,100,150,200,300,400] [--stream-seconds 8] [--stream-rounds 3]
+        [--chunk-streams 100] [--chunk-seconds 6] [--processes 1,2] [--baseline DIR] [--profile DIR]
 
 Non-streaming: short chat requests to a sim worker that answers instantly (time scale
 1000), directly (its OpenAI-compatible endpoint) and through the gateway, rounds
 alternating; req/s and the added p50/p99 latency (medians over rounds).
+`cpu_ms_per_request`: the gateway's CPU (user + system of its process tree, /proc) over a
+round, per request; median over rounds.
+
+Per chunk: `--chunk-streams` concurrent streams of `--chunk-seconds` at 50 tokens/s each
+(one worker message and one relayed SSE chunk per token); `cpu_us_per_chunk` is the
+gateway's CPU over the round minus its per-request cost (`cpu_ms_per_request` x streams)
+and its idle rate (health checks; `idle_cpu_ms_per_s`, measured before) x the round's wall
+time, per content chunk the clients received; median over `--rounds`.
+
+Processes: `rps_1`, `rps_2`... req/s of the non-streaming load through a gateway started
+with `processes=N` (`serve --processes N`), each level in the same interleaved rounds; null
+when this checkout's launch.Gateway takes no `processes`. The client, the worker and the
+gateway processes share the machine's cores, so on a 2-core box the ratio is bounded by
+the client and the worker, not by the gateway.
+
+Baseline: `--baseline DIR` runs a second gateway from another source tree (e.g. `git
+archive <commit> | tar -x -C DIR`; imported with PYTHONSAFEPATH=1 PYTHONPATH=DIR) in every
+phase, rounds interleaved with this tree's; its figures carry the prefix `baseline_`.
 
 Streaming: a sim worker whose profile decodes at exactly 50 tokens/s per stream at any
 batch (a profile TOML override: flat decode curve, time scale 1), N concurrent streams
@@ -26,11 +45,13 @@ made the direct runs ~1 s of short streams against 8 s through the gateway). Cli
 worker and gateway share the machine's 2 cores: at ~100+ streams the client and the
 worker alone take most of them (see `*_cpu_us_per_event` in the levels).
 
-`--profile DIR`: py-spy (if installed) samples the gateway during one extra
-non-streaming round; the top self-time functions are printed and saved.
+`--profile DIR`: py-spy (if installed: on PATH or beside this Python) samples the gateway
+during one extra non-streaming round and one extra chunk round; the top functions are
+printed and saved (`gateway.top.json`, `gateway.inclusive.json`, `stream.*.json`).
 
 The last line is one JSON object: direct_rps, gateway_rps, added_p50_ms, added_p99_ms,
-streams_sustained, stream_added_itl_p99_ms (at streams_sustained), plus details.
+cpu_ms_per_request, cpu_us_per_chunk, idle_cpu_ms_per_s, rps_1, rps_2, streams_sustained,
+stream_added_itl_p99_ms (at streams_sustained), plus details (and `baseline_*`).
 """
 
 from __future__ import annotations
@@ -38,12 +59,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import inspect
 import json
 import os
 import re
 import shutil
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,15 +75,16 @@ import aiohttp
 from _harness import (
     chat_body,
     closed_loop,
-    compare_non_streaming,
     flat_decode_profiles,
     pct_ms,
-    start_gateway,
     start_worker,
 )
 
+from deepinfer_gateway.launch import Gateway
+
 TOKENS_PER_S = 50.0
 ITL_BUDGET_MS = 5.0
+WARMUP_REQUESTS = 200
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -68,16 +93,130 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[float], int]:
-    """n concurrent streams of ~`seconds` each: (inter-token gaps s, per-stream tokens/s, errors)."""
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its live descendants (a multi-process gateway's workers)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            total += proc_cpu_s(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited meanwhile
+    return total
+
+
+class Target:
+    """A gateway under test (its own source tree, process count) or the worker itself."""
+
+    def __init__(self, name: str, url: str, gateway: Gateway | None = None):
+        self.name = name
+        self.url = url
+        self.gateway = gateway
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.gateway.proc.proc.pid) if self.gateway else 0.0
+
+    def stop(self) -> None:
+        if self.gateway:
+            self.gateway.stop()
+
+
+def start_gateway(worker_url: str, tree: str | None = None, processes: int = 1, extra_toml: str = "") -> Gateway:
+    """A gateway in front of one worker; `tree`: import the package from that source tree."""
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": tree} if tree else None
+    kwargs: dict[str, object] = {"processes": processes} if processes != 1 else {}
+    gateway = Gateway(Path(tempfile.mkdtemp()), [(worker_url, "unified", "sm100")], extra_toml=extra_toml, env=env,
+                      **kwargs)  # type: ignore[arg-type]
+    gateway.wait_ready(1)
+    return gateway
+
+
+def gateways(worker_url: str, baseline: str | None, extra_toml: str = "") -> list[Target]:
+    targets = [Target("gateway", "", start_gateway(worker_url, extra_toml=extra_toml))]
+    if baseline:
+        targets.append(Target("baseline", "", start_gateway(worker_url, baseline, extra_toml=extra_toml)))
+    for t in targets:
+        assert t.gateway is not None
+        t.url = t.gateway.url + "/v1/chat/completions"
+    return targets
+
+
+def supports_processes() -> bool:
+    return "processes" in inspect.signature(Gateway.__init__).parameters
+
+
+def idle_cpu_ms_per_s(target: Target, seconds: float = 2.0) -> float:
+    cpu0 = target.cpu_s()
+    time.sleep(seconds)
+    return 1000 * (target.cpu_s() - cpu0) / seconds
+
+
+def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, object]:
+    """Direct vs gateway (vs baseline, vs N processes): latency, req/s, gateway CPU per request;
+    rounds interleave every target so the shared machine's noise hits all alike."""
+    worker, worker_url = start_worker(1000)
+    targets = [Target("direct", worker_url + "/v1/chat/completions")]
+    try:
+        targets += gateways(worker_url, args.baseline)
+        for n in levels:
+            if n != 1:
+                gw = start_gateway(worker_url, processes=n)
+                targets.append(Target(f"processes_{n}", gw.url + "/v1/chat/completions", gw))
+        for t in targets:
+            asyncio.run(closed_loop(t.url, WARMUP_REQUESTS, args.concurrency))
+        rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+        for round_no in range(args.rounds):
+            for t in targets:
+                cpu0 = t.cpu_s()
+                lat, rps, errors = asyncio.run(closed_loop(t.url, args.requests, args.concurrency))
+                cpu = t.cpu_s() - cpu0
+                if errors:
+                    raise SystemExit(f"{t.name}: {errors} failed requests")
+                row = {"p50_ms": pct_ms(lat, 0.5), "p99_ms": pct_ms(lat, 0.99), "rps": rps,
+                       "cpu_ms_per_request": 1000 * cpu / args.requests}
+                rows[t.name].append(row)
+                print(f"round {round_no} {t.name:12s} p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms"
+                      f"  {rps:7.1f} req/s  gateway cpu {row['cpu_ms_per_request']:.3f} ms/req", flush=True)
+    finally:
+        for t in targets:
+            t.stop()
+        worker.stop()
+
+    def med(name: str, key: str) -> float:
+        return round(statistics.median(r[key] for r in rows[name]), 3)
+
+    out: dict[str, object] = {f"direct_{k}": med("direct", k) for k in ("p50_ms", "p99_ms", "rps")}
+    for t in targets[1:]:
+        if t.name.startswith("processes_"):
+            continue
+        prefix = "" if t.name == "gateway" else "baseline_"
+        for k in ("p50_ms", "p99_ms", "rps"):
+            out[f"{prefix}gateway_{k}"] = med(t.name, k)
+        out[f"{prefix}added_p50_ms"] = round(med(t.name, "p50_ms") - med("direct", "p50_ms"), 2)
+        out[f"{prefix}added_p99_ms"] = round(med(t.name, "p99_ms") - med("direct", "p99_ms"), 2)
+        out[f"{prefix}cpu_ms_per_request"] = med(t.name, "cpu_ms_per_request")
+        out[f"{prefix}cpu_ms_per_request_rounds"] = [round(r["cpu_ms_per_request"], 3) for r in rows[t.name]]
+    for n in levels:
+        name = "gateway" if n == 1 else f"processes_{n}"
+        out[f"rps_{n}"] = med(name, "rps") if name in rows else None
+    return out
+
+
+async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[float], int, int]:
+    """n concurrent streams of ~`seconds` each: (inter-token gaps s, per-stream tokens/s, errors,
+    content chunks received)."""
     max_tokens = int(seconds * TOKENS_PER_S)
     gaps: list[float] = []
     rates: list[float] = []
     errors = 0
+    chunks = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=seconds * 4 + 60)) as s:
         async def one(i: int) -> None:
-            nonlocal errors
+            nonlocal errors, chunks
             await asyncio.sleep(i * 0.5 / max(n, 1))  # stagger starts over 0.5 s
             body = chat_body(i, max_tokens, stream=True, ignore_eos=True, stream_options={"include_usage": True})
             async with s.post(url, data=body, headers={"content-type": "application/json"}) as r:
@@ -99,25 +238,140 @@ async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[f
                         first = now
                     last = now
                     count += 1
+                chunks += count
                 if first is not None and last is not None and count > 1:
                     # tokens/s from the first to the last content message (usage counts tokens; a
                     # message may carry several when the sim merged steps)
                     rates.append((max(tokens, count) - 1) / (last - first))
 
         await asyncio.gather(*(one(i) for i in range(n)))
-    return gaps, rates, errors
+    return gaps, rates, errors, chunks
 
 
-def profile_gateway(pid: int, url: str, args: argparse.Namespace, out_dir: Path) -> list[tuple[str, float]]:
-    if shutil.which("py-spy") is None:
+def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> dict[str, object]:
+    """Gateway CPU per relayed chunk, net of per-request and idle cost (see the module doc)."""
+    worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S))
+    targets: list[Target] = []
+    out: dict[str, object] = {}
+    try:
+        targets = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n")
+        idle = {t.name: idle_cpu_ms_per_s(t) for t in targets}
+        results: dict[str, list[float]] = {t.name: [] for t in targets}
+        for _ in range(args.rounds):
+            for t in targets:
+                cpu0, wall0 = t.cpu_s(), time.perf_counter()
+                _, _, errors, chunks = asyncio.run(streams(t.url, args.chunk_streams, args.chunk_seconds))
+                cpu, wall = t.cpu_s() - cpu0, time.perf_counter() - wall0
+                if errors or not chunks:
+                    raise SystemExit(f"{t.name}: {errors} failed streams, {chunks} chunks")
+                net = cpu - args.chunk_streams * per_request_ms[t.name] / 1000 - idle[t.name] / 1000 * wall
+                results[t.name].append(1e6 * net / chunks)
+                print(f"{t.name:10s} {chunks} chunks  gateway cpu {cpu:.2f} s  net {1e6 * net / chunks:.1f} us/chunk",
+                      flush=True)
+        for t in targets:
+            prefix = "" if t.name == "gateway" else "baseline_"
+            out[f"{prefix}cpu_us_per_chunk"] = round(statistics.median(results[t.name]), 1)
+            out[f"{prefix}cpu_us_per_chunk_rounds"] = [round(x, 1) for x in results[t.name]]
+            out[f"{prefix}idle_cpu_ms_per_s"] = round(idle[t.name], 1)
+        if args.profile:
+            profile_gateway(targets[0], lambda: asyncio.run(streams(targets[0].url, args.chunk_streams,
+                                                                    args.chunk_seconds)),
+                            Path(args.profile), "stream")
+    finally:
+        for t in targets:
+            t.stop()
+        worker.stop()
+    return out
+
+
+def stream_levels(args: argparse.Namespace) -> dict[str, object]:
+    """Concurrent 50 tok/s streams: the largest level each gateway sustains (see the module doc)."""
+    worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S))
+    targets: list[Target] = [Target("direct", worker_url + "/v1/chat/completions")]
+    summary: dict[str, object] = {}
+    try:
+        gws = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n")
+        targets += gws
+        for gw in gws:
+            prefix = "" if gw.name == "gateway" else "baseline_"
+            summary.update(one_gateway_levels(args, worker, targets[0], gw, prefix))
+    finally:
+        for t in targets:
+            t.stop()
+        worker.stop()
+    return summary
+
+
+def one_gateway_levels(args: argparse.Namespace, worker: object, direct: Target, gateway: Target,
+                       prefix: str) -> dict[str, object]:
+    sustained, sustained_itl = 0, None
+    levels = []
+    worker_pid = worker.proc.pid  # type: ignore[attr-defined]
+    for n in (int(x) for x in args.streams.split(",")):
+        # Rounds alternate direct and gateway so the machine's noise (other processes on the
+        # shared cores) hits both sides alike; each figure is the median over rounds. One
+        # run per side made a p99 difference of +-5 ms from noise alone decide the level.
+        per_round: list[dict[str, float]] = []
+        for _ in range(args.stream_rounds):
+            one: dict[str, float] = {}
+            for name, target in (("direct", direct), ("gateway", gateway)):
+                cpu0 = (proc_cpu_s(worker_pid), gateway.cpu_s())
+                gaps, rates, errors, _ = asyncio.run(streams(target.url, n, args.stream_seconds))
+                cpu1 = (proc_cpu_s(worker_pid), gateway.cpu_s())
+                events = max(1, len(gaps) + n)
+                one[f"{name}_worker_cpu_us_per_event"] = 1e6 * (cpu1[0] - cpu0[0]) / events
+                if name == "gateway":
+                    one["gateway_cpu_us_per_event"] = 1e6 * (cpu1[1] - cpu0[1]) / events
+                one[f"{name}_itl_p50_ms"] = pct_ms(gaps, 0.5)
+                one[f"{name}_itl_p99_ms"] = pct_ms(gaps, 0.99)
+                one[f"{name}_min_rate"] = min(rates) if rates else 0.0
+                one[f"{name}_median_rate"] = statistics.median(rates) if rates else 0.0
+                one[f"{name}_errors"] = errors
+            one["added_itl_p99_ms"] = one["gateway_itl_p99_ms"] - one["direct_itl_p99_ms"]
+            per_round.append(one)
+        row: dict[str, object] = {"target": gateway.name, "streams": n, "rounds": len(per_round)}
+        for key in per_round[0]:
+            values = [r[key] for r in per_round]
+            if key.endswith("_errors"):
+                row[key] = int(sum(values))
+            elif key.endswith("_min_rate"):
+                row[key] = round(min(values), 1)
+            else:
+                digits = 0 if key.endswith("_us_per_event") else 1 if key.endswith("_rate") else 2
+                row[key] = round(statistics.median(values), digits) if digits else round(statistics.median(values))
+        row["added_itl_p99_ms_rounds"] = [round(r["added_itl_p99_ms"], 2) for r in per_round]
+        added = float(row["added_itl_p99_ms"])  # type: ignore[arg-type]  # median of the rounds' differences
+        direct_rate = float(row["direct_median_rate"])  # type: ignore[arg-type]
+        ok = (added <= ITL_BUDGET_MS and direct_rate >= 0.9 * TOKENS_PER_S
+              and float(row["gateway_median_rate"]) >= 0.95 * direct_rate  # type: ignore[arg-type]
+              and row["gateway_errors"] == 0)
+        row["sustained"] = ok
+        levels.append(row)
+        print(json.dumps(row), flush=True)
+        if not ok:
+            break
+        sustained, sustained_itl = n, added
+    return {f"{prefix}streams_sustained": sustained, f"{prefix}stream_added_itl_p99_ms": sustained_itl,
+            f"{prefix}stream_levels": levels}
+
+
+def py_spy() -> str | None:
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
+def profile_gateway(target: Target, load: object, out_dir: Path, label: str) -> list[tuple[str, float]]:
+    """py-spy samples the gateway while `load()` runs: top self and inclusive time, printed and saved."""
+    spy_bin = py_spy()
+    if spy_bin is None or target.gateway is None:
         print("py-spy not installed: no profile")
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
-    raw = out_dir / "gateway.pyspy.txt"
-    spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(raw),
-                            "-d", "30", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    raw = out_dir / f"{label}.pyspy.txt"
+    spy = subprocess.Popen([spy_bin, "record", "-p", str(target.gateway.proc.proc.pid), "-r", "500", "-f", "raw",
+                            "-o", str(raw), "-d", "60", "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
-    asyncio.run(closed_loop(url, args.requests, args.concurrency))
+    load()  # type: ignore[operator]
     spy.send_signal(2)  # SIGINT: py-spy writes what it has
     spy.wait(timeout=30)
     self_time: collections.Counter[str] = collections.Counter()
@@ -135,12 +389,12 @@ def profile_gateway(pid: int, url: str, args: argparse.Namespace, out_dir: Path)
                 inclusive[f] += int(count)
     top = [(frame, round(100 * c / total, 1)) for frame, c in self_time.most_common(25)]
     ours = [(frame, round(100 * c / total, 1)) for frame, c in inclusive.most_common(15)]
-    print("gateway inclusive time of deepinfer_gateway functions (% of samples):")
+    print(f"{label}: gateway inclusive time of deepinfer_gateway functions (% of {total} samples):")
     for frame, share in ours:
         print(f"  {share:5.1f}%  {frame}")
-    (out_dir / "gateway.inclusive.json").write_text(json.dumps(ours, indent=1))
-    (out_dir / "gateway.top.json").write_text(json.dumps(top, indent=1))
-    print("gateway self time, top functions (% of samples):")
+    (out_dir / f"{label}.inclusive.json").write_text(json.dumps(ours, indent=1))
+    (out_dir / f"{label}.top.json").write_text(json.dumps(top, indent=1))
+    print(f"{label}: gateway self time, top functions (% of samples):")
     for frame, share in top:
         print(f"  {share:5.1f}%  {frame}")
     return top
@@ -151,84 +405,39 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--streams", default="50,100,150,200,300,400")
+    parser.add_argument("--streams", default="50,100,150,200,300,400", help="stream levels ('' skips them)")
     parser.add_argument("--stream-seconds", type=float, default=8.0)
     parser.add_argument("--stream-rounds", type=int, default=3,
                         help="direct/gateway rounds per level (alternating); figures are medians over rounds")
-    parser.add_argument("--profile", default=None, help="directory for a py-spy profile of the gateway")
+    parser.add_argument("--chunk-streams", type=int, default=100)
+    parser.add_argument("--chunk-seconds", type=float, default=6.0)
+    parser.add_argument("--processes", default="1,2", help="gateway process counts for rps_N")
+    parser.add_argument("--baseline", default=None, help="source tree of a baseline gateway run side by side")
+    parser.add_argument("--profile", default=None, help="directory for py-spy profiles of the gateway")
     args = parser.parse_args()
-    summary: dict[str, object] = {}
-
-    # --- non-streaming ---
-    summary.update(compare_non_streaming(args.requests, args.concurrency, args.rounds))
+    levels = [int(x) for x in args.processes.split(",") if x]
+    if not supports_processes():
+        print("launch.Gateway takes no `processes`: rps_N for N > 1 not measured", flush=True)
+        levels = [n for n in levels if n == 1]
+    summary: dict[str, object] = non_streaming(args, levels)
+    for n in args.processes.split(","):
+        summary.setdefault(f"rps_{n}", None)
     if args.profile:
         worker, worker_url = start_worker(1000)
-        gateway = start_gateway(worker_url)
+        target = gateways(worker_url, None)[0]
         try:
-            summary["profile_top"] = profile_gateway(gateway.proc.proc.pid, gateway.url + "/v1/chat/completions",
-                                                     args, Path(args.profile))[:10]
+            summary["profile_top"] = profile_gateway(
+                target, lambda: asyncio.run(closed_loop(target.url, args.requests, args.concurrency)),
+                Path(args.profile), "gateway")[:10]
         finally:
-            gateway.stop()
+            target.stop()
             worker.stop()
-
-    # --- streaming at 50 tok/s per stream ---
-    worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S))
-    gateway = None
-    sustained, sustained_itl = 0, None
-    levels = []
-    try:
-        gateway = start_gateway(worker_url, "between_events_timeout_s = 30\n")
-        targets = {"direct": worker_url + "/v1/chat/completions", "gateway": gateway.url + "/v1/chat/completions"}
-        for n in (int(x) for x in args.streams.split(",")):
-            # Rounds alternate direct and gateway so the machine's noise (other processes on the
-            # shared cores) hits both sides alike; each figure is the median over rounds. One
-            # run per side made a p99 difference of +-5 ms from noise alone decide the level.
-            per_round: list[dict[str, float]] = []
-            for _ in range(args.stream_rounds):
-                one: dict[str, float] = {}
-                for name, url in targets.items():
-                    cpu0 = (proc_cpu_s(worker.proc.pid), proc_cpu_s(gateway.proc.proc.pid))
-                    gaps, rates, errors = asyncio.run(streams(url, n, args.stream_seconds))
-                    cpu1 = (proc_cpu_s(worker.proc.pid), proc_cpu_s(gateway.proc.proc.pid))
-                    events = max(1, len(gaps) + n)
-                    one[f"{name}_worker_cpu_us_per_event"] = 1e6 * (cpu1[0] - cpu0[0]) / events
-                    if name == "gateway":
-                        one["gateway_cpu_us_per_event"] = 1e6 * (cpu1[1] - cpu0[1]) / events
-                    one[f"{name}_itl_p50_ms"] = pct_ms(gaps, 0.5)
-                    one[f"{name}_itl_p99_ms"] = pct_ms(gaps, 0.99)
-                    one[f"{name}_min_rate"] = min(rates) if rates else 0.0
-                    one[f"{name}_median_rate"] = statistics.median(rates) if rates else 0.0
-                    one[f"{name}_errors"] = errors
-                one["added_itl_p99_ms"] = one["gateway_itl_p99_ms"] - one["direct_itl_p99_ms"]
-                per_round.append(one)
-            row: dict[str, object] = {"streams": n, "rounds": len(per_round)}
-            for key in per_round[0]:
-                values = [r[key] for r in per_round]
-                if key.endswith("_errors"):
-                    row[key] = int(sum(values))
-                elif key.endswith("_min_rate"):
-                    row[key] = round(min(values), 1)
-                else:
-                    digits = 0 if key.endswith("_us_per_event") else 1 if key.endswith("_rate") else 2
-                    row[key] = round(statistics.median(values), digits) if digits else round(statistics.median(values))
-            row["added_itl_p99_ms_rounds"] = [round(r["added_itl_p99_ms"], 2) for r in per_round]
-            added = float(row["added_itl_p99_ms"])  # type: ignore[arg-type]  # median of the rounds' differences
-            direct_rate = float(row["direct_median_rate"])  # type: ignore[arg-type]
-            ok = (added <= ITL_BUDGET_MS and direct_rate >= 0.9 * TOKENS_PER_S
-                  and float(row["gateway_median_rate"]) >= 0.95 * direct_rate  # type: ignore[arg-type]
-                  and row["gateway_errors"] == 0)
-            row["sustained"] = ok
-            levels.append(row)
-            print(json.dumps(row), flush=True)
-            if ok:
-                sustained, sustained_itl = n, added
-            else:
-                break
-    finally:
-        if gateway:
-            gateway.stop()
-        worker.stop()
-    summary.update(streams_sustained=sustained, stream_added_itl_p99_ms=sustained_itl, stream_levels=levels)
+    per_request = {"gateway": float(summary["cpu_ms_per_request"])}  # type: ignore[arg-type]
+    if args.baseline:
+        per_request["baseline"] = float(summary["baseline_cpu_ms_per_request"])  # type: ignore[arg-type]
+    summary.update(chunk_cost(args, per_request))
+    if args.streams:
+        summary.update(stream_levels(args))
     print(json.dumps(summary))
 
 
