@@ -114,7 +114,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = WorkerClient(Timeouts(connect_s=settings.connect_timeout_s,
                                        first_event_s=settings.first_event_timeout_s,
-                                       between_events_s=settings.between_events_timeout_s))
+                                       between_events_s=settings.between_events_timeout_s),
+                              tokenizer=bundle)
         await client.start()
         redis = None
         if settings.redis_url:
@@ -174,7 +175,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -8,19 +8,26 @@ pool, hardware, reason enum, worker id from config).
 
 Per-request histograms are labelled `model, pool, hardware`; the request path looks their
 children up once per worker leg (`request_series`), never per streamed chunk.
+
+With PROMETHEUS_MULTIPROC_DIR set, every process of a host writes to that folder and
+`/metrics` serves their merge (metrics_host.py); each gauge states its `multiprocess_mode`.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import subprocess
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from deepinfer_gateway.gateway.metrics_host import HostCollector, ProcessCpuCollector, live_processes, multiprocess_dir
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -51,35 +58,49 @@ class RequestSeries:
 
 
 class GatewayMetrics:
+    """Every metric of one gateway process, registered in `registry` (the reference for the
+    docs). `exposition` is what `/metrics` serves: `registry` itself, or with
+    PROMETHEUS_MULTIPROC_DIR set, the merge of every process on the host (metrics_host.py),
+    where each gauge's `multiprocess_mode` says how its processes' values combine.
+    Multiprocess mode holds one GatewayMetrics per process: two would write the same series."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+
+        def per_request(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, REQUEST_LABELS, buckets=buckets, registry=r)
+
+        def worker_gauge(name: str, documentation: str) -> Gauge:
+            # Every process reads the same worker on its own health checks: the newest
+            # reading is the host's best (a sum would count it once per process, a min or
+            # max would hold on to a stale value of a process that no longer updates it).
+            return Gauge(name, documentation, [WORKER_LABEL], multiprocess_mode="livemostrecent", registry=r)
+
         self.build = Info("dgw_build", "Build of this gateway process (value 1): version, python, git_sha",
                           registry=r)
         self.build.info(build_labels())
         self.requests = Counter("dgw_requests", "Client requests by outcome", ["protocol", "model", "status"],
                                 registry=r)
-        self.ttft = Histogram("dgw_time_to_first_token_seconds",
-                              "Request arrival to its first token sent (labels: the worker that produced it)",
-                              REQUEST_LABELS, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("dgw_inter_token_latency_seconds",
-                             "Gap between streamed token messages (labels: the worker that sent the later one)",
-                             REQUEST_LABELS, buckets=ITL_BUCKETS, registry=r)
-        self.duration = Histogram("dgw_request_duration_seconds",
-                                  "Request arrival to last byte, requests that got a first token "
-                                  "(labels: the worker of the last leg)",
-                                  REQUEST_LABELS, buckets=DURATION_BUCKETS, registry=r)
-        self.queue_time = Histogram("dgw_queue_time_seconds",
-                                    "Request arrival to the serving worker's `ready` event (the engine scheduled it): "
-                                    "preprocessing, routing, retries and the engine's queue; excludes prefill",
-                                    REQUEST_LABELS, buckets=QUEUE_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram("dgw_request_prompt_tokens",
-                                               "Prompt tokens per request, as the first worker counted them",
-                                               REQUEST_LABELS, buckets=PROMPT_TOKEN_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram("dgw_request_generation_tokens",
-                                                   "Output tokens per request that got a first token, however it "
-                                                   "ended (labels: the worker of the last leg)",
-                                                   REQUEST_LABELS, buckets=OUTPUT_TOKEN_BUCKETS, registry=r)
+        self.ttft = per_request("dgw_time_to_first_token_seconds",
+                                "Request arrival to its first token sent (labels: the worker that produced it)",
+                                TTFT_BUCKETS)
+        self.itl = per_request("dgw_inter_token_latency_seconds",
+                               "Gap between streamed token messages (labels: the worker that sent the later one)",
+                               ITL_BUCKETS)
+        self.duration = per_request("dgw_request_duration_seconds",
+                                    "Request arrival to last byte, requests that got a first token "
+                                    "(labels: the worker of the last leg)", DURATION_BUCKETS)
+        self.queue_time = per_request("dgw_queue_time_seconds",
+                                      "Request arrival to the serving worker's `ready` event (the engine scheduled "
+                                      "it): preprocessing, routing, retries and the engine's queue; excludes prefill",
+                                      QUEUE_BUCKETS)
+        self.request_prompt_tokens = per_request("dgw_request_prompt_tokens",
+                                                 "Prompt tokens per request, as the first worker counted them",
+                                                 PROMPT_TOKEN_BUCKETS)
+        self.request_generation_tokens = per_request("dgw_request_generation_tokens",
+                                                     "Output tokens per request that got a first token, however it "
+                                                     "ended (labels: the worker of the last leg)", OUTPUT_TOKEN_BUCKETS)
         self.prompt_tokens = Counter("dgw_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.cached_tokens = Counter("dgw_cached_prompt_tokens", "Prompt tokens the worker reported cached",
                                      ["tier"], registry=r)
@@ -89,14 +110,10 @@ class GatewayMetrics:
         self.generation_tokens = Counter("dgw_generation_tokens", "Output tokens relayed", registry=r)
         self.routing_decisions = Counter("dgw_routing_decisions", "Routing decisions",
                                          ["pool", "hardware", "reason"], registry=r)
-        self.worker_healthy = Gauge("dgw_worker_healthy", "1 if the worker passes health checks", [WORKER_LABEL],
-                                    registry=r)
-        self.worker_queue_tokens = Gauge("dgw_worker_queue_tokens", "Queued prefill tokens (load report)",
-                                         [WORKER_LABEL], registry=r)
-        self.worker_running = Gauge("dgw_worker_running_requests", "Running sequences (load report)", [WORKER_LABEL],
-                                    registry=r)
-        self.worker_kv_usage = Gauge("dgw_worker_kv_usage_ratio", "KV memory in use (load report)", [WORKER_LABEL],
-                                     registry=r)
+        self.worker_healthy = worker_gauge("dgw_worker_healthy", "1 if the worker passes health checks")
+        self.worker_queue_tokens = worker_gauge("dgw_worker_queue_tokens", "Queued prefill tokens (load report)")
+        self.worker_running = worker_gauge("dgw_worker_running_requests", "Running sequences (load report)")
+        self.worker_kv_usage = worker_gauge("dgw_worker_kv_usage_ratio", "KV memory in use (load report)")
         self.prefix_lookup = Histogram("dgw_prefix_index_lookup_seconds", "Prefix index lookup latency",
                                        buckets=LOOKUP_BUCKETS, registry=r)
         self.upstream_errors = Counter("dgw_upstream_errors", "Failed worker calls", [WORKER_LABEL, "kind"],
@@ -105,7 +122,8 @@ class GatewayMetrics:
                                ["reason"], registry=r)
         self.client_disconnects = Counter("dgw_client_disconnects", "Clients gone before the end of their stream",
                                           registry=r)
-        self.inflight = Gauge("dgw_inflight_requests", "Requests in flight in this gateway process", registry=r)
+        self.inflight = Gauge("dgw_inflight_requests", "Requests in flight in this gateway process "
+                              "(several processes on a host: their sum)", multiprocess_mode="livesum", registry=r)
         self.prediction_error = Histogram(
             "dgw_cache_prediction_error_ratio",
             "(predicted - reported cached tokens) / prompt tokens, per routed request: >0 the index over-predicts",
@@ -120,6 +138,15 @@ class GatewayMetrics:
         self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
                            self.upstream_errors)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
+        shared_dir = multiprocess_dir()
+        self.process_cpu = ProcessCpuCollector(functools.partial(live_processes, shared_dir) if shared_dir
+                                               else lambda: (os.getpid(),))
+        r.register(self.process_cpu)
+        self.exposition = r
+        if shared_dir:
+            self.exposition = CollectorRegistry(auto_describe=False)
+            self.exposition.register(HostCollector(shared_dir, (self.build, self.process_cpu), WORKER_LABEL,
+                                                   self.workers_here))
 
     def count_request(self, protocol: str, model: str, status: int | str) -> None:
         """dgw_requests_total: every request's outcome is recorded here, once.
@@ -140,9 +167,16 @@ class GatewayMetrics:
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every series of a worker (it left the registry); a later one with the same
-        id starts afresh."""
-        for metric in self.per_worker:
-            metric.remove_by_labels({WORKER_LABEL: worker_id})
+        id starts afresh. In multiprocess mode its values stay in the files (prometheus-client
+        cannot delete them, and warns so): `workers_here` hides them from the merge."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Removal of labels has not been implemented", UserWarning)
+            for metric in self.per_worker:
+                metric.remove_by_labels({WORKER_LABEL: worker_id})
+
+    def workers_here(self) -> set[str]:
+        """The workers this process holds series for (its registered ones, once checked)."""
+        return {s.labels[WORKER_LABEL] for m in self.per_worker for f in m.collect() for s in f.samples}
 
 
 @functools.cache

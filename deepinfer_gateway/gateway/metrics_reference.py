@@ -10,15 +10,16 @@ when the committed file and this output differ, or when a label has no descripti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from deepinfer_gateway.errors import UpstreamKind
 from deepinfer_gateway.gateway.metrics import REQUEST_LABELS, GatewayMetrics
+from deepinfer_gateway.gateway.metrics_host import ProcessCpuCollector
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
 from deepinfer_gateway.protocol import Hardware, Role
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
@@ -44,6 +45,7 @@ LABELS: dict[str, str] = {
     "op": "the Redis prefix index's operation: `apply`, `lookup`, `remove_worker`",
     "version": "the installed `deepinfer-gateway` version",
     "python": "the interpreter's version",
+    "pid": "the process id of a gateway process on this host (one series per live process)",
     "git_sha": "12 hex digits of the source commit when known (a VCS install or a source checkout), else `unknown`",
 }
 
@@ -95,6 +97,13 @@ export none: their load reports appear as `dgw_worker_*{{worker}}` on every repl
   (`DELETE /admin/workers/{{id}}`); a worker added again under the same id starts from zero,
   which Prometheus reads as a counter reset.
 - **Build.** `dgw_build_info` is 1, its labels name the build.
+- **Several processes per host** (`serve --processes N`, or any host that sets
+  `PROMETHEUS_MULTIPROC_DIR` for its gateway processes): `/metrics` from any of them is the
+  whole host's, merged from the processes' files as the last column says. Counters and
+  histograms keep the counts of exited processes, so they never go backwards; the `live`
+  gauges drop a process's values when the supervisor marks it dead. There `_created` samples
+  are not exported, and a removed worker's series are hidden by the process that answers the
+  scrape once it has removed the worker (every process does, with Redis).
 
 """
 
@@ -106,6 +115,8 @@ class MetricDoc:
     labels: tuple[str, ...]
     help: str
     buckets: tuple[float, ...] = ()
+    across: str = ""  # how the series of several processes on a host combine
+
 
     def series_names(self) -> set[str]:
         """Every sample name this metric exposes."""
@@ -123,26 +134,49 @@ def reference_registry() -> CollectorRegistry:
     return metrics.registry
 
 
-def _wrappers(registry: CollectorRegistry) -> Iterator[MetricWrapperBase]:
+ACROSS_PROCESSES = {
+    "counter": "sum, exited processes included",
+    "histogram": "sum, exited processes included",
+    "info": "the answering process's (one build per host)",
+    "livesum": "sum over live processes",
+    "livemostrecent": "the newest value a live process set",
+}
+
+
+def _collectors(registry: CollectorRegistry) -> list[Any]:
     # prometheus_client has no public way to list a registry's collectors, nor the label
-    # names or buckets of a metric that has no series yet: both are read from its fields.
-    for collector in list(registry._collector_to_names):
-        if isinstance(collector, MetricWrapperBase):
-            yield collector
+    # names, buckets or multiprocess mode of a metric that has no series yet: all are read
+    # from their fields.
+    return list(registry._collector_to_names)
+
+
+def _across(wrapper: MetricWrapperBase, family_type: str) -> str:
+    if family_type == "gauge":
+        return ACROSS_PROCESSES[wrapper._multiprocess_mode]  # type: ignore[attr-defined]
+    return ACROSS_PROCESSES[family_type]
 
 
 def metric_docs(registry: CollectorRegistry | None = None) -> list[MetricDoc]:
     registry = registry or reference_registry()
     docs: list[MetricDoc] = []
-    for wrapper in _wrappers(registry):
-        (family,) = wrapper.describe()
+    for collector in _collectors(registry):
+        if isinstance(collector, ProcessCpuCollector):
+            (family,) = collector.describe()
+            docs.append(MetricDoc(family.name + "_total", family.type, collector.labelnames, family.documentation,
+                                  across="one series per live process"))
+            continue
+        if not isinstance(collector, MetricWrapperBase):
+            raise TypeError(f"metrics_reference cannot document {collector!r}")
+        (family,) = collector.describe()
         if family.type == "info":
-            (sample,) = (s for f in wrapper.collect() for s in f.samples)
-            docs.append(MetricDoc(sample.name, "gauge", tuple(sorted(sample.labels)), family.documentation))
+            (sample,) = (s for f in collector.collect() for s in f.samples)
+            docs.append(MetricDoc(sample.name, "gauge", tuple(sorted(sample.labels)), family.documentation,
+                                  across=ACROSS_PROCESSES["info"]))
             continue
         name = family.name + "_total" if family.type == "counter" else family.name
-        buckets = tuple(b for b in getattr(wrapper, "_upper_bounds", ()) if b != float("inf"))
-        docs.append(MetricDoc(name, family.type, tuple(wrapper._labelnames), family.documentation, buckets))
+        buckets = tuple(b for b in getattr(collector, "_upper_bounds", ()) if b != float("inf"))
+        docs.append(MetricDoc(name, family.type, tuple(collector._labelnames), family.documentation, buckets,
+                              _across(collector, family.type)))
     return sorted(docs, key=lambda d: d.name)
 
 
@@ -161,13 +195,13 @@ def render(registry: CollectorRegistry | None = None) -> str:
     missing = [label for label in used if label not in LABELS]
     if missing:
         raise ValueError(f"labels without a description in metrics_reference.LABELS: {missing}")
-    lines = [HEADER, "## Metrics", "", "| name | type | labels | help |", "|---|---|---|---|"]
+    lines = [HEADER, "## Metrics", "", "| name | type | labels | help | several processes |", "|---|---|---|---|---|"]
     for d in docs:
         labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
         help_text = d.help.replace("|", "\\|")
         if d.buckets:
             help_text += f" (buckets: {', '.join(_number(b) for b in d.buckets)})"
-        lines.append(f"| `{d.name}` | {d.type} | {labels} | {help_text} |")
+        lines.append(f"| `{d.name}` | {d.type} | {labels} | {help_text} | {d.across} |")
     lines += ["", "## Labels", "", "| label | values |", "|---|---|"]
     lines += [f"| `{label}` | {LABELS[label]} |" for label in used]
     return "\n".join(lines) + "\n"
