@@ -168,7 +168,7 @@ class LoadReport(_Model):
 class WorkerInfo(_Model):
     protocol_version: int = PROTOCOL_VERSION
     worker_id: str
-    engine: Literal["sim", "deepinfer", "vllm"]
+    engine: Literal["sim", "deepinfer", "vllm", "openai"]
     role: Role
     hardware: Hardware
     kv_format: str

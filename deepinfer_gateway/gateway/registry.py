@@ -110,7 +110,7 @@ class WorkerRegistry:
 
     async def _check(self, worker: WorkerState) -> None:
         try:
-            if worker.spec.engine is WorkerEngine.VLLM:
+            if worker.spec.engine in (WorkerEngine.VLLM, WorkerEngine.OPENAI):
                 facts = await self._client.probe_vllm(worker.url)  # one probe gives both reports
                 load, worker.info = facts.load(worker.spec), facts.info(worker.spec)
             else:

@@ -23,7 +23,9 @@ from deepinfer_gateway.config import WorkerEngine, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 
 if TYPE_CHECKING:
+    from deepinfer_gateway.gateway.openai_upstream import OpenAIFacts, OpenAIUpstream
     from deepinfer_gateway.gateway.vllm_upstream import VllmFacts, VllmUpstream
+    from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
 
 POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)
@@ -135,18 +137,24 @@ class WorkerStream(LineStream):
 
 
 class WorkerClient:
-    def __init__(self, timeouts: Timeouts = Timeouts(), session: aiohttp.ClientSession | None = None):
+    def __init__(self, timeouts: Timeouts = Timeouts(), session: aiohttp.ClientSession | None = None,
+                 tokenizer: TokenizerBundle | None = None):
         self.timeouts = timeouts
         self._session = session
         self._owns_session = session is None
-        self._vllm: dict[str, VllmUpstream] = {}  # by URL: workers that are vLLM servers
+        self._tokenizer = tokenizer  # openai workers re-tokenize their text with it
+        self._vllm: dict[str, VllmUpstream | OpenAIUpstream] = {}  # by URL: OpenAI servers (vllm, openai engines)
 
     def register(self, spec: WorkerSpec) -> None:
         """Route calls to `spec.url` through its engine's adapter (worker protocol: nothing to do)."""
-        from deepinfer_gateway.gateway.vllm_upstream import VllmUpstream  # here: it imports this module
+        from deepinfer_gateway.gateway.openai_upstream import OpenAIUpstream  # here: they import this module
+        from deepinfer_gateway.gateway.vllm_upstream import VllmUpstream
 
         if spec.engine is WorkerEngine.VLLM:
             self._vllm[spec.url] = VllmUpstream(spec)
+        elif spec.engine is WorkerEngine.OPENAI:
+            assert self._tokenizer is not None, "openai workers need the WorkerClient's tokenizer"
+            self._vllm[spec.url] = OpenAIUpstream(spec, self._tokenizer)
         else:
             self._vllm.pop(spec.url, None)
 
@@ -161,8 +169,8 @@ class WorkerClient:
         info = (await probe(self.session, spec, self.timeouts.control_s)).info(spec)
         return kv_salt(info.model, info.kv_format)
 
-    async def probe_vllm(self, url: str) -> VllmFacts:
-        """A registered vLLM worker's model, context, block size and load."""
+    async def probe_vllm(self, url: str) -> VllmFacts | OpenAIFacts:
+        """A registered vLLM (or openai) worker's model, context, block size and load."""
         return await self._vllm[url].probe(self.session, self.timeouts.control_s)
 
     async def start(self) -> None:
