@@ -139,6 +139,13 @@ def test_build_info_names_this_build(one_worker_gateway: Gateway) -> None:
     assert re.fullmatch(r"[0-9a-f]{12}|unknown", labels["git_sha"])
 
 
+def test_process_cpu_is_the_gateways_own(one_worker_gateway: Gateway) -> None:
+    """One process: one series, its pid; the several-process case is test_metrics_multiprocess.py."""
+    first = scrape(one_worker_gateway.url)
+    cpu = {dict(ls)["pid"]: v for (name, ls), v in first.items() if name == "dgw_process_cpu_seconds_total"}
+    assert list(cpu) == [str(one_worker_gateway.proc.proc.pid)] and cpu[str(one_worker_gateway.proc.proc.pid)] > 0
+
+
 def test_a_removed_workers_series_are_gone(one_worker_gateway: Gateway, two_workers: SimCluster) -> None:
     gw = one_worker_gateway
     if httpx.get(gw.url + "/ready").json()["healthy_workers"] < 2:  # this test alone: add the worker here
