@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,17 @@ def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     """Sum of `name` samples whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def scrape_until(gateway_url: str, name: str, want: float,
+                 **labels: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Scrape until `name` reaches `want` (a request is counted when its response closes), for 10 s at most."""
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(gateway_url)
+        if total(samples, name, **labels) >= want or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
 
 
 @dataclass

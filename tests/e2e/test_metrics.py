@@ -24,7 +24,7 @@ from deepinfer_gateway.gateway import metrics_reference
 from deepinfer_gateway.gateway.metrics import REQUEST_LABELS, WORKER_LABEL, GatewayMetrics
 from deepinfer_gateway.gateway.metrics_reference import LABELS, exposed_names, metric_docs, reference_registry, render
 from deepinfer_gateway.launch import Gateway, SimCluster
-from tests.fault_doubles import scrape, total
+from tests.fault_doubles import scrape, scrape_until, total
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "deepinfer-gateway.json"
@@ -65,16 +65,6 @@ def _chat(client: openai.OpenAI, content: str, stream: bool) -> tuple[str, int, 
     return worker, usage.prompt_tokens, usage.completion_tokens
 
 
-def _wait_until_counted(gw: Gateway, name: str, want: float, **labels: str) -> dict[Any, float]:
-    """Scrape until `name` reaches `want` (a streamed request is counted when its response closes)."""
-    deadline = time.monotonic() + 10
-    while True:
-        samples = scrape(gw.url)
-        if total(samples, name, **labels) >= want or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
-
-
 # ------------------------------------------------------------------------------ unified
 
 @pytest.fixture(scope="module")
@@ -109,7 +99,7 @@ def test_histograms_carry_the_serving_workers_model_pool_and_hardware(
         stream = i % 4 < 2
         served.append((*_chat(client, f"Metrics request {i}: tell me about hardware.", stream), stream))
     assert {w for w, *_ in served} == set(labels_of)
-    samples = _wait_until_counted(gw, "dgw_requests_total", len(served), protocol="chat", status="200")
+    samples = scrape_until(gw.url, "dgw_requests_total", len(served), protocol="chat", status="200")
 
     for worker, labels in labels_of.items():
         mine = [s for s in served if s[0] == worker]
@@ -124,8 +114,8 @@ def test_histograms_carry_the_serving_workers_model_pool_and_hardware(
         streamed_tokens = sum(c for _, _, c, s in mine if s)
         assert 0 < total(samples, "dgw_inter_token_latency_seconds_count", **series) <= streamed_tokens
     # Only bounded values appear: the served model, configured pools, the Hardware enum.
-    for name, labels in samples:
-        found = dict(labels)
+    for name, sample_labels in samples:
+        found = dict(sample_labels)
         if name.startswith(PER_REQUEST + ("dgw_inter_token_latency_seconds",)):
             assert found["model"] == MODEL
             assert found["pool"] == POOL and found["hardware"] in {"sm100", "ascend950"}
@@ -205,7 +195,7 @@ def test_pd_first_leg_and_last_leg_label_their_own_histograms(
     try:
         gw.wait_ready(2)
         _, prompt, completion = _chat(_client(gw), "A prefill on one worker, the decode on another.", stream=True)
-        samples = _wait_until_counted(gw, "dgw_requests_total", 1, status="200")
+        samples = scrape_until(gw.url, "dgw_requests_total", 1, status="200")
         prefill = {"model": MODEL, "pool": "prefill", "hardware": "ascend950"}
         decode = {"model": MODEL, "pool": "decode", "hardware": "ascend950"}
         for name in ("dgw_time_to_first_token_seconds", "dgw_queue_time_seconds", "dgw_request_prompt_tokens"):

@@ -24,7 +24,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from deepinfer_gateway.gateway.metrics_host import MULTIPROC_ENV
 from deepinfer_gateway.launch import Gateway, SimCluster
-from tests.fault_doubles import scrape, total
+from tests.fault_doubles import scrape, scrape_until, total
 
 MODEL = "DeepSeek-V4.1-Flash"
 ADMIN_KEY = "multiprocess-admin"
@@ -90,16 +90,6 @@ def _open_stream(gw: Gateway, content: str) -> openai.Stream[Any]:
     return stream
 
 
-def _scrape_until(gw: Gateway, name: str, want: float, **labels: str) -> Samples:
-    """Scrape until `name` reaches `want`: a request is counted when its response closes."""
-    deadline = time.monotonic() + 10
-    while True:
-        samples = scrape(gw.url)
-        if total(samples, name, **labels) >= want or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
-
-
 def _series(samples: Samples, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return {labels: v for (n, labels), v in samples.items() if n == name}
 
@@ -112,11 +102,11 @@ def test_either_process_reports_the_sums_of_both(host: tuple[Gateway, Gateway, P
     a, b, _ = host
     served = [_chat(a, f"Process A, request {i}: streamed.", stream=True) for i in range(3)]
     served += [_chat(b, f"Process B, request {i}: whole.", stream=False) for i in range(2)]
-    _scrape_until(a, "dgw_requests_total", len(served), protocol="chat", status="200")
+    scrape_until(a.url, "dgw_requests_total", len(served), protocol="chat", status="200")
 
     worker_ids = {url.removeprefix("http://") for url in cluster.urls}
     for gw in (a, b):
-        samples = _scrape_until(gw, "dgw_requests_total", len(served), protocol="chat", status="200")
+        samples = scrape_until(gw.url, "dgw_requests_total", len(served), protocol="chat", status="200")
         assert total(samples, "dgw_requests_total", protocol="chat", status="200") == len(served)
         assert total(samples, "dgw_time_to_first_token_seconds_count", model=MODEL) == len(served)
         assert total(samples, "dgw_time_to_first_token_seconds_bucket", le="+Inf") == len(served)
@@ -141,7 +131,7 @@ def test_a_dead_process_drops_its_gauges_and_keeps_its_counts(host: tuple[Gatewa
     for i in range(2):
         _chat(b, f"Counted by B before it dies, {i}.", stream=False)
     _chat(a, "Counted by A.", stream=False)
-    _scrape_until(a, "dgw_requests_total", 3, status="200")
+    scrape_until(a.url, "dgw_requests_total", 3, status="200")
     held = [_open_stream(a, "A long answer through A."), _open_stream(b, "A long answer through B.")]
     try:
         samples = scrape(a.url)
