@@ -102,8 +102,9 @@ export none: their load reports appear as `dgw_worker_*{{worker}}` on every repl
   whole host's, merged from the processes' files as the last column says. Counters and
   histograms keep the counts of exited processes, so they never go backwards; the `live`
   gauges drop a process's values when the supervisor marks it dead. There `_created` samples
-  are not exported, and a removed worker's series are hidden by the process that answers the
-  scrape once it has removed the worker (every process does, with Redis).
+  are not exported; a removed worker's series are hidden by the process that answers the
+  scrape once it has removed the worker (every process does, with Redis), and a worker added
+  again under the same id continues its counters instead of starting from zero.
 
 """
 
