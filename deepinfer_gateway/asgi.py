@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,13 +40,18 @@ class EmbeddedServer(uvicorn.Server):
 
 async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str = "info",
                              graceful_s: float = 30.0, drain_delay_s: float = 0.0,
-                             on_signal: Callable[[], None] | None = None) -> None:
+                             on_signal: Callable[[], None] | None = None, sock: socket.socket | None = None,
+                             headers: Sequence[tuple[str, str]] = (),
+                             signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)) -> bool:
+    """Serve until one of `signals`; returns whether the server started (False: the lifespan
+    failed). `sock`: a listening socket bound by the caller (a supervisor shares one between
+    its processes), else uvicorn binds `host`:`port`. `headers` go on every response."""
     # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
     # (gateway/logs.py), so `--log-format json` covers uvicorn's lines too.
     # uvicorn hints timeout_graceful_shutdown as int, but hands it to asyncio.timeout: seconds as float.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=cast(int, graceful_s), lifespan="on", log_config=None,
-                            timeout_keep_alive=KEEP_ALIVE_S)
+                            timeout_keep_alive=KEEP_ALIVE_S, headers=list(headers))
     server = EmbeddedServer(config)
     loop = asyncio.get_running_loop()
     delayed_exit: list[asyncio.TimerHandle] = []
@@ -62,22 +67,24 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
             on_signal()
         begin_shutdown()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, on_exit_signal)
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         for handle in delayed_exit:
             handle.cancel()
+    return server.started
 
 
-def run_until_signal(app: Any, host: str, port: int, **kwargs: Any) -> None:
+def run_until_signal(app: Any, host: str, port: int, **kwargs: Any) -> bool:
+    """serve_until_signal in a new event loop (uvloop where installed)."""
     try:
         import uvloop
 
-        uvloop.run(serve_until_signal(app, host, port, **kwargs))
+        return uvloop.run(serve_until_signal(app, host, port, **kwargs))
     except ImportError:
-        asyncio.run(serve_until_signal(app, host, port, **kwargs))
+        return asyncio.run(serve_until_signal(app, host, port, **kwargs))
 
 
 @dataclass

@@ -49,6 +49,19 @@ def worker_url(text: str) -> dict[str, str]:
     return entry
 
 
+def processes(text: str) -> int | str:
+    """`--processes N|auto` (argparse type): a count, or "auto" (0 too) for one per CPU."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of processes or auto")
+    return count
+
+
 def _add_otel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otel-exporter", choices=["otlp", "console"], default=None,
                         help="OpenTelemetry server spans for generate/abort, continuing the gateway's trace "
@@ -104,6 +117,7 @@ EPILOG = """\
 examples:
   deepinfer-gateway demo                        # http://127.0.0.1:8000/v1, 6 simulated workers
   deepinfer-gateway serve --config gateway.toml
+  deepinfer-gateway serve --config gateway.toml --processes auto   # one gateway process per CPU
   deepinfer-gateway serve --worker-url prefill:sm100@http://10.0.0.5:8100 \\
       --worker-url decode:sm100@http://10.0.0.6:8100 --api-key "$KEY" --log-level debug
   deepinfer-gateway bench --url http://127.0.0.1:8000 --trace mooncake:conversation --out results/
@@ -140,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pd: prefill and decode pools; unified: workers doing both")
     demo.add_argument("--worker-base-port", type=int, default=8100, help="first simulated worker's port")
     demo.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by this")
+    demo.add_argument("--processes", metavar="N", type=processes, default=None,
+                      help="gateway processes behind the port, or auto: one per CPU (default: 2 where more than "
+                           "one CPU is available, else 1)")
     demo.set_defaults(func=cmd_demo)
 
     serve = command("serve", "the gateway in front of running workers (TOML config, DGW_* environment, flags)",
@@ -158,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", metavar="KEY", action="append", default=None,
                        help="accept this key, repeatable; kept only as its SHA-256, no admin rights "
                             "(default: the settings' api_keys; none at all: authentication off)")
+    serve.add_argument("--processes", metavar="N", type=processes, default=None,
+                       help="gateway processes sharing the port, or auto: one per CPU this process may use; above 1 "
+                            "they share state through --redis-url, else a Redis server they start on a Unix socket "
+                            "(default: the settings', else 1)")
     serve.add_argument("--secrets-dir", metavar="DIR", default=None,
                        help="directory of files named after settings, e.g. api_keys holding a JSON list of key "
                             "records (default: $DGW_SECRETS_DIR, else none)")

@@ -8,13 +8,14 @@ Imports are inside the functions so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from deepinfer_gateway.config import GatewaySettings
@@ -27,23 +28,44 @@ def configure_logging(level: str, fmt: str) -> None:
     configure(level, fmt)
 
 
-def _run_gateway(settings: GatewaySettings, log_level: str) -> None:
+def gateway_app(settings: GatewaySettings) -> tuple[Any, threading.Event]:
+    """The gateway as served (app, server spans, request context) and the event that turns
+    its `/ready` to 503: set by the stop signal."""
     from deepinfer_gateway import tracing
-    from deepinfer_gateway.asgi import run_until_signal
     from deepinfer_gateway.gateway.app import create_app
     from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
 
+    shutting_down = threading.Event()
+    spans = tracing.ServerSpans(create_app(settings, shutting_down=shutting_down),
+                                request_id=lambda _scope: current_request_id())
+    return RequestContext(spans, access=settings.access_log), shutting_down
+
+
+def serve_gateway(app: Any, shutting_down: threading.Event, settings: GatewaySettings, log_level: str,
+                  **options: Any) -> bool:
+    """Serve until a stop signal, draining as the settings say; True if the app started.
+    `options`: asgi.serve_until_signal's (a supervisor's shared `sock`, `headers`, `signals`)."""
+    from deepinfer_gateway.asgi import run_until_signal
+
+    return run_until_signal(app, settings.host, settings.port, log_level=log_level,
+                            graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
+                            on_signal=shutting_down.set, **options)
+
+
+def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> int:
+    """One gateway process, or `settings.processes` of them under a supervisor; the exit status."""
+    from deepinfer_gateway import tracing
+    from deepinfer_gateway.supervisor import Supervisor, resolve_processes
+
+    processes = resolve_processes(settings.processes)
+    if processes > 1:
+        return Supervisor(settings, processes, log_level=log_level, log_format=log_format).run()
     tracing.configure(settings.tracing)
     try:
-        shutting_down = threading.Event()  # set by SIGTERM/SIGINT: /ready answers 503 from then on
-        spans = tracing.ServerSpans(create_app(settings, shutting_down=shutting_down),
-                                    request_id=lambda _scope: current_request_id())
-        app = RequestContext(spans, access=settings.access_log)
-        run_until_signal(app, settings.host, settings.port, log_level=log_level,
-                         graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
-                         on_signal=shutting_down.set)
+        serve_gateway(*gateway_app(settings), settings, log_level)
     finally:
         tracing.shutdown()
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -55,12 +77,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         digests = [hash_key(key) for key in args.api_key]
         api_keys = [{"name": f"cli-{digest[:8]}", "key_sha256": digest} for digest in digests]
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url, "workers": args.worker_url,
-                 "api_keys": api_keys, "router": {"policy": args.policy}}
+                 "api_keys": api_keys, "router": {"policy": args.policy}, "processes": args.processes}
     settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
     if args.log_format is None and settings.log_format != "text":  # the config file asked for JSON logs
         configure_logging(args.log_level, settings.log_format)
-    _run_gateway(settings, args.log_level)
-    return 0
+    return run_gateway(settings, args.log_level, args.log_format or settings.log_format)
 
 
 DEMO_TOPOLOGIES = {
@@ -102,7 +123,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)
                     for (role, hardware), port in zip(specs, ports, strict=True))
-    settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url)
+    settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url,
+                               processes=demo_processes(args.processes, args.redis_url))
     base = f"http://{args.host}:{args.port}/v1"
     print(
         f"\nDeepInfer Gateway demo: {len(workers)} simulated workers "
@@ -114,10 +136,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        _run_gateway(settings, args.log_level)
+        return run_gateway(settings, args.log_level, args.log_format or "text")
     finally:
         stop_child()
-    return 0
+
+
+DEMO_PROCESSES = 2  # enough to show the mode; a demo needs no more than one port's worth
+
+
+def demo_processes(asked: int | Literal["auto"] | None, redis_url: str | None) -> int | Literal["auto"]:
+    """`demo --processes`, else 2 where this process may use more than one CPU and the
+    processes can share state (a Redis URL or a server binary to start), else 1."""
+    if asked is not None:
+        return asked
+    from deepinfer_gateway.redis_process import NoRedisServerBinary, redis_server_binary
+    from deepinfer_gateway.supervisor import available_cpus
+
+    if available_cpus() < 2:
+        return 1
+    if not redis_url:
+        try:
+            redis_server_binary()
+        except NoRedisServerBinary as e:
+            logging.getLogger(__name__).warning("demo: one gateway process (%s)", e)
+            return 1
+    return DEMO_PROCESSES
 
 
 def cmd_sim_cluster(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ every field, generated from these models, is docs/config.md.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -187,6 +187,11 @@ class ImageSettings(_Frozen):
 class GatewaySettings(_Frozen):
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
+    processes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        1,
+        description='Gateway processes behind the one port (supervisor.py); "auto" or 0: one per CPU this process '
+                    "may run on. Above 1 they share state through redis_url, else through a Redis of their own on "
+                    "a Unix socket (docs/deploy.md).")
     model_names: tuple[str, ...] = Field(
         (DEFAULT_MODEL,),
         description="Served model names; metrics and usage use these.")

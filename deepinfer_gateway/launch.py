@@ -37,9 +37,11 @@ CLI = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "warning"]
 
 
 class Proc:
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, stdout: IO[bytes] | None = None):
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, stdout: IO[bytes] | None = None,
+                 stderr: IO[bytes] | None = None):
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=stdout)
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=stdout,
+                                     stderr=stderr)
 
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash, not a shutdown."""
@@ -74,8 +76,11 @@ class SimCluster:
 
 class Gateway:
     def __init__(self, tmp: Path, workers: list[tuple[str, str, str]], extra_toml: str = "",
-                 env: dict[str, str] | None = None, health_interval_s: float = 0.2, stdout: IO[bytes] | None = None):
-        """workers: (url, role, hardware)."""
+                 env: dict[str, str] | None = None, health_interval_s: float = 0.2, stdout: IO[bytes] | None = None,
+                 processes: int | str = 1, stderr: IO[bytes] | None = None):
+        """workers: (url, role, hardware). processes: `serve --processes` (N or "auto"); above 1 a
+        supervisor with N gateway processes on the port, sharing a Redis of their own unless
+        `extra_toml` sets redis_url. The port answers at once then; wait_ready waits for them."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"gateway-{self.port}.toml"
@@ -83,7 +88,8 @@ class Gateway:
         for url, role, hardware in workers:
             lines += ["[[workers]]", f'url = "{url}"', f'role = "{role}"', f'hardware = "{hardware}"', ""]
         config.write_text("\n".join(lines))
-        self.proc = Proc(CLI + ["serve", "--config", str(config)], env=env, stdout=stdout)
+        self.proc = Proc(CLI + ["serve", "--config", str(config), "--processes", str(processes)], env=env,
+                         stdout=stdout, stderr=stderr)
         wait_for_port(self.port, timeout=30)
 
     def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:

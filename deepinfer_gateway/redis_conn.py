@@ -7,6 +7,9 @@ cluster client, which routes each command to the node owning its slot.
 
 Clients fail fast (no retries, short timeouts): every caller has its own fallback for a
 Redis outage and must not stall a request on reconnects.
+
+`url` may be `redis://`, `rediss://` or `unix:///path/redis.sock` (the server that
+`serve --processes N` starts for its own processes, supervisor.py).
 """
 
 from __future__ import annotations
@@ -15,14 +18,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.utils import HIREDIS_AVAILABLE
 
 
-class HiredisPackingConnection(Connection):
+class _HiredisPacking:
     """Packs commands with hiredis (C), as redis-py's sync client does; its asyncio client
     packs in Python, which costs more than the prefix lookup's Redis-side work for 64 keys."""
 
@@ -30,6 +33,14 @@ class HiredisPackingConnection(Connection):
 
     def pack_command(self, *args: Any) -> list[bytes]:
         return self._packer.pack(*args)
+
+
+class HiredisPackingConnection(_HiredisPacking, Connection):
+    """TCP (redis://)."""
+
+
+class HiredisPackingUnixConnection(_HiredisPacking, UnixDomainSocketConnection):
+    """Unix socket (unix://)."""
 
 
 _READ_ONLY_SCRIPTS = ("EVALSHA_RO", "EVAL_RO")
@@ -70,4 +81,7 @@ def redis_client(
         # The cluster client has the Redis command API the callers use; typed as Redis for them.
         return _Cluster.from_url(url, **options)  # type: ignore[return-value]
     pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **options)
+    if HIREDIS_AVAILABLE and issubclass(pool.connection_class, UnixDomainSocketConnection):
+        # from_url lets a unix:// URL's own connection class win over the one passed in.
+        pool.connection_class = HiredisPackingUnixConnection
     return aioredis.Redis(connection_pool=pool)

