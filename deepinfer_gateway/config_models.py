@@ -7,7 +7,7 @@ every field, generated from these models, is docs/config.md.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -187,7 +187,7 @@ class ImageSettings(_Frozen):
 class GatewaySettings(_Frozen):
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
-    processes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+    processes: int | Literal["auto"] = Field(
         1,
         description='Gateway processes behind the one port (supervisor.py); "auto" or 0: one per CPU this process '
                     "may run on. Above 1 they share state through redis_url, else through a Redis of their own on "
@@ -233,6 +233,19 @@ class GatewaySettings(_Frozen):
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line with request_id.")
     access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
     tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
+
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _process_count(cls, v: object) -> object:
+        """One message for any bad value (the union would give one per member)."""
+        if isinstance(v, str):
+            v = v.strip().lower()
+            if v == "auto":
+                return v
+            v = int(v) if v.lstrip("-").isdigit() else v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError('expected a number of processes, or "auto" (0 too: one per CPU)')
+        return v
 
     @model_validator(mode="after")
     def _keys_in_redis_need_redis(self) -> GatewaySettings:

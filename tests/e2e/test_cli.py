@@ -101,6 +101,8 @@ def test_logging_flags_go_before_or_after_the_command() -> None:
     ("", {"DGW_ROUTER__DECODE_POLICY": "fastest"},
      "config error: router.decode_policy: unknown routing policy 'fastest'"),
     ("", {"DGW_WORKERS": "http://10.0.0.5:8100"}, "config error: workers: DGW_WORKERS is not valid JSON"),
+    ("", {"DGW_PROCESSES": "many"}, 'config error: processes: expected a number of processes, or "auto"'),
+    ("processes = 2\nredis_cluster = true\n", {}, "config error: redis_cluster: needs redis_url"),
     (None, {}, "no such file"),
 ])
 def test_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path: Path, toml: str | None,
@@ -120,6 +122,7 @@ def test_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path: Path, tom
 def test_bad_flags_exit_2_with_usage() -> None:
     for args, message in [(["--worker-url", "gpu@http://10.0.0.5:8100"], "argument --worker-url"),
                           (["--policy", "fastest"], "argument --policy: invalid choice"),
+                          (["--processes", "-1"], "argument --processes: '-1': expected a number of processes"),
                           (["--secrets-dir", "/nonexistent-dgw-secrets"], "config error: secrets_dir")]:
         out = run_cli("serve", *args)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
