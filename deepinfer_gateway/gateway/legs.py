@@ -3,7 +3,11 @@
 Retry rule: a failure before a leg's first token (connect error, 5xx, timeout, a retryable
 engine error) is retried on another worker, up to `max_attempts` per leg; a non-retryable
 one is the worker's verdict on the request and answers the client (`WorkerRefused`).
-A PD prefill leg ends with a KV hand-off and `decode` continues on a compatible worker.
+A PD prefill leg ends with a KV hand-off and `decode` continues on a decode worker of the
+same KV format and engine: after the prefill's first token (sim, DeepInfer: relay.py follows
+the hand-off), or before any token when the prefill hands off without one (vLLM,
+gateway/vllm_pd.py: `first` opens the decode leg itself, so the client's response starts
+with the decode worker's first token).
 
 Each open leg holds a `Lease`: the worker's in-flight count, the process gauge, the
 connection and, unless the worker finished the request, an explicit abort. Its release
@@ -124,20 +128,39 @@ class Legs:
                 last_error = exc
                 self._failed(worker, exc, request_id)
                 continue
+            if plan.mode == "pd" and first["event"] == "finish" and "kv_handoff" in first:
+                lease, first = await self._decode_first(lease, body, first["kv_handoff"], request_id)
             return lease, plan, ready, first
         if last_error is None:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
         raise UpstreamFailed(f"All {len(tried)} attempted workers failed: {last_error}")
 
+    async def _decode_first(self, prefill: Lease, body: dict[str, Any], handoff: dict[str, Any],
+                            request_id: str) -> tuple[Lease, dict[str, Any]]:
+        """A prefill leg that handed off before any token (vLLM's PD, gateway/vllm_pd.py: the
+        decode worker samples the first token): the decode leg opens now, so the first token,
+        TTFT and a failure to hand off all come before the client's response starts."""
+        prefill.release(abort=False)  # the prefill finished: its worker keeps the KV for the decode
+        try:
+            lease, first = await self.decode({**body, "role": "decode", "kv_handoff": handoff},
+                                             handoff["kv_format"], request_id)
+        except UpstreamError as exc:
+            raise UpstreamFailed(f"The prefill on {prefill.worker.worker_id} finished but {exc}") from None
+        lease.ready_at = prefill.ready_at  # queue time: until the prefill worker started
+        return lease, first
+
     async def decode(self, body: dict[str, Any], kv_format: str, request_id: str) -> tuple[Lease, dict[str, Any]]:
-        """A decode leg continuing a KV hand-off: (its lease, its first event)."""
+        """A decode leg continuing a KV hand-off: (its lease, its first event). Only workers of the
+        prefill worker's engine are candidates: a KV format names a layout, not the hand-off's
+        wire (a vLLM connector's `kv_transfer_params` mean nothing to a DeepInfer worker)."""
         views = await self.routing.views()
         tried: set[str] = set()
+        foreign = self._other_engines(body["kv_handoff"]["source_worker"])
         last_error: UpstreamError | None = None
         for _ in range(self.settings.max_attempts):
             try:
                 view, decision = self.routing.planner.plan_decode(views, kv_format, len(body["token_ids"]),
-                                                                  frozenset(tried))
+                                                                  frozenset(tried | foreign))
             except NoCandidate:
                 break
             self.metrics.routing_decisions.labels(view.pool, view.hardware, str(decision.reason)).inc()
@@ -185,6 +208,14 @@ class Legs:
         finally:
             if reserve:
                 await self.routing.inflight.release(worker.worker_id, request_id)
+
+    def _other_engines(self, source_worker: str) -> set[str]:
+        """Workers whose engine differs from `source_worker`'s (none known if it is gone)."""
+        source = self.registry.workers.get(source_worker)
+        if source is None:
+            return set()
+        engine = source.spec.engine
+        return {w.worker_id for w in self.registry.workers.values() if w.spec.engine is not engine}
 
     def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str) -> None:
         """Count a failed attempt; raise the worker's verdict if another worker would not do better."""

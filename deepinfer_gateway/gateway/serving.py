@@ -72,23 +72,25 @@ class RequestServer:
         }
         response = ResponseStream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
         lease, plan, ready, first = await self.legs.first(prepared, body, request_id, session_key or prepared.user)
-        worker = lease.worker
-        series = self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware)
-        upstream = Upstream(prepared, request_id, arrival, lease, plan, body, response, series, series, on_done)
+        worker = lease.worker  # the decode worker already when a prefill handed off before any token (vLLM)
+        first_series = self.metrics.request_series(prepared.model, plan.worker.pool, plan.worker.hardware)
+        series = (first_series if worker.worker_id == plan.worker.worker_id
+                  else self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware))
+        upstream = Upstream(prepared, request_id, arrival, lease, plan, body, response, first_series, series, on_done)
         streaming = False
         try:
             cached = ready["cached_tokens"]
             upstream.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
-            series.queue.observe(lease.ready_at - arrival)
-            series.prompt_len.observe(ready["prompt_tokens"])
+            first_series.queue.observe(lease.ready_at - arrival)
+            first_series.prompt_len.observe(ready["prompt_tokens"])
             self.routing.count_prompt(plan, ready)
             upstream.pending.append(first)
-            headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: worker.worker_id}
+            headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: plan.worker.worker_id}
             if prepared.stream:
                 streaming = True  # from here on RelayResponse owns the end
                 return RelayResponse(self.relay.stream(upstream), on_close=lambda: self.relay.close_stream(upstream),
                                      media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-            series.ttft.observe(time.perf_counter() - arrival)
+            first_series.ttft.observe(time.perf_counter() - arrival)
             await self.relay.drain(upstream)
             return Response(response.body(), media_type="application/json", headers=headers)
         finally:

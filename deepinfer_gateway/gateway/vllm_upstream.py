@@ -15,6 +15,10 @@ prompt + first token with the remaining `max_tokens`. The second call's prompt i
 vLLM's prefix cache by then: it recomputes only the partial last block. Cost: one more
 HTTP call per request and that recompute before the second token (docs/real-engines.md).
 
+PD roles (vllm_pd.py): a prefill leg is one non-streamed `max_tokens: 1` call asking for a
+remote decode; its answer's `kv_transfer_params` become the hand-off. A decode leg is one
+streamed call with them (no two-call scheme: the client's usage comes from the prefill leg).
+
 Health, model, context length and load: `/v1/models` (model, `max_model_len`) and the
 Prometheus `/metrics` (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, `vllm:cache_config_info{block_size}`, `process_start_time_seconds`
@@ -23,6 +27,7 @@ as the epoch) become the registry's `WorkerInfo` and `LoadReport`.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -35,7 +40,8 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
+from deepinfer_gateway.gateway import vllm_pd
+from deepinfer_gateway.gateway.worker_client import EventStream, LineStream, Timeouts
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
@@ -183,7 +189,8 @@ class VllmStream:
     """One worker-protocol request on vLLM (two completion calls, see the module doc)."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, request_id: str, model: str,
-                 token_ids: list[int], sampling: dict[str, Any], max_tokens: int, timeouts: Timeouts):
+                 token_ids: list[int], sampling: dict[str, Any], max_tokens: int, timeouts: Timeouts,
+                 *, decode: bool = False, transfer: dict[str, Any] | None = None):
         self._session = session
         self._url = url
         self._request_id = request_id
@@ -197,31 +204,26 @@ class VllmStream:
         self._phase = "first"  # first -> rest -> done
         self._first_id: int | None = None
         self._sent = 0  # output tokens streamed
+        self._decode = decode  # a PD decode leg (vllm_pd.py): one call, with the prefill's kv_transfer_params
+        self._transfer = transfer
 
     async def open(self, refusal: dict[str, Any] | None = None) -> None:
         if refusal is not None:
             self._events.append(refusal)
             self._phase = "done"
             return
+        if self._decode:  # the client's usage comes from the prefill leg: `ready` needs no counts here
+            body = vllm_pd.decode_body(completion_body(self._model, self._prompt, self._sampling, self._max_tokens),
+                                       self._transfer)
+            self._line = await self._post(body, self._timeouts.first_event_s)
+            self._events.append(wp.ready_event(len(self._prompt), 0, 0))
+            self._phase = "rest"
+            return
         body = completion_body(self._model, self._prompt, self._sampling, 1)
         self._line = await self._post(body, self._timeouts.first_event_s)
 
     async def _post(self, body: dict[str, Any], first_s: float) -> LineStream:
-        try:
-            response = await self._session.post(
-                self._url + COMPLETIONS_PATH, data=orjson.dumps(body),
-                headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: self._request_id}),
-            )
-        except TimeoutError:
-            raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {self._url} timed out") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {self._url}: {exc}") from None
-        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-            raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self._url} broke: {exc}") from None
-        if response.status != 200:
-            raw = await response.read()
-            response.release()
-            raise _status_error(self._url, response.status, raw)
+        response = await post_completion(self._session, self._url, self._request_id, body)
         return LineStream(response, first_s, self._timeouts.between_events_s)
 
     async def next_event(self) -> dict[str, Any] | None:
@@ -341,6 +343,47 @@ class VllmStream:
         self._phase = "done"
 
 
+async def post_completion(session: aiohttp.ClientSession, url: str, request_id: str,
+                          body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """POST `body` to vLLM's `/v1/completions`; a 200 response, else an UpstreamError."""
+    try:
+        response = await session.post(
+            url + COMPLETIONS_PATH, data=orjson.dumps(body),
+            headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: request_id}),
+        )
+    except TimeoutError:
+        raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {url} timed out") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {url}: {exc}") from None
+    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {url} broke: {exc}") from None
+    if response.status != 200:
+        raw = await response.read()
+        response.release()
+        raise _status_error(url, response.status, raw)
+    return response
+
+
+async def read_answer(response: aiohttp.ClientResponse, url: str, timeout_s: float) -> Any:
+    """A non-streamed answer's JSON; the connection is dropped (vLLM aborts) if the wait is cut short."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await response.read()
+    except TimeoutError:
+        response.close()
+        raise UpstreamError(UpstreamKind.TIMEOUT, f"vLLM {url} sent no answer within {timeout_s:.0f} s") from None
+    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        response.close()
+        raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {url} broke: {exc}") from None
+    except BaseException:  # cancelled: the client went away
+        response.close()
+        raise
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {url} sent malformed JSON: {raw[:80]!r}") from None
+
+
 def _status_error(url: str, status: int, raw: bytes) -> UpstreamError:
     """vLLM's refusal: 400 is the request's fault (prompt too long, bad ids), never retried
     and not a health failure; 429 and 5xx go elsewhere."""
@@ -368,7 +411,7 @@ class VllmUpstream:
         return self.facts
 
     async def generate(self, session: aiohttp.ClientSession, body: dict[str, Any], request_id: str,
-                       timeouts: Timeouts) -> VllmStream:
+                       timeouts: Timeouts) -> EventStream:
         facts = self.facts
         if facts is None:
             raise UpstreamError(UpstreamKind.CONNECT, f"vLLM {self.spec.url} not probed yet")
@@ -383,10 +426,33 @@ class VllmUpstream:
                                    f"The prompt has {len(token_ids)} tokens; this worker's context is "
                                    f"{facts.max_model_len}.")
             max_tokens = min(max_tokens, room)  # vLLM refuses max_tokens past its context; others stop at it
-        if body.get("role", "unified") != "unified" or body.get("kv_handoff"):
-            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "a vLLM worker serves whole requests only")
-        elif body.get("images"):
+        role, handoff = body.get("role", "unified"), body.get("kv_handoff")
+        transfer = None
+        if body.get("images"):
             refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to vLLM workers", retryable=True)
-        stream = VllmStream(session, self.spec.url, request_id, facts.model, token_ids, sampling, max_tokens, timeouts)
+        elif role == "decode" and handoff:
+            try:
+                transfer = vllm_pd.transfer_of(handoff)
+            except ValueError as exc:
+                refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, str(exc))
+        elif role not in ("unified", "prefill") or handoff:
+            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "a vLLM decode leg needs a KV hand-off")
+        if role == "prefill":
+            return vllm_pd.HeldEvents([refusal]) if refusal else await self._prefill(session, facts, token_ids,
+                                                                                       sampling, request_id, timeouts)
+        stream = VllmStream(session, self.spec.url, request_id, facts.model, token_ids, sampling, max_tokens, timeouts,
+                            decode=role == "decode", transfer=transfer)
         await stream.open(refusal)
         return stream
+
+    async def _prefill(self, session: aiohttp.ClientSession, facts: VllmFacts, token_ids: list[int],
+                       sampling: dict[str, Any], request_id: str, timeouts: Timeouts) -> EventStream:
+        """A PD prefill leg (vllm_pd.py): one non-streamed call, its events held."""
+        url = self.spec.url
+        body = vllm_pd.prefill_body(completion_body(facts.model, token_ids, sampling, 1))
+        answer = await read_answer(await post_completion(session, url, request_id, body), url, timeouts.first_event_s)
+        try:
+            events = vllm_pd.prefill_events(answer, self.spec.worker_id, facts.info(self.spec).kv_format)
+        except ValueError as exc:
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {url} prefill answer: {exc}") from None
+        return vllm_pd.HeldEvents(events)
