@@ -6,14 +6,17 @@ Either process's /metrics then reports the host: counters and histograms summed 
 one series per worker for the load gauges, in-flight requests summed over live processes,
 each process's CPU. A process killed and marked dead (`mark_process_dead`, the supervisor's
 part) drops its gauges and CPU series while its counts stay; a removed worker's series are
-hidden by the process that removed it although the other still writes them.
+hidden by the process that removed it although the other still writes them. Last, the same
+through `serve --processes 2`: the supervisor's children, a killed one replaced and marked dead.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +171,55 @@ def test_a_removed_worker_is_hidden_although_another_process_still_writes_it(
     after = scrape(a.url)
     assert [name for name, labels in after if ("worker", gone) in labels] == []
     assert total(after, "dgw_worker_healthy", worker=kept) == 1
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _shared_dir(pid: int) -> Path:
+    """The multiprocess folder a process was started with (its environment in /proc)."""
+    env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    return Path(env[MULTIPROC_ENV])
+
+
+def _scrape_until_pids(gw: Gateway, done: Callable[[set[int]], bool]) -> Samples:
+    """Scrape until the CPU series' pids satisfy `done` (children start and restart on their own)."""
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(gw.url)
+        if done(set(_cpu_pids(samples))) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def test_serve_processes_reports_every_child_and_keeps_a_replaced_ones_counts(
+        cluster: SimCluster, tmp_path: Path) -> None:
+    """Through the supervisor (`serve --processes 2`): it sets the folder and marks a dead child."""
+    workers = [(url, "unified", spec.split(":")[1]) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
+    gw = Gateway(tmp_path, workers, extra_toml=KEYS_TOML, processes=2)
+    try:
+        gw.wait_ready(2)
+        children = set(_cpu_pids(_scrape_until_pids(gw, lambda pids: len(pids) == 2)))
+        assert len(children) == 2 and {_ppid(pid) for pid in children} == {gw.proc.proc.pid}
+        shared = _shared_dir(min(children))
+        assert _shared_dir(max(children)) == shared
+        served = [_chat(gw, f"Through the supervisor, request {i}.", stream=i % 2 == 0) for i in range(6)]
+        scrape_until(gw.url, "dgw_requests_total", len(served), protocol="chat", status="200")
+
+        victim, survivor = sorted(children)
+        os.kill(victim, signal.SIGKILL)
+        samples = _scrape_until_pids(gw, lambda pids: victim not in pids and len(pids) == 2)
+        pids = set(_cpu_pids(samples))
+        assert victim not in pids and survivor in pids and len(pids) == 2, pids  # replaced
+        files = {f.name for f in shared.iterdir()}
+        assert f"counter_{victim}.db" in files  # its counts stay in the merge
+        assert not [name for name in files if name.startswith("gauge_live") and name.endswith(f"_{victim}.db")]
+        assert total(samples, "dgw_requests_total", protocol="chat", status="200") == len(served)
+        assert total(samples, "dgw_time_to_first_token_seconds_count") == len(served)
+        assert total(samples, "dgw_request_generation_tokens_sum") == sum(c for _, c in served)
+        assert total(samples, "dgw_inflight_requests") == 0
+        assert len(_series(samples, "dgw_worker_healthy")) == 2
+    finally:
+        gw.stop()
