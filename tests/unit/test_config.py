@@ -100,7 +100,8 @@ def test_policies_as_names_or_tables_with_parameters(tmp_path: Path, monkeypatch
 def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Set each field from DGW_<FIELD> to a value other than its default; each must arrive."""
     defaults = GatewaySettings()
-    values = {"host": "0.0.0.0", "port": "9", "processes": "auto", "model_names": '["m"]', "model_aliases": '{"x": "m"}',
+    values = {"host": "0.0.0.0", "port": "9", "processes": "auto", "model_names": '["m"]',
+              "model_aliases": '{"x": "m"}',
               "tokenizer_path": "/t", "context_limit": "7", "max_body_bytes": "4096", "images": '{"max_images": 1}',
               "redis_url": "redis://r:6379/0", "redis_cluster": "true", "kv_writer_lease_s": "9",
               "workers": '[{"url": "http://w:1"}]', "max_attempts": "9", "router": '{"policy": "least_load"}',
