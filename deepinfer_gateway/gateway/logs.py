@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeGuard
@@ -41,6 +41,13 @@ LOG_FORMATS = ("text", "json")
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("dgw_request_id", default=None)
 access_log = logging.getLogger("deepinfer_gateway.access")
+
+
+def random_id() -> str:
+    """A fresh request or response id: 128 random bits as 32 hex digits (uuid4().hex's form
+    without building a UUID object, ~2 us less per id)."""
+    return os.urandom(16).hex()
+
 
 # LogRecord attributes that are not `extra=` fields.
 _RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
@@ -137,7 +144,7 @@ class RequestContext:
                 rid = value.decode("latin-1")
                 break
         if not valid_request_id(rid):
-            rid = uuid.uuid4().hex
+            rid = random_id()
             scope = dict(scope)
             scope["headers"] = [(n, v) for n, v in headers if n != _HEADER_BYTES] + [(_HEADER_BYTES, rid.encode())]
         token = request_id_var.set(rid)

@@ -48,7 +48,7 @@ class Upstream:
     on_done: Callable[[int], None] | None = None  # runs once at the end with the completion tokens
     head: bytes = b""  # protocol bytes produced so far (ready + first tokens), not yet sent
     pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
-    output_ids: list[int] = field(default_factory=list)  # tokens so far (the decode leg continues them)
+    output_ids: list[int] = field(default_factory=list)  # tokens so far (PD plans: the decode leg continues them)
     finished: bool = False  # the worker finished the request: nothing to abort
     status: str | None = None  # the outcome once known: 200, 502 (streams; 499: the client left first)
     closed: bool = False
@@ -61,13 +61,21 @@ class Relay:
 
     async def events(self, upstream: Upstream) -> AsyncIterator[dict[str, Any]]:
         """The request's token and finish events across its legs (a PD hand-off is followed here)."""
+        pending = upstream.pending
+        keep_ids = upstream.plan.mode == "pd"  # only a decode leg continues from them
         while True:
-            event = upstream.pending.pop(0) if upstream.pending else await upstream.lease.next_event()
+            if pending:
+                event = pending.pop(0)
+            else:
+                stream = upstream.lease.stream  # set once a leg is open; read per event: a hand-off swaps it
+                assert stream is not None
+                event = await stream.next_event()
             if event is None:
                 raise UpstreamError(UpstreamKind.PROTOCOL,
                                     f"worker {upstream.lease.worker.worker_id} ended the stream early")
             if event["event"] == "tokens":
-                upstream.output_ids.extend(event["token_ids"])
+                if keep_ids:
+                    upstream.output_ids.extend(event["token_ids"])
                 yield event
             elif event["event"] == "finish":
                 handoff = event.get("kv_handoff")

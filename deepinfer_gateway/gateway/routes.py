@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ from deepinfer_gateway.errors import (
 )
 from deepinfer_gateway.gateway.auth import presented_key
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
+from deepinfer_gateway.gateway.logs import random_id
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 
@@ -179,7 +179,7 @@ class ClientRoutes:
     async def generate(self, request: Request, protocol: ApiProtocol) -> Response:
         arrival = time.perf_counter()
         state = gateway_state(request)
-        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or random_id()
         model = "unknown"
         try:
             key = await authenticate(request)
@@ -204,7 +204,7 @@ class ClientRoutes:
 
         Rate limits: it takes one request from the key's request bucket and is refused while
         either bucket is empty, but spends no tokens (nothing is generated or prefilled)."""
-        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = request.headers.get(wp.REQUEST_ID_HEADER) or random_id()
         model = "unknown"
         try:
             key = await authenticate(request)

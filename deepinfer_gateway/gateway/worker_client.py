@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 
 POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)
+MAX_LINE_BYTES = 64 << 20  # one worker message; bounds what a broken worker makes the gateway buffer
 
 
 @dataclass(frozen=True)
@@ -54,20 +55,42 @@ class _EventTimeout(Exception):
 class LineStream:
     """An open HTTP response read line by line under a per-read timeout (the first read
     waits `first_s`, later ones `between_s`). `close()` drops the connection, which the
-    worker (and vLLM) treat as an abort."""
+    worker (and vLLM) treat as an abort.
+
+    Lines are cut here from what the connection has buffered (`readany`), not by aiohttp's
+    `readline`: a worker message is usually exactly one read, and lines that arrived
+    together are handed out without awaiting again (~20% less gateway CPU per relayed
+    event than readline's scan, measured with bench/gateway_capacity.py --profile)."""
 
     def __init__(self, response: aiohttp.ClientResponse, first_s: float, between_s: float):
         self._response = response
         self._first_s = first_s
         self._between_s = between_s
         self._first = True
+        self._buffer = b""  # read but not yet returned: the start of the next line(s)
         self._timeout = 0.0  # of the read in progress
         self._deadline = 0.0
         self._reading = False
         self._watchdog: asyncio.TimerHandle | None = None
 
     async def read_line(self) -> bytes:
-        """The next line (b"" at the end of the stream)."""
+        """The next line with its b"\n" (at the end of the stream: what is left, then b"")."""
+        buffer = self._buffer
+        end = buffer.find(b"\n")
+        if end < 0:
+            buffer = await self._read_more(buffer)
+            end = buffer.find(b"\n")
+            if end < 0:  # the stream ended
+                self._buffer = b""
+                return buffer
+        if end == len(buffer) - 1:
+            self._buffer = b""
+            return buffer
+        self._buffer = buffer[end + 1:]
+        return buffer[:end + 1]
+
+    async def _read_more(self, buffer: bytes) -> bytes:
+        """`buffer` plus reads until it holds a line end or the stream ended."""
         timeout = self._first_s if self._first else self._between_s
         self._first = False
         # One watchdog timer per stream, re-armed only when it fires, instead of a timeout
@@ -79,17 +102,24 @@ class LineStream:
         if self._watchdog is None:
             self._watchdog = loop.call_at(self._deadline, self._check, loop)
         self._reading = True
+        content = self._response.content
         try:
-            line = await self._response.content.readline()
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    self._disarm()
+                    return buffer
+                buffer = buffer + chunk if buffer else chunk
+                if b"\n" in chunk:
+                    return buffer
+                if len(buffer) > MAX_LINE_BYTES:
+                    raise UpstreamError(UpstreamKind.PROTOCOL, f"worker sent a line over {MAX_LINE_BYTES} bytes")
         except _EventTimeout:
             raise UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {timeout}s") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise UpstreamError(UpstreamKind.DISCONNECT, f"worker connection lost: {exc}") from None
         finally:
             self._reading = False
-        if not line:
-            self._disarm()
-        return line
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         """The watchdog fired: time out the read in progress if it has waited its whole timeout."""

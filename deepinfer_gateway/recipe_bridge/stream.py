@@ -82,6 +82,8 @@ class ResponseStream:
         self._accumulator: Any = None
         self._stream = prepared.stream
         self._split_usage = prepared.protocol is ApiProtocol.CHAT and prepared.include_usage
+        # Chat and legacy completions frame every chunk as a bare `data:` line (no SSE event names).
+        self._named = prepared.protocol in (ApiProtocol.RESPONSES, ApiProtocol.MESSAGES)
         self.completion_tokens = 0
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
 
@@ -141,6 +143,8 @@ class ResponseStream:
             for chunk in chunks:
                 self._accumulator.accumulate(chunk)
             return b""
+        if len(chunks) == 1 and not self._named and not (self._split_usage and (final or self._processor.finished)):
+            return b"data: " + chunks[0].to_json().encode() + b"\n\n"  # the usual token chunk
         parts: list[bytes] = []
         name_of = self._response_type.sse_event_name
         for chunk in chunks:
