@@ -16,8 +16,10 @@ Modes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any
 
 from deepinfer_gateway.config import HardwareCost, RouterSettings
@@ -25,7 +27,15 @@ from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_sal
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.policies import make_policy
-from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+from deepinfer_gateway.router.policy import (
+    PROFILE,
+    Candidate,
+    Columns,
+    Decision,
+    Policy,
+    Reason,
+    RoutingView,
+)
 from deepinfer_gateway.router.policy_config import POLICIES, PolicyInput
 
 
@@ -55,6 +65,8 @@ class Plan:
 # object as long as Candidate keeps a plain __dict__ and has no __post_init__.
 assert not hasattr(Candidate, "__slots__") and not hasattr(Candidate, "__post_init__")
 _new_object = object.__new__
+_KEEP_PROFILES = 256  # distinct hardware profiles a pool interns before starting afresh
+_KEEP_POOLS = 64  # member lists whose candidates are kept
 
 
 def _with_hits(base: Candidate, memory_hit_blocks: int, store_hit_blocks: int) -> Candidate:
@@ -64,6 +76,158 @@ def _with_hits(base: Candidate, memory_hit_blocks: int, store_hit_blocks: int) -
     fields["memory_hit_blocks"] = memory_hit_blocks
     fields["store_hit_blocks"] = store_hit_blocks
     return c
+
+
+class _Candidates(Sequence[Candidate]):
+    """A pool's candidates for one request, built when first read: the default policies read
+    the planner's columns only, and a fleet request changes hundreds of members' hits."""
+
+    __slots__ = ("_bases", "_hits", "_stored", "_built")
+
+    def __init__(self, bases: list[Candidate], hits: list[int], stored: list[int]) -> None:
+        self._bases, self._hits, self._stored = bases, hits, stored
+        self._built: tuple[Candidate, ...] | None = None
+
+    def _all(self) -> tuple[Candidate, ...]:
+        if self._built is None:
+            self._built = tuple(_with_hits(base, mem, stored) if mem or stored else base
+                                for base, mem, stored in zip(self._bases, self._hits, self._stored, strict=True))
+        return self._built
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Candidates | tuple):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+class _PoolCandidates:
+    """One pool's candidates across requests, as columns (router/policy.py `Columns`) updated
+    in place: from one request to the next only a few views change (a load report, a
+    reservation), so a request costs a few C-level passes over the pool (which views
+    differ, the hits per member) plus Python work for the changed views only."""
+
+    def __init__(self, planner: RoutePlanner, members: Sequence[WorkerView]) -> None:
+        n = len(members)
+        self.planner = planner
+        self.members = list(members)
+        self.bases = [planner._base(w) for w in members]  # each member's candidate with no hit
+        self.ids = [w.worker_id for w in members]
+        self.formats = [w.kv_format for w in members]
+        self.hits = [0] * n  # replaced, never changed in place: snapshots share them
+        self.stored = [0] * n  # same
+        self.store: Mapping[str, int] = {}
+        self.queues = [c.queued_prefill_tokens for c in self.bases]
+        self.running = [c.running for c in self.bases]
+        self.waits = [c.queued_prefill_tokens / c.prefill_tokens_per_s for c in self.bases]
+        self.profile_values: list[tuple[Any, ...]] = []
+        self.profile_of: dict[tuple[Any, ...], int] = {}
+        self.profiles = [self._profile(c) for c in self.bases]
+
+    def _profile(self, c: Candidate) -> int:
+        value = PROFILE(c)
+        key = self.profile_of.get(value)
+        if key is None:
+            key = self.profile_of[value] = len(self.profile_values)
+            self.profile_values.append(value)
+        return key
+
+    def update(self, members: Sequence[WorkerView], overlap: Overlap) -> bool:
+        """Take this request's views and overlap; False when the members are not the same
+        workers in the same order (the caller starts afresh)."""
+        n = len(members)
+        if n != len(self.members) or len(self.profile_values) > _KEEP_PROFILES:
+            return False
+        changed = []
+        for i in compress(range(n), map(is_not, members, self.members)):
+            w, before = members[i], self.members[i]
+            if w.worker_id != before.worker_id:
+                return False
+            self.members[i] = w
+            if w != before:
+                changed.append(i)
+        for i in changed:
+            w = members[i]
+            base = self.bases[i] = self.planner._base(w)
+            self.formats[i] = w.kv_format
+            self.queues[i] = base.queued_prefill_tokens
+            self.running[i] = base.running
+            self.waits[i] = base.queued_prefill_tokens / base.prefill_tokens_per_s
+            self.profiles[i] = self._profile(base)
+        memory, store = overlap.memory, overlap.store
+        if memory:
+            self.hits = list(map(memory.get, self.ids, repeat(0)))
+        elif any(self.hits):
+            self.hits = [0] * n
+        if store != self.store:
+            self.stored = list(map(store.get, self.formats, repeat(0))) if store else [0] * n
+            self.store = dict(store)
+        elif changed and store:
+            stored = self.stored = list(self.stored)
+            for i in changed:
+                stored[i] = store.get(self.formats[i], 0)
+        return True
+
+    def candidates(self) -> _Candidates:
+        return _Candidates(list(self.bases), self.hits, self.stored)
+
+    def columns(self) -> Columns:
+        """A snapshot (the lists change with the next request; a view may be kept)."""
+        return Columns(ids=self.ids, queues=list(self.queues), running=list(self.running), hits=self.hits,
+                       stored=self.stored, waits=list(self.waits), profiles=list(self.profiles),
+                       profile_values=list(self.profile_values))
+
+
+class _RoleSplit:
+    """The indices of each (role, KV format)'s workers in the caller's view list, kept while
+    the list holds the same workers: a fleet's view list changes in a few places per request."""
+
+    def __init__(self, workers: Sequence[WorkerView]) -> None:
+        self.workers = list(workers)
+        self.at: dict[tuple[Role, str], list[int]] = {}
+        for i, w in enumerate(workers):
+            self.at.setdefault((w.role, w.kv_format), []).append(i)
+        self.formats: dict[Role, set[str]] = {}
+        for role, fmt in self.at:
+            self.formats.setdefault(role, set()).add(fmt)
+        self._merged: dict[tuple[Role, frozenset[str] | None], list[int]] = {}
+
+    def still(self, workers: Sequence[WorkerView]) -> bool:
+        mine = self.workers
+        if len(workers) != len(mine):
+            return False
+        for i in compress(range(len(mine)), map(is_not, workers, mine)):
+            w, before = workers[i], mine[i]
+            if w.worker_id != before.worker_id or w.role is not before.role or w.kv_format != before.kv_format:
+                return False
+            mine[i] = w
+        return True
+
+    def members(self, workers: Sequence[WorkerView], role: Role, formats: Iterable[str] | None = None) -> list[
+            WorkerView]:
+        """The workers of `role` (with one of `formats`, if given), in list order."""
+        wanted = None if formats is None else frozenset(formats)
+        indices = self._merged.get((role, wanted))
+        if indices is None:
+            at = self.at
+            keys = [(role, fmt) for fmt in (self.formats.get(role, ()) if wanted is None else wanted)
+                    if (role, fmt) in at]
+            indices = self._merged[role, wanted] = sorted(i for key in keys for i in at[key])
+        return list(map(workers.__getitem__, indices))
 
 
 class NoCandidate(Exception):
@@ -86,10 +250,9 @@ class RoutePlanner:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
         self._policies: dict[str, Policy] = {}
-        # worker id -> [view, its no-hit candidate, memory hits, store hits, the candidate with those]
-        self._bases: dict[str, list[Any]] = {}
-        # (pool, first member) -> the last call without hits: (members, candidates)
-        self._no_hits: dict[tuple[str, str], tuple[list[WorkerView], tuple[Candidate, ...]]] = {}
+        # (pool, first member, members) -> that pool's candidates, kept across requests
+        self._pools: dict[tuple[str, str, int], _PoolCandidates] = {}
+        self._split: _RoleSplit | None = None  # the last view list's workers by role and format
 
     def policy_for(self, pool: str, role: Role) -> Policy:
         if pool not in self._policies:
@@ -106,8 +269,7 @@ class RoutePlanner:
         policy (round-robin positions, affinities)."""
         self.settings = self.settings.with_policies(policy, decode_policy)
         self._policies.clear()
-        self._bases.clear()
-        self._no_hits.clear()
+        self._pools.clear()
 
     def describe(self) -> dict[str, Any]:
         """The routing policies in force, by name, with every parameter (admin API)."""
@@ -131,50 +293,18 @@ class RoutePlanner:
             kv_bytes_per_token=cost.kv_bytes_per_token,
         )
 
-    def _candidates(self, members: list[WorkerView], overlap: Overlap) -> tuple[Candidate, ...]:
-        """One `Candidate` per member with its overlap. A fleet routes over ~1,000 workers per
-        request and the frozen dataclass constructor costs ~2 us, so each worker's last
-        candidate is kept and reused while its view and hits are unchanged (most of them
-        from one request to the next); a new hit on the same view copies the fields.
-        Without any hit (a decode leg), the last such list of the same members is reused
-        with only the members whose view changed redone."""
-        if overlap.memory or overlap.store:
-            return self._with_overlap(members, overlap)
-        key = (members[0].pool, members[0].worker_id)
-        last = self._no_hits.get(key)
-        if last is not None and len(last[0]) == len(members):
-            changed = [i for i, (w, before) in enumerate(zip(members, last[0], strict=True)) if w is not before]
-            if not changed:
-                return last[1]
-            redone = self._with_overlap([members[i] for i in changed], overlap)
-            out = list(last[1])
-            for i, candidate in zip(changed, redone, strict=True):
-                out[i] = candidate
-            candidates = tuple(out)
-        else:
-            candidates = self._with_overlap(members, overlap)
-        self._no_hits[key] = (list(members), candidates)
-        return candidates
-
-    def _with_overlap(self, members: list[WorkerView], overlap: Overlap) -> tuple[Candidate, ...]:
-        cache = self._bases
-        memory = overlap.memory.get
-        store = overlap.store.get
-        out = []
-        for w in members:
-            mem, stored = memory(w.worker_id, 0), store(w.kv_format, 0)
-            entry = cache.get(w.worker_id)
-            if entry is None or (entry[0] is not w and entry[0] != w):
-                base = self._base(w)
-                entry = cache[w.worker_id] = [w, base, 0, 0, base]
-            elif entry[2] == mem and entry[3] == stored:
-                out.append(entry[4])
-                continue
-            base = entry[1]
-            candidate = _with_hits(base, mem, stored) if mem or stored else base
-            entry[2:] = mem, stored, candidate
-            out.append(candidate)
-        return tuple(out)
+    def _pool(self, members: Sequence[WorkerView], overlap: Overlap) -> _PoolCandidates:
+        """The members' candidates with this overlap. A fleet routes over ~1,000 workers per
+        request and the frozen dataclass constructor costs ~2 us: each pool's candidates are
+        kept and only the members whose view or hits changed are redone."""
+        key = (members[0].pool, members[0].worker_id, len(members))
+        pool = self._pools.get(key)
+        if pool is None or not pool.update(members, overlap):
+            if len(self._pools) >= _KEEP_POOLS:  # PD bypass subsets come and go
+                self._pools.clear()
+            pool = self._pools[key] = _PoolCandidates(self, members)
+            pool.update(members, overlap)
+        return pool
 
     def _choose(self, role: Role, workers: list[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
                 overlap: Overlap, session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
@@ -189,38 +319,40 @@ class RoutePlanner:
                 pools.setdefault(w.pool, []).append(w)
             pool, members = max(pools.items(), key=lambda item: (len(item[1]), item[0]))
         fmt = members[0].kv_format
+        candidates = self._pool(members, overlap)
         view = RoutingView(
             prompt_tokens=prompt_tokens,
-            candidates=self._candidates(members, overlap),
+            candidates=candidates.candidates(),
             block_hashes=tuple(hashes.get(fmt, ())),
             block_tokens=KV_BLOCK_TOKENS,
             session_key=session_key,
+            columns=candidates.columns(),
         )
         policy = self.policy_for(pool, role)
         decision = policy.choose(view)
         policy.observe(view, decision)
-        chosen = next(w for w in members if w.worker_id == decision.worker_id)
+        chosen = members[candidates.ids.index(decision.worker_id)]
         return chosen, decision, view
 
     def plan_first(self, workers: Sequence[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
                    overlap: Overlap, session_key: str | None = None, exclude: frozenset[str] = frozenset()) -> Plan:
         live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
-        prefill = [w for w in live if w.role is Role.PREFILL]
-        decode = [w for w in live if w.role is Role.DECODE]
-        unified = [w for w in live if w.role is Role.UNIFIED]
-        if prefill and decode:
+        split = self._role_split(live)
+        decode_formats = split.formats.get(Role.DECODE)
+        if decode_formats and Role.PREFILL in split.formats:
+            decode = split.members(live, Role.DECODE)
             bypass = self._bypass_candidates(decode, prompt_tokens, overlap)
             if bypass:
                 chosen, decision, view = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
                 decision = Decision(decision.worker_id, Reason.BYPASS, decision.costs,
                                     *self._predicted(chosen, prompt_tokens, overlap))
                 return Plan("bypass", chosen, decision, view)
-            compatible = {w.kv_format for w in decode}
-            prefill = [w for w in prefill if w.kv_format in compatible]
+            prefill = split.members(live, Role.PREFILL, decode_formats)  # those a decode worker can continue
             if prefill:
                 chosen, decision, view = self._choose(Role.PREFILL, prefill, prompt_tokens, hashes, overlap,
                                                       session_key)
                 return Plan("pd", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+        unified = split.members(live, Role.UNIFIED)
         if unified:
             chosen, decision, view = self._choose(Role.UNIFIED, unified, prompt_tokens, hashes, overlap, session_key)
             return Plan("unified", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
@@ -228,12 +360,18 @@ class RoutePlanner:
 
     def plan_decode(self, workers: Sequence[WorkerView], kv_format: str, prompt_tokens: int,
                     exclude: frozenset[str] = frozenset()) -> tuple[WorkerView, Decision]:
-        decode = [w for w in workers if w.role is Role.DECODE and w.kv_format == kv_format
-                  and w.worker_id not in exclude]
+        live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
+        decode = self._role_split(live).members(live, Role.DECODE, (kv_format,))
         if not decode:
             raise NoCandidate(f"no healthy decode worker with KV format {kv_format}")
         chosen, decision, _ = self._choose(Role.DECODE, decode, prompt_tokens, {}, Overlap(), None)
         return chosen, decision
+
+    def _role_split(self, workers: Sequence[WorkerView]) -> _RoleSplit:
+        split = self._split
+        if split is None or not split.still(workers):
+            split = self._split = _RoleSplit(workers)
+        return split
 
     def _bypass_candidates(self, decode: list[WorkerView], prompt_tokens: int, overlap: Overlap) -> list[WorkerView]:
         limit = self.settings.pd_bypass_tokens

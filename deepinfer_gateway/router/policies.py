@@ -34,12 +34,21 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import attrgetter
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, repeat
+from operator import add, attrgetter, eq, le
 from typing import assert_never
 
-from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+from deepinfer_gateway.router.policy import (
+    Candidate,
+    Columns,
+    Decision,
+    LazyCosts,
+    Policy,
+    Reason,
+    RoutingView,
+    columns_of,
+)
 from deepinfer_gateway.router.policy_config import (
     CacheAwareConfig,
     EstimatedTtftConfig,
@@ -58,20 +67,27 @@ def estimated_ttft_s(c: Candidate, view: RoutingView) -> tuple[float, int, int]:
     return estimated_ttfts((c,), view)[0]
 
 
-# What the estimate reads of a candidate besides its queue.
-_ESTIMATE_INPUTS = attrgetter("memory_hit_blocks", "store_hit_blocks", "dp_ranks", "prefill_tokens_per_s",
-                              "kv_bytes_per_token", "kv_load_bytes_per_s")
-
-
 def estimated_ttfts(candidates: Sequence[Candidate], view: RoutingView) -> list[tuple[float, int, int]]:
-    """`estimated_ttft_s` of each candidate. A fleet pool has hundreds of candidates and few
-    distinct hit/hardware combinations: the terms that do not depend on the queue are
-    computed once per combination, and summed in the same order for every candidate."""
+    """`estimated_ttft_s` of each candidate."""
+    table = columns_of(candidates)
+    keys, terms = _estimate_terms(table, view)
+    seconds = _estimates(table, keys, terms)
+    return [(s, terms[k][2], terms[k][3]) for s, k in zip(seconds, keys, strict=True)]
+
+
+_Terms = dict[tuple[int, int, int], tuple[float, float, int, int]]
+
+
+def _estimate_terms(table: Columns, view: RoutingView) -> tuple[list[tuple[int, int, int]], _Terms]:
+    """Each candidate's (memory hits, store hits, profile) key, and per distinct key
+    (own prefill s, KV load s, mem tokens, store tokens). A fleet pool has hundreds of
+    candidates and few distinct combinations: the terms are computed once per combination."""
     prompt, block = view.prompt_tokens, view.block_tokens
-    inputs = list(map(_ESTIMATE_INPUTS, candidates))
+    keys = list(zip(table.hits, table.stored, table.profiles, strict=True))
     terms = {}
-    for key in set(inputs):
-        hits, stored, dp_ranks, prefill_tokens_per_s, kv_bytes_per_token, kv_load_bytes_per_s = key
+    for key in set(keys):
+        hits, stored, profile = key
+        dp_ranks, prefill_tokens_per_s, kv_bytes_per_token, kv_load_bytes_per_s = table.profile_values[profile]
         mem = min(hits * block, prompt)
         store = max(0, min(stored * block, prompt) - mem)
         terms[key] = (
@@ -79,9 +95,31 @@ def estimated_ttfts(candidates: Sequence[Candidate], view: RoutingView) -> list[
             store * kv_bytes_per_token / kv_load_bytes_per_s,  # KV load at store bandwidth
             mem, store,
         )
-    # queue wait + own prefill + KV load
-    return [(c.queued_prefill_tokens / c.prefill_tokens_per_s + t[0] + t[1], t[2], t[3])
-            for c, t in zip(candidates, map(terms.__getitem__, inputs), strict=True)]
+    return keys, terms
+
+
+def _estimates(table: Columns, keys: list[tuple[int, int, int]], terms: _Terms) -> list[float]:
+    """Seconds per candidate: queue wait + own prefill + KV load, summed in that order."""
+    prefill = {key: t[0] for key, t in terms.items()}
+    load = {key: t[1] for key, t in terms.items()}
+    return list(map(add, map(add, table.waits, map(prefill.__getitem__, keys)), map(load.__getitem__, keys)))
+
+
+def _cheapest(seconds: list[float], ids: list[str], among: Iterable[bool] | None = None) -> int | None:
+    """Index of the first candidate in (seconds, worker id) order, among those `among` selects."""
+    ranked = zip(seconds, ids, range(len(ids)), strict=True)
+    best = min(ranked if among is None else compress(ranked, among), default=None)
+    return None if best is None else best[2]
+
+
+def least_load_index(table: Columns) -> int:
+    """Index of the candidate first in (queued prefill tokens, running, worker id) order."""
+    queues = table.queues
+    least = min(queues)
+    if queues.count(least) == 1:
+        return queues.index(least)
+    tied = compress(zip(table.running, table.ids, range(len(queues)), strict=True), map(eq, queues, repeat(least)))
+    return min(tied)[2]
 
 
 _load_key: Callable[[Candidate], tuple[int, int, str]] = attrgetter("queued_prefill_tokens", "running", "worker_id")
@@ -111,7 +149,8 @@ class LeastLoad:
     name = "least_load"
 
     def choose(self, view: RoutingView) -> Decision:
-        return Decision(min(view.candidates, key=_load_key).worker_id, Reason.LEAST_LOAD)
+        table = view.table()
+        return Decision(table.ids[least_load_index(table)], Reason.LEAST_LOAD)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
         pass
@@ -218,35 +257,33 @@ class EstimatedTtft:
 
     def choose(self, view: RoutingView) -> Decision:
         # Candidates rank by (seconds, worker id); each pick below is the first in that order
-        # among some candidates, so it is a min() over their rank keys, with no sort: a fleet
-        # pool has hundreds of candidates per request.
-        candidates = view.candidates
-        scored = estimated_ttfts(candidates, view)
-        ids = [c.worker_id for c in candidates]
-        seconds = [sc[0] for sc in scored]
-        rank = list(zip(seconds, ids, strict=True))
-        everyone = range(len(candidates))
-        first = rank.index(min(rank))
-        hits = [c.memory_hit_blocks for c in candidates]
+        # among some candidates: a min() over C-level passes of the columns, no sort and no
+        # Python loop per candidate (a fleet pool has hundreds per request).
+        table = view.table()
+        keys, terms = _estimate_terms(table, view)
+        seconds = _estimates(table, keys, terms)
+        ids, hits, queues = table.ids, table.hits, table.queues
+        first = _cheapest(seconds, ids)
+        assert first is not None  # candidates are never empty
         most = max(hits)
-        holder = rank.index(min(rank[i] for i in everyone if hits[i] == most))  # ties: the cheaper
-        queues = [c.queued_prefill_tokens for c in candidates]
-        bound = self.guard_ratio * (sum(queues) / len(candidates)) + self.guard_tokens
+        holder = first if hits[first] == most else _cheapest(seconds, ids, map(eq, hits, repeat(most)))
+        assert holder is not None
+        bound = self.guard_ratio * (sum(queues) / len(queues)) + self.guard_tokens
         chosen, reason = first, None
-        if hits[holder] > hits[first] and rank[holder][0] <= self.stick_ratio * rank[first][0] + self.stick_s:
+        if hits[holder] > hits[first] and seconds[holder] <= self.stick_ratio * seconds[first] + self.stick_s:
             chosen = holder
         if queues[chosen] > bound:
-            under = [rank[i] for i in everyone if queues[i] <= bound]
-            if under:
-                chosen, reason = rank.index(min(under)), Reason.LOAD_FALLBACK
-        _, mem, store = scored[chosen]
+            under = _cheapest(seconds, ids, map(le, queues, repeat(bound)))
+            if under is not None:
+                chosen, reason = under, Reason.LOAD_FALLBACK
+        _, _, mem, store = terms[keys[chosen]]
         if reason is None:
             if hits[chosen] < hits[holder]:
                 reason = Reason.QUEUE_OVER_CACHE
             else:
                 reason = Reason.PREFIX_HIT if mem else Reason.STORE_HIT if store else Reason.COLD
-        costs = dict(zip(ids, map(round, seconds, repeat(6)), strict=True))
-        return Decision(ids[chosen], reason, costs, predicted_memory_tokens=mem, predicted_store_tokens=store)
+        return Decision(ids[chosen], reason, LazyCosts(ids, seconds), predicted_memory_tokens=mem,
+                        predicted_store_tokens=store)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
         pass

@@ -8,9 +8,12 @@ input (plus small state of their own, e.g. a round-robin cursor).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from itertools import repeat
+from operator import attrgetter, truediv
+from typing import Any, Protocol
 
 
 class Reason(StrEnum):
@@ -44,20 +47,92 @@ class Candidate:
     kv_bytes_per_token: float = 890.0
 
 
+# The hardware side of a candidate's cost estimate (router/policies.py).
+PROFILE: Any = attrgetter("dp_ranks", "prefill_tokens_per_s", "kv_bytes_per_token", "kv_load_bytes_per_s")
+
+
+@dataclass(slots=True)
+class Columns:
+    """The candidates as columns, index i = candidates[i]: what policies scan over a fleet pool
+    with C-level passes (map, min, compress) instead of a Python loop over objects.
+    `profile_values[profiles[i]]` is `PROFILE(candidates[i])` (it may hold profiles no
+    candidate has: the planner keeps them across requests)."""
+
+    ids: list[str]
+    queues: list[int]  # queued_prefill_tokens
+    running: list[int]
+    hits: list[int]  # memory_hit_blocks
+    stored: list[int]  # store_hit_blocks
+    waits: list[float]  # queued_prefill_tokens / prefill_tokens_per_s
+    profiles: list[int]
+    profile_values: list[tuple[Any, ...]]
+
+
+_QUEUE = attrgetter("queued_prefill_tokens")
+_SPEED = attrgetter("prefill_tokens_per_s")
+
+
+def columns_of(candidates: Sequence[Candidate]) -> Columns:
+    """`Columns` built from the candidates (the planner keeps its own up to date instead)."""
+    profiles = list(map(PROFILE, candidates))
+    profile_values = list(dict.fromkeys(profiles))
+    index = {value: k for k, value in enumerate(profile_values)}
+    queues = list(map(_QUEUE, candidates))
+    return Columns(
+        ids=[c.worker_id for c in candidates], queues=queues, running=[c.running for c in candidates],
+        hits=[c.memory_hit_blocks for c in candidates], stored=[c.store_hit_blocks for c in candidates],
+        waits=list(map(truediv, queues, map(_SPEED, candidates))),
+        profiles=list(map(index.__getitem__, profiles)), profile_values=profile_values,
+    )
+
+
 @dataclass(frozen=True)
 class RoutingView:
     prompt_tokens: int
-    candidates: tuple[Candidate, ...]
+    candidates: Sequence[Candidate]  # a tuple, or the planner's lazily built equivalent
     block_hashes: tuple[int, ...] = ()
     block_tokens: int = 128
     session_key: str | None = None
+    # The candidates as columns when the caller keeps them (the planner); else built on use.
+    columns: Columns | None = field(default=None, compare=False, repr=False)
+
+    def table(self) -> Columns:
+        return self.columns if self.columns is not None else columns_of(self.candidates)
+
+
+class LazyCosts(Mapping[str, float]):
+    """`worker id -> estimated seconds` (rounded to the microsecond), built when first read:
+    only a debug log reads it, and rounding a fleet pool's estimates costs more than choosing."""
+
+    __slots__ = ("_ids", "_seconds", "_dict")
+
+    def __init__(self, ids: list[str], seconds: list[float]) -> None:
+        self._ids, self._seconds = ids, seconds
+        self._dict: dict[str, float] | None = None
+
+    def _built(self) -> dict[str, float]:
+        if self._dict is None:
+            self._dict = dict(zip(self._ids, map(round, self._seconds, repeat(6)), strict=True))
+        return self._dict
+
+    def __getitem__(self, worker_id: str) -> float:
+        return self._built()[worker_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return repr(self._built())
 
 
 @dataclass(frozen=True)
 class Decision:
     worker_id: str
     reason: Reason
-    costs: dict[str, float] = field(default_factory=dict)  # estimated seconds per candidate (debug log)
+    costs: Mapping[str, float] = field(default_factory=dict)  # estimated seconds per candidate (debug log)
     predicted_memory_tokens: int = 0  # what the index expects the worker to report cached
     predicted_store_tokens: int = 0
 

@@ -11,6 +11,19 @@ from deepinfer_gateway.config import RouterSettings
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.router.planner import RoutePlanner, WorkerView
+from deepinfer_gateway.router.policy import Columns, RoutingView, columns_of
+
+
+def _rows(table: Columns) -> list[tuple[object, ...]]:
+    return [(i, q, r, h, s, w, table.profile_values[p]) for i, q, r, h, s, w, p in
+            zip(table.ids, table.queues, table.running, table.hits, table.stored, table.waits, table.profiles,
+                strict=True)]
+
+
+def _assert_columns_match(view: RoutingView) -> None:
+    """The planner's incrementally kept columns say what the candidates say."""
+    assert view.columns is not None
+    assert _rows(view.columns) == _rows(columns_of(tuple(view.candidates)))
 
 
 def _fleet(n: int) -> list[WorkerView]:
@@ -39,5 +52,6 @@ def test_long_lived_planner_decides_as_a_fresh_one() -> None:
         got = kept.plan_first(list(views), prompt, {}, overlap)
         want = fresh.plan_first(list(views), prompt, {}, overlap)
         assert (got.mode, got.worker, got.decision, got.view) == (want.mode, want.worker, want.decision, want.view)
+        _assert_columns_match(got.view)
         fmt = got.worker.kv_format
         assert kept.plan_decode(list(views), fmt, prompt) == fresh.plan_decode(list(views), fmt, prompt)
