@@ -25,6 +25,8 @@ the client and the worker, not by the gateway.
 Baseline: `--baseline DIR` runs a second gateway from another source tree (e.g. `git
 archive <commit> | tar -x -C DIR`; imported with PYTHONSAFEPATH=1 PYTHONPATH=DIR) in every
 phase, rounds interleaved with this tree's; its figures carry the prefix `baseline_`.
+`--tree DIR` takes the gateway under test from a source tree too (a snapshot, so edits to
+the checkout during the run do not reach it).
 
 Streaming: a sim worker whose profile decodes at exactly 50 tokens/s per stream at any
 batch (a profile TOML override: flat decode curve, time scale 1), N concurrent streams
@@ -134,8 +136,8 @@ def start_gateway(worker_url: str, tree: str | None = None, processes: int = 1, 
     return gateway
 
 
-def gateways(worker_url: str, baseline: str | None, extra_toml: str = "") -> list[Target]:
-    targets = [Target("gateway", "", start_gateway(worker_url, extra_toml=extra_toml))]
+def gateways(worker_url: str, baseline: str | None, extra_toml: str = "", tree: str | None = None) -> list[Target]:
+    targets = [Target("gateway", "", start_gateway(worker_url, tree, extra_toml=extra_toml))]
     if baseline:
         targets.append(Target("baseline", "", start_gateway(worker_url, baseline, extra_toml=extra_toml)))
     for t in targets:
@@ -160,10 +162,10 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
     worker, worker_url = start_worker(1000)
     targets = [Target("direct", worker_url + "/v1/chat/completions")]
     try:
-        targets += gateways(worker_url, args.baseline)
+        targets += gateways(worker_url, args.baseline, tree=args.tree)
         for n in levels:
             if n != 1:
-                gw = start_gateway(worker_url, processes=n)
+                gw = start_gateway(worker_url, args.tree, processes=n)
                 targets.append(Target(f"processes_{n}", gw.url + "/v1/chat/completions", gw))
         for t in targets:
             asyncio.run(closed_loop(t.url, WARMUP_REQUESTS, args.concurrency))
@@ -254,7 +256,7 @@ def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> di
     targets: list[Target] = []
     out: dict[str, object] = {}
     try:
-        targets = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n")
+        targets = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n", args.tree)
         idle = {t.name: idle_cpu_ms_per_s(t) for t in targets}
         results: dict[str, list[float]] = {t.name: [] for t in targets}
         for _ in range(args.rounds):
@@ -290,7 +292,7 @@ def stream_levels(args: argparse.Namespace) -> dict[str, object]:
     targets: list[Target] = [Target("direct", worker_url + "/v1/chat/completions")]
     summary: dict[str, object] = {}
     try:
-        gws = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n")
+        gws = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n", args.tree)
         targets += gws
         for gw in gws:
             prefix = "" if gw.name == "gateway" else "baseline_"
@@ -413,6 +415,7 @@ def main() -> None:
     parser.add_argument("--chunk-seconds", type=float, default=6.0)
     parser.add_argument("--processes", default="1,2", help="gateway process counts for rps_N")
     parser.add_argument("--baseline", default=None, help="source tree of a baseline gateway run side by side")
+    parser.add_argument("--tree", default=None, help="source tree of the gateway under test (default: this checkout)")
     parser.add_argument("--profile", default=None, help="directory for py-spy profiles of the gateway")
     args = parser.parse_args()
     levels = [int(x) for x in args.processes.split(",") if x]
@@ -424,7 +427,7 @@ def main() -> None:
         summary.setdefault(f"rps_{n}", None)
     if args.profile:
         worker, worker_url = start_worker(1000)
-        target = gateways(worker_url, None)[0]
+        target = gateways(worker_url, None, tree=args.tree)[0]
         try:
             summary["profile_top"] = profile_gateway(
                 target, lambda: asyncio.run(closed_loop(target.url, args.requests, args.concurrency)),
