@@ -64,6 +64,7 @@ class Relay:
         pending = upstream.pending
         keep_ids = upstream.plan.mode == "pd"  # only a decode leg continues from them
         while True:
+            event: dict[str, Any] | None
             if pending:
                 event = pending.pop(0)
             else:
