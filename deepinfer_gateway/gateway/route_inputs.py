@@ -3,16 +3,14 @@
 Candidates are the healthy workers with an info report, as `WorkerView`s: the last load
 report plus what this gateway knows since (its own open calls, in-flight reservations
 shared through Redis across replicas). The prompt's block hashes (one chain per KV format)
-are looked up in the prefix index in one call. `retry_after` is the admission rule as a
-pure function, so the simulator can apply the same one.
+are looked up in the prefix index in one call. The admission rule is router/admission.py's
+`retry_after`, which the simulator applies too.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from deepinfer_gateway import tracing
@@ -23,6 +21,7 @@ from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
+from deepinfer_gateway.router.admission import retry_after
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Plan, RoutePlanner, WorkerView, prompt_hashes
 
@@ -45,19 +44,6 @@ def worker_view(worker: WorkerState, reserved: int) -> WorkerView | None:
         dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size,
         prefills=worker.info.prefills,
     )
-
-
-def retry_after(views: Sequence[WorkerView], pool: str, budget: int,
-                prefill_speed: Callable[[str], float]) -> int | None:
-    """Admission control: the seconds a client should wait when `pool`'s queued prefill
-    tokens exceed `budget` (0: no limit), else None. `prefill_speed(hardware)`: tokens/s."""
-    if not budget:
-        return None
-    members = [v for v in views if v.pool == pool]
-    queued = sum(v.queued_prefill_tokens for v in members)
-    if queued <= budget:
-        return None
-    return max(1, math.ceil((queued - budget) / sum(prefill_speed(v.hardware) for v in members)))
 
 
 class RouteInputs:

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, Overlap
@@ -39,6 +40,7 @@ from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTie
 
 FRESH = -1  # cursor state: epoch known, nothing applied; accepts the worker's oldest retained event
 _PURGE_PER_APPLY = 1024
+_BITS = [tuple(bit for bit in range(8) if byte >> bit & 1) for byte in range(256)]  # set bits of each byte
 
 
 @dataclass(slots=True)
@@ -285,7 +287,11 @@ class InMemoryPrefixIndex:
         self._record(alive, len(hashes), out)
 
     def _record(self, mask: int, blocks: int, out: dict[str, int]) -> None:
-        while mask:
-            low = mask & -mask
-            out[self._worker_at[low.bit_length() - 1]] = blocks
-            mask ^= low
+        if not blocks:
+            return  # `out` starts at 0 for every candidate
+        # Set bits by byte (a fleet drops hundreds of workers at one block): no big-int
+        # arithmetic per worker.
+        data = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        slots = [base + bit for base, byte in zip(range(0, 8 * len(data), 8), data, strict=True) if byte
+                 for bit in _BITS[byte]]
+        out.update(zip(map(self._worker_at.__getitem__, slots), repeat(blocks)))

@@ -20,6 +20,7 @@ from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
+from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.planner import (
     NoCandidate,
     Plan,
@@ -121,13 +122,12 @@ class SimGateway:
 
     def _admit(self, plan: Plan, views: list[Any], req: RequestState) -> bool:
         """The gateway's admission control (`RouteInputs.admit`): 429 over the pool's budget."""
-        budget = self.config.router.admission_queued_tokens
-        if not budget:
+        pool = plan.worker.pool
+        if retry_after(views, pool, self.config.router.admission_queued_tokens,
+                       lambda hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s) is None:
             return True
-        queued = sum(v.queued_prefill_tokens for v in views if v.pool == plan.worker.pool)
-        if queued <= budget:
-            return True
-        self.fail(req, RecordError.RATE_LIMITED, f"pool {plan.worker.pool} overloaded ({queued} queued tokens)")
+        queued = pool_queued_tokens(views, pool)
+        self.fail(req, RecordError.RATE_LIMITED, f"pool {pool} overloaded ({queued} queued tokens)")
         return False
 
     def hand_off(self, req: RequestState, t: float) -> SimWorker | None:

@@ -83,14 +83,18 @@ class Simulator:
             self._push(at, _ARRIVE, pair)
         self._push(0.0, _LOAD, None)
         self._push(0.0, _FEED, None)
-        # The loop makes no reference cycles, but allocates ~1,000 routing candidates per
-        # request next to millions of long-lived objects (records, token gaps): the cyclic
-        # collector's passes cost a third of a fleet-size run. Deferred to after the loop.
+        # The loop makes no reference cycles but builds millions of long-lived objects (KV
+        # event logs, cache entries, records): the cyclic collector's passes over them cost
+        # a third of a fleet-size run, so it is off during the loop. Its objects then move to
+        # the oldest generation untraversed (freeze, unfreeze): re-enabled as they were, the
+        # next young collection would walk all of them once (~1 s at 1,024 workers).
         collecting = gc.isenabled()
         gc.disable()
         try:
             events, other = self._loop(pending, len(ordered), progress)
         finally:
+            gc.freeze()
+            gc.unfreeze()
             if collecting:
                 gc.enable()
         self.stats.heap_events += events
