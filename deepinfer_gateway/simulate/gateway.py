@@ -70,6 +70,7 @@ class SimGateway:
         for w in workers:
             w.stale = self._stale
         self.formats = {w.worker_id: w.kv_format for w in workers}
+        self._format_views = list({w.kv_format: w.view() for w in workers}.values())
         self.planner = RoutePlanner(config.router)
         index = create_prefix_index(None, clock=clock)
         assert isinstance(index, InMemoryPrefixIndex)
@@ -85,7 +86,8 @@ class SimGateway:
         self.active += 1
         record.prompt_tokens = len(req.tokens)
         views = self.current_views()
-        req.hashes = hashes = prompt_hashes(req.tokens, views, self.hasher)
+        # One view per KV format says what the salts need (every view of a format has one model).
+        req.hashes = hashes = prompt_hashes(req.tokens, self._format_views, self.hasher, self.prompts.packed(trace))
         overlap = self.index.lookup_now(hashes, self.formats)
         try:
             plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap)

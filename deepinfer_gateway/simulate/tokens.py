@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.workload.types import TraceRequest
 
 VOCAB = 100_000  # stays below every real vocabulary size; ids are < 2**32 as block hashing needs
@@ -45,6 +46,9 @@ class PromptTokens:
         self._blocks: OrderedDict[int, list[int]] = OrderedDict()
         self._cache_blocks = cache_blocks
         self._tail = [(13 + 7_919 * j) % VOCAB for j in range(block_size - 3)]
+        self._packed_tail = pack_tokens(self._tail)
+        self._packed_header = pack_tokens(self.header)
+        self._packed_trailer = pack_tokens(self.trailer)
 
     def _block(self, number: int) -> list[int]:
         """The full block of `number`: three ids spelling it, then the shared tail."""
@@ -59,18 +63,43 @@ class PromptTokens:
                 self._blocks.popitem(last=False)
         return ids
 
-    def prompt(self, request: TraceRequest) -> list[int]:
-        size = self.block_size
-        n_blocks = -(-request.input_length // size)
+    def _numbers(self, request: TraceRequest) -> list[int]:
+        n_blocks = -(-request.input_length // self.block_size)
         ids = list(request.hash_ids or ())[:n_blocks]
         numbers = [2 * int(h) for h in ids]
         numbers += [2 * (request.index * _UNIQUE_STRIDE + b) + 1 for b in range(len(ids), n_blocks)]
+        return numbers
+
+    def prompt(self, request: TraceRequest) -> list[int]:
+        size = self.block_size
+        numbers = self._numbers(request)
+        n_blocks = len(numbers)
         out = list(self.header)
         for i, number in enumerate(numbers):
             block = self._block(number)
             out += block if i < n_blocks - 1 else block[: request.input_length - size * (n_blocks - 1)]
         out += self.trailer
         return out
+
+    def packed(self, request: TraceRequest) -> bytes:
+        """`pack_tokens(self.prompt(request))` (what block hashing reads), joined from packed
+        pieces: a block is its three spelled ids then the shared tail."""
+        numbers = self._numbers(request)
+        parts = [self._packed_header]
+        for number in numbers[:-1]:
+            parts += (self._packed_digits(number), self._packed_tail)
+        if numbers:
+            last = self._packed_digits(numbers[-1]) + self._packed_tail
+            parts.append(last[: 4 * (request.input_length - self.block_size * (len(numbers) - 1))])
+        parts.append(self._packed_trailer)
+        return b"".join(parts)
+
+    def _packed_digits(self, number: int) -> bytes:
+        digits = []
+        for _ in range(3):
+            number, d = divmod(number, VOCAB)
+            digits.append(d)
+        return pack_tokens(digits)
 
     @staticmethod
     def output(request: TraceRequest) -> list[int]:

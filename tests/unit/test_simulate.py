@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from deepinfer_gateway.cli import main as cli_main
-from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
 from deepinfer_gateway.simulate import ClusterConfig, load_cluster, run_simulation
 from deepinfer_gateway.simulate import simulator as simulator_module
 from deepinfer_gateway.simulate.config import WorkerGroup
@@ -144,3 +144,14 @@ def test_cli_simulate_prints_summary_last(tmp_path: Path, capsys: pytest.Capture
     assert last["requests"] == 40 and last["simulation"]["policy"] == "cache_aware"
     assert last["oracle_hit_rate"] == pytest.approx(0.0336, abs=0.02)
     assert (tmp_path / "summary.json").exists()
+
+
+def test_packed_prompt_is_the_prompt_as_block_hashing_packs_it() -> None:
+    """The simulator hands the gateway's hasher the prompt already packed (as the live
+    encoder does): it must be byte for byte what packing the token ids gives."""
+    for header in (True, False):
+        prompts = PromptTokens(512, header=header)
+        for request in (TraceRequest(0, 0.0, 1500, 4, (7, 8, 9)), TraceRequest(1, 0.0, 1025, 4, (7, 123_456_789, 3)),
+                        TraceRequest(2, 0.0, 2, 1, (5,)), TraceRequest(3, 0.0, 700, 1, None),
+                        TraceRequest(4, 0.0, 0, 1, ()), TraceRequest(5, 0.0, 1024, 1, (1, 2))):
+            assert prompts.packed(request) == pack_tokens(prompts.prompt(request))
