@@ -54,6 +54,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -191,7 +192,7 @@ def main() -> None:
     finally:
         worker.stop()
 
-    summary: dict[str, object] = {"params": {k: v for k, v in vars(args).items() if k != "modes"}}
+    summary: dict[str, Any] = {"params": {k: v for k, v in vars(args).items() if k != "modes"}}
     first = modes[0]
     for spec, rows in results.items():
         med = {k: round(statistics.median(float(r[k]) for r in rows), 2) for k in rows[0]}  # type: ignore[arg-type]
@@ -201,7 +202,6 @@ def main() -> None:
     base = summary[first]
     for spec in modes[1:]:
         row = summary[spec]
-        assert isinstance(row, dict) and isinstance(base, dict)
         row[f"ratio_vs_{first}"] = {
             key: round(row[key] / base[key], 2) if base[key] > 0 else None
             for key in ("added_ttft_p50_ms", "added_ttft_p90_ms", "added_itl_p99_ms", "added_itl_mean_ms")}

@@ -87,6 +87,11 @@ class WorkerSpec(_Frozen):
         if self.engine is not WorkerEngine.VLLM and (self.kv_events_endpoint or self.kv_events_replay_endpoint
                                                      or self.kv_events_topic):
             raise ValueError("kv_events_* apply to vllm workers only")
+        # The planner pairs prefill and decode workers by KV format alone: a vLLM worker's KV
+        # must never look compatible with a sim/DeepInfer worker's, nor the other way round.
+        if self.kv_format and (self.engine is WorkerEngine.VLLM) != self.kv_format.startswith("vllm:"):
+            raise ValueError('kv_format "vllm:..." belongs to vllm workers, and a vllm worker\'s kv_format must '
+                             'start with "vllm:"')
         return self
 
     @property

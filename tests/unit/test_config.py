@@ -247,6 +247,12 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
      "Input should be greater than or equal to 0"),
     ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
     ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis_url"),
+    ('[[workers]]\nurl = "http://a:1"\nengine = "openai"\nrole = "prefill"\n', "workers[0]",
+     "an openai worker serves whole requests"),
+    ('[[workers]]\nurl = "http://a:1"\nengine = "vllm"\nkv_format = "deepseek-v4"\n', "workers[0]",
+     'kv_format "vllm:..." belongs to vllm workers'),
+    ('[[workers]]\nurl = "http://a:1"\nkv_format = "vllm:m:128"\n', "workers[0]",
+     'kv_format "vllm:..." belongs to vllm workers'),
 ])
 def test_bad_settings_name_the_field(tmp_path: Path, text: str, where: str, reason: str) -> None:
     with pytest.raises(ConfigError) as e:
