@@ -229,8 +229,13 @@ def finish_event(
     message: str | None = None,
     kv_handoff: KvHandoff | None = None,
     num_output_tokens: int = 0,
+    cached_tokens: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
+    """`cached_tokens` (memory, store), optional: the engine's final cached count when `ready`
+    carried a provisional one (engines that report it only at the end, e.g. vLLM)."""
     event: dict[str, Any] = {"event": "finish", "reason": str(reason), "num_output_tokens": num_output_tokens}
+    if cached_tokens is not None:
+        event["cached_tokens"] = {"memory": cached_tokens[0], "store": cached_tokens[1]}
     if error_kind is not None:
         event["error"] = {
             "kind": str(error_kind),

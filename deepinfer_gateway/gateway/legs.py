@@ -24,6 +24,7 @@ from typing import Any
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.config_models import WorkerEngine
 from deepinfer_gateway.errors import (
     HEALTH_FAILURES,
     NoHealthyWorker,
@@ -35,6 +36,7 @@ from deepinfer_gateway.errors import (
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.route_inputs import LEG_ROLE, RouteInputs
+from deepinfer_gateway.gateway.vllm_upstream import PREDICTED_CACHED
 from deepinfer_gateway.gateway.worker_client import EventStream, WorkerClient
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.planner import NoCandidate, Plan
@@ -119,6 +121,8 @@ class Legs:
             worker = self.registry.workers[plan.worker.worker_id]
             tried.add(worker.worker_id)
             leg_body = {**body, "role": LEG_ROLE[plan.mode]}
+            if worker.spec.engine is not WorkerEngine.DGW:  # in-process adapters only: not a wire field
+                leg_body[PREDICTED_CACHED] = plan.decision.predicted_memory_tokens  # `ready`'s provisional count
             try:
                 with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
                                   role=leg_body["role"]):

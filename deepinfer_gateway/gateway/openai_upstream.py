@@ -15,15 +15,12 @@ must come back as text). vLLM and SGLang take both; servers that reject unknown 
 Routing: such a server publishes no KV events, so the prefix index never holds its blocks;
 put these workers in a pool routed by `prefix_approx` (the gateway's own routing history).
 
-`ready`'s counts: the cached count arrives only with the final usage, while the response path
-needs it with `ready` (vllm_upstream.py has the same problem). So a request runs as two calls
-with the same prompt: a `max_tokens: 1` call whose usage gives `ready` (the server's prompt and
-cached counts; the gateway's prompt count and 0 when the server reports none), then the answer's
-call, whose prompt is in the server's prefix cache by then. Its first token is not a
-continuation of the first call's (a text continuation would re-tokenize differently, and not
-every server continues text faithfully): one decode step is spent twice, and a server without
-prefix caching computes the prompt twice. A first call that ends the answer (EOS, or
-`max_tokens: 1`) is the whole answer.
+Counts: the cached count arrives only with the final usage (as on vLLM). A request is ONE
+streamed call: `ready` goes out with the first chunk, with the gateway's prompt count and a
+provisional cached count (the router's predicted overlap, vllm_upstream.provisional_cached;
+such servers publish no KV events: it is the routing history's guess, or 0), and the server's real
+count rides on `finish` (`cached_tokens`); the response path corrects every usage reported at
+the end. A server that reports no cached count leaves the provisional figure standing.
 
 Health, model, context length: `/v1/models` (`max_model_len` when the server reports one).
 Load: `/metrics` when the server exports vLLM's gauges (running, waiting, KV usage, process
@@ -44,7 +41,13 @@ from deepinfer_gateway import tracing
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.text_tokens import TextTokens
-from deepinfer_gateway.gateway.vllm_upstream import COMPLETIONS_PATH, METRICS_PATH, MODELS_PATH, parse_metrics
+from deepinfer_gateway.gateway.vllm_upstream import (
+    COMPLETIONS_PATH,
+    METRICS_PATH,
+    MODELS_PATH,
+    parse_metrics,
+    provisional_cached,
+)
 from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
@@ -162,11 +165,11 @@ def _status_error(url: str, status: int, raw: bytes) -> UpstreamError:
 
 
 class OpenAIStream:
-    """One worker-protocol request on an OpenAI-compatible server (two calls, module doc)."""
+    """One worker-protocol request on an OpenAI-compatible server: one streamed call (module doc)."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, request_id: str, model: str, prompt: str,
                  prompt_tokens: int, sampling: dict[str, Any], max_tokens: int, stop: list[str],
-                 tokens: TextTokens, timeouts: Timeouts):
+                 tokens: TextTokens, timeouts: Timeouts, *, provisional_cached: int = 0):
         self._session = session
         self._url = url
         self._request_id = request_id
@@ -180,15 +183,17 @@ class OpenAIStream:
         self._timeouts = timeouts
         self._line: LineStream | None = None
         self._events: deque[dict[str, Any]] = deque()
-        self._phase = "first"  # first -> rest -> done
+        self._provisional = provisional_cached  # `ready`'s cached count; the server's real one comes with `finish`
+        self._ready = False
+        self._done = False
         self._sent = 0  # output token ids emitted
 
     async def open(self, refusal: dict[str, Any] | None = None) -> None:
         if refusal is not None:
             self._events.append(refusal)
-            self._phase = "done"
+            self._done = True
             return
-        body = completion_body(self._model, self._prompt, self._sampling, 1, self._stop)
+        body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens, self._stop)
         self._line = await self._post(body, self._timeouts.first_event_s)
 
     async def _post(self, body: dict[str, Any], first_s: float) -> LineStream:
@@ -211,17 +216,14 @@ class OpenAIStream:
 
     async def next_event(self) -> dict[str, Any] | None:
         while not self._events:
-            if self._phase == "done":
+            if self._done:
                 return None
-            if self._phase == "first":
-                await self._read_first()
-            else:
-                await self._read_rest()
+            await self._read_chunk()
         return self._events.popleft()
 
     async def _next_chunk(self) -> dict[str, Any] | None:
-        """The current call's next SSE data object; None at `[DONE]` or after an error chunk
-        (then a `finish` with the error is queued)."""
+        """The call's next SSE data object; None at `[DONE]` or after an error chunk (then a
+        `finish` with the error is queued)."""
         assert self._line is not None
         while True:
             line = await self._line.read_line()
@@ -242,64 +244,48 @@ class OpenAIStream:
             error = chunk.get("error", chunk)
             message = error.get("message", "server error") if isinstance(error, dict) else str(error)
             self._events.append(_refusal(wp.ErrorKind.ENGINE, message))
-            self._phase = "done"
+            self._done = True
             return None
         return chunk
 
-    async def _read_first(self) -> None:
-        """The `max_tokens: 1` call: `ready` with the server's counts, then its text."""
-        text, finish, usage = "", None, None
-        while (chunk := await self._next_chunk()) is not None:
-            for choice in chunk.get("choices") or ():
-                text += choice.get("text") or ""
-                finish = choice.get("finish_reason") or finish
-            usage = chunk.get("usage") or usage
-        self._release_line()
-        if self._phase == "done":  # an error chunk
-            return
-        if finish is None:
-            raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} ended its first answer without a finish reason")
-        prompt_tokens = int((usage or {}).get("prompt_tokens") or self._prompt_tokens)
-        cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        self._events.append(wp.ready_event(prompt_tokens, min(cached, prompt_tokens), 0))
-        if finish == "stop" or self._max_tokens <= 1:  # that one token is the whole answer
-            self._emit(self._tokens.push(text, eager=True))
-            self._finish(wp.FinishReason.STOP if finish == "stop" else wp.FinishReason.LENGTH)
-        else:
-            self._phase = "rest"
-
-    async def _read_rest(self) -> None:
-        """The answer's call (the same prompt, now cached): queue the events of its next chunk."""
-        if self._line is None:
-            body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens, self._stop)
-            self._line = await self._post(body, self._timeouts.between_events_s)
+    async def _read_chunk(self) -> None:
+        """Queue the events of the call's next chunk: `ready` before the first, then tokens;
+        at the finish reason, read on to the usage chunk for the server's cached count."""
         chunk = await self._next_chunk()
         if chunk is None:
             self._release_line()
-            if self._phase != "done":  # [DONE] without a finish reason
+            if not self._done:  # [DONE] without a finish reason
                 raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} ended without a finish reason")
             return
+        if not self._ready:
+            self._events.append(wp.ready_event(self._prompt_tokens, self._provisional, 0))
+            self._ready = True
+        reason = None
         for choice in chunk.get("choices") or ():
             self._emit(self._tokens.push(choice.get("text") or ""))
             finish = choice.get("finish_reason")
             if finish is not None:
                 reason = (wp.FinishReason.STOP if finish == "stop"
                           else wp.FinishReason.ABORT if finish == "abort" else wp.FinishReason.LENGTH)
-                self._finish(reason)
-        if self._phase == "done":  # read the usage chunk and [DONE]: the connection stays reusable
-            while await self._next_chunk() is not None:
-                pass
-            self._release_line()
+        if reason is None:
+            return
+        usage = chunk.get("usage")
+        while (tail := await self._next_chunk()) is not None:  # the usage chunk; the connection stays reusable
+            usage = tail.get("usage") or usage
+        self._release_line()
+        if self._done:  # an error chunk after the finish reason
+            return
+        cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        self._emit(self._tokens.flush())
+        self._events.append(wp.finish_event(
+            reason, num_output_tokens=self._sent,
+            cached_tokens=None if cached is None else (min(int(cached), self._prompt_tokens), 0)))
+        self._done = True
 
     def _emit(self, ids: list[int]) -> None:
         if ids:
             self._events.append(wp.tokens_event(ids))
             self._sent += len(ids)
-
-    def _finish(self, reason: wp.FinishReason) -> None:
-        self._emit(self._tokens.flush())
-        self._events.append(wp.finish_event(reason, num_output_tokens=self._sent))
-        self._phase = "done"
 
     def _release_line(self) -> None:
         if self._line is not None:
@@ -311,7 +297,7 @@ class OpenAIStream:
         if self._line is not None:
             self._line.close()
             self._line = None
-        self._phase = "done"
+        self._done = True
 
 
 class OpenAIUpstream:
@@ -352,6 +338,7 @@ class OpenAIUpstream:
                                retryable=True)
         stop = [self._text.text_of(t) for t in sampling.get("stop_token_ids") or ()]
         stream = OpenAIStream(session, self.spec.url, request_id, facts.model, self._text.decode(token_ids),
-                              len(token_ids), sampling, max_tokens, stop, TextTokens(self._bundle), timeouts)
+                              len(token_ids), sampling, max_tokens, stop, TextTokens(self._bundle), timeouts,
+                              provisional_cached=provisional_cached(body, len(token_ids), 0))
         await stream.open(refusal)
         return stream

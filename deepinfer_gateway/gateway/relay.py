@@ -6,8 +6,10 @@ reached the client ends the stream with a protocol error event, never silently.
 
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
 error, the client going away): it releases the current leg's lease, runs the request's
-`on_done` (rate-limit debit), observes its end and records its outcome. It is idempotent:
-its owner calls it in one `finally`.
+`on_done` (rate-limit debit), observes its end and records its outcome and its prompt
+and cached tokens (at the end: an engine that reports its cached count only then, vLLM,
+brings it on `finish`, and `ResponseStream.finish` corrects the final usage with it). It is
+idempotent: its owner calls it in one `finally`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Upstream:
     lease: Lease  # the current leg's
     plan: Plan
     body: dict[str, Any]  # the worker request body (a decode leg continues it)
+    ready: dict[str, Any]  # the first leg's `ready`; its cached count the final one once `finish` brings it
     response: ResponseStream
     first_series: RequestSeries  # the first leg's (model, pool, hardware): TTFT, queue time, prompt length
     series: RequestSeries  # the current leg's: ITL, duration, output length
@@ -52,6 +55,12 @@ class Upstream:
     finished: bool = False  # the worker finished the request: nothing to abort
     status: str | None = None  # the outcome once known: 200, 502 (streams; 499: the client left first)
     closed: bool = False
+
+
+def final_cached(finish: dict[str, Any]) -> int | None:
+    """The cached prompt tokens a `finish` reports (engines that know them only at the end)."""
+    cached = finish.get("cached_tokens")
+    return None if cached is None else cached["memory"] + cached["store"]
 
 
 class Relay:
@@ -82,6 +91,8 @@ class Relay:
                 handoff = event.get("kv_handoff")
                 if handoff is None or upstream.plan.mode != "pd":
                     upstream.finished = True
+                    if "cached_tokens" in event:  # the real count where `ready`'s was provisional (vLLM)
+                        upstream.ready = {**upstream.ready, "cached_tokens": event["cached_tokens"]}
                     yield event
                     return
                 await self._hand_off(upstream, handoff)
@@ -119,7 +130,7 @@ class Relay:
                             break
                     else:
                         raise_if_error(event)
-                        yield response.finish(event["reason"])
+                        yield response.finish(event["reason"], final_cached(event))
                 upstream.status = "200"
             except (UpstreamError, GatewayError) as exc:
                 upstream.status = "502"
@@ -143,7 +154,7 @@ class Relay:
                         break
                 else:
                     raise_if_error(event)
-                    response.finish(event["reason"])
+                    response.finish(event["reason"], final_cached(event))
         except UpstreamError as exc:
             raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
         upstream.status = "200"
@@ -165,6 +176,7 @@ class Relay:
             upstream.series.duration.observe(time.perf_counter() - upstream.arrival)
             if upstream.status is not None:
                 self.metrics.count_request(str(upstream.prepared.protocol), upstream.prepared.model, upstream.status)
+            self.legs.routing.count_prompt(upstream.plan, upstream.ready)  # at the end: the final cached count
 
     def close_stream(self, upstream: Upstream) -> None:
         if upstream.status is None:  # the client left before the end

@@ -76,14 +76,14 @@ class RequestServer:
         first_series = self.metrics.request_series(prepared.model, plan.worker.pool, plan.worker.hardware)
         series = (first_series if worker.worker_id == plan.worker.worker_id
                   else self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware))
-        upstream = Upstream(prepared, request_id, arrival, lease, plan, body, response, first_series, series, on_done)
+        upstream = Upstream(prepared, request_id, arrival, lease, plan, body, ready, response, first_series, series,
+                            on_done)
         streaming = False
         try:
             cached = ready["cached_tokens"]
             upstream.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
             first_series.queue.observe(lease.ready_at - arrival)
             first_series.prompt_len.observe(ready["prompt_tokens"])
-            self.routing.count_prompt(plan, ready)
             upstream.pending.append(first)
             headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: plan.worker.worker_id}
             if prepared.stream:

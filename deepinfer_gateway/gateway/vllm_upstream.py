@@ -6,18 +6,19 @@ tokens; `return_token_ids` brings the output back as ids, which the response pat
 into the client's protocol exactly as for sim workers. `VllmStream` yields worker-protocol
 events (`ready`, `tokens`, `finish`), so legs and relay do not know which engine served.
 
-`ready`'s cached count: vLLM reports `prompt_tokens_details.cached_tokens` only in its final
-usage chunk, while the response path needs it with `ready` (deepseek-recipe fixes a
-response's prompt usage then). So a request runs as two calls on the same vLLM: the first
-with `max_tokens: 1` (its usage gives the real cached count; its one token is the first
-token, `ready` and `tokens` are emitted together when it ends), the second continues from
-prompt + first token with the remaining `max_tokens`. The second call's prompt is in
-vLLM's prefix cache by then: it recomputes only the partial last block. Cost: one more
-HTTP call per request and that recompute before the second token (docs/real-engines.md).
+Counts: vLLM reports `prompt_tokens_details.cached_tokens` only in its final usage chunk.
+A request is ONE streamed call: `ready` goes out with the first chunk (the first token) with
+the prompt's length and a provisional cached count, the router's predicted overlap for this
+worker (`provisional_cached`: with KV events the index holds vLLM's cached blocks, so it is
+usually exact); vLLM's real count rides on `finish` (`cached_tokens`, docs/worker-protocol.md)
+and the response path corrects every usage it reports at the end (recipe_bridge/stream.py).
+A server started without `--enable-prompt-tokens-details` reports none: the provisional
+figure stands.
 
 PD roles (vllm_pd.py): a prefill leg is one non-streamed `max_tokens: 1` call asking for a
 remote decode; its answer's `kv_transfer_params` become the hand-off. A decode leg is one
-streamed call with them (no two-call scheme: the client's usage comes from the prefill leg).
+streamed call with them (the client's usage comes from the prefill leg: its `finish` carries
+no cached count).
 
 Health, model, context length and load: `/v1/models` (model, `max_model_len`) and the
 Prometheus `/metrics` (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
@@ -47,6 +48,9 @@ COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 METRICS_PATH = "/metrics"
 _DONE = b"[DONE]"
+# The router's predicted cached prompt tokens, added by legs.py to the body of in-process
+# adapters only (this and openai_upstream.py): the wire protocol's request has no such field.
+PREDICTED_CACHED = "predicted_cached_tokens"
 _TOKEN_ID = re.compile(r"token_id:(-?\d+)")
 _METRIC_LINE = re.compile(r'^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$', re.M)
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
@@ -178,6 +182,17 @@ def _logprobs(choice: dict[str, Any]) -> list[Any] | None:
     return out
 
 
+def provisional_cached(body: dict[str, Any], prompt_tokens: int, block_size: int) -> int:
+    """`ready`'s cached count before vLLM reports its own: the router's predicted overlap
+    (`body[PREDICTED_CACHED]`; with KV events, vLLM's cached full blocks), cut as vLLM cuts a
+    hit (whole blocks, at least the last prompt token computed)."""
+    predicted = int(body.get(PREDICTED_CACHED) or 0)
+    limit = prompt_tokens - 1
+    if block_size > 0:
+        limit = limit // block_size * block_size
+    return max(0, min(predicted, limit))
+
+
 def _refusal(kind: wp.ErrorKind, message: str, *, retryable: bool | None = None) -> dict[str, Any]:
     event = wp.finish_event(wp.FinishReason.ERROR, error_kind=kind, message=message)
     if retryable is not None:
@@ -186,11 +201,11 @@ def _refusal(kind: wp.ErrorKind, message: str, *, retryable: bool | None = None)
 
 
 class VllmStream:
-    """One worker-protocol request on vLLM (two completion calls, see the module doc)."""
+    """One worker-protocol request on vLLM: one streamed completion call (see the module doc)."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, request_id: str, model: str,
                  token_ids: list[int], sampling: dict[str, Any], max_tokens: int, timeouts: Timeouts,
-                 *, decode: bool = False, transfer: dict[str, Any] | None = None):
+                 *, provisional_cached: int = 0, decode: bool = False, transfer: dict[str, Any] | None = None):
         self._session = session
         self._url = url
         self._request_id = request_id
@@ -199,46 +214,38 @@ class VllmStream:
         self._sampling = sampling
         self._max_tokens = max_tokens
         self._timeouts = timeouts
+        self._provisional = provisional_cached  # `ready`'s cached count; vLLM's real one comes with `finish`
         self._line: LineStream | None = None
         self._events: deque[dict[str, Any]] = deque()
-        self._phase = "first"  # first -> rest -> done
-        self._first_id: int | None = None
+        self._ready = False
+        self._done = False
         self._sent = 0  # output tokens streamed
-        self._decode = decode  # a PD decode leg (vllm_pd.py): one call, with the prefill's kv_transfer_params
+        self._decode = decode  # a PD decode leg (vllm_pd.py): with the prefill's kv_transfer_params
         self._transfer = transfer
 
     async def open(self, refusal: dict[str, Any] | None = None) -> None:
         if refusal is not None:
             self._events.append(refusal)
-            self._phase = "done"
+            self._done = True
             return
+        body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens)
         if self._decode:  # the client's usage comes from the prefill leg: `ready` needs no counts here
-            body = vllm_pd.decode_body(completion_body(self._model, self._prompt, self._sampling, self._max_tokens),
-                                       self._transfer)
-            self._line = await self._post(body, self._timeouts.first_event_s)
+            body = vllm_pd.decode_body(body, self._transfer)
             self._events.append(wp.ready_event(len(self._prompt), 0, 0))
-            self._phase = "rest"
-            return
-        body = completion_body(self._model, self._prompt, self._sampling, 1)
-        self._line = await self._post(body, self._timeouts.first_event_s)
-
-    async def _post(self, body: dict[str, Any], first_s: float) -> LineStream:
+            self._ready = True
         response = await post_completion(self._session, self._url, self._request_id, body)
-        return LineStream(response, first_s, self._timeouts.between_events_s)
+        self._line = LineStream(response, self._timeouts.first_event_s, self._timeouts.between_events_s)
 
     async def next_event(self) -> dict[str, Any] | None:
         while not self._events:
-            if self._phase == "done":
+            if self._done:
                 return None
-            if self._phase == "first":
-                await self._read_first()
-            else:
-                await self._read_rest()
+            await self._read_chunk()
         return self._events.popleft()
 
     async def _next_chunk(self) -> dict[str, Any] | None:
-        """The current call's next SSE data object; None at `[DONE]` or after an error chunk
-        (then a `finish` with the error is queued)."""
+        """The call's next SSE data object; None at `[DONE]` or after an error chunk (then a
+        `finish` with the error is queued)."""
         assert self._line is not None
         while True:
             line = await self._line.read_line()
@@ -257,55 +264,24 @@ class VllmStream:
             error = chunk.get("error", chunk)
             message = error.get("message", "vLLM error") if isinstance(error, dict) else str(error)
             self._events.append(_refusal(wp.ErrorKind.ENGINE, message))
-            self._phase = "done"
+            self._done = True
             return None
         return chunk
 
-    async def _read_first(self) -> None:
-        """The `max_tokens: 1` call: `ready` with vLLM's real counts, the first token."""
-        ids: list[int] = []
-        logprobs: list[Any] = []
-        finish = stop_reason = None
-        usage: dict[str, Any] = {}
-        while (chunk := await self._next_chunk()) is not None:
-            for choice in chunk.get("choices") or ():
-                ids.extend(choice.get("token_ids") or ())
-                logprobs.extend(_logprobs(choice) or ())
-                finish = choice.get("finish_reason") or finish
-                stop_reason = choice.get("stop_reason", stop_reason)
-            usage = chunk.get("usage") or usage
-        self._release_line()
-        if self._phase == "done":  # an error chunk
-            return
-        if not usage or len(ids) > 1 or finish is None:
-            raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} sent no usage or an unexpected first answer")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        self._events.append(wp.ready_event(usage["prompt_tokens"], cached, 0))
-        if finish == "stop" and not isinstance(stop_reason, str):  # EOS or a stop token id: not streamed
-            self._finish(wp.FinishReason.STOP)
-            return
-        if ids:
-            self._first_id = ids[0]
-            self._events.append(wp.tokens_event(ids, logprobs or None))
-            self._sent = len(ids)
-        if self._max_tokens <= self._sent or self._first_id is None:
-            self._finish(wp.FinishReason.LENGTH)
-            return
-        self._phase = "rest"
-
-    async def _read_rest(self) -> None:
-        """The continuation call (prompt + first token): queue the events of its next chunk."""
-        if self._line is None:
-            assert self._first_id is not None
-            body = completion_body(self._model, [*self._prompt, self._first_id], self._sampling,
-                                   self._max_tokens - self._sent)
-            self._line = await self._post(body, self._timeouts.between_events_s)
+    async def _read_chunk(self) -> None:
+        """Queue the events of the call's next chunk: `ready` before the first (vLLM streams
+        nothing before its first token), then tokens; at the finish reason, read on to the
+        usage chunk and `[DONE]` for the real cached count, which `finish` carries."""
         chunk = await self._next_chunk()
         if chunk is None:
             self._release_line()
-            if self._phase != "done":  # [DONE] without a finish reason
+            if not self._done:  # [DONE] without a finish reason
                 raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} ended without a finish reason")
             return
+        if not self._ready:
+            self._events.append(wp.ready_event(len(self._prompt), self._provisional, 0))
+            self._ready = True
+        reason = None
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or []
             finish = choice.get("finish_reason")
@@ -317,30 +293,31 @@ class VllmStream:
             if finish is not None:
                 reason = (wp.FinishReason.STOP if finish == "stop"
                           else wp.FinishReason.ABORT if finish == "abort" else wp.FinishReason.LENGTH)
-                self._finish(reason)
-        if self._phase == "done":  # read the usage chunk and [DONE]: the connection stays reusable
-            while await self._next_chunk() is not None:
-                pass
-            self._release_line()
-
-    def _finish(self, reason: wp.FinishReason) -> None:
-        self._events.append(wp.finish_event(reason, num_output_tokens=self._sent))
-        self._phase = "done"
+        if reason is None:
+            return
+        usage = chunk.get("usage")
+        while (tail := await self._next_chunk()) is not None:  # the usage chunk; the connection stays reusable
+            usage = tail.get("usage") or usage
+        self._release_line()
+        if self._done:  # an error chunk after the finish reason
+            return
+        self._done = True
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if not self._decode else None
+        self._events.append(wp.finish_event(reason, num_output_tokens=self._sent,
+                                            cached_tokens=None if cached is None else (int(cached), 0)))
 
     def _release_line(self) -> None:
         if self._line is not None:
             self._line.release()
             self._line = None
 
-    def _close_line(self) -> None:
+    def close(self) -> None:
+        """Drop the connection: vLLM aborts the request."""
         if self._line is not None:
             self._line.close()
             self._line = None
-
-    def close(self) -> None:
-        """Drop the connection: vLLM aborts the request."""
-        self._close_line()
-        self._phase = "done"
+        self._done = True
 
 
 async def post_completion(session: aiohttp.ClientSession, url: str, request_id: str,
@@ -441,6 +418,7 @@ class VllmUpstream:
             return vllm_pd.HeldEvents([refusal]) if refusal else await self._prefill(session, facts, token_ids,
                                                                                        sampling, request_id, timeouts)
         stream = VllmStream(session, self.spec.url, request_id, facts.model, token_ids, sampling, max_tokens, timeouts,
+                            provisional_cached=provisional_cached(body, len(token_ids), facts.block_size),
                             decode=role == "decode", transfer=transfer)
         await stream.open(refusal)
         return stream

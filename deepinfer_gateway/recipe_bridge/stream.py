@@ -21,6 +21,7 @@ from deepinfer_gateway.recipe_bridge.completion_stream import (
 )
 from deepinfer_gateway.recipe_bridge.completions import LegacyOptions
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.final_usage import corrected_json, set_cached
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
@@ -85,9 +86,13 @@ class ResponseStream:
         # Chat and legacy completions frame every chunk as a bare `data:` line (no SSE event names).
         self._named = prepared.protocol in (ApiProtocol.RESPONSES, ApiProtocol.MESSAGES)
         self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0  # `ready`'s, then the worker's final count if `finish` brought one
+        self._correct_usage = False  # `finish` brought a different cached count: final frames get it
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
 
     def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         if not self._stream:
             self._accumulator = self._response_type(
                 self.response_id, self.prepared.requested_model, self.prepared.created, prompt_tokens, cached_tokens
@@ -114,11 +119,17 @@ class ResponseStream:
             out += self._done()
         return out
 
-    def finish(self, reason: str) -> bytes:
-        """End normally (`stop`, `length`, `content_filter`); emits the usage chunk and `[DONE]`."""
+    def finish(self, reason: str, cached_tokens: int | None = None) -> bytes:
+        """End normally (`stop`, `length`, `content_filter`); emits the usage chunk and `[DONE]`.
+        `cached_tokens`: the worker's final count when `ready`'s was provisional (vLLM); every
+        usage reported from here on (and a non-streaming body's) carries it."""
         if self.done:
             return b""
+        if cached_tokens is not None and cached_tokens != self.cached_tokens:
+            self.cached_tokens = cached_tokens
+            self._correct_usage = True
         if self._legacy is not None:
+            self._legacy.cached_tokens = self.cached_tokens  # its usage is built at the end from this
             return self._emit(self._legacy.finish(reason), final=True) + self._done()
         finish = dr.InferenceChunk.finish(_FINISH.get(reason, _FINISH["stop"]))
         out = self._emit(self._processor.push(finish), final=True)
@@ -134,7 +145,10 @@ class ResponseStream:
         return b""
 
     def body(self) -> bytes:
-        return self._accumulator.to_json().encode()
+        text = self._accumulator.to_json()
+        if self._correct_usage and self._legacy is None:
+            text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
+        return text.encode()
 
     def _emit(self, chunks: list[Any], final: bool = False) -> bytes:
         if not chunks:
@@ -143,24 +157,29 @@ class ResponseStream:
             for chunk in chunks:
                 self._accumulator.accumulate(chunk)
             return b""
-        if len(chunks) == 1 and not self._named and not (self._split_usage and (final or self._processor.finished)):
+        if (len(chunks) == 1 and not self._named and not (self._split_usage and (final or self._processor.finished))
+                and not (final and self._correct_usage)):
             return b"data: " + chunks[0].to_json().encode() + b"\n\n"  # the usual token chunk
         parts: list[bytes] = []
         name_of = self._response_type.sse_event_name
         for chunk in chunks:
             data = chunk.to_json()
             if self._split_usage and (final or self._processor.finished) and '"usage":' in data:
-                parts.extend(self._chat_usage_frames(data))
+                parts.extend(self._chat_usage_frames(data, final))
                 continue
+            if final and self._correct_usage and self._legacy is None:
+                data = corrected_json(self.prepared.protocol, data, self.prompt_tokens, self.cached_tokens)
             name = name_of(chunk)
             if name:
                 parts.append(b"event: " + name.encode() + b"\n")
             parts.append(b"data: " + data.encode() + b"\n\n")
         return b"".join(parts)
 
-    def _chat_usage_frames(self, data: str) -> list[bytes]:
+    def _chat_usage_frames(self, data: str, final: bool) -> list[bytes]:
         """OpenAI `include_usage`: usage goes in its own final chunk with empty `choices`."""
         chunk = orjson.loads(data)
         usage = chunk.pop("usage")
+        if final and self._correct_usage and isinstance(usage, dict):
+            set_cached(self.prepared.protocol, usage, self.prompt_tokens, self.cached_tokens)
         usage_chunk = {**chunk, "choices": [], "usage": usage}
         return [b"data: " + orjson.dumps(chunk) + b"\n\n", b"data: " + orjson.dumps(usage_chunk) + b"\n\n"]

@@ -142,7 +142,7 @@ def test_chat_on_vllm_as_text_server(vllm_client: openai.OpenAI) -> None:
     assert raw.headers["x-dgw-worker"] == "vllm-text-0"
     assert reply.choices[0].finish_reason in ("stop", "length")
     usage = reply.usage
-    # prompt count: vLLM's own, from the rendered text it tokenized; completion: the re-tokenized text
+    # prompt count: the gateway's (the server tokenizes the same text alike); completion: the re-tokenized text
     assert usage is not None and usage.prompt_tokens > 5 and usage.completion_tokens >= 1
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 0
 

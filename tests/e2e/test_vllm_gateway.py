@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import orjson
@@ -102,17 +103,48 @@ def test_chat_streaming_on_vllm(client: openai.OpenAI) -> None:
     assert finishes == ["length"] if usage.completion_tokens == 20 else finishes == ["stop"]
 
 
-def test_usage_reports_vllms_cached_prompt_tokens(client: openai.OpenAI, vllm_server: VllmServer) -> None:
+def vllm_cache_hits(server: VllmServer) -> float:
+    """vLLM's own count of prompt tokens served from its prefix cache, so far."""
+    return vllm_gauge(server, "prefix_cache_hits_total")
+
+
+def test_usage_reports_vllms_cached_prompt_tokens(client: openai.OpenAI, vllm_gateway: Gateway,
+                                                  vllm_server: VllmServer) -> None:
+    """A shared prefix that vLLM reports as cached: the client's usage carries vLLM's own count
+    (its prefix-cache hit counter's step), non-streamed, streamed and over the Anthropic API,
+    though the gateway makes one vLLM call per request and learns the count only at its end."""
     system = "You are a careful assistant. " + " ".join(f"rule-{i}: answer briefly." for i in range(120))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": f"first {time.time_ns()}"}]
     first = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
     assert first.usage is not None and first.usage.prompt_tokens >= 3 * KV_BLOCK_TOKENS
+    whole_blocks = (first.usage.prompt_tokens - 1) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
+
+    hits = vllm_cache_hits(vllm_server)
     second = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == vllm_cache_hits(vllm_server) - hits  # vLLM's own count
     # vLLM's count: the whole blocks of the same prompt, at least one token computed
-    assert cached == (second.usage.prompt_tokens - 1) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
-    assert cached >= 2 * KV_BLOCK_TOKENS
+    assert cached == whole_blocks and cached >= 2 * KV_BLOCK_TOKENS
+
+    hits = vllm_cache_hits(vllm_server)
+    chunks = list(client.chat.completions.create(model=MODEL, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}, messages=messages))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == vllm_cache_hits(vllm_server) - hits == whole_blocks
+
+    with anthropic.Anthropic(base_url=vllm_gateway.url, api_key="t", max_retries=0, timeout=120) as claude:
+        claude.messages.create(model=MODEL, max_tokens=4, system=system,
+                               messages=[{"role": "user", "content": "anthropic first"}])
+        hits = vllm_cache_hits(vllm_server)
+        with claude.messages.stream(model=MODEL, max_tokens=4, system=system,
+                                    messages=[{"role": "user", "content": "anthropic first"}]) as stream:
+            message = stream.get_final_message()
+    read = vllm_cache_hits(vllm_server) - hits
+    assert read >= 2 * KV_BLOCK_TOKENS
+    assert message.usage.cache_read_input_tokens == read  # from the final message_delta
+    assert message.usage.input_tokens + read > read  # the uncached rest, at least one token
 
 
 def test_disconnect_mid_stream_aborts_in_vllm(vllm_gateway: Gateway, vllm_server: VllmServer) -> None:
@@ -335,7 +367,7 @@ def test_admin_adds_and_removes_a_vllm_worker(sim_only_gateway: Gateway, vllm_se
             deadline = time.monotonic() + 15
             while True:  # the added worker's KV events reach the index asynchronously
                 raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
-                                                                       messages=messages)  # type: ignore[arg-type]
+                                                                       messages=messages)
                 if raw.headers["x-dgw-worker"] == "vllm-added" or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
@@ -350,5 +382,5 @@ def test_admin_adds_and_removes_a_vllm_worker(sim_only_gateway: Gateway, vllm_se
     assert gateway_metric(mixed_gateway, "dgw_worker_healthy", 'worker="vllm-added"') == 0  # series removed
     with openai.OpenAI(base_url=mixed_gateway.url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=60) as client:
         raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
-                                                               messages=messages)  # type: ignore[arg-type]
+                                                               messages=messages)
     assert raw.headers["x-dgw-worker"] != "vllm-added"
