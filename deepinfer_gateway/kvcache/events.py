@@ -1,19 +1,32 @@
-"""Gateway-side KV event feeder: polls every worker's event log into a PrefixIndex.
+"""Gateway-side KV event feeder: long-polls every worker's event log into a PrefixIndex.
 
-One asyncio task per worker loops `GET {base_url}/v1/worker/kv_events?after=C&limit=N`
+One asyncio task per worker loops `GET {base_url}/v1/worker/kv_events?after=C&limit=N&wait_ms=W`
 (reply: `protocol.KvEventBatch` JSON) and hands the batch to `index.apply`, whose return
 value is the next cursor C. The index owns all sequencing decisions (new epoch, gap,
 falling behind `oldest_seq` -> drop the worker's memory tier, cursor 0 = re-read from
 the oldest retained event); the feeder only fetches, so it behaves the same over both
 backends.
 
-Cost and bounds: one HTTP request per worker per `interval_s` while idle (default 50 ms:
-the index lags the workers by about that much); back-to-back requests while a worker has
-more than `limit` events pending; at most `limit` events per request and one request in
-flight per worker. A failing worker is retried with exponential backoff up to
-`max_backoff_s` and logged once per outage. Cancel-safe: `aclose()` stops every task.
+Long poll: with `wait_s` > 0 the worker holds the request until it has events past C
+(or C is not its last seq, e.g. a cursor from a previous epoch: the reply then carries the
+new epoch) or `wait_s` passes, so an idle worker costs one request per `wait_s` (default
+1 s) instead of one per `interval_s`, and the first event after a quiet spell reaches the
+index one round trip after the worker logged it. `interval_s` (default 50 ms) stays the
+shortest period between two polls unless a backlog is pending, so a busy worker is still
+polled at most 1/`interval_s` times a second (later events of a burst wait up to that
+long), and a worker that ignores `wait_ms` (older builds, test doubles) answers at once
+and is polled every `interval_s`, as without the long poll. `wait_s` = 0 turns it off.
+
+Cost and bounds: back-to-back requests while a worker has more than `limit` events
+pending; at most `limit` events per request and one request in flight per worker. Each
+request's timeout is `timeout_s` on top of the wait, so a held request is never cut short.
+A failing worker is retried with exponential backoff up to `max_backoff_s` and logged once
+per outage. Cancel-safe: `aclose()` stops every task; cancelling a held request closes its
+connection, which ends the wait on the worker too.
 The `aiohttp.ClientSession` is injected (the gateway's shared upstream session; tests
-pass their own) and never closed here.
+pass their own) and never closed here. A held request keeps one pooled connection busy
+per worker; the gateway's connector has no connection limit, so it never starves the
+generate requests.
 
 A vLLM worker (`add(spec)` with `engine = "vllm"` and a `kv_events_endpoint`) is followed
 by a `VllmKvSubscriber` on its ZMQ events instead (vllm_events.py). Its hashes are salted by
@@ -59,6 +72,7 @@ class KvEventFeeder:
         session: aiohttp.ClientSession,
         *,
         interval_s: float = 0.05,
+        wait_s: float = 1.0,
         limit: int = 2000,
         timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
@@ -68,8 +82,9 @@ class KvEventFeeder:
         self._vllm_salt = vllm_salt
         self._session = session
         self.interval_s = interval_s
+        self.wait_s = wait_s
         self.limit = limit
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=wait_s + timeout_s)
         self.max_backoff_s = max_backoff_s
         self._workers: dict[str, _Worker] = {}
 
@@ -151,8 +166,10 @@ class KvEventFeeder:
         worker.vllm = subscriber
         await subscriber.start()
 
-    async def _poll(self, worker: _Worker) -> bool:
+    async def _poll(self, worker: _Worker, wait: bool = False) -> bool:
         params = {"after": str(worker.cursor), "limit": str(self.limit)}
+        if wait and self.wait_s > 0:
+            params["wait_ms"] = str(round(self.wait_s * 1000))
         async with self._session.get(worker.base_url + KV_EVENTS_PATH, params=params, timeout=self._timeout) as resp:
             resp.raise_for_status()
             body = await resp.read()
@@ -161,10 +178,12 @@ class KvEventFeeder:
         return bool(batch.events) and worker.cursor < batch.last_seq
 
     async def _run(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
         failures = 0
         while True:
+            started = loop.time()
             try:
-                more = await self._poll(worker)
+                more = await self._poll(worker, wait=True)
             except (aiohttp.ClientError, TimeoutError, ValidationError) as exc:
                 failures += 1
                 if failures == 1:
@@ -180,5 +199,5 @@ class KvEventFeeder:
             if failures:
                 log.warning("kv events: %s reachable again after %d failed polls", worker.worker_id, failures)
                 failures = 0
-            if not more:
-                await asyncio.sleep(self.interval_s)
+            if not more:  # a long poll that waited has used up the interval already
+                await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

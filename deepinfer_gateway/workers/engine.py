@@ -34,3 +34,7 @@ class Engine(Protocol):
 
     def kv_events(self, after: int, limit: int = 10_000) -> KvEventBatch:
         """Events with seq > after, oldest first, at most `limit`."""
+
+    async def wait_kv_events(self, after: int, timeout_s: float) -> None:
+        """Return as soon as the event log's last seq differs from `after` (new events, or a
+        cursor from another epoch), else after `timeout_s`; waits on a signal, never polls."""

@@ -7,20 +7,27 @@ disconnects mid-stream cancels the response task (Starlette listens for
 scope-bound, no bookkeeping by hand. Bad bodies get 400 (not JSON) or 422 (not a
 valid request) with an error JSON, never a 500.
 
+`kv_events` long-polls when asked (`wait_ms`): the handler waits on the engine's event
+log (`Engine.wait_kv_events`) raced against the client's `http.disconnect`, so a gateway
+that goes away mid-wait ends the wait at once and leaves no task behind. uvicorn has no
+request timeout, so only `wait_ms` (at most MAX_KV_EVENTS_WAIT_MS) bounds the reply;
+keep-alive only counts between requests, so a long poll does not age its connection.
+
 Optional extra routers (the OpenAI/SGLang compatibility layer, workers/sim/compat.py)
 are mounted beside the protocol endpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deepinfer_gateway.protocol import (
     ABORT_PATH,
@@ -38,6 +45,19 @@ from deepinfer_gateway.protocol import (
 from deepinfer_gateway.workers.engine import Engine
 
 JSON = "application/json"
+# Longest KV events long poll a worker grants: a wait pins one connection and one task,
+# and delays the worker's graceful shutdown by up to this much.
+MAX_KV_EVENTS_WAIT_MS = 30_000
+
+
+class KvEventsQuery(BaseModel):
+    """`GET kv_events` query: cursor, page size, and how long to wait for events."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    after: int = Field(0, ge=0)
+    limit: int = Field(10_000, ge=1, le=100_000)
+    wait_ms: int = Field(0, ge=0, le=MAX_KV_EVENTS_WAIT_MS)
 
 
 def json_response(payload: Any, status_code: int = 200) -> Response:
@@ -46,11 +66,32 @@ def json_response(payload: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status_code, media_type=JSON)
 
 
-def error_response(err: ValidationError) -> Response:
+def error_response(err: ValidationError, message: str = "invalid request body", status_code: int | None = None
+                   ) -> Response:
     not_json = any(e["type"] == "json_invalid" for e in err.errors())
     details = err.errors(include_url=False, include_context=False, include_input=False)
-    body = {"error": {"kind": str(ErrorKind.INVALID_REQUEST), "message": "invalid request body", "details": details}}
-    return json_response(body, 400 if not_json else 422)
+    body = {"error": {"kind": str(ErrorKind.INVALID_REQUEST), "message": message, "details": details}}
+    return json_response(body, status_code or (400 if not_json else 422))
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (the request body, if any, is discarded)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def wait_unless_disconnected(request: Request, wait: Awaitable[None]) -> bool:
+    """Await `wait` unless the client disconnects first; True when it did. Both sides are
+    tasks that are cancelled and awaited before returning, whichever way it ends."""
+    waiting = asyncio.ensure_future(wait)
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((waiting, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        watching.cancel()
+        await asyncio.gather(waiting, watching, return_exceptions=True)
+    return watching.done() and not watching.cancelled()
 
 
 async def ndjson_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -87,8 +128,15 @@ def protocol_router(engine: Engine) -> APIRouter:
         return json_response(engine.load())
 
     @router.get(KV_EVENTS_PATH)
-    async def kv_events(after: int = Query(0, ge=0), limit: int = Query(10_000, ge=1, le=100_000)) -> Response:
-        return json_response(engine.kv_events(after, limit))
+    async def kv_events(request: Request) -> Response:
+        try:
+            query = KvEventsQuery.model_validate(dict(request.query_params))
+        except ValidationError as err:
+            return error_response(err, "invalid kv_events query", 400)
+        if query.wait_ms and await wait_unless_disconnected(
+                request, engine.wait_kv_events(query.after, query.wait_ms / 1000)):
+            return Response(status_code=204)  # nobody reads it
+        return json_response(engine.kv_events(query.after, query.limit))
 
     @router.get(INFO_PATH)
     async def info() -> Response:

@@ -208,6 +208,9 @@ class DeepInferEngine:
     def kv_events(self, after: int, limit: int = 10_000) -> KvEventBatch:
         return self._events.batch(after, limit)
 
+    async def wait_kv_events(self, after: int, timeout_s: float) -> None:
+        await self._events.wait_past(after, timeout_s)
+
     # --- internals ------------------------------------------------------------------------
 
     def _refusal(self, request: GenerateRequest) -> list[Event] | None:

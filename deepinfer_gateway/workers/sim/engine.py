@@ -320,6 +320,9 @@ class SimEngine:
     def kv_events(self, after: int, limit: int = 10_000) -> KvEventBatch:
         return self._events.batch(after, limit)
 
+    async def wait_kv_events(self, after: int, timeout_s: float) -> None:
+        await self._events.wait_past(after, timeout_s)
+
 
 def _tokens(stream: _Stream, token_ids: list[int]) -> dict[str, Any]:
     if stream.top_logprobs is None:

@@ -6,10 +6,16 @@ epoch drops everything it believed about this worker's memory. Retention is boun
 consumer that fell further behind than `oldest_seq` must resync (drop and rebuild from
 the events still held). Events are kept as tuples and turned into pydantic models only
 when read, because appends sit on the scheduler's hot path.
+
+`wait_past` lets a reader long-poll: it returns at the next append (an asyncio.Event,
+created only while someone waits, so an append costs one `is None` test otherwise).
+Single-threaded: appends and waits run on the worker's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections import deque
 
@@ -24,6 +30,7 @@ class SimKvEventLog:
         self.epoch = uuid.uuid4().hex
         self._rows: deque[_Row] = deque(maxlen=retention)
         self._last_seq = 0
+        self._appended: asyncio.Event | None = None  # set by the next append; only while someone waits
         self.append(KvEventKind.CLEARED, KvTier.MEMORY, [])
 
     @property
@@ -35,6 +42,19 @@ class SimKvEventLog:
             return
         self._last_seq += 1
         self._rows.append((self._last_seq, kind, tier, hashes, expires_at))
+        if self._appended is not None:
+            self._appended.set()
+            self._appended = None
+
+    async def wait_past(self, after: int, timeout_s: float) -> None:
+        """Return once `last_seq != after` (events past the cursor, or a cursor from
+        another epoch) or after `timeout_s`, whichever comes first."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self._last_seq == after:
+                    if self._appended is None:
+                        self._appended = asyncio.Event()
+                    await self._appended.wait()
 
     def batch(self, after: int, limit: int = 10_000) -> KvEventBatch:
         """Events with seq > after, oldest first, at most `limit`."""
