@@ -22,6 +22,12 @@ is applied once per cached text segment, recipe_bridge/encoder.py), so a request
 only the digests, and a follow-up turn only the digests of its new blocks
 (`PrefixHasher`). Hashing is per kv_format: a router comparing SM100 and Ascend workers
 digests the prompt once per format.
+
+The published hashes are truncated, so a chain cannot be continued from them: the
+hashes returned here are `BlockHashes` (typed as plain lists, which they are to every
+reader), lists that also keep their salt and last full digest, and
+`extend_block_hashes` continues one over later tokens (a worker caching
+prompt + output at finish digests only the blocks past the prompt).
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ _SHA256_EMPTY = hashlib.sha256()  # copied per block: cheaper than a constructor
 assert array("I").itemsize == 4 and array("Q").itemsize == 8
 
 
+class BlockHashes(list[int]):
+    """Published block hashes (a plain list of ints to every reader) that remember where
+    their chain ends: `salt`, and `chain_tail`, the digest the next block chains from
+    (the last block's, or the salt when there are no blocks)."""
+
+    __slots__ = ("salt", "chain_tail")
+    salt: bytes
+    chain_tail: bytes
+
+
 def kv_salt(model: str, kv_format: str) -> bytes:
     return hashlib.blake2b(f"{model}\x00{kv_format}".encode(), digest_size=8).digest()
 
@@ -49,17 +65,31 @@ def kv_salt(model: str, kv_format: str) -> bytes:
 def block_hashes(
     token_ids: Sequence[int], salt: bytes, block_tokens: int = KV_BLOCK_TOKENS, *, packed: bytes | None = None
 ) -> list[int]:
-    """Chained hashes of every full `block_tokens` block of `token_ids`.
+    """Chained hashes of every full `block_tokens` block of `token_ids` (a `BlockHashes`).
 
     Token ids must be in [0, 2**32) (OverflowError otherwise). `packed`, when given, is
     `pack_tokens(token_ids)` (the caller vouches for it) and saves packing them again.
     """
     n_full = len(token_ids) // block_tokens
-    if n_full == 0:
-        return []
     digests: list[bytes] = []
-    _chain(_packed_view(token_ids, n_full * block_tokens, packed), block_tokens * 4, 0, salt, digests)
-    return _published(digests)
+    if n_full:
+        _chain(_packed_view(token_ids, n_full * block_tokens, packed), block_tokens * 4, 0, salt, digests)
+    return _published(digests, salt, salt)
+
+
+def extend_block_hashes(
+    known: BlockHashes, token_ids: Sequence[int], block_tokens: int = KV_BLOCK_TOKENS
+) -> BlockHashes:
+    """`block_hashes(prefix + token_ids, known.salt)`, where `known` are the hashes of
+    `prefix`'s full blocks and `token_ids` the tokens after them (from token
+    `len(known) * block_tokens` on): only the new blocks are digested."""
+    n_full = len(token_ids) // block_tokens
+    digests: list[bytes] = []
+    if n_full:
+        _chain(_pack(token_ids, n_full * block_tokens), block_tokens * 4, 0, known.chain_tail, digests)
+    extended = _published(digests, known.salt, known.chain_tail)
+    extended[:0] = known
+    return extended
 
 
 def chain_digest(prev: bytes, block_token_ids: Sequence[int]) -> bytes:
@@ -112,11 +142,15 @@ def _chain(data: memoryview, step: int, start_block: int, prev: bytes, digests: 
         append(prev)
 
 
-def _published(digests: list[bytes]) -> list[int]:
+def _published(digests: list[bytes], salt: bytes, prev: bytes) -> BlockHashes:
+    """The hashes of `digests`, a chain that continues from `prev`."""
     words64 = array("Q", b"".join(digests))
     if _BIG_ENDIAN:
         words64.byteswap()
-    return [w & _MASK63 for w in words64[::4]]
+    hashes = BlockHashes([w & _MASK63 for w in words64[::4]])
+    hashes.salt = salt
+    hashes.chain_tail = digests[-1] if digests else prev
+    return hashes
 
 
 class PrefixHasher:
@@ -141,11 +175,11 @@ class PrefixHasher:
     def hashes(
         self, token_ids: Sequence[int], salts: Sequence[bytes], *, packed: bytes | None = None
     ) -> list[list[int]]:
-        """Per salt, `block_hashes(token_ids, salt)`; `packed` as in `block_hashes`."""
+        """Per salt, `block_hashes(token_ids, salt)` (a `BlockHashes`); `packed` as in `block_hashes`."""
         step = self.block_tokens * 4
         n_full = len(token_ids) // self.block_tokens
         if n_full == 0:
-            return [[] for _ in salts]
+            return [_published([], salt, salt) for salt in salts]
         data = _packed_view(token_ids, n_full * self.block_tokens, packed)
         full = data.tobytes()  # bytes: slice comparison is a memcmp (memoryview's is per item)
         family = full[:step]
@@ -157,7 +191,7 @@ class PrefixHasher:
             _chain(data, step, len(digests), prev, digests)
             chain.digests[salt] = digests
         self._remember(family, chain, known if known is not None and shared * step == len(known.data) else None)
-        return [_published(chain.digests[salt]) for salt in salts]
+        return [_published(chain.digests[salt], salt, salt) for salt in salts]
 
     def _longest(self, family: bytes, data: bytes, step: int) -> tuple[_Chain | None, int]:
         best, best_blocks = None, 0

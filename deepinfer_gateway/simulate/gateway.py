@@ -147,7 +147,7 @@ class SimGateway:
         profile = worker.profile
         hashes = req.hashes[prefill.kv_format]
         if len(tokens) // KV_BLOCK_TOKENS > len(hashes):
-            hashes = worker.core.hashes(tokens)
+            hashes = worker.core.hashes(tokens, hashes)
         # As SimEngine._decode_request: KV from the store at its read bandwidth, else direct transfer.
         if self.store is not None:
             handed = req.hashes[prefill.kv_format]

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
-from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import BlockHashes, block_hashes, extend_block_hashes, kv_salt
 from deepinfer_gateway.protocol import (
     KV_BLOCK_TOKENS,
     DpRankLoad,
@@ -120,8 +121,16 @@ class SchedulerCore:
 
     # --- requests ---------------------------------------------------------------------
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
+    def hashes(self, token_ids: list[int], known: list[int] | None = None) -> list[int]:
+        """Block hashes of `token_ids` under this worker's salt. `known`: the hashes of a
+        prefix of `token_ids`; when they carry their chain (`BlockHashes`) under this
+        salt, only the blocks past them are digested."""
+        if self._chains_on(known):
+            return extend_block_hashes(known, token_ids[len(known) * KV_BLOCK_TOKENS :])
         return block_hashes(token_ids, self.salt)
+
+    def _chains_on(self, known: list[int] | None) -> TypeGuard[BlockHashes]:
+        return isinstance(known, BlockHashes) and known.salt == self.salt
 
     def add_request(self, req: SimRequest, hashes: list[int] | None = None) -> None:
         """Queue a request; raises AdmissionError when it can never run here."""
@@ -240,9 +249,16 @@ class SchedulerCore:
         del self._seqs[seq.req.request_id]
         self._running[seq.rank].remove(seq)
         self._used_blocks -= seq.blocks
-        prompt = seq.req.token_ids
-        if (len(prompt) + seq.emitted) // KV_BLOCK_TOKENS > len(seq.hashes):
-            self._cache_blocks(self.hashes(prompt + seq.req.output[: seq.emitted]), seq.req.workload_class, now)
+        prompt, known = seq.req.token_ids, seq.hashes
+        if (len(prompt) + seq.emitted) // KV_BLOCK_TOKENS > len(known):
+            # The prompt's blocks are known: digest only the ones past them.
+            start = len(known) * KV_BLOCK_TOKENS
+            full: list[int]
+            if self._chains_on(known) and start <= len(prompt):  # without copying the prompt
+                full = extend_block_hashes(known, prompt[start:] + seq.req.output[: seq.emitted])
+            else:
+                full = self.hashes(prompt + seq.req.output[: seq.emitted])
+            self._cache_blocks(full, seq.req.workload_class, now)
 
     def _cache_blocks(self, hashes: list[int], workload_class: WorkloadClass, now: float) -> None:
         self.cache.insert(hashes)
