@@ -53,6 +53,10 @@ from deepinfer_gateway.protocol import KV_EVENTS_PATH, KvEventBatch
 
 VllmSalt = Callable[[WorkerSpec], Awaitable[bytes]]
 
+# The longest `wait_ms` a worker grants (docs/worker-protocol.md, KV events); asking for
+# more gets a 400, which would stall the feed.
+MAX_WAIT_S = 30.0
+
 log = logging.getLogger(__name__)
 
 
@@ -78,6 +82,8 @@ class KvEventFeeder:
         max_backoff_s: float = 5.0,
         vllm_salt: VllmSalt | None = None,
     ) -> None:
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise ValueError(f"wait_s must be within 0..{MAX_WAIT_S:g} s, got {wait_s}")
         self.index = index
         self._vllm_salt = vllm_salt
         self._session = session

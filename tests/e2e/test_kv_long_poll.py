@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from deepinfer_gateway.kvcache.events import KvEventFeeder
+from deepinfer_gateway.kvcache.events import MAX_WAIT_S, KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH
 from deepinfer_gateway.workers.server import MAX_KV_EVENTS_WAIT_MS
@@ -162,7 +162,8 @@ async def test_feeder_idle_costs_one_request_per_wait_and_wakes_on_events(
         feeder = KvEventFeeder(index, session, interval_s=0.01, wait_s=0.5, timeout_s=0.2)
         feeder.add_worker("u0", url)
         try:
-            await until(lambda: feeder.cursor("u0") == 1)
+            caught_up = await last_seq(http, url)
+            await until(lambda: feeder.cursor("u0") == caught_up)
             polls.clear()
             await asyncio.sleep(1.6)
             assert 2 <= len(polls) <= 5  # ~1 per 0.5 s wait; without the long poll ~100 (every 10 ms)
@@ -203,3 +204,11 @@ async def test_feeder_keeps_the_interval_with_a_worker_that_ignores_wait() -> No
         assert 3 <= len(seen) <= 8 and set(seen) == {"1000"}
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("wait_s", [-0.1, MAX_KV_EVENTS_WAIT_MS / 1000 + 0.001])
+async def test_feeder_refuses_a_wait_workers_would_reject(wait_s: float) -> None:
+    assert MAX_WAIT_S * 1000 == MAX_KV_EVENTS_WAIT_MS  # the feeder's bound is the workers'
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(ValueError, match="wait_s"):
+            KvEventFeeder(InMemoryPrefixIndex(), session, wait_s=wait_s)
