@@ -91,6 +91,8 @@ async def wait_unless_disconnected(request: Request, wait: Awaitable[None]) -> b
         waiting.cancel()
         watching.cancel()
         await asyncio.gather(waiting, watching, return_exceptions=True)
+    if not waiting.cancelled() and (error := waiting.exception()) is not None:
+        raise error  # a failing engine wait is a bug: surface it, do not answer as if it timed out
     return watching.done() and not watching.cancelled()
 
 
