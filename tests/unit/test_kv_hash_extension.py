@@ -100,3 +100,36 @@ def test_finish_with_a_chainless_or_foreign_prefix_hashes_from_scratch() -> None
     assert core.cache.match(ours) == len(ours)
     assert core.hashes(prompt + output, list(foreign)) == ours  # plain list: hashed from scratch
     assert core.hashes(prompt + output, block_hashes(prompt, core.salt)) == ours
+
+
+# --- the shared store's put: same blocks, expiries, order and events as the plain rule ---
+
+
+def _reference_put(blocks: dict[int, float], hashes: list[int], ttl: float, now: float, capacity: int
+                   ) -> tuple[list[int], list[int]]:
+    """The rule spelled out: back to front, each block popped and re-added with the later expiry."""
+    stored = []
+    for h in reversed(hashes[:capacity]):
+        old = blocks.pop(h, None)
+        if old is None or old <= now:
+            stored.append(h)
+        blocks[h] = max(now + ttl, old or 0.0)
+    stored.reverse()
+    evicted = [h for h in list(blocks)[: max(0, len(blocks) - capacity)]]
+    for h in evicted:
+        del blocks[h]
+    return stored, evicted
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.lists(st.integers(0, 15), max_size=10),
+                                              st.sampled_from(["agent", "chat"]), st.integers(0, 3)), max_size=25))
+def test_store_put_follows_the_plain_rule(capacity: int, puts: list[tuple[list[int], str, int]]) -> None:
+    store = InMemoryKvStore(capacity_blocks=capacity, ttl_s={"agent": 2.0, "chat": 5.0})
+    expected: dict[int, float] = {}
+    now = 0.0
+    for hashes, workload, advance in puts:  # repeated hashes and expired blocks included
+        now += advance
+        put = store.put(hashes, workload, now)  # type: ignore[arg-type]
+        assert (put.stored, put.evicted) == _reference_put(expected, hashes, store.ttl_s[workload], now, capacity)
+        assert list(store._blocks.items()) == list(expected.items())

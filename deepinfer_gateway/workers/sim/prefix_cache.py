@@ -50,12 +50,13 @@ class PrefixCache:
         # the victims below always belong to other, older chains.
         chain = hashes[: self.capacity]
         stored: list[int] = []
+        lru, move_to_end, add = self._lru, self._lru.move_to_end, stored.append
         for h in reversed(chain):
-            if h in self._lru:
-                self._lru.move_to_end(h)
+            if h in lru:
+                move_to_end(h)
             else:
-                self._lru[h] = None
-                stored.append(h)
+                lru[h] = None
+                add(h)
         stored.reverse()
         evicted = [self._lru.popitem(last=False)[0] for _ in range(len(self._lru) - self.capacity)]
         self._events.append(KvEventKind.STORED, KvTier.MEMORY, stored)
