@@ -26,6 +26,7 @@ GENERATE_PATH = "/v1/worker/generate"
 ABORT_PATH = "/v1/worker/abort"
 LOAD_PATH = "/v1/worker/load"
 KV_EVENTS_PATH = "/v1/worker/kv_events"
+MAX_KV_EVENTS_WAIT_MS = 30_000  # the longest a kv_events long poll may be held (`wait_ms`)
 INFO_PATH = "/v1/worker/info"
 HEALTH_PATH = "/health"
 

@@ -49,13 +49,13 @@ from deepinfer_gateway.config import WorkerEngine, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
-from deepinfer_gateway.protocol import KV_EVENTS_PATH, KvEventBatch
+from deepinfer_gateway.protocol import KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS, KvEventBatch
 
 VllmSalt = Callable[[WorkerSpec], Awaitable[bytes]]
 
 # The longest `wait_ms` a worker grants (docs/worker-protocol.md, KV events); asking for
 # more gets a 400, which would stall the feed.
-MAX_WAIT_S = 30.0
+MAX_WAIT_S = MAX_KV_EVENTS_WAIT_MS / 1000
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from deepinfer_gateway.protocol import (
     INFO_PATH,
     KV_EVENTS_PATH,
     LOAD_PATH,
+    MAX_KV_EVENTS_WAIT_MS,
     NDJSON,
     AbortRequest,
     ErrorKind,
@@ -47,7 +48,6 @@ from deepinfer_gateway.workers.engine import Engine
 JSON = "application/json"
 # Longest KV events long poll a worker grants: a wait pins one connection and one task,
 # and delays the worker's graceful shutdown by up to this much.
-MAX_KV_EVENTS_WAIT_MS = 30_000
 
 
 class KvEventsQuery(BaseModel):
