@@ -47,9 +47,8 @@ prefix caches are reset before each target (vLLM's dev-mode `/reset_prefix_cache
 target starts cold. The gateway reaches them as `engine = "vllm"` workers with KV events.
 The trace slice is cut to what 2 CPU cores serve: each prompt's first `--vllm-blocks` trace
 blocks (512 tokens each), at most `--vllm-output` output tokens. Figures in wall seconds;
-`hit_rate` is the client-side one (the responses' usage, vLLM's own counts): vLLM's counters
-would count the gateway's second call per request (vllm_upstream.py), whose prompt is cached.
-`hit_rate_engine` is vLLM's `prefix_cache_hits / prefix_cache_queries` for reference.
+`hit_rate` is the client-side one (the responses' usage, vLLM's own counts);
+`hit_rate_engine` is vLLM's `prefix_cache_hits / prefix_cache_queries`, for reference.
 """
 
 from __future__ import annotations
