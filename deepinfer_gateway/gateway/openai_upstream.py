@@ -37,22 +37,21 @@ import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway import tracing
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.text_tokens import TextTokens
-from deepinfer_gateway.gateway.vllm_upstream import (
-    COMPLETIONS_PATH,
-    METRICS_PATH,
-    MODELS_PATH,
-    parse_metrics,
-    provisional_cached,
+from deepinfer_gateway.gateway.completions_api import (
+    ChunkReader,
+    finish_reason,
+    fit_to_context,
+    post_completion,
+    probe_server,
+    refusal,
 )
+from deepinfer_gateway.gateway.text_tokens import TextTokens
+from deepinfer_gateway.gateway.vllm_upstream import provisional_cached
 from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
-
-_DONE = b"[DONE]"
 
 
 def openai_kv_format(model: str) -> str:
@@ -86,32 +85,11 @@ class OpenAIFacts:
 
 async def probe(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: float) -> OpenAIFacts:
     """`/v1/models` (required) and `/metrics` (optional); a failure of the former is an UpstreamError."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with session.get(spec.url + MODELS_PATH, timeout=timeout) as r:
-            if r.status != 200:
-                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{MODELS_PATH} answered {r.status}",
-                                    status=r.status)
-            models = orjson.loads(await r.read())["data"]
-        async with session.get(spec.url + METRICS_PATH, timeout=timeout) as r:
-            metrics = (await r.read()).decode(errors="replace") if r.status == 200 else ""
-    except TimeoutError:
-        raise UpstreamError(UpstreamKind.TIMEOUT, f"{spec.url} timed out") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamError(UpstreamKind.CONNECT, f"{spec.url}: {exc}") from None
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url}{MODELS_PATH} returned no model list") from None
-    model = next((m for m in models if isinstance(m, dict) and (not spec.model or m.get("id") == spec.model)), None)
-    if model is None or not isinstance(model.get("id"), str):
-        raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url} does not serve model {spec.model or '(any)'}")
-    gauges, _block_size = parse_metrics(metrics)
-    start = gauges.get("process_start_time_seconds")
+    server = await probe_server(session, spec, timeout_s, metrics_required=False)
+    start = server.gauges.get("process_start_time_seconds")
     return OpenAIFacts(
-        model=model["id"], max_model_len=int(model.get("max_model_len") or 0),
-        running=int(gauges.get("vllm:num_requests_running", 0)),
-        waiting=int(gauges.get("vllm:num_requests_waiting", 0)),
-        kv_usage=gauges.get("vllm:kv_cache_usage_perc", 0.0),
-        started_at=repr(start) if start is not None else "",
+        model=server.model, max_model_len=server.max_model_len, running=server.running, waiting=server.waiting,
+        kv_usage=server.kv_usage, started_at=repr(start) if start is not None else "",
     )
 
 
@@ -143,27 +121,6 @@ def completion_body(model: str, prompt: str, sampling: dict[str, Any], max_token
     return body
 
 
-def _refusal(kind: wp.ErrorKind, message: str, *, retryable: bool | None = None) -> dict[str, Any]:
-    event = wp.finish_event(wp.FinishReason.ERROR, error_kind=kind, message=message)
-    if retryable is not None:
-        event["error"]["retryable"] = retryable
-    return event
-
-
-def _status_error(url: str, status: int, raw: bytes) -> UpstreamError:
-    """400/422: the request's fault (not retried, not a health failure); others go elsewhere."""
-    try:
-        error = orjson.loads(raw).get("error", {})
-        message = error.get("message", "") if isinstance(error, dict) else str(error)
-    except (orjson.JSONDecodeError, AttributeError):
-        message = raw[:300].decode(errors="replace")
-    if status in (400, 422):
-        return UpstreamError(UpstreamKind.WORKER_ERROR, f"{url} refused the request: {message}",
-                             retryable=False, status=400, detail=message)
-    return UpstreamError(UpstreamKind.HTTP_STATUS, f"{url} answered {status}: {message}",
-                         retryable=status >= 500 or status == 429, status=status, detail=message)
-
-
 class OpenAIStream:
     """One worker-protocol request on an OpenAI-compatible server: one streamed call (module doc)."""
 
@@ -181,38 +138,22 @@ class OpenAIStream:
         self._stop = stop
         self._tokens = tokens
         self._timeouts = timeouts
-        self._line: LineStream | None = None
+        self._chunks: ChunkReader | None = None
         self._events: deque[dict[str, Any]] = deque()
         self._provisional = provisional_cached  # `ready`'s cached count; the server's real one comes with `finish`
         self._ready = False
         self._done = False
         self._sent = 0  # output token ids emitted
 
-    async def open(self, refusal: dict[str, Any] | None = None) -> None:
-        if refusal is not None:
-            self._events.append(refusal)
+    async def open(self, refused: dict[str, Any] | None = None) -> None:
+        if refused is not None:
+            self._events.append(refused)
             self._done = True
             return
         body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens, self._stop)
-        self._line = await self._post(body, self._timeouts.first_event_s)
-
-    async def _post(self, body: dict[str, Any], first_s: float) -> LineStream:
-        try:
-            response = await self._session.post(
-                self._url + COMPLETIONS_PATH, data=orjson.dumps(body),
-                headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: self._request_id}),
-            )
-        except TimeoutError:
-            raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {self._url} timed out") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {self._url}: {exc}") from None
-        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-            raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self._url} broke: {exc}") from None
-        if response.status != 200:
-            raw = await response.read()
-            response.release()
-            raise _status_error(self._url, response.status, raw)
-        return LineStream(response, first_s, self._timeouts.between_events_s)
+        response = await post_completion(self._session, self._url, self._request_id, body)
+        self._chunks = ChunkReader(LineStream(response, self._timeouts.first_event_s,
+                                              self._timeouts.between_events_s), self._url)
 
     async def next_event(self) -> dict[str, Any] | None:
         while not self._events:
@@ -221,40 +162,13 @@ class OpenAIStream:
             await self._read_chunk()
         return self._events.popleft()
 
-    async def _next_chunk(self) -> dict[str, Any] | None:
-        """The call's next SSE data object; None at `[DONE]` or after an error chunk (then a
-        `finish` with the error is queued)."""
-        assert self._line is not None
-        while True:
-            line = await self._line.read_line()
-            if not line:
-                raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} ended the stream before [DONE]")
-            if line.startswith(b"data:"):
-                break  # others: blank separators, comments, event names
-        data = line[5:].strip()
-        if data == _DONE:
-            return None
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} sent a malformed chunk: {data[:80]!r}") from None
-        if not isinstance(chunk, dict):
-            raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} sent a chunk that is not an object")
-        if "error" in chunk or chunk.get("object") == "error":
-            error = chunk.get("error", chunk)
-            message = error.get("message", "server error") if isinstance(error, dict) else str(error)
-            self._events.append(_refusal(wp.ErrorKind.ENGINE, message))
-            self._done = True
-            return None
-        return chunk
-
     async def _read_chunk(self) -> None:
         """Queue the events of the call's next chunk: `ready` before the first, then tokens;
         at the finish reason, read on to the usage chunk for the server's cached count."""
-        chunk = await self._next_chunk()
+        assert self._chunks is not None
+        chunk = await self._chunks.next()
         if chunk is None:
-            self._release_line()
-            if not self._done:  # [DONE] without a finish reason
+            if not self._end_of_stream():  # [DONE] without a finish reason
                 raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} ended without a finish reason")
             return
         if not self._ready:
@@ -265,15 +179,13 @@ class OpenAIStream:
             self._emit(self._tokens.push(choice.get("text") or ""))
             finish = choice.get("finish_reason")
             if finish is not None:
-                reason = (wp.FinishReason.STOP if finish == "stop"
-                          else wp.FinishReason.ABORT if finish == "abort" else wp.FinishReason.LENGTH)
+                reason = finish_reason(finish)
         if reason is None:
             return
         usage = chunk.get("usage")
-        while (tail := await self._next_chunk()) is not None:  # the usage chunk; the connection stays reusable
+        while (tail := await self._chunks.next()) is not None:  # the usage chunk; the connection stays reusable
             usage = tail.get("usage") or usage
-        self._release_line()
-        if self._done:  # an error chunk after the finish reason
+        if self._end_of_stream():  # an error chunk after the finish reason
             return
         cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
         self._emit(self._tokens.flush())
@@ -287,16 +199,21 @@ class OpenAIStream:
             self._events.append(wp.tokens_event(ids))
             self._sent += len(ids)
 
-    def _release_line(self) -> None:
-        if self._line is not None:
-            self._line.release()
-            self._line = None
+    def _end_of_stream(self) -> bool:
+        """The stream was read to its end (`[DONE]` or an error chunk): the connection is
+        released, an error chunk's `finish` queued. True when an error chunk ended it."""
+        assert self._chunks is not None
+        self._chunks.release()
+        if self._chunks.error is None:
+            return False
+        self._events.append(self._chunks.error)
+        self._done = True
+        return True
 
     def close(self) -> None:
         """Drop the connection: the server aborts the request."""
-        if self._line is not None:
-            self._line.close()
-            self._line = None
+        if self._chunks is not None:
+            self._chunks.close()
         self._done = True
 
 
@@ -320,25 +237,17 @@ class OpenAIUpstream:
             raise UpstreamError(UpstreamKind.CONNECT, f"{self.spec.url} not probed yet")
         sampling = body.get("sampling") or {}
         token_ids = body["token_ids"]
-        max_tokens = sampling.get("max_tokens", 16)
-        refusal = None
-        if facts.max_model_len:
-            room = facts.max_model_len - len(token_ids)
-            if room <= 0:
-                refusal = _refusal(wp.ErrorKind.PROMPT_TOO_LONG,
-                                   f"The prompt has {len(token_ids)} tokens; this worker's context is "
-                                   f"{facts.max_model_len}.")
-            max_tokens = min(max_tokens, room)
+        max_tokens, refused = fit_to_context(len(token_ids), sampling.get("max_tokens", 16), facts.max_model_len)
         if body.get("role", "unified") != "unified" or body.get("kv_handoff"):
-            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "an openai worker serves whole requests only")
+            refused = refusal(wp.ErrorKind.INVALID_REQUEST, "an openai worker serves whole requests only")
         elif body.get("images"):
-            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to openai workers", retryable=True)
+            refused = refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to openai workers", retryable=True)
         elif sampling.get("logprobs"):  # the server's are per its text pieces, not per the gateway's ids
-            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "openai workers give no token-id logprobs",
+            refused = refusal(wp.ErrorKind.INVALID_REQUEST, "openai workers give no token-id logprobs",
                                retryable=True)
         stop = [self._text.text_of(t) for t in sampling.get("stop_token_ids") or ()]
         stream = OpenAIStream(session, self.spec.url, request_id, facts.model, self._text.decode(token_ids),
                               len(token_ids), sampling, max_tokens, stop, TextTokens(self._bundle), timeouts,
                               provisional_cached=provisional_cached(body, len(token_ids), 0))
-        await stream.open(refusal)
+        await stream.open(refused)
         return stream

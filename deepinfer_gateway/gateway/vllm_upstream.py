@@ -38,22 +38,23 @@ import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway import tracing
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway import vllm_pd
+from deepinfer_gateway.gateway.completions_api import (
+    ChunkReader,
+    finish_reason,
+    fit_to_context,
+    post_completion,
+    probe_server,
+    refusal,
+)
 from deepinfer_gateway.gateway.worker_client import EventStream, LineStream, Timeouts
 
-COMPLETIONS_PATH = "/v1/completions"
-MODELS_PATH = "/v1/models"
-METRICS_PATH = "/metrics"
-_DONE = b"[DONE]"
 # The router's predicted cached prompt tokens, added by legs.py to the body of in-process
 # adapters only (this and openai_upstream.py): the wire protocol's request has no such field.
 PREDICTED_CACHED = "predicted_cached_tokens"
 _TOKEN_ID = re.compile(r"token_id:(-?\d+)")
-_METRIC_LINE = re.compile(r'^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$', re.M)
-_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
 
 
 def vllm_kv_format(model: str, block_size: int) -> str:
@@ -87,46 +88,13 @@ class VllmFacts:
                              epoch=self.started_at)
 
 
-def parse_metrics(text: str) -> tuple[dict[str, float], int]:
-    """vLLM's gauges summed over engines (DP ranks), and its KV block size (0: not reported)."""
-    values: dict[str, float] = {}
-    for name, _labels, value in _METRIC_LINE.findall(text):
-        values[name] = values.get(name, 0.0) + float(value)
-    info = text.find("vllm:cache_config_info{")
-    block = _BLOCK_SIZE.search(text[info:]) if info >= 0 else None
-    return values, int(block.group(1)) if block else 0
-
-
 async def probe(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: float) -> VllmFacts:
     """Read a vLLM server's model list and metrics; any failure is an UpstreamError."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with session.get(spec.url + MODELS_PATH, timeout=timeout) as r:
-            if r.status != 200:
-                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{MODELS_PATH} answered {r.status}",
-                                    status=r.status)
-            models = orjson.loads(await r.read())["data"]
-        async with session.get(spec.url + METRICS_PATH, timeout=timeout) as r:
-            if r.status != 200:
-                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{METRICS_PATH} answered {r.status}",
-                                    status=r.status)
-            metrics = (await r.read()).decode(errors="replace")
-    except TimeoutError:
-        raise UpstreamError(UpstreamKind.TIMEOUT, f"{spec.url} timed out") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamError(UpstreamKind.CONNECT, f"{spec.url}: {exc}") from None
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url}{MODELS_PATH} returned no model list") from None
-    model = next((m for m in models if not spec.model or m.get("id") == spec.model), None)
-    if model is None:
-        raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url} does not serve model {spec.model or '(any)'}")
-    gauges, block_size = parse_metrics(metrics)
+    server = await probe_server(session, spec, timeout_s, metrics_required=True)
     return VllmFacts(
-        model=model["id"], max_model_len=int(model.get("max_model_len") or 0), block_size=block_size,
-        running=int(gauges.get("vllm:num_requests_running", 0)),
-        waiting=int(gauges.get("vllm:num_requests_waiting", 0)),
-        kv_usage=gauges.get("vllm:kv_cache_usage_perc", 0.0),
-        started_at=repr(gauges.get("process_start_time_seconds", 0.0)),
+        model=server.model, max_model_len=server.max_model_len, block_size=server.block_size,
+        running=server.running, waiting=server.waiting, kv_usage=server.kv_usage,
+        started_at=repr(server.gauges.get("process_start_time_seconds", 0.0)),
     )
 
 
@@ -193,13 +161,6 @@ def provisional_cached(body: dict[str, Any], prompt_tokens: int, block_size: int
     return max(0, min(predicted, limit))
 
 
-def _refusal(kind: wp.ErrorKind, message: str, *, retryable: bool | None = None) -> dict[str, Any]:
-    event = wp.finish_event(wp.FinishReason.ERROR, error_kind=kind, message=message)
-    if retryable is not None:
-        event["error"]["retryable"] = retryable
-    return event
-
-
 class VllmStream:
     """One worker-protocol request on vLLM: one streamed completion call (see the module doc)."""
 
@@ -215,7 +176,7 @@ class VllmStream:
         self._max_tokens = max_tokens
         self._timeouts = timeouts
         self._provisional = provisional_cached  # `ready`'s cached count; vLLM's real one comes with `finish`
-        self._line: LineStream | None = None
+        self._chunks: ChunkReader | None = None
         self._events: deque[dict[str, Any]] = deque()
         self._ready = False
         self._done = False
@@ -223,9 +184,9 @@ class VllmStream:
         self._decode = decode  # a PD decode leg (vllm_pd.py): with the prefill's kv_transfer_params
         self._transfer = transfer
 
-    async def open(self, refusal: dict[str, Any] | None = None) -> None:
-        if refusal is not None:
-            self._events.append(refusal)
+    async def open(self, refused: dict[str, Any] | None = None) -> None:
+        if refused is not None:
+            self._events.append(refused)
             self._done = True
             return
         body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens)
@@ -234,7 +195,8 @@ class VllmStream:
             self._events.append(wp.ready_event(len(self._prompt), 0, 0))
             self._ready = True
         response = await post_completion(self._session, self._url, self._request_id, body)
-        self._line = LineStream(response, self._timeouts.first_event_s, self._timeouts.between_events_s)
+        self._chunks = ChunkReader(LineStream(response, self._timeouts.first_event_s,
+                                              self._timeouts.between_events_s), self._url)
 
     async def next_event(self) -> dict[str, Any] | None:
         while not self._events:
@@ -243,39 +205,14 @@ class VllmStream:
             await self._read_chunk()
         return self._events.popleft()
 
-    async def _next_chunk(self) -> dict[str, Any] | None:
-        """The call's next SSE data object; None at `[DONE]` or after an error chunk (then a
-        `finish` with the error is queued)."""
-        assert self._line is not None
-        while True:
-            line = await self._line.read_line()
-            if not line:
-                raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} ended the stream before [DONE]")
-            if line.startswith(b"data: "):
-                break  # others: blank separators
-        data = line[6:].strip()
-        if data == _DONE:
-            return None
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM sent a malformed chunk: {data[:80]!r}") from None
-        if "error" in chunk or chunk.get("object") == "error":
-            error = chunk.get("error", chunk)
-            message = error.get("message", "vLLM error") if isinstance(error, dict) else str(error)
-            self._events.append(_refusal(wp.ErrorKind.ENGINE, message))
-            self._done = True
-            return None
-        return chunk
-
     async def _read_chunk(self) -> None:
         """Queue the events of the call's next chunk: `ready` before the first (vLLM streams
         nothing before its first token), then tokens; at the finish reason, read on to the
         usage chunk and `[DONE]` for the real cached count, which `finish` carries."""
-        chunk = await self._next_chunk()
+        assert self._chunks is not None
+        chunk = await self._chunks.next()
         if chunk is None:
-            self._release_line()
-            if not self._done:  # [DONE] without a finish reason
+            if not self._end_of_stream():  # [DONE] without a finish reason
                 raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} ended without a finish reason")
             return
         if not self._ready:
@@ -291,15 +228,13 @@ class VllmStream:
                 self._events.append(wp.tokens_event(ids, _logprobs(choice)))
                 self._sent += len(ids)
             if finish is not None:
-                reason = (wp.FinishReason.STOP if finish == "stop"
-                          else wp.FinishReason.ABORT if finish == "abort" else wp.FinishReason.LENGTH)
+                reason = finish_reason(finish)
         if reason is None:
             return
         usage = chunk.get("usage")
-        while (tail := await self._next_chunk()) is not None:  # the usage chunk; the connection stays reusable
+        while (tail := await self._chunks.next()) is not None:  # the usage chunk; the connection stays reusable
             usage = tail.get("usage") or usage
-        self._release_line()
-        if self._done:  # an error chunk after the finish reason
+        if self._end_of_stream():  # an error chunk after the finish reason
             return
         self._done = True
         details = (usage or {}).get("prompt_tokens_details") or {}
@@ -307,38 +242,22 @@ class VllmStream:
         self._events.append(wp.finish_event(reason, num_output_tokens=self._sent,
                                             cached_tokens=None if cached is None else (int(cached), 0)))
 
-    def _release_line(self) -> None:
-        if self._line is not None:
-            self._line.release()
-            self._line = None
+    def _end_of_stream(self) -> bool:
+        """The stream was read to its end (`[DONE]` or an error chunk): the connection is
+        released, an error chunk's `finish` queued. True when an error chunk ended it."""
+        assert self._chunks is not None
+        self._chunks.release()
+        if self._chunks.error is None:
+            return False
+        self._events.append(self._chunks.error)
+        self._done = True
+        return True
 
     def close(self) -> None:
         """Drop the connection: vLLM aborts the request."""
-        if self._line is not None:
-            self._line.close()
-            self._line = None
+        if self._chunks is not None:
+            self._chunks.close()
         self._done = True
-
-
-async def post_completion(session: aiohttp.ClientSession, url: str, request_id: str,
-                          body: dict[str, Any]) -> aiohttp.ClientResponse:
-    """POST `body` to vLLM's `/v1/completions`; a 200 response, else an UpstreamError."""
-    try:
-        response = await session.post(
-            url + COMPLETIONS_PATH, data=orjson.dumps(body),
-            headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: request_id}),
-        )
-    except TimeoutError:
-        raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {url} timed out") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {url}: {exc}") from None
-    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-        raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {url} broke: {exc}") from None
-    if response.status != 200:
-        raw = await response.read()
-        response.release()
-        raise _status_error(url, response.status, raw)
-    return response
 
 
 async def read_answer(response: aiohttp.ClientResponse, url: str, timeout_s: float) -> Any:
@@ -361,21 +280,6 @@ async def read_answer(response: aiohttp.ClientResponse, url: str, timeout_s: flo
         raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {url} sent malformed JSON: {raw[:80]!r}") from None
 
 
-def _status_error(url: str, status: int, raw: bytes) -> UpstreamError:
-    """vLLM's refusal: 400 is the request's fault (prompt too long, bad ids), never retried
-    and not a health failure; 429 and 5xx go elsewhere."""
-    try:
-        error = orjson.loads(raw).get("error", {})
-        message = error.get("message", "") if isinstance(error, dict) else str(error)
-    except (orjson.JSONDecodeError, AttributeError):
-        message = raw[:300].decode(errors="replace")
-    if status in (400, 422):
-        return UpstreamError(UpstreamKind.WORKER_ERROR, f"vLLM {url} refused the request: {message}",
-                             retryable=False, status=400, detail=message)
-    return UpstreamError(UpstreamKind.HTTP_STATUS, f"vLLM {url} answered {status}: {message}",
-                         retryable=status >= 500 or status == 429, status=status, detail=message)
-
-
 class VllmUpstream:
     """One vLLM worker: its last probed facts, and requests on it."""
 
@@ -394,33 +298,25 @@ class VllmUpstream:
             raise UpstreamError(UpstreamKind.CONNECT, f"vLLM {self.spec.url} not probed yet")
         sampling = body.get("sampling") or {}
         token_ids = body["token_ids"]
-        max_tokens = sampling.get("max_tokens", 16)
-        refusal = None
-        if facts.max_model_len:
-            room = facts.max_model_len - len(token_ids)
-            if room <= 0:
-                refusal = _refusal(wp.ErrorKind.PROMPT_TOO_LONG,
-                                   f"The prompt has {len(token_ids)} tokens; this worker's context is "
-                                   f"{facts.max_model_len}.")
-            max_tokens = min(max_tokens, room)  # vLLM refuses max_tokens past its context; others stop at it
+        max_tokens, refused = fit_to_context(len(token_ids), sampling.get("max_tokens", 16), facts.max_model_len)
         role, handoff = body.get("role", "unified"), body.get("kv_handoff")
         transfer = None
         if body.get("images"):
-            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to vLLM workers", retryable=True)
+            refused = refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to vLLM workers", retryable=True)
         elif role == "decode" and handoff:
             try:
                 transfer = vllm_pd.transfer_of(handoff)
             except ValueError as exc:
-                refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, str(exc))
+                refused = refusal(wp.ErrorKind.INVALID_REQUEST, str(exc))
         elif role not in ("unified", "prefill") or handoff:
-            refusal = _refusal(wp.ErrorKind.INVALID_REQUEST, "a vLLM decode leg needs a KV hand-off")
+            refused = refusal(wp.ErrorKind.INVALID_REQUEST, "a vLLM decode leg needs a KV hand-off")
         if role == "prefill":
-            return vllm_pd.HeldEvents([refusal]) if refusal else await self._prefill(session, facts, token_ids,
+            return vllm_pd.HeldEvents([refused]) if refused else await self._prefill(session, facts, token_ids,
                                                                                        sampling, request_id, timeouts)
         stream = VllmStream(session, self.spec.url, request_id, facts.model, token_ids, sampling, max_tokens, timeouts,
                             provisional_cached=provisional_cached(body, len(token_ids), facts.block_size),
                             decode=role == "decode", transfer=transfer)
-        await stream.open(refusal)
+        await stream.open(refused)
         return stream
 
     async def _prefill(self, session: aiohttp.ClientSession, facts: VllmFacts, token_ids: list[int],
