@@ -27,6 +27,7 @@ import json
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,15 @@ def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     """Sum of `name` samples whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Await `cond()` becoming true, checking every 10 ms; AssertionError after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
 
 
 def scrape_until(gateway_url: str, name: str, want: float,

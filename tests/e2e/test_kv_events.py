@@ -12,6 +12,7 @@ from aiohttp import web
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_EVENTS_PATH
+from tests.fault_doubles import until
 from tests.kv_helpers import EventLog
 
 H = list(range(1000, 1256))
@@ -71,14 +72,6 @@ async def worker_factory() -> AsyncIterator[Callable[[EventLog], Awaitable[FakeW
     yield make
     for worker in started:
         await worker.stop()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 async def memory_blocks(index: InMemoryPrefixIndex, worker_id: str, hashes: list[int] = H) -> int:

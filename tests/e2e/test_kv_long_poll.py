@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -15,6 +15,7 @@ from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS
 from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
+from tests.fault_doubles import until
 from tests.kv_helpers import EventLog
 
 FAST = 1000.0
@@ -60,14 +61,6 @@ def wait_tasks() -> list[asyncio.Task[Any]]:
     """The worker server's tasks of a held kv_events request (this test's loop serves it)."""
     names = ("wait_kv_events", "wait_past", "_disconnected")
     return [t for t in asyncio.all_tasks() if any(n in t.get_coro().__qualname__ for n in names)]  # type: ignore[union-attr]
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 # --- worker server -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.workers.sim.output import _ANSWERS, _REASONING
-from tests.e2e.test_vllm_gateway import gateway_metric, vllm_gauge
+from tests.fault_doubles import scrape, total
 from tests.vllm_server import VllmServer
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -113,7 +113,7 @@ def test_shared_prefix_follows_the_gateways_own_history(sim_client: openai.OpenA
         assert usage is not None and usage.prompt_tokens_details is not None
         cached.append(usage.prompt_tokens_details.cached_tokens or 0)
     assert len(workers) == 1  # prefix_approx kept the conversation on the worker it sent it to
-    assert gateway_metric(sim_gateway, "dgw_routing_decisions_total", 'reason="prefix_hit"') >= 2
+    assert total(scrape(sim_gateway.url), "dgw_routing_decisions_total", reason="prefix_hit") >= 2
     assert cached[0] < 2 * KV_BLOCK_TOKENS <= min(cached[1:])  # the server's own cached count, via usage
 
 
@@ -172,10 +172,10 @@ def test_disconnect_aborts_in_vllm_as_text_server(vllm_openai_gateway: Gateway, 
     response = urllib.request.urlopen(request, timeout=60)
     for _ in range(8):
         assert response.readline()
-    assert vllm_gauge(vllm_server, "num_requests_running") == 1
+    assert total(scrape(vllm_server.url), "vllm:num_requests_running") == 1
     response.close()
     deadline = time.monotonic() + 10
-    while vllm_gauge(vllm_server, "num_requests_running") != 0:
+    while total(scrape(vllm_server.url), "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "vLLM still runs the abandoned request"
         time.sleep(0.1)
-    assert gateway_metric(vllm_openai_gateway, "dgw_client_disconnects_total") >= 1
+    assert total(scrape(vllm_openai_gateway.url), "dgw_client_disconnects_total") >= 1

@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from tests.fault_doubles import scrape, total
 from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -44,19 +44,6 @@ def vllm_worker_toml(server: VllmServer, *, worker_id: str = "vllm", hardware: s
         lines += [f'kv_events_endpoint = "{server.kv_endpoint}"',
                   f'kv_events_replay_endpoint = "{server.kv_replay_endpoint}"', f'kv_events_topic = "{KV_TOPIC}"']
     return "\n".join(lines) + "\n"
-
-
-def vllm_gauge(server: VllmServer, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
-
-
-def gateway_metric(gw: Gateway, name: str, label_filter: str = "") -> float:
-    with urllib.request.urlopen(gw.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for labels, v in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)
-               if label_filter in labels)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -105,7 +92,7 @@ def test_chat_streaming_on_vllm(client: openai.OpenAI) -> None:
 
 def vllm_cache_hits(server: VllmServer) -> float:
     """vLLM's own count of prompt tokens served from its prefix cache, so far."""
-    return vllm_gauge(server, "prefix_cache_hits_total")
+    return total(scrape(server.url), "vllm:prefix_cache_hits_total")
 
 
 def test_usage_reports_vllms_cached_prompt_tokens(client: openai.OpenAI, vllm_gateway: Gateway,
@@ -155,13 +142,13 @@ def test_disconnect_mid_stream_aborts_in_vllm(vllm_gateway: Gateway, vllm_server
     response = urllib.request.urlopen(request, timeout=60)
     for _ in range(8):
         assert response.readline() is not None
-    assert vllm_gauge(vllm_server, "num_requests_running") == 1
+    assert total(scrape(vllm_server.url), "vllm:num_requests_running") == 1
     response.close()  # the client goes away mid-answer
     deadline = time.monotonic() + 10
-    while vllm_gauge(vllm_server, "num_requests_running") != 0:
+    while total(scrape(vllm_server.url), "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "vLLM still runs the abandoned request"
         time.sleep(0.1)
-    assert gateway_metric(vllm_gateway, "dgw_client_disconnects_total") >= 1
+    assert total(scrape(vllm_gateway.url), "dgw_client_disconnects_total") >= 1
 
 
 def test_gateway_cpu_per_request_on_vllm_path(client: openai.OpenAI, vllm_gateway: Gateway) -> None:
@@ -232,7 +219,7 @@ def test_shared_prefix_routes_back_to_the_vllm_holding_it(mixed_gateway: Gateway
             time.sleep(0.2)
     assert raw.headers["x-dgw-worker"] == "vllm"
     # chosen for the prefix the index holds (from vLLM's events), not by chance
-    assert gateway_metric(mixed_gateway, "dgw_routing_decisions_total", 'reason="prefix_hit"') >= 1
+    assert total(scrape(mixed_gateway.url), "dgw_routing_decisions_total", reason="prefix_hit") >= 1
     usage = raw.parse().usage
     assert usage is not None and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens >= 2 * KV_BLOCK_TOKENS
@@ -312,8 +299,8 @@ def test_vllm_gone_before_first_token_is_retried_elsewhere(vllm_server: VllmServ
                 model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "still there?"}])
         assert raw.headers["x-dgw-worker"] == "vllm"
         assert raw.parse().usage is not None
-        assert gateway_metric(gw, "dgw_retries_total") == 1
-        assert gateway_metric(gw, "dgw_upstream_errors_total", 'worker="vllm-doomed"') == 1
+        assert total(scrape(gw.url), "dgw_retries_total") == 1
+        assert total(scrape(gw.url), "dgw_upstream_errors_total", worker="vllm-doomed") == 1
     finally:
         gw.stop()
         forwarder.close()
@@ -379,7 +366,7 @@ def test_admin_adds_and_removes_a_vllm_worker(sim_only_gateway: Gateway, vllm_se
     assert removed.status_code == 200 and removed.json()["removed"] is True
     listed = httpx.get(mixed_gateway.url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
     assert "vllm-added" not in {w["id"] for w in listed}
-    assert gateway_metric(mixed_gateway, "dgw_worker_healthy", 'worker="vllm-added"') == 0  # series removed
+    assert total(scrape(mixed_gateway.url), "dgw_worker_healthy", worker="vllm-added") == 0  # series removed
     with openai.OpenAI(base_url=mixed_gateway.url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=60) as client:
         raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
                                                                messages=messages)

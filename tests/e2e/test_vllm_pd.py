@@ -12,7 +12,6 @@ unified comparison reuses the session's vLLM."""
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 
 from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from tests.fault_doubles import scrape, total
 from tests.vllm_server import (
     VllmServer,
     example_connector_args,
@@ -32,19 +32,6 @@ from tests.vllm_server import (
 
 MODEL = "DeepSeek-V4.1-Flash"
 pytestmark = pytest.mark.timeout(420)  # the module's two vLLM start-ups are paid in the first test
-
-
-def vllm_metric(server: VllmServer, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
-
-
-def gateway_metric(gw: Gateway, name: str, label_filter: str = "") -> float:
-    with urllib.request.urlopen(gw.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for labels, v in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)
-               if label_filter in labels)
 
 
 def worker_toml(server: VllmServer, worker_id: str, role: str) -> str:
@@ -108,9 +95,10 @@ def external_kv_expected(prompt_tokens: int) -> int:
 def test_pd_non_streaming_loads_the_prefills_kv_and_matches_unified(
         pd_gateway: Gateway, unified_gateway: Gateway, pd_servers: tuple[VllmServer, VllmServer]) -> None:
     prefill, decode = pd_servers
-    hits, p_done, d_done = (vllm_metric(decode, "external_prefix_cache_hits_total"),
-                            vllm_metric(prefill, "request_success_total"), vllm_metric(decode, "request_success_total"))
-    decisions = gateway_metric(pd_gateway, "dgw_routing_decisions_total", 'pool="decode"')
+    hits, p_done, d_done = (total(scrape(decode.url), "vllm:external_prefix_cache_hits_total"),
+                            total(scrape(prefill.url), "vllm:request_success_total"),
+                            total(scrape(decode.url), "vllm:request_success_total"))
+    decisions = total(scrape(pd_gateway.url), "dgw_routing_decisions_total", pool="decode")
     chat = long_chat(f"Non-streamed {time.time_ns()}", 12)
     with client_of(pd_gateway) as client:
         raw = client.chat.completions.with_raw_response.create(**chat)
@@ -119,11 +107,11 @@ def test_pd_non_streaming_loads_the_prefills_kv_and_matches_unified(
     assert reply.usage is not None and reply.usage.prompt_tokens >= 3 * KV_BLOCK_TOKENS
     assert reply.usage.prompt_tokens_details is not None and reply.usage.prompt_tokens_details.cached_tokens == 0
     # one request on each server: the prefill's max_tokens=1 call, the decode's whole answer
-    assert vllm_metric(prefill, "request_success_total") - p_done == 1
-    assert vllm_metric(decode, "request_success_total") - d_done == 1
-    loaded = vllm_metric(decode, "external_prefix_cache_hits_total") - hits
+    assert total(scrape(prefill.url), "vllm:request_success_total") - p_done == 1
+    assert total(scrape(decode.url), "vllm:request_success_total") - d_done == 1
+    loaded = total(scrape(decode.url), "vllm:external_prefix_cache_hits_total") - hits
     assert loaded == external_kv_expected(reply.usage.prompt_tokens) > 0
-    assert gateway_metric(pd_gateway, "dgw_routing_decisions_total", 'pool="decode"') - decisions == 1
+    assert total(scrape(pd_gateway.url), "dgw_routing_decisions_total", pool="decode") - decisions == 1
 
     with client_of(unified_gateway) as client:
         unified = client.chat.completions.create(**chat)
@@ -136,8 +124,8 @@ def test_pd_non_streaming_loads_the_prefills_kv_and_matches_unified(
 def test_pd_streaming_loads_the_prefills_kv_and_matches_unified(
         pd_gateway: Gateway, unified_gateway: Gateway, pd_servers: tuple[VllmServer, VllmServer]) -> None:
     _prefill, decode = pd_servers
-    hits = vllm_metric(decode, "external_prefix_cache_hits_total")
-    ttft = gateway_metric(pd_gateway, "dgw_time_to_first_token_seconds_count", 'pool="prefill"')
+    hits = total(scrape(decode.url), "vllm:external_prefix_cache_hits_total")
+    ttft = total(scrape(pd_gateway.url), "dgw_time_to_first_token_seconds_count", pool="prefill")
     chat = long_chat(f"Streamed {time.time_ns()}", 16, stream=True, stream_options={"include_usage": True})
 
     def answer(gw: Gateway) -> tuple[str, Any, list[str]]:
@@ -149,9 +137,10 @@ def test_pd_streaming_loads_the_prefills_kv_and_matches_unified(
 
     text, usage, finishes = answer(pd_gateway)
     assert usage is not None and 1 <= usage.completion_tokens <= 16 and len(finishes) == 1
-    assert vllm_metric(decode, "external_prefix_cache_hits_total") - hits == external_kv_expected(usage.prompt_tokens)
+    loaded = total(scrape(decode.url), "vllm:external_prefix_cache_hits_total") - hits
+    assert loaded == external_kv_expected(usage.prompt_tokens)
     # TTFT is counted once, on the prefill pool, though the first token came from the decode worker
-    assert gateway_metric(pd_gateway, "dgw_time_to_first_token_seconds_count", 'pool="prefill"') - ttft == 1
+    assert total(scrape(pd_gateway.url), "dgw_time_to_first_token_seconds_count", pool="prefill") - ttft == 1
     unified_text, unified_usage, unified_finishes = answer(unified_gateway)
     assert (text, usage.completion_tokens, finishes) == (unified_text, unified_usage.completion_tokens,
                                                          unified_finishes)
@@ -167,11 +156,11 @@ def test_pd_client_leaving_mid_stream_aborts_the_decode_in_vllm(
     response = urllib.request.urlopen(request, timeout=120)
     for _ in range(8):
         assert response.readline()
-    assert vllm_metric(decode, "num_requests_running") == 1
-    assert vllm_metric(prefill, "num_requests_running") == 0  # the prefill finished at the hand-off
+    assert total(scrape(decode.url), "vllm:num_requests_running") == 1
+    assert total(scrape(prefill.url), "vllm:num_requests_running") == 0  # the prefill finished at the hand-off
     response.close()  # the client goes away mid-answer
     deadline = time.monotonic() + 10
-    while vllm_metric(decode, "num_requests_running") != 0:
+    while total(scrape(decode.url), "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "the decode vLLM still runs the abandoned request"
         time.sleep(0.1)
-    assert gateway_metric(pd_gateway, "dgw_client_disconnects_total") >= 1
+    assert total(scrape(pd_gateway.url), "dgw_client_disconnects_total") >= 1
