@@ -3,13 +3,15 @@
 The call (`post_completion`, with the server's refusals as UpstreamErrors), its streamed SSE
 chunks (`ChunkReader`), the probe of `/v1/models` and vLLM-style `/metrics`
 (`probe_server`), and the worker-protocol events an adapter answers with when it refuses a
-request itself (`refusal`, `fit_to_context`). The adapters (vllm_upstream.py,
-openai_upstream.py) differ only in what they send and how they read a chunk's output.
+request itself (`refusal`, `fit_to_context`), and one request as worker-protocol events
+(`CompletionStream`). The adapters (vllm_upstream.py, openai_upstream.py) differ only in
+what they send and how they read a chunk's output.
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.worker_client import LineStream
+from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
@@ -135,6 +137,105 @@ class ChunkReader:
         if self._line is not None:
             self._line.close()
             self._line = None
+
+
+class CompletionStream:
+    """One worker-protocol request as ONE streamed completion call. `ready` goes out with the
+    first chunk (servers stream nothing before their first token), with the prompt count and
+    a provisional cached count; at the finish reason the stream is read on to the usage chunk
+    and `[DONE]`, and `finish` carries the server's real cached count. Subclasses say what a
+    choice's output is (`_choice`) and may add tokens at the end (`_tail`)."""
+
+    def __init__(self, url: str, prompt_tokens: int, provisional_cached: int):
+        self._url = url
+        self._prompt_tokens = prompt_tokens
+        self._provisional = provisional_cached  # `ready`'s cached count; the real one comes with `finish`
+        self._chunks: ChunkReader | None = None
+        self._events: deque[dict[str, Any]] = deque()
+        self._ready = False
+        self._done = False
+        self._sent = 0  # output token ids emitted
+
+    def refuse(self, refused: dict[str, Any]) -> None:
+        """End at once with the adapter's own refusal (a `finish` event): no call is made."""
+        self._events.append(refused)
+        self._done = True
+
+    async def start(self, session: aiohttp.ClientSession, request_id: str, body: dict[str, Any],
+                    timeouts: Timeouts) -> None:
+        """Send the call; its chunks are read as `next_event` asks."""
+        response = await post_completion(session, self._url, request_id, body)
+        self._chunks = ChunkReader(LineStream(response, timeouts.first_event_s, timeouts.between_events_s), self._url)
+
+    async def next_event(self) -> dict[str, Any] | None:
+        while not self._events:
+            if self._done:
+                return None
+            await self._read_chunk()
+        return self._events.popleft()
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        """Queue one streamed choice's output tokens (`_emit`)."""
+        raise NotImplementedError
+
+    def _tail(self) -> None:
+        """Queue any output held back until the finish reason."""
+
+    def _final_cached(self, usage: dict[str, Any]) -> int | None:
+        """The server's cached prompt tokens from its final usage; None: not reported."""
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return None if cached is None else min(int(cached), self._prompt_tokens)
+
+    def _emit(self, ids: list[int], logprobs: list[Any] | None = None) -> None:
+        if ids:
+            self._events.append(wp.tokens_event(ids, logprobs))
+            self._sent += len(ids)
+
+    async def _read_chunk(self) -> None:
+        """Queue the events of the call's next chunk (see the class doc)."""
+        assert self._chunks is not None
+        chunk = await self._chunks.next()
+        if chunk is None:
+            if not self._end_of_stream():
+                raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} ended without a finish reason")
+            return
+        if not self._ready:
+            self._events.append(wp.ready_event(self._prompt_tokens, self._provisional, 0))
+            self._ready = True
+        reason = None
+        for choice in chunk.get("choices") or ():
+            self._choice(choice)
+            if choice.get("finish_reason") is not None:
+                reason = finish_reason(choice["finish_reason"])
+        if reason is None:
+            return
+        usage = chunk.get("usage")
+        while (tail := await self._chunks.next()) is not None:  # the usage chunk; the connection stays reusable
+            usage = tail.get("usage") or usage
+        if self._end_of_stream():  # an error chunk after the finish reason
+            return
+        self._tail()
+        cached = self._final_cached(usage or {})
+        self._events.append(wp.finish_event(reason, num_output_tokens=self._sent,
+                                            cached_tokens=None if cached is None else (cached, 0)))
+        self._done = True
+
+    def _end_of_stream(self) -> bool:
+        """The stream was read to its end (`[DONE]` or an error chunk): the connection is
+        released, an error chunk's `finish` queued. True when an error chunk ended it."""
+        assert self._chunks is not None
+        self._chunks.release()
+        if self._chunks.error is None:
+            return False
+        self._events.append(self._chunks.error)
+        self._done = True
+        return True
+
+    def close(self) -> None:
+        """Drop the connection: the server aborts the request."""
+        if self._chunks is not None:
+            self._chunks.close()
+        self._done = True
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], int]:

@@ -29,7 +29,6 @@ start as the epoch), else zeros (the router still counts this gateway's own open
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,17 +38,10 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.completions_api import (
-    ChunkReader,
-    finish_reason,
-    fit_to_context,
-    post_completion,
-    probe_server,
-    refusal,
-)
+from deepinfer_gateway.gateway.completions_api import CompletionStream, fit_to_context, probe_server, refusal
 from deepinfer_gateway.gateway.text_tokens import TextTokens
 from deepinfer_gateway.gateway.vllm_upstream import provisional_cached
-from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
+from deepinfer_gateway.gateway.worker_client import Timeouts
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
@@ -121,100 +113,18 @@ def completion_body(model: str, prompt: str, sampling: dict[str, Any], max_token
     return body
 
 
-class OpenAIStream:
+class OpenAIStream(CompletionStream):
     """One worker-protocol request on an OpenAI-compatible server: one streamed call (module doc)."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, request_id: str, model: str, prompt: str,
-                 prompt_tokens: int, sampling: dict[str, Any], max_tokens: int, stop: list[str],
-                 tokens: TextTokens, timeouts: Timeouts, *, provisional_cached: int = 0):
-        self._session = session
-        self._url = url
-        self._request_id = request_id
-        self._model = model
-        self._prompt = prompt
-        self._prompt_tokens = prompt_tokens
-        self._sampling = sampling
-        self._max_tokens = max_tokens
-        self._stop = stop
+    def __init__(self, url: str, prompt_tokens: int, tokens: TextTokens, *, provisional_cached: int = 0):
+        super().__init__(url, prompt_tokens, provisional_cached)
         self._tokens = tokens
-        self._timeouts = timeouts
-        self._chunks: ChunkReader | None = None
-        self._events: deque[dict[str, Any]] = deque()
-        self._provisional = provisional_cached  # `ready`'s cached count; the server's real one comes with `finish`
-        self._ready = False
-        self._done = False
-        self._sent = 0  # output token ids emitted
 
-    async def open(self, refused: dict[str, Any] | None = None) -> None:
-        if refused is not None:
-            self._events.append(refused)
-            self._done = True
-            return
-        body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens, self._stop)
-        response = await post_completion(self._session, self._url, self._request_id, body)
-        self._chunks = ChunkReader(LineStream(response, self._timeouts.first_event_s,
-                                              self._timeouts.between_events_s), self._url)
+    def _choice(self, choice: dict[str, Any]) -> None:
+        self._emit(self._tokens.push(choice.get("text") or ""))
 
-    async def next_event(self) -> dict[str, Any] | None:
-        while not self._events:
-            if self._done:
-                return None
-            await self._read_chunk()
-        return self._events.popleft()
-
-    async def _read_chunk(self) -> None:
-        """Queue the events of the call's next chunk: `ready` before the first, then tokens;
-        at the finish reason, read on to the usage chunk for the server's cached count."""
-        assert self._chunks is not None
-        chunk = await self._chunks.next()
-        if chunk is None:
-            if not self._end_of_stream():  # [DONE] without a finish reason
-                raise UpstreamError(UpstreamKind.PROTOCOL, f"{self._url} ended without a finish reason")
-            return
-        if not self._ready:
-            self._events.append(wp.ready_event(self._prompt_tokens, self._provisional, 0))
-            self._ready = True
-        reason = None
-        for choice in chunk.get("choices") or ():
-            self._emit(self._tokens.push(choice.get("text") or ""))
-            finish = choice.get("finish_reason")
-            if finish is not None:
-                reason = finish_reason(finish)
-        if reason is None:
-            return
-        usage = chunk.get("usage")
-        while (tail := await self._chunks.next()) is not None:  # the usage chunk; the connection stays reusable
-            usage = tail.get("usage") or usage
-        if self._end_of_stream():  # an error chunk after the finish reason
-            return
-        cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    def _tail(self) -> None:
         self._emit(self._tokens.flush())
-        self._events.append(wp.finish_event(
-            reason, num_output_tokens=self._sent,
-            cached_tokens=None if cached is None else (min(int(cached), self._prompt_tokens), 0)))
-        self._done = True
-
-    def _emit(self, ids: list[int]) -> None:
-        if ids:
-            self._events.append(wp.tokens_event(ids))
-            self._sent += len(ids)
-
-    def _end_of_stream(self) -> bool:
-        """The stream was read to its end (`[DONE]` or an error chunk): the connection is
-        released, an error chunk's `finish` queued. True when an error chunk ended it."""
-        assert self._chunks is not None
-        self._chunks.release()
-        if self._chunks.error is None:
-            return False
-        self._events.append(self._chunks.error)
-        self._done = True
-        return True
-
-    def close(self) -> None:
-        """Drop the connection: the server aborts the request."""
-        if self._chunks is not None:
-            self._chunks.close()
-        self._done = True
 
 
 class OpenAIUpstream:
@@ -246,8 +156,11 @@ class OpenAIUpstream:
             refused = refusal(wp.ErrorKind.INVALID_REQUEST, "openai workers give no token-id logprobs",
                                retryable=True)
         stop = [self._text.text_of(t) for t in sampling.get("stop_token_ids") or ()]
-        stream = OpenAIStream(session, self.spec.url, request_id, facts.model, self._text.decode(token_ids),
-                              len(token_ids), sampling, max_tokens, stop, TextTokens(self._bundle), timeouts,
+        stream = OpenAIStream(self.spec.url, len(token_ids), TextTokens(self._bundle),
                               provisional_cached=provisional_cached(body, len(token_ids), 0))
-        await stream.open(refused)
+        if refused is not None:
+            stream.refuse(refused)
+        else:
+            await stream.start(session, request_id, completion_body(facts.model, self._text.decode(token_ids),
+                                                                    sampling, max_tokens, stop), timeouts)
         return stream

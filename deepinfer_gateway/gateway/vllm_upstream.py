@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +41,13 @@ from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway import vllm_pd
 from deepinfer_gateway.gateway.completions_api import (
-    ChunkReader,
-    finish_reason,
+    CompletionStream,
     fit_to_context,
     post_completion,
     probe_server,
     refusal,
 )
-from deepinfer_gateway.gateway.worker_client import EventStream, LineStream, Timeouts
+from deepinfer_gateway.gateway.worker_client import EventStream, Timeouts
 
 # The router's predicted cached prompt tokens, added by legs.py to the body of in-process
 # adapters only (this and openai_upstream.py): the wire protocol's request has no such field.
@@ -161,103 +159,30 @@ def provisional_cached(body: dict[str, Any], prompt_tokens: int, block_size: int
     return max(0, min(predicted, limit))
 
 
-class VllmStream:
-    """One worker-protocol request on vLLM: one streamed completion call (see the module doc)."""
+class VllmStream(CompletionStream):
+    """One worker-protocol request on vLLM: one streamed completion call (see the module doc).
+    A PD decode leg (vllm_pd.py) sends the prefill's kv_transfer_params, and its `ready` needs
+    no counts (the client's usage comes from the prefill leg)."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, request_id: str, model: str,
-                 token_ids: list[int], sampling: dict[str, Any], max_tokens: int, timeouts: Timeouts,
-                 *, provisional_cached: int = 0, decode: bool = False, transfer: dict[str, Any] | None = None):
-        self._session = session
-        self._url = url
-        self._request_id = request_id
-        self._model = model
-        self._prompt = token_ids
-        self._sampling = sampling
-        self._max_tokens = max_tokens
-        self._timeouts = timeouts
-        self._provisional = provisional_cached  # `ready`'s cached count; vLLM's real one comes with `finish`
-        self._chunks: ChunkReader | None = None
-        self._events: deque[dict[str, Any]] = deque()
-        self._ready = False
-        self._done = False
-        self._sent = 0  # output tokens streamed
-        self._decode = decode  # a PD decode leg (vllm_pd.py): with the prefill's kv_transfer_params
-        self._transfer = transfer
+    def __init__(self, url: str, prompt_tokens: int, *, provisional_cached: int = 0, decode: bool = False):
+        super().__init__(url, prompt_tokens, provisional_cached)
+        self._decode = decode
 
-    async def open(self, refused: dict[str, Any] | None = None) -> None:
-        if refused is not None:
-            self._events.append(refused)
-            self._done = True
-            return
-        body = completion_body(self._model, self._prompt, self._sampling, self._max_tokens)
-        if self._decode:  # the client's usage comes from the prefill leg: `ready` needs no counts here
-            body = vllm_pd.decode_body(body, self._transfer)
-            self._events.append(wp.ready_event(len(self._prompt), 0, 0))
+    async def start(self, session: aiohttp.ClientSession, request_id: str, body: dict[str, Any],
+                    timeouts: Timeouts) -> None:
+        if self._decode:
+            self._events.append(wp.ready_event(self._prompt_tokens, 0, 0))
             self._ready = True
-        response = await post_completion(self._session, self._url, self._request_id, body)
-        self._chunks = ChunkReader(LineStream(response, self._timeouts.first_event_s,
-                                              self._timeouts.between_events_s), self._url)
+        await super().start(session, request_id, body, timeouts)
 
-    async def next_event(self) -> dict[str, Any] | None:
-        while not self._events:
-            if self._done:
-                return None
-            await self._read_chunk()
-        return self._events.popleft()
+    def _choice(self, choice: dict[str, Any]) -> None:
+        ids = choice.get("token_ids") or []
+        if choice.get("finish_reason") == "stop" and ids and not isinstance(choice.get("stop_reason"), str):
+            ids = ids[:-1]  # the stop token (EOS or a stop token id) is not streamed
+        self._emit(ids, _logprobs(choice) if ids else None)
 
-    async def _read_chunk(self) -> None:
-        """Queue the events of the call's next chunk: `ready` before the first (vLLM streams
-        nothing before its first token), then tokens; at the finish reason, read on to the
-        usage chunk and `[DONE]` for the real cached count, which `finish` carries."""
-        assert self._chunks is not None
-        chunk = await self._chunks.next()
-        if chunk is None:
-            if not self._end_of_stream():  # [DONE] without a finish reason
-                raise UpstreamError(UpstreamKind.PROTOCOL, f"vLLM {self._url} ended without a finish reason")
-            return
-        if not self._ready:
-            self._events.append(wp.ready_event(len(self._prompt), self._provisional, 0))
-            self._ready = True
-        reason = None
-        for choice in chunk.get("choices") or ():
-            ids = choice.get("token_ids") or []
-            finish = choice.get("finish_reason")
-            if finish == "stop" and ids and not isinstance(choice.get("stop_reason"), str):
-                ids = ids[:-1]  # the stop token (EOS or a stop token id) is not streamed
-            if ids:
-                self._events.append(wp.tokens_event(ids, _logprobs(choice)))
-                self._sent += len(ids)
-            if finish is not None:
-                reason = finish_reason(finish)
-        if reason is None:
-            return
-        usage = chunk.get("usage")
-        while (tail := await self._chunks.next()) is not None:  # the usage chunk; the connection stays reusable
-            usage = tail.get("usage") or usage
-        if self._end_of_stream():  # an error chunk after the finish reason
-            return
-        self._done = True
-        details = (usage or {}).get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if not self._decode else None
-        self._events.append(wp.finish_event(reason, num_output_tokens=self._sent,
-                                            cached_tokens=None if cached is None else (int(cached), 0)))
-
-    def _end_of_stream(self) -> bool:
-        """The stream was read to its end (`[DONE]` or an error chunk): the connection is
-        released, an error chunk's `finish` queued. True when an error chunk ended it."""
-        assert self._chunks is not None
-        self._chunks.release()
-        if self._chunks.error is None:
-            return False
-        self._events.append(self._chunks.error)
-        self._done = True
-        return True
-
-    def close(self) -> None:
-        """Drop the connection: vLLM aborts the request."""
-        if self._chunks is not None:
-            self._chunks.close()
-        self._done = True
+    def _final_cached(self, usage: dict[str, Any]) -> int | None:
+        return None if self._decode else super()._final_cached(usage)
 
 
 async def read_answer(response: aiohttp.ClientResponse, url: str, timeout_s: float) -> Any:
@@ -313,10 +238,15 @@ class VllmUpstream:
         if role == "prefill":
             return vllm_pd.HeldEvents([refused]) if refused else await self._prefill(session, facts, token_ids,
                                                                                        sampling, request_id, timeouts)
-        stream = VllmStream(session, self.spec.url, request_id, facts.model, token_ids, sampling, max_tokens, timeouts,
-                            provisional_cached=provisional_cached(body, len(token_ids), facts.block_size),
-                            decode=role == "decode", transfer=transfer)
-        await stream.open(refused)
+        stream = VllmStream(self.spec.url, len(token_ids), decode=role == "decode",
+                            provisional_cached=provisional_cached(body, len(token_ids), facts.block_size))
+        if refused is not None:
+            stream.refuse(refused)
+            return stream
+        request = completion_body(facts.model, token_ids, sampling, max_tokens)
+        if role == "decode":
+            request = vllm_pd.decode_body(request, transfer)
+        await stream.start(session, request_id, request, timeouts)
         return stream
 
     async def _prefill(self, session: aiohttp.ClientSession, facts: VllmFacts, token_ids: list[int],
