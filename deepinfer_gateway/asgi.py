@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -31,11 +32,29 @@ KEEP_ALIVE_S = 75
 
 
 class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its host (several may run at once)."""
+    """A uvicorn server that leaves signal handling to its host (several may run at once).
+
+    `freeze_heap`: once started, move every object alive (tokenizer tables, the app) to the
+    collector's permanent generation and collect young objects less often. A serving process
+    allocates a few containers per request and per relayed token, so without this full
+    collections keep walking the start-up heap: measured with bench/gateway_capacity.py
+    against the same tree without it, CPU per short request 0.49 vs 0.55 ms and added p99
+    latency 11-13 vs 11-45 ms. Process-wide: only a process's own server sets it."""
+
+    def __init__(self, config: uvicorn.Config, freeze_heap: bool = False):
+        super().__init__(config)
+        self.freeze_heap = freeze_heap
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.freeze_heap:
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(20_000, 20, 20)
 
 
 async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str = "info",
@@ -52,7 +71,7 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=cast(int, graceful_s), lifespan="on", log_config=None,
                             timeout_keep_alive=KEEP_ALIVE_S, headers=list(headers))
-    server = EmbeddedServer(config)
+    server = EmbeddedServer(config, freeze_heap=True)
     loop = asyncio.get_running_loop()
     delayed_exit: list[asyncio.TimerHandle] = []
 
