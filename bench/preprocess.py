@@ -12,9 +12,11 @@
     baseline is the same path with deepseek-recipe's plain `encode`, interleaved in the
     same run. Medians of `--repeats`.
 
-Also: one ~100k-token user message that grows by ~500 tokens (a single segment: the
-cache cannot help, it is re-tokenized whole) and CPU-time medians for the first turn
-(deepseek-recipe's encode uses more than one core).
+Also: one ~100k-token user message that grows by ~500 tokens (`long_message_append_ms`:
+the encoder caches it in pieces, so only the last piece is re-tokenized; side by side,
+`whole_segment_long_message_append_ms`: the same encoder with pieces off, re-tokenizing
+the message whole) and CPU-time medians for the first turn (deepseek-recipe's encode uses
+more than one core).
 
 Relay: tokens/s one core turns worker NDJSON lines into SSE bytes: per message
 `orjson.loads(line)` + `ResponseStream.tokens(ids)`, 4 tokens per message (the low end
@@ -150,6 +152,8 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
                digest_min_chars: int | None) -> dict[str, Any]:
     config = BridgeConfig()
     fast = PromptEncoder(bundle, digest_min_chars=digest_min_chars)
+    whole = PromptEncoder(bundle, digest_min_chars=digest_min_chars, piece_chars=0)
+    whole_prep = RequestPreparer(whole, config)
     reference = ReferencePromptEncoder(bundle)
     fast_prep = RequestPreparer(fast, config)
     ref_prep = RequestPreparer(cast(PromptEncoder, reference), config)
@@ -167,7 +171,8 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
 
     samples: dict[str, list[float]] = {k: [] for k in ("first", "follow", "base_first", "base_follow",
                                                        "convert", "encode", "hash", "first_cpu", "base_first_cpu",
-                                                       "long_append", "base_long_append")}
+                                                       "long_append", "base_long_append",
+                                                       "whole_long_append")}
     gc.collect()
     for _ in range(repeats):
         fast.cache.clear()
@@ -193,13 +198,15 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
         samples["encode"].append((t2 - t1) * 1000)
         samples["hash"].append((t3 - t2) * 1000)
 
-    # One ~100k-token user message that grows by ~500 tokens: a single segment, re-tokenized whole.
+    # One ~100k-token user message that grows by ~500 tokens, the previous one cached.
     doc = _text(rng, 100_000)
     grown = body([{"role": "user", "content": doc + _text(rng, 500)}])
+    assert fast_prep.prepare(ApiProtocol.CHAT, grown).token_ids == ref_prep.prepare(ApiProtocol.CHAT, grown).token_ids
     for _ in range(repeats):
-        fast.cache.clear()
-        fast_prep.prepare(ApiProtocol.CHAT, body([{"role": "user", "content": doc}]))
-        samples["long_append"].append(_ms(_pipeline(fast_prep, grown)))
+        for encoder, preparer, key in ((fast, fast_prep, "long_append"), (whole, whole_prep, "whole_long_append")):
+            encoder.cache.clear()
+            preparer.prepare(ApiProtocol.CHAT, body([{"role": "user", "content": doc}]))
+            samples[key].append(_ms(_pipeline(preparer, grown)))
         samples["base_long_append"].append(_ms(_pipeline(ref_prep, grown)))
 
     # How many tokens the follow-up actually re-tokenized.
@@ -223,6 +230,7 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
         "follow_up_encode_ms": round(med["encode"], 2),
         "follow_up_hash_ms": round(med["hash"], 2),
         "long_message_append_ms": round(med["long_append"], 2),
+        "whole_segment_long_message_append_ms": round(med["whole_long_append"], 2),
         "baseline_long_message_append_ms": round(med["base_long_append"], 2),
         "first_turn_tokens": len(first_ids),
         "follow_up_tokens": len(follow_ids),

@@ -53,6 +53,9 @@ from deepinfer_gateway.recipe_bridge.detokenizer import byte_alphabet
 
 class PlainTokenizer(Protocol):
     name: str
+    # Its pre-tokenizer is DeepSeek's: text cut before a space between two ASCII letters
+    # tokenizes exactly as the whole (encoder.py caches long segments in such pieces).
+    cuts_at_word_spaces: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -61,6 +64,7 @@ class HfPlain:
     name = "deepseek-recipe Tokenizer, added vocabulary removed"
 
     def __init__(self, tokenizer_json: dict[str, Any]):
+        self.cuts_at_word_spaces = _recognised(tokenizer_json)
         stripped = {**tokenizer_json, "added_tokens": []}
         self._tokenizer = dr.Tokenizer.from_str(json.dumps(stripped, ensure_ascii=False))
 
@@ -146,6 +150,7 @@ def _ranks(data: dict[str, Any]) -> dict[bytes, int] | None:
 
 class TiktokenPlain:
     name = "tiktoken, DeepSeek BPE ranks from tokenizer.json"
+    cuts_at_word_spaces = True  # built only for DeepSeek's pre-tokenizer
 
     def __init__(self, ranks: dict[bytes, int]):
         self.ranks = ranks  # tiktoken.Encoding keeps it too: no extra memory

@@ -26,6 +26,7 @@ from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge.encoder import (
     PromptEncoder,
     ReferencePromptEncoder,
+    pieces,
 )
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import HfPlain, TiktokenPlain
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
@@ -291,3 +292,65 @@ def test_unknown_special_token_fails_like_reference(tiktoken_encoder: PromptEnco
         encoder.encode(conv)
     with pytest.raises(RuntimeError):
         ReferencePromptEncoder(bundle).encode(conv)
+
+
+# --- long segments cached in pieces --------------------------------------------------------
+
+_word = st.from_regex(r"[A-Za-z]{1,6}", fullmatch=True)
+_piece_text = st.lists(
+    st.one_of(_word, st.just(" "), st.just(" "), st.sampled_from(_PIECES), st.text(st.characters(codec="utf-8"),
+                                                                                    max_size=4)),
+    max_size=40,
+).map("".join)
+
+
+@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+@_SETTINGS
+@given(content=_piece_text, piece_chars=st.integers(1, 12))
+def test_pieces_tokenize_as_the_whole(which: str, content: str, piece_chars: int, bundle: TokenizerBundle,
+                                      reference: ReferencePromptEncoder, request: pytest.FixtureRequest) -> None:
+    plain = request.getfixturevalue(f"{which}_encoder").plain
+    encoder = PromptEncoder(bundle, plain=plain, piece_chars=piece_chars)
+    conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    event(f"cut: {len(list(pieces(content, piece_chars))) > 1}")
+    assert encoder.encode(conv) == reference.encode(conv)
+
+
+def test_pieces_cut_only_before_a_space_between_letters() -> None:
+    text = "ab cd,ef 12 gh ij"
+    assert list(pieces(text, 1)) == ["ab", " cd,ef 12 gh", " ij"]
+    assert "".join(pieces(text, 1)) == text
+    assert list(pieces(text, 100)) == [text]
+    assert list(pieces("中文" * 50, 4)) == ["中文" * 50]  # no word space: one piece
+
+
+def test_long_message_sharing_a_prefix_retokenizes_only_its_tail(bundle: TokenizerBundle,
+                                                                 tiktoken_encoder: PromptEncoder,
+                                                                 reference: ReferencePromptEncoder) -> None:
+    encoder = PromptEncoder(bundle, plain=tiktoken_encoder.plain, piece_chars=1000)
+    document = " ".join(f"word{i % 7} text" for i in range(10_000))  # ~100k characters, one message
+
+    def ask(question: str) -> list[int]:
+        conv = _convert(dr.ChatCompletionRequest,
+                        {"model": MODEL, "messages": [{"role": "user", "content": document + question}]})
+        ids = encoder.encode(conv)
+        assert ids == reference.encode(conv)
+        return ids
+
+    ask(" first question")
+    before = encoder.cache_stats()
+    ask(" second question")
+    after = encoder.cache_stats()
+    assert after.hits - before.hits >= 90  # the document's pieces
+    assert after.misses - before.misses <= 2  # the last piece (with the new question), the thinking tail
+
+
+def test_unrecognised_pre_tokenizer_is_never_cut(bundle: TokenizerBundle) -> None:
+    data = json.loads(bundle.json_text)
+    data["pre_tokenizer"] = {"type": "Whitespace"}
+    plain = HfPlain(data)
+    assert not plain.cuts_at_word_spaces
+    encoder = PromptEncoder(bundle, plain=plain, piece_chars=4)
+    conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "ab cd " * 20}]})
+    encoder.encode(conv)
+    assert encoder.cache_stats().hits == 0  # cut, the message's repeated pieces would hit each other
