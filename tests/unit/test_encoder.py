@@ -351,6 +351,6 @@ def test_unrecognised_pre_tokenizer_is_never_cut(bundle: TokenizerBundle) -> Non
     plain = HfPlain(data)
     assert not plain.cuts_at_word_spaces
     encoder = PromptEncoder(bundle, plain=plain, piece_chars=4)
-    conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "ab cd " * 20}]})
-    encoder.encode(conv)
+    message = {"role": "user", "content": "ab cd " * 20}
+    encoder.encode(_convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [message]}))
     assert encoder.cache_stats().hits == 0  # cut, the message's repeated pieces would hit each other
