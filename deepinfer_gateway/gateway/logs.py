@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeGuard
 
@@ -154,10 +154,15 @@ class RequestContext:
         finished = False
         rid_bytes = rid.encode()
 
-        async def send_wrapper(message: dict[str, Any]) -> None:
+        # A plain function handing back `send`'s awaitable, not a coroutine of its own: a
+        # stream sends one body message per relayed chunk, and this adds no frame to it.
+        def send_wrapper(message: dict[str, Any]) -> Awaitable[None]:
             nonlocal status, worker, finished
-            kind = message["type"]
-            if kind == "http.response.start":
+            if message["type"] == "http.response.body":
+                if not message.get("more_body", False):
+                    finished = True
+                return send(message)
+            if message["type"] == "http.response.start":
                 status = message["status"]
                 out = list(message.get("headers", ()))
                 has_rid = False
@@ -169,9 +174,7 @@ class RequestContext:
                 if not has_rid:
                     out.append((_HEADER_BYTES, rid_bytes))
                     message = {**message, "headers": out}
-            elif kind == "http.response.body" and not message.get("more_body", False):
-                finished = True
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)

@@ -1,7 +1,8 @@
 """After the first token: relay the worker's events as the client's protocol.
 
 A streamed request is relayed as SSE by `Relay.stream` inside a `RelayResponse`; a
-non-streamed one is drained into one JSON body by `Relay.drain`. A failure after a token
+non-streamed one is drained into one JSON body by `Relay.drain`; both run one loop over
+the worker's events. A failure after a token
 reached the client ends the stream with a protocol error event, never silently.
 
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
@@ -14,13 +15,17 @@ idempotent: its owner calls it in one `finally`.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import Receive, Send
 
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import GatewayError, UpstreamError, UpstreamFailed, UpstreamKind
@@ -68,8 +73,48 @@ class Relay:
         self.legs = legs
         self.metrics = metrics
 
-    async def events(self, upstream: Upstream) -> AsyncIterator[dict[str, Any]]:
-        """The request's token and finish events across its legs (a PD hand-off is followed here)."""
+    def stream(self, upstream: Upstream) -> Callable[[Send], Awaitable[None]]:
+        """The SSE body, as what `RelayResponse` runs with the ASGI `send`. Its end is recorded
+        by `RelayResponse`, which runs however the response ends, even when the client leaves
+        before the body starts."""
+        return functools.partial(self._stream, upstream)
+
+    async def _stream(self, upstream: Upstream, send: Send) -> None:
+        response = upstream.response
+        with tracing.span("stream.relay", worker=upstream.lease.worker.worker_id) as span:
+            try:
+                await send({"type": "http.response.body", "body": upstream.head, "more_body": True})
+                last = time.perf_counter()
+                upstream.first_series.ttft.observe(last - upstream.arrival)
+                await self._relay(upstream, send, last)
+                upstream.status = "200"
+            except (UpstreamError, GatewayError) as exc:
+                upstream.status = "502"
+                self.legs.registry.count_error(upstream.lease.worker,
+                                               exc.kind if isinstance(exc, UpstreamError) else UpstreamKind.ENGINE)
+                log.warning("request %s: stream from %s failed after the first token: %s", upstream.request_id,
+                            upstream.lease.worker.worker_id, exc)
+                frame = stream_error_frame(upstream.prepared.protocol, f"The worker failed mid-stream: {exc}")
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            span.set_attribute("completion_tokens", response.completion_tokens)
+            span.set_attribute("status", upstream.status or "499")
+
+    async def drain(self, upstream: Upstream) -> None:
+        """Non-streaming: accumulate the whole answer. A failure raises UpstreamFailed, which the
+        app renders and counts."""
+        try:
+            await self._relay(upstream, None)
+        except UpstreamError as exc:
+            raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
+        upstream.status = "200"
+
+    async def _relay(self, upstream: Upstream, send: Send | None, last: float = 0.0) -> None:
+        """Turn the request's events, across its legs (a PD hand-off is followed here), into
+        `upstream.response`. With `send` (streaming), each protocol chunk is sent as it is
+        produced and the gap between token messages observed (ITL, the first one from `last`);
+        without it (drain), the response only accumulates. One loop for both and no generator
+        in between: it runs once per relayed token."""
+        response = upstream.response
         pending = upstream.pending
         keep_ids = upstream.plan.mode == "pd"  # only a decode leg continues from them
         while True:
@@ -83,17 +128,30 @@ class Relay:
             if event is None:
                 raise UpstreamError(UpstreamKind.PROTOCOL,
                                     f"worker {upstream.lease.worker.worker_id} ended the stream early")
-            if event["event"] == "tokens":
+            kind = event["event"]
+            if kind == "tokens":
+                token_ids = event["token_ids"]
                 if keep_ids:
-                    upstream.output_ids.extend(event["token_ids"])
-                yield event
-            elif event["event"] == "finish":
+                    upstream.output_ids.extend(token_ids)
+                out = response.tokens(token_ids, event.get("logprobs"))
+                if send is not None:
+                    now = time.perf_counter()
+                    upstream.series.itl.observe(now - last)
+                    last = now
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                if response.done:  # stop sequence: stop the engine too
+                    return
+            elif kind == "finish":
                 handoff = event.get("kv_handoff")
-                if handoff is None or upstream.plan.mode != "pd":
+                if handoff is None or not keep_ids:
                     upstream.finished = True
                     if "cached_tokens" in event:  # the real count where `ready`'s was provisional (vLLM)
                         upstream.ready = {**upstream.ready, "cached_tokens": event["cached_tokens"]}
-                    yield event
+                    raise_if_error(event)
+                    out = response.finish(event["reason"], final_cached(event))
+                    if send is not None:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
                     return
                 await self._hand_off(upstream, handoff)
             # a decode leg's own `ready` carries no prompt usage of interest: skip it
@@ -108,56 +166,6 @@ class Relay:
         upstream.series = self.metrics.request_series(upstream.first_series.model, lease.worker.pool,
                                                       lease.worker.spec.hardware)
         upstream.pending.append(first)
-
-    async def stream(self, upstream: Upstream) -> AsyncIterator[bytes]:
-        """The SSE body. Its end is recorded by `RelayResponse`, which runs however the response
-        ends, even when the client leaves before this generator ever starts."""
-        response = upstream.response
-        with tracing.span("stream.relay", worker=upstream.lease.worker.worker_id) as span:
-            try:
-                yield upstream.head
-                last = time.perf_counter()
-                upstream.first_series.ttft.observe(last - upstream.arrival)
-                async for event in self.events(upstream):
-                    if event["event"] == "tokens":
-                        out = response.tokens(event["token_ids"], event.get("logprobs"))
-                        now = time.perf_counter()
-                        upstream.series.itl.observe(now - last)
-                        last = now
-                        if out:
-                            yield out
-                        if response.done:  # stop sequence: stop the engine too
-                            break
-                    else:
-                        raise_if_error(event)
-                        yield response.finish(event["reason"], final_cached(event))
-                upstream.status = "200"
-            except (UpstreamError, GatewayError) as exc:
-                upstream.status = "502"
-                self.legs.registry.count_error(upstream.lease.worker,
-                                               exc.kind if isinstance(exc, UpstreamError) else UpstreamKind.ENGINE)
-                log.warning("request %s: stream from %s failed after the first token: %s", upstream.request_id,
-                            upstream.lease.worker.worker_id, exc)
-                yield stream_error_frame(upstream.prepared.protocol, f"The worker failed mid-stream: {exc}")
-            span.set_attribute("completion_tokens", response.completion_tokens)
-            span.set_attribute("status", upstream.status or "499")
-
-    async def drain(self, upstream: Upstream) -> None:
-        """Non-streaming: accumulate the whole answer. A failure raises UpstreamFailed, which the
-        app renders and counts."""
-        response = upstream.response
-        try:
-            async for event in self.events(upstream):
-                if event["event"] == "tokens":
-                    response.tokens(event["token_ids"], event.get("logprobs"))
-                    if response.done:
-                        break
-                else:
-                    raise_if_error(event)
-                    response.finish(event["reason"], final_cached(event))
-        except UpstreamError as exc:
-            raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
-        upstream.status = "200"
 
     def close(self, upstream: Upstream) -> None:
         """The end of a request that reached a worker; only the first call acts. A status left
@@ -185,17 +193,62 @@ class Relay:
         self.close(upstream)
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response whose bookkeeping runs when the response ends, whichever way:
-    the body generator itself may be cancelled before its first line, or closed without
-    a CancelledError while blocked in send()."""
+class RelayResponse(Response):
+    """A relayed stream's SSE response whose bookkeeping (`on_close`) runs when it ends,
+    whichever way: finished, failed, or the client gone (even before the body starts).
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any):
-        super().__init__(content, **kwargs)
+    A plain ASGI app rather than Starlette's StreamingResponse, which per stream starts an
+    anyio task group and runs the body in a child task through an async iterator: here the
+    body writes its chunks itself (`Relay.stream`) in the request's own task. It detects a
+    client leaving as StreamingResponse does: with ASGI spec >= 2.4, `send` raising OSError
+    (re-raised as ClientDisconnect); before, an `http.disconnect` from `receive`, awaited by
+    one watcher task that cancels the body (uvicorn's `send` drops writes to a gone client
+    without raising)."""
+
+    def __init__(self, body: Callable[[Send], Awaitable[None]], on_close: Callable[[], None], *,
+                 media_type: str | None = None, headers: Mapping[str, str] | None = None):
+        self.body_writer = body
         self._on_close = on_close
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+        self._client_gone = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watcher: asyncio.Future[None] | None = None
         try:
-            await super().__call__(scope, receive, send)
+            spec_version = scope.get("asgi", {}).get("spec_version", "2.0")
+            if tuple(map(int, spec_version.split("."))) >= (2, 4):
+                try:
+                    await self._respond(send)
+                except OSError:
+                    raise ClientDisconnect() from None
+                return
+            task = asyncio.current_task()
+            assert task is not None
+            watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive, task))
+            try:
+                await self._respond(send)
+            except asyncio.CancelledError:
+                # The watcher's cancellation ends the response quietly (as StreamingResponse's
+                # task group does); any other, or one on top of it, goes on.
+                if not self._client_gone or task.uncancel() > 0:
+                    raise
         finally:
+            if watcher is not None:
+                # Synchronous after the body's last await: a watcher that has not run yet never
+                # will, so it cannot cancel this task once the response is complete.
+                watcher.cancel()
             self._on_close()
+
+    async def _respond(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await self.body_writer(send)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _cancel_on_disconnect(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_gone = True
+        task.cancel()
