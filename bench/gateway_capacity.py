@@ -18,9 +18,11 @@ time, per content chunk the clients received; median over `--rounds`.
 
 Processes: `rps_1`, `rps_2`... req/s of the non-streaming load through a gateway started
 with `processes=N` (`serve --processes N`), each level in the same interleaved rounds; null
-when this checkout's launch.Gateway takes no `processes`. The client, the worker and the
-gateway processes share the machine's cores, so on a 2-core box the ratio is bounded by
-the client and the worker, not by the gateway.
+when this checkout's launch.Gateway takes no `processes`. `cpu_ms_per_request_N`: CPU per
+request of the whole supervisor tree at N (its processes and the embedded Redis they share).
+With `--baseline`, the baseline tree runs every level too (`baseline_rps_N`...). The client,
+the worker and the gateway processes share the machine's cores, so on a 2-core box the
+ratio is bounded by the client and the worker, not by the gateway.
 
 Baseline: `--baseline DIR` runs a second gateway from another source tree (e.g. `git
 archive <commit> | tar -x -C DIR`; imported with PYTHONSAFEPATH=1 PYTHONPATH=DIR) in every
@@ -167,6 +169,9 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
             if n != 1:
                 gw = start_gateway(worker_url, args.tree, processes=n)
                 targets.append(Target(f"processes_{n}", gw.url + "/v1/chat/completions", gw))
+                if args.baseline:
+                    gw = start_gateway(worker_url, args.baseline, processes=n)
+                    targets.append(Target(f"baseline_processes_{n}", gw.url + "/v1/chat/completions", gw))
         for t in targets:
             asyncio.run(closed_loop(t.url, WARMUP_REQUESTS, args.concurrency))
         rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
@@ -192,7 +197,7 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
 
     out: dict[str, object] = {f"direct_{k}": med("direct", k) for k in ("p50_ms", "p99_ms", "rps")}
     for t in targets[1:]:
-        if t.name.startswith("processes_"):
+        if "processes_" in t.name:
             continue
         prefix = "" if t.name == "gateway" else "baseline_"
         for k in ("p50_ms", "p99_ms", "rps"):
@@ -201,9 +206,17 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
         out[f"{prefix}added_p99_ms"] = round(med(t.name, "p99_ms") - med("direct", "p99_ms"), 2)
         out[f"{prefix}cpu_ms_per_request"] = med(t.name, "cpu_ms_per_request")
         out[f"{prefix}cpu_ms_per_request_rounds"] = [round(r["cpu_ms_per_request"], 3) for r in rows[t.name]]
-    for n in levels:
-        name = "gateway" if n == 1 else f"processes_{n}"
-        out[f"rps_{n}"] = med(name, "rps") if name in rows else None
+    for prefix in ("", "baseline_"):
+        for n in levels:
+            name = f"{prefix}gateway" if n == 1 else f"{prefix}processes_{n}"
+            if name == "baseline_gateway":
+                name = "baseline"
+            if name in rows:
+                out[f"{prefix}rps_{n}"] = med(name, "rps")
+                if n != 1:  # the supervisor's tree: its processes and the embedded Redis
+                    out[f"{prefix}cpu_ms_per_request_{n}"] = med(name, "cpu_ms_per_request")
+            elif not prefix:
+                out[f"rps_{n}"] = None
     return out
 
 

@@ -30,8 +30,10 @@ async def test_replicas_share_reservations(backend: str, request: pytest.Fixture
     a, b = (RedisInflight(c) for c in clients)
     await a.reserve("w1", "ra", 1000)
     await b.reserve("w2", "rb", 10)
+    await a.flush()  # writes land one round trip later
     assert await b.totals(["w1", "w2", "w3"]) == {"w1": 1000, "w2": 10, "w3": 0}
     await a.release("w1", "ra")
+    await a.flush()
     assert (await b.totals(["w1"]))["w1"] == 0
     for c in clients:
         await c.aclose()
@@ -41,6 +43,7 @@ async def test_lease_of_a_dead_replica_expires(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     dying = RedisInflight(client, lease_s=0.2)
     await dying.reserve("w9", "lost", 500)  # this replica dies: no release ever comes
+    await dying.flush()
     survivor = RedisInflight(client)
     assert (await survivor.totals(["w9"]))["w9"] == 500
     await asyncio.sleep(0.3)
@@ -58,4 +61,45 @@ async def test_redis_down_falls_back_to_local_view(redis_server) -> None:  # typ
     assert errors
     redis_server.start()
     assert await inflight.totals(["w1"]) == {"w1": 0}  # Redis is back (empty): its view again
+    await client.aclose()
+
+
+async def test_writes_are_batched_and_a_reservation_released_before_sending_is_never_sent(redis_server) -> None:  # type: ignore[no-untyped-def]
+    client = aioredis.Redis.from_url(redis_server.url)
+    inflight = RedisInflight(client)
+    await inflight.totals(["w1"])  # loads the totals script
+    await client.config_resetstat()
+
+    async def scripts_run() -> int:
+        return sum(stats["calls"] for name, stats in (await client.info("commandstats")).items()
+                   if name in ("cmdstat_evalsha", "cmdstat_eval"))
+
+    await inflight.reserve("w1", "fast", 100)
+    await inflight.release("w1", "fast")  # its first token came before the writer ran
+    await inflight.flush()
+    assert await scripts_run() == 0
+    for i in range(20):  # many requests in one event-loop turn: one call
+        await inflight.reserve("w1", f"r{i}", 10)
+    await inflight.flush()
+    assert await scripts_run() <= 2  # the write (and a script load if it was not cached)
+    other = RedisInflight(client)
+    assert await other.totals(["w1"]) == {"w1": 200}
+    for i in range(20):
+        await inflight.release("w1", f"r{i}")
+    await inflight.flush()
+    assert await other.totals(["w1"]) == {"w1": 0}
+    await client.aclose()
+
+
+async def test_own_reservation_counts_once_before_and_after_it_lands(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    await client.delete("{dgw:inflight}:w7:tok", "{dgw:inflight}:w7:exp")
+    inflight = RedisInflight(client)
+    await inflight.reserve("w7", "r", 300)
+    assert (await inflight.totals(["w7"]))["w7"] >= 300  # not in Redis yet: counted from the local view
+    await inflight.flush()
+    assert await inflight.totals(["w7"]) == {"w7": 300}
+    await inflight.release("w7", "r")
+    await inflight.flush()
+    assert await inflight.totals(["w7"]) == {"w7": 0}
     await client.aclose()
