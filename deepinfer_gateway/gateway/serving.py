@@ -7,8 +7,8 @@ a request). `RequestServer.serve` strings them together.
 The client's response starts only once the first token is in hand, so every failure
 before it can become a retry or a proper HTTP error status. From the moment a worker call
 opens, exactly one owner ends it: `Relay.close` in this function's `finally`, or, once a
-stream is handed to Starlette, in `RelayResponse` (which runs however the response ends;
-Starlette cancels the body iterator when the client goes away).
+stream is returned as a `RelayResponse`, that response (its `on_close` runs however it
+ends; its disconnect watcher cancels the body when the client goes away).
 """
 
 from __future__ import annotations
