@@ -204,6 +204,8 @@ class RedisPrefixIndex:
             # Only `apply` (the feeders, in the background) probes a failed Redis, so a
             # lookup never waits on a connect timeout.
             return self.local.lookup_now(hashes, workers)
+        if not any(hashes.values()):  # a prompt shorter than one block: nothing to ask Redis
+            return Overlap(memory=dict.fromkeys(workers, 0), store=dict.fromkeys(hashes, 0))
         keys: list[str] = [self.store_key, self.store_set_key]
         args: list[Any] = [self._clock(), len(hashes)]
         order: list[tuple[str, list[str]]] = []

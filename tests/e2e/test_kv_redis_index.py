@@ -48,6 +48,24 @@ async def test_one_round_trip_per_lookup(redis_server: RedisServer) -> None:
         await admin.aclose()
 
 
+async def test_prompt_shorter_than_a_block_asks_redis_nothing(redis_server: RedisServer) -> None:
+    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="short")
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        log = EventLog("w0")
+        log.store_mem(H[:4])
+        await index.apply("w0", log.batch())
+        before = top_level_calls(await admin.info("commandstats"))
+        got = await index.lookup({"f1": [], "f2": []}, {"w0": "f1", "w1": "f2"})
+        after = top_level_calls(await admin.info("commandstats"))
+        assert after == before  # no command but the INFO calls themselves (not counted)
+        assert (dict(got.memory), dict(got.store)) == ({"w0": 0, "w1": 0}, {"f1": 0, "f2": 0})
+        assert got == index.local.lookup_now({"f1": [], "f2": []}, {"w0": "f1", "w1": "f2"})
+    finally:
+        await index.aclose()
+        await admin.aclose()
+
+
 async def test_one_round_trip_per_lookup_on_a_cluster(redis_cluster_url: str) -> None:
     """No `COMMAND GETKEYS` detour: the cluster client routes the read-only script by its key."""
     index = RedisPrefixIndex(redis_client(redis_cluster_url, cluster=True), namespace=f"rt:{uuid.uuid4().hex[:8]}")
