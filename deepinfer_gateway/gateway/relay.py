@@ -2,8 +2,8 @@
 
 A streamed request is relayed as SSE by `Relay.stream` inside a `RelayResponse`; a
 non-streamed one is drained into one JSON body by `Relay.drain`; both run one loop over
-the worker's events. A failure after a token
-reached the client ends the stream with a protocol error event, never silently.
+the worker's events. A failure after a token reached the client ends the stream with a
+protocol error event, never silently.
 
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
 error, the client going away): it releases the current leg's lease, runs the request's
