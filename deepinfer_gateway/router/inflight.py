@@ -15,8 +15,9 @@ replicas' reservations to the reported queue when it routes.
   request already got its first token). Under load one call carries many requests'
   writes; alone, a request costs one call (reserve, release each landing separately)
   instead of two MULTI/EXEC transactions, each ~1.5x a script call's client CPU with
-  redis-py. Until its write lands, a replica's own reservation is added to `totals()`
-  from its local view. Redis errors degrade to the local view (counted, logged once).
+  redis-py. Until its write is acknowledged, a replica's own reservation is added to
+  `totals()` from its local view (so for one round trip it may count twice: the safe
+  direction, a busy worker looks a little busier). Redis errors degrade to the local view (counted, logged once).
 
 Reservations and load reports overlap for the time a request sits both in the worker's
 queue and in a reservation (until its first token); the overlap makes the router
