@@ -147,6 +147,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
             await feeder.aclose()
             await index.aclose()
             await client.close()
+            await inflight.flush()  # the drained requests' releases reach Redis, not their lease expiry
             if redis is not None:
                 await redis.aclose()
 

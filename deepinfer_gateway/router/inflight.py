@@ -47,6 +47,9 @@ class MemoryInflight:
     async def release(self, worker: str, request_id: str) -> None:
         self._tokens.get(worker, {}).pop(request_id, None)
 
+    async def flush(self) -> None:
+        return None  # nothing is queued
+
 
 _TOTALS_LUA = """
 local now = tonumber(ARGV[1])
