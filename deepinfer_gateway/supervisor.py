@@ -1,16 +1,22 @@
 """Several gateway processes behind one port on one host: `serve --processes N`.
 
-The supervisor binds the listening socket once and hands it to N child processes, each a
-whole gateway (cli_commands.serve_gateway) accepting from that socket. Children are
+The supervisor binds the listening sockets and hands them to N child processes, each a
+whole gateway (cli_commands.serve_gateway) accepting from its slot's socket. Children are
 started with multiprocessing's spawn context: a fresh interpreter each, nothing forked
 from a process that holds threads or an event loop.
 
-One shared socket, not SO_REUSEPORT: with SO_REUSEPORT every process has an accept queue
-of its own, and the connections the kernel has already queued on a process that dies are
-reset with it. With one socket there is one queue; whichever process calls accept next
-takes the connection, and a busy process does not, so load spreads by itself. (A
-keep-alive connection stays with the process that accepted it.) When every process is
-down at once (a restart), connections wait in the queue for the replacement.
+One listening socket per slot, all on one port with SO_REUSEPORT (Linux): the kernel
+spreads new connections over them by address hash, as nginx's `reuseport` does. One socket
+shared by every process was measured to leave one process with every connection of a burst:
+16 keep-alive connections opened at once all went to one of two processes in 5 of 6 runs (the
+first process woken drains the whole accept queue; uvloop accepts until it is empty, and
+UV_TCP_SINGLE_ACCEPT did not change that), so two processes served like one. The
+supervisor, not the child, holds each slot's socket: when a process dies, the connections
+queued on its slot (and those the kernel keeps hashing to it) wait for the replacement
+instead of being reset. The price: while a slot is empty they wait: its restart delay
+(immediate at first, up to MAX_RESTART_DELAY_S for a slot whose processes keep dying young)
+plus the replacement's start-up (seconds: the tokenizer loads). A keep-alive connection stays with the process that accepted it.
+Where SO_REUSEPORT does not balance (not Linux), all processes share one socket.
 
 uvicorn.supervisors.Multiprocess is not used: its children run uvicorn's own signal
 handling (no `/ready` 503 and no drain delay), it restarts a dead child at once (a crash
@@ -91,20 +97,29 @@ def restart_delay_s(failures: int) -> float:
     return min(MAX_RESTART_DELAY_S, 2.0 ** (failures - 2))
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The one listening socket the children share."""
+def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` listening sockets on one port, balanced by the kernel (SO_REUSEPORT, Linux), or
+    one socket for all where that does not balance; `port` 0 picks a free port for all."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
-    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP.
-    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
+    reuse_port = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT") and count > 1
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(LISTEN_BACKLOG)
+        for _ in range(count if reuse_port else 1):
+            # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP.
+            sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+            address = sock.getsockname()  # the port 0 chose, for the others
     except OSError:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
-    return sock
+    return socks
 
 
 @dataclass
@@ -134,14 +149,14 @@ class Supervisor:
         with contextlib.ExitStack() as stack:
             child_settings = self._shared_state(stack)
             try:
-                self._sock = bind_listener(self.settings.host, self.settings.port)
+                self._socks = bind_listeners(self.settings.host, self.settings.port, self.processes)
             except OSError as e:
                 log.error("cannot listen on %s:%s: %s", self.settings.host, self.settings.port, e)
                 return 1
-            stack.callback(self._sock.close)
+            stack.callback(self._close_listeners)
             self._metrics_dir = stack.enter_context(_metrics_directory())
             stack.enter_context(self._signal_wakeup())
-            host, port = self._sock.getsockname()[:2]
+            host, port = self._socks[0].getsockname()[:2]
             log.info("supervisor %d: %d gateway processes on %s:%d", os.getpid(), self.processes, host, port)
             for slot in self.slots:
                 self._start(slot, child_settings)
@@ -190,7 +205,8 @@ class Supervisor:
 
     def _start(self, slot: _Slot, settings: GatewaySettings) -> None:
         process = self._context.Process(target=child_main, name=f"dgw-gateway-{slot.index}", daemon=False,
-                                        args=(settings, self.log_level, self.log_format, self._sock))
+                                        args=(settings, self.log_level, self.log_format,
+                                              self._socks[slot.index % len(self._socks)]))
         process.start()
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
         log.info("gateway process %d started (slot %d)", process.pid, slot.index)
@@ -235,11 +251,15 @@ class Supervisor:
             self._kill_at = time.monotonic() + grace + STOP_MARGIN_S
             # The port closes once the children close their copies after the delay; held
             # open here, it would queue connections that nobody accepts.
-            self._sock.close()
+            self._close_listeners()
         for slot in self.slots:
             if slot.process is not None and slot.process.exitcode is None and slot.process.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(slot.process.pid, signal.SIGTERM)
+
+    def _close_listeners(self) -> None:
+        for sock in self._socks:
+            sock.close()
 
     def _on_exit(self, slot: _Slot) -> None:
         process = slot.process
