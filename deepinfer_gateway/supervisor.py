@@ -15,8 +15,9 @@ supervisor, not the child, holds each slot's socket: when a process dies, the co
 queued on its slot (and those the kernel keeps hashing to it) wait for the replacement
 instead of being reset. The price: while a slot is empty they wait: its restart delay
 (immediate at first, up to MAX_RESTART_DELAY_S for a slot whose processes keep dying young)
-plus the replacement's start-up (seconds: the tokenizer loads). A keep-alive connection stays with the process that accepted it.
-Where SO_REUSEPORT does not balance (not Linux), all processes share one socket.
+plus the replacement's start-up (seconds: the tokenizer loads). A keep-alive connection
+stays with the process that accepted it. Where SO_REUSEPORT does not balance (not Linux),
+all processes share one socket.
 
 uvicorn.supervisors.Multiprocess is not used: its children run uvicorn's own signal
 handling (no `/ready` 503 and no drain delay), it restarts a dead child at once (a crash
