@@ -213,11 +213,9 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
         out[f"{prefix}added_p99_ms"] = round(med(t.name, "p99_ms") - med("direct", "p99_ms"), 2)
         out[f"{prefix}cpu_ms_per_request"] = med(t.name, "cpu_ms_per_request")
         out[f"{prefix}cpu_ms_per_request_rounds"] = [round(r["cpu_ms_per_request"], 3) for r in rows[t.name]]
-    for prefix in ("", "baseline_"):
+    for prefix, single in (("", "gateway"), ("baseline_", "baseline")):
         for n in levels:
-            name = f"{prefix}gateway" if n == 1 else f"{prefix}processes_{n}"
-            if name == "baseline_gateway":
-                name = "baseline"
+            name = single if n == 1 else f"{prefix}processes_{n}"
             if name in rows:
                 out[f"{prefix}rps_{n}"] = med(name, "rps")
                 if n != 1:  # the supervisor's tree: its processes and the embedded Redis

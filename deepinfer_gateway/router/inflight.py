@@ -128,9 +128,7 @@ class RedisInflight:
 
     async def release(self, worker: str, request_id: str) -> None:
         await self._local.release(worker, request_id)
-        unsent = self._unsent.get(worker)
-        if unsent is not None and unsent.pop(request_id, None) is not None and not unsent:
-            del self._unsent[worker]
+        self._landed(worker, request_id)
         key = (worker, request_id)
         if self._queued.get(key, 0):  # reserved and released before the writer ran: nothing to send
             del self._queued[key]
@@ -164,9 +162,13 @@ class RedisInflight:
                 else:
                     self._outage.ok()
                 for (worker, request_id), tokens in writes.items():
-                    unsent = self._unsent.get(worker)
-                    if tokens is not None and unsent is not None and unsent.pop(request_id, None) is not None:
-                        if not unsent:
-                            del self._unsent[worker]
+                    if tokens is not None:
+                        self._landed(worker, request_id)
         finally:
             self._writer = None
+
+    def _landed(self, worker: str, request_id: str) -> None:
+        """`totals()` stops adding this reservation from the local view (written, failed or released)."""
+        unsent = self._unsent.get(worker)
+        if unsent is not None and unsent.pop(request_id, None) is not None and not unsent:
+            del self._unsent[worker]

@@ -4,8 +4,10 @@ Redis killed and restarted during traffic (local view, error counter, one log li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -21,6 +23,18 @@ from tests.kv_helpers import EventLog
 H = list(range(1000, 1128))
 
 
+@contextlib.asynccontextmanager
+async def index_on(server: RedisServer, namespace: str) -> AsyncIterator[tuple[RedisPrefixIndex, aioredis.Redis]]:
+    """A Redis-backed index on `server`, and a plain client to look at the server with."""
+    index = RedisPrefixIndex(redis_client(server.url), namespace=namespace)
+    admin = aioredis.Redis.from_url(server.url)
+    try:
+        yield index, admin
+    finally:
+        await index.aclose()
+        await admin.aclose()
+
+
 def top_level_calls(stats: dict[str, dict[str, float]]) -> dict[str, float]:
     # inside the script
     inner = {"cmdstat_sismember", "cmdstat_smismember", "cmdstat_zmscore", "cmdstat_zrangebyscore", "cmdstat_info"}
@@ -28,9 +42,7 @@ def top_level_calls(stats: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 async def test_one_round_trip_per_lookup(redis_server: RedisServer) -> None:
-    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="rt")
-    admin = aioredis.Redis.from_url(redis_server.url)
-    try:
+    async with index_on(redis_server, "rt") as (index, admin):
         logs = [EventLog(f"w{i}") for i in range(8)]
         for i, log in enumerate(logs):
             log.store_mem(H[: i * 16])
@@ -43,15 +55,10 @@ async def test_one_round_trip_per_lookup(redis_server: RedisServer) -> None:
         delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         assert delta == {"cmdstat_evalsha_ro": 20}
         assert dict(got.memory) == {f"w{i}": i * 16 for i in range(8)} | {"z": 0}
-    finally:
-        await index.aclose()
-        await admin.aclose()
 
 
 async def test_prompt_shorter_than_a_block_asks_redis_nothing(redis_server: RedisServer) -> None:
-    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="short")
-    admin = aioredis.Redis.from_url(redis_server.url)
-    try:
+    async with index_on(redis_server, "short") as (index, admin):
         log = EventLog("w0")
         log.store_mem(H[:4])
         await index.apply("w0", log.batch())
@@ -61,9 +68,6 @@ async def test_prompt_shorter_than_a_block_asks_redis_nothing(redis_server: Redi
         assert after == before  # no command but the INFO calls themselves (not counted)
         assert (dict(got.memory), dict(got.store)) == ({"w0": 0, "w1": 0}, {"f1": 0, "f2": 0})
         assert got == index.local.lookup_now({"f1": [], "f2": []}, {"w0": "f1", "w1": "f2"})
-    finally:
-        await index.aclose()
-        await admin.aclose()
 
 
 async def test_one_round_trip_per_lookup_on_a_cluster(redis_cluster_url: str) -> None:
@@ -316,9 +320,7 @@ async def test_redis_killed_and_restarted_during_traffic(
 
 
 async def test_wiped_redis_is_refilled_without_an_observed_failure(redis_server: RedisServer) -> None:
-    index = RedisPrefixIndex(redis_client(redis_server.url), namespace="wipe")
-    admin = aioredis.Redis.from_url(redis_server.url)
-    try:
+    async with index_on(redis_server, "wipe") as (index, admin):
         log = EventLog("w")
         log.store_mem(H[:20])
         log.store_store(H[:40], None)
@@ -329,9 +331,6 @@ async def test_wiped_redis_is_refilled_without_an_observed_failure(redis_server:
         await index.apply("w", log.batch(after=cursor))
         got = await index.lookup({"f1": H}, {"w": "f1"})
         assert dict(got.memory) == {"w": 30} and dict(got.store) == {"f1": 40}
-    finally:
-        await index.aclose()
-        await admin.aclose()
 
 
 async def test_factory_picks_the_backend(redis_url: str) -> None:
