@@ -8,10 +8,15 @@ suite nor a multi-process gateway needs Redis installed.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from types import TracebackType
@@ -51,12 +56,16 @@ class RedisProcess:
     """One server without persistence, in a temporary directory of its own (mode 0700):
     on 127.0.0.1 at a free port, or with `unix_socket` on `redis.sock` in that directory
     only (no TCP port; `url` is known once started). `stop()` kills it (a crash);
-    `start()` again gives an empty server on the same port."""
+    `start()` again gives an empty server on the same port. With `dies_with_parent` (Linux),
+    the server gets SIGTERM when the thread that started it dies, even by SIGKILL: a
+    supervisor's shared state must not outlive it."""
 
     SOCKET_NAME = "redis.sock"
 
-    def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False) -> None:
+    def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False,
+                 dies_with_parent: bool = False) -> None:
         self.unix_socket = unix_socket
+        self.dies_with_parent = dies_with_parent
         self.port = 0 if unix_socket else port or free_port()
         self.url = "" if unix_socket else f"redis://127.0.0.1:{self.port}/0"
         self.args = args  # extra server options, e.g. ("--cluster-enabled", "yes")
@@ -82,6 +91,7 @@ class RedisProcess:
             # A socket server belongs to its supervisor, which stops it last: a terminal's
             # Ctrl-C (sent to the whole foreground group) must not take it away mid-drain.
             process_group=0 if self.unix_socket else None,
+            preexec_fn=_terminated_with(os.getpid()) if self.dies_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
         while not _answers_ping(self.port, self.socket_path):
@@ -107,6 +117,23 @@ class RedisProcess:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminated_with(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def _answers_ping(port: int, unix_socket: Path | None = None) -> bool:

@@ -175,7 +175,7 @@ class Supervisor:
                 raise ConfigError([("redis_cluster", "needs redis_url")])
             from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisProcess
 
-            server = RedisProcess(unix_socket=True)
+            server = RedisProcess(unix_socket=True, dies_with_parent=True)
             try:
                 server.start()
             except NoRedisServerBinary as e:

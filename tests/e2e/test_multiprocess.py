@@ -275,3 +275,33 @@ def test_sigterm_drains_every_process_then_everything_is_gone(cluster: SimCluste
             pass
     finally:
         gateway.stop()
+
+
+def test_a_killed_supervisor_leaves_nothing_running(cluster: SimCluster, tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to stop anything: its gateway processes notice
+    and drain, and Linux ends the embedded Redis with it (a parent-death signal)."""
+    gateway = start_gateway(tmp_path, cluster, "shutdown_delay_s = 0.2\nshutdown_grace_s = 5.0")
+    try:
+        supervisor = gateway.proc.proc.pid
+        redis_pid, sock = embedded_redis(supervisor)
+        children = supervised_pids(supervisor)  # the gateway processes, Redis, multiprocessing's tracker
+        clients = pinned_clients(gateway)
+        assert {redis_pid, *clients} < children
+        stream = next(iter(clients.values())).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell a story."}], max_tokens=200, stream=True,
+            extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(supervisor, signal.SIGKILL)
+        gateway.proc.proc.wait(timeout=5)
+        # The stream in flight still runs to its end, although the shared Redis went at once.
+        assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+        deadline = time.monotonic() + 20
+        while running := [pid for pid in children if alive(pid)]:
+            assert time.monotonic() < deadline, running
+            time.sleep(0.1)
+        assert not sock.exists()
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", gateway.port), timeout=1):
+            pass
+    finally:
+        gateway.stop()
