@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,21 +156,24 @@ def _published(digests: list[bytes], salt: bytes, prev: bytes) -> BlockHashes:
 
 class PrefixHasher:
     """`block_hashes` for several salts at once (the tokens are packed once), reusing the
-    chain of a recent prompt that starts the same way.
+    chain of the recent prompt that shares the longest prefix with this one.
 
     Agents and chats re-send the same history every turn: a follow-up shares all but its
-    last blocks with the previous turn, so only the new blocks are digested. Recent
-    prompts are kept per first block (the `per_family` most recent of each); the longest
-    common prefix is found by binary search over block boundaries with memcmp, ~0.1 ms
-    for 128k tokens. Exact: reused digests cover byte-identical token prefixes.
-    Bounded: at most `max_bytes` of packed prompts (LRU by family).
+    last blocks with an earlier turn, so only the new blocks are digested. Recent prompts
+    are kept per first block (a family: many conversations share one system prompt), the
+    `per_family` most recently used of each, sorted by their bytes: the one sharing the
+    longest prefix is a neighbour of the new prompt in that order (bisect, memcmp), and
+    the shared length is found by binary search over block boundaries with memcmp,
+    ~0.1 ms for 128k tokens. Exact: reused digests cover byte-identical token prefixes.
+    Bounded: at most `max_bytes` of packed prompts (least recently used families first,
+    then a lone family's least recently used prompts).
     """
 
-    def __init__(self, max_bytes: int = 64 << 20, per_family: int = 4, block_tokens: int = KV_BLOCK_TOKENS):
+    def __init__(self, max_bytes: int = 64 << 20, per_family: int = 256, block_tokens: int = KV_BLOCK_TOKENS):
         self.max_bytes = max_bytes
         self.per_family = per_family
         self.block_tokens = block_tokens
-        self._families: OrderedDict[bytes, list[_Chain]] = OrderedDict()
+        self._families: OrderedDict[bytes, _Family] = OrderedDict()
         self._bytes = 0
 
     def hashes(
@@ -182,52 +186,91 @@ class PrefixHasher:
             return [_published([], salt, salt) for salt in salts]
         data = _packed_view(token_ids, n_full * self.block_tokens, packed)
         full = data.tobytes()  # bytes: slice comparison is a memcmp (memoryview's is per item)
-        family = full[:step]
-        known, shared = self._longest(family, full, step)
+        family_key = full[:step]
+        family = self._families.pop(family_key, None) or _Family()
+        self._families[family_key] = family  # most recently used
+        known, shared = family.longest(full, step)
         chain = _Chain(full, {})
         for salt in salts:
             digests = list(known.digests[salt][:shared]) if known is not None and salt in known.digests else []
             prev = digests[-1] if digests else salt
             _chain(data, step, len(digests), prev, digests)
             chain.digests[salt] = digests
-        self._remember(family, chain, known if known is not None and shared * step == len(known.data) else None)
+        if known is not None and shared * step == len(known.data):  # it extends that prompt: keep the longer
+            self._bytes -= family.remove(known)
+        self._bytes += family.add(chain)
+        while len(family.chains) > self.per_family:
+            self._bytes -= family.remove(next(iter(family.chains.values())))
+        self._evict()
         return [_published(chain.digests[salt], salt, salt) for salt in salts]
 
-    def _longest(self, family: bytes, data: bytes, step: int) -> tuple[_Chain | None, int]:
-        best, best_blocks = None, 0
-        for chain in self._families.get(family, ()):
-            if data.startswith(chain.data):  # the usual follow-up: it extends that prompt
-                shared = len(chain.data) // step
-            else:  # largest k with equal first k blocks; startswith on a memoryview slice = memcmp, no copy
-                old = memoryview(chain.data)
-                lo, hi = 1, min(len(old), len(data)) // step  # block 0 matches: same family
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if data.startswith(old[: mid * step]):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                shared = lo
-            if shared > best_blocks:
-                best, best_blocks = chain, shared
-        return best, best_blocks
-
-    def _remember(self, family: bytes, chain: _Chain, superseded: _Chain | None) -> None:
-        members = self._families.pop(family, [])
-        if superseded is not None:  # the new prompt extends it: keep only the longer one
-            members.remove(superseded)
-            self._bytes -= len(superseded.data)
-        members.insert(0, chain)
-        self._bytes += len(chain.data)
-        while len(members) > self.per_family:
-            self._bytes -= len(members.pop().data)
-        self._families[family] = members
-        while self._bytes > self.max_bytes and len(self._families) > 1:
-            _, evicted = self._families.popitem(last=False)
-            self._bytes -= sum(len(c.data) for c in evicted)
+    def _evict(self) -> None:
+        families = self._families
+        while self._bytes > self.max_bytes:
+            if len(families) > 1:
+                _, evicted = families.popitem(last=False)
+                self._bytes -= sum(len(data) for data in evicted.chains)
+                continue
+            (only,) = families.values()
+            if len(only.chains) <= 1:
+                return  # the prompt just hashed stays
+            self._bytes -= only.remove(next(iter(only.chains.values())))
 
 
 @dataclass(slots=True)
 class _Chain:
     data: bytes  # packed full-block tokens
     digests: dict[bytes, list[bytes]]  # salt -> chained digests, one per block
+
+
+class _Family:
+    """The remembered prompts that start with one block: by recency and by their bytes."""
+
+    __slots__ = ("chains", "ordered")
+
+    def __init__(self) -> None:
+        self.chains: dict[bytes, _Chain] = {}  # data -> chain, least recently used first
+        self.ordered: list[bytes] = []  # the same data, sorted
+
+    def longest(self, data: bytes, step: int) -> tuple[_Chain | None, int]:
+        """The chain sharing the most leading blocks with `data` (block 0 is shared), and how many.
+        In sorted order, the longest common prefix is with a neighbour of where `data` goes."""
+        ordered = self.ordered
+        at = bisect_left(ordered, data)
+        best, best_blocks = None, 0
+        for old in ordered[max(0, at - 1) : at + 1]:
+            if data.startswith(old):  # the usual follow-up: it extends that prompt
+                shared = len(old) // step
+            else:  # largest k with equal first k blocks; startswith on a memoryview slice = memcmp, no copy
+                view = memoryview(old)
+                lo, hi = 1, min(len(old), len(data)) // step
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if data.startswith(view[: mid * step]):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                shared = lo
+            # On a tie, a prompt the new one extends (it is then dropped).
+            if shared > best_blocks or (shared == best_blocks and shared * step == len(old)):
+                best, best_blocks = self.chains[old], shared
+        if best is not None:
+            self.chains[best.data] = self.chains.pop(best.data)  # most recently used
+        return best, best_blocks
+
+    def add(self, chain: _Chain) -> int:
+        """Remember `chain` (replacing one with the same prompt); the bytes added."""
+        if chain.data in self.chains:
+            del self.chains[chain.data]
+            self.chains[chain.data] = chain
+            return 0
+        self.chains[chain.data] = chain
+        insort(self.ordered, chain.data)
+        return len(chain.data)
+
+    def remove(self, chain: _Chain) -> int:
+        """Forget `chain`; the bytes freed."""
+        del self.chains[chain.data]
+        ordered = self.ordered
+        del ordered[bisect_left(ordered, chain.data)]
+        return len(chain.data)
