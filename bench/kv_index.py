@@ -34,7 +34,7 @@ from deepinfer_gateway.kvcache.lua import STAGE_SCRIPT, Script
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, pack_hashes
 from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
-from deepinfer_gateway.redis_conn import HiredisPackingConnection, redis_client
+from deepinfer_gateway.redis_conn import GatewayTcpConnection, redis_client
 from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisProcess, redis_server_binary
 
 WORKERS = 64
@@ -47,7 +47,7 @@ EVENTS_PER_BATCH = 250  # 4,000 block events per poll
 PATIENT_TIMEOUT_S = 60.0
 
 
-class CountingConnection(HiredisPackingConnection):
+class CountingConnection(GatewayTcpConnection):
     """Counts writes to the socket: one per round trip (a pipeline is one write)."""
 
     writes = 0

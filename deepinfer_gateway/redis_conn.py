@@ -14,33 +14,71 @@ Redis outage and must not stall a request on reconnects.
 
 from __future__ import annotations
 
+import asyncio
+import sys
+from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
+# asyncio.wait_for drops a cancellation that lands as the awaited call completes, before 3.12.
+_WAIT_FOR_DROPS_CANCELS = sys.version_info < (3, 12)
 
-class _HiredisPacking:
-    """Packs commands with hiredis (C), as redis-py's sync client does; its asyncio client
-    packs in Python, which costs more than the prefix lookup's Redis-side work for 64 keys."""
 
-    _packer = HiredisRespSerializer()
+class _GatewayConnection(AbstractConnection):
+    """redis-py's connection with two changes:
+    - commands are packed with hiredis (C) where it is installed, as redis-py's sync client
+      does; its asyncio client packs in Python, which costs more than the prefix lookup's
+      Redis-side work for 64 keys;
+    - a command is sent under `asyncio.timeout`, not redis-py's `asyncio.wait_for`, which on
+      Python < 3.12 returns the send's result and drops a cancellation that lands as the send
+      completes (CPython gh-86296). A task cancelled in a Redis call then carried on: about
+      half the cancels of a task looping on a command were lost, and a background loop that
+      ignores its cancel never ends (a gateway stopping waited for it forever)."""
+
+    _packer = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        return self._packer.pack(*args)
+        return self._packer.pack(*args) if self._packer is not None else super().pack_command(*args)
+
+    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        timeout = self.socket_timeout
+        if timeout is None or not _WAIT_FOR_DROPS_CANCELS:
+            return await super().send_packed_command(command, check_health)
+        try:
+            async with asyncio.timeout(timeout):
+                self.socket_timeout = None  # the parent then writes directly, without wait_for
+                try:
+                    await super().send_packed_command(command, check_health)
+                finally:
+                    self.socket_timeout = timeout
+        except TimeoutError:  # ours; the parent's own timeouts are redis-py's TimeoutError already
+            await self.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
 
 
-class HiredisPackingConnection(_HiredisPacking, Connection):
+class GatewayTcpConnection(_GatewayConnection, Connection):
     """TCP (redis://)."""
 
 
-class HiredisPackingUnixConnection(_HiredisPacking, UnixDomainSocketConnection):
+class GatewayUnixConnection(_GatewayConnection, UnixDomainSocketConnection):
     """Unix socket (unix://)."""
+
+
+class GatewaySslConnection(_GatewayConnection, SSLConnection):
+    """TLS (rediss://)."""
+
+
+# from_url picks the class from the URL's scheme, over the one passed in: swapped afterwards.
+_GATEWAY_CLASS = {UnixDomainSocketConnection: GatewayUnixConnection, SSLConnection: GatewaySslConnection,
+                  Connection: GatewayTcpConnection}
 
 
 _READ_ONLY_SCRIPTS = ("EVALSHA_RO", "EVAL_RO")
@@ -71,8 +109,7 @@ def redis_client(
     Past `max_connections` busy connections, a caller waits up to `timeout_s` for one (a
     plain pool would raise at once, turning a burst of requests into a fake outage).
     """
-    if HIREDIS_AVAILABLE:
-        kwargs.setdefault("connection_class", HiredisPackingConnection)
+    kwargs.setdefault("connection_class", GatewayTcpConnection)
     options: dict[str, Any] = dict(
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
         max_connections=max_connections, **kwargs,
@@ -81,7 +118,5 @@ def redis_client(
         # The cluster client has the Redis command API the callers use; typed as Redis for them.
         return _Cluster.from_url(url, **options)  # type: ignore[return-value]
     pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **options)
-    if HIREDIS_AVAILABLE and issubclass(pool.connection_class, UnixDomainSocketConnection):
-        # from_url lets a unix:// URL's own connection class win over the one passed in.
-        pool.connection_class = HiredisPackingUnixConnection
+    pool.connection_class = _GATEWAY_CLASS.get(pool.connection_class, pool.connection_class)
     return aioredis.Redis(connection_pool=pool)

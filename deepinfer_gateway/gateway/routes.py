@@ -117,7 +117,15 @@ async def unless_disconnected(request: Request, serving: Awaitable[Response]) ->
     task = asyncio.ensure_future(serving)
     watcher = asyncio.ensure_future(request.receive())  # the body is read: the next message is a disconnect
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Cancelled from outside (the server's grace period ran out): `serving` is a task
+            # of its own, which asyncio.wait leaves running. Stop it and let its clean-up (the
+            # worker call, the in-flight reservation) finish before this task ends.
+            task.cancel()
+            await asyncio.wait({task})
+            raise
         if task in done:
             return task.result()
         task.cancel()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
 
+import openai
 import pytest
 import redis.asyncio as aioredis
 
+from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from tests.conftest import redis_backend_url
+from tests.fault_doubles import FaultyWorker
 
 
 async def test_memory_reserve_release() -> None:
@@ -105,3 +110,46 @@ async def test_own_reservation_counts_once_before_and_after_it_lands(redis_url: 
     await inflight.flush()
     assert await inflight.totals(["w7"]) == {"w7": 0}
     await client.aclose()
+
+
+async def test_a_gateway_stopping_mid_request_leaves_no_reservation_behind(redis_url: str, tmp_path: Path) -> None:
+    """A request still waiting for its first token when the grace period ends is cancelled;
+    its release is queued then, and must reach Redis before the gateway closes its client
+    (else the other replicas count it until its lease expires)."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.delete(*[k async for k in client.scan_iter("{dgw:inflight}:*")] or ["-"])
+    worker = FaultyWorker("hang-before-ready")
+    gateway = Gateway(tmp_path, [worker.spec()], extra_toml=f'redis_url = "{redis_url}"\n'
+                      "shutdown_delay_s = 0.0\nshutdown_grace_s = 0.5\nfirst_event_timeout_s = 60.0")
+    outcome: list[BaseException] = []
+    try:
+        gateway.wait_ready(1)
+        sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+        def ask() -> None:
+            try:
+                sdk.chat.completions.create(model="DeepSeek-V4.1-Flash", max_tokens=4,
+                                            messages=[{"role": "user", "content": "anyone there?"}])
+            except openai.APIError as exc:
+                outcome.append(exc)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        worker_keys: list[str] = []
+        for _ in range(100):  # the reservation lands in Redis
+            worker_keys = [k.decode().removeprefix("{dgw:inflight}:").removesuffix(":tok")
+                           async for k in client.scan_iter("{dgw:inflight}:*:tok")]
+            if worker_keys and sum((await RedisInflight(client).totals(worker_keys)).values()) > 0:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the reservation never reached Redis")
+        gateway.stop()
+        assert gateway.proc.proc.returncode == 0  # drained and stopped by itself, not killed
+        asker.join(10)
+        assert outcome, "the stopped gateway's request must end with an error"
+        assert await RedisInflight(client).totals(worker_keys) == dict.fromkeys(worker_keys, 0)
+    finally:
+        gateway.stop()
+        worker.stop()
+        await client.aclose()
