@@ -169,7 +169,7 @@ class PrefixHasher:
     then a lone family's least recently used prompts).
     """
 
-    def __init__(self, max_bytes: int = 64 << 20, per_family: int = 256, block_tokens: int = KV_BLOCK_TOKENS):
+    def __init__(self, max_bytes: int = 64 << 20, per_family: int = 1024, block_tokens: int = KV_BLOCK_TOKENS):
         self.max_bytes = max_bytes
         self.per_family = per_family
         self.block_tokens = block_tokens
