@@ -195,8 +195,11 @@ class AdminSync:
 
     async def _reconcile_loop(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: before Python 3.12 wait_for drops a cancel (stop)
+            # that lands as the wake-up does, and this loop would never end.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+                async with asyncio.timeout(self._interval):
+                    await self._wake.wait()
             self._wake.clear()
             await self.reconcile_safely()
 
