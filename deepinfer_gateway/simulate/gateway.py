@@ -30,7 +30,7 @@ from deepinfer_gateway.router.planner import (
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.stats import SimStats
-from deepinfer_gateway.simulate.tokens import PromptTokens
+from deepinfer_gateway.simulate.tokens import PromptIds, PromptTokens
 from deepinfer_gateway.workers.sim.core import AdmissionError, SimRequest
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
@@ -45,7 +45,7 @@ class RequestState:
 
     trace: TraceRequest
     record: RequestRecord
-    tokens: list[int]
+    tokens: PromptIds  # built only where read
     output: list[int]
     hashes: dict[str, list[int]] = field(default_factory=dict)
     plan: Plan | None = None
@@ -81,7 +81,7 @@ class SimGateway:
     def arrive(self, trace: TraceRequest, record: RequestRecord) -> SimWorker | None:
         """Route a new request and start its first leg; the worker to kick, None if it failed."""
         rid = str(trace.index)
-        req = RequestState(trace, record, self.prompts.prompt(trace), self.prompts.output(trace))
+        req = RequestState(trace, record, self.prompts.ids(trace), self.prompts.output(trace))
         self.requests[rid] = req
         self.active += 1
         record.prompt_tokens = len(req.tokens)

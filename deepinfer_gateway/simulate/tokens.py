@@ -23,6 +23,8 @@ Output ids are arbitrary (the sim engine never reads them) but distinct per requ
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.workload.types import TraceRequest
@@ -81,6 +83,27 @@ class PromptTokens:
         out += self.trailer
         return out
 
+    def ids(self, request: TraceRequest) -> PromptIds:
+        """`self.prompt(request)`, built only where read (see `PromptIds`)."""
+        return PromptIds(self, request, [])
+
+    def ids_between(self, request: TraceRequest, start: int, stop: int) -> list[int]:
+        """`self.prompt(request)[start:stop]` for 0 <= start <= stop <= its length, from the
+        blocks that overlap that range only."""
+        size, header = self.block_size, self.header
+        out = header[start:stop]
+        numbers = self._numbers(request)
+        end = len(header) + request.input_length  # the trailer starts here
+        first = max(0, (start - len(header)) // size)
+        for i in range(first, len(numbers)):
+            at = len(header) + i * size
+            if at >= stop:
+                break
+            block = self._block(numbers[i])
+            out += block[max(0, start - at) : min(stop, end) - at]
+        out += self.trailer[max(0, start - end) : max(0, stop - end)]
+        return out
+
     def packed(self, request: TraceRequest) -> bytes:
         """`pack_tokens(self.prompt(request))` (what block hashing reads), joined from packed
         pieces: a block is its three spelled ids then the shared tail."""
@@ -106,3 +129,54 @@ class PromptTokens:
         """`output_length` ids (at least one: every request yields a first token)."""
         start = _OUTPUT_BASE + (request.index % 4_096) * 4_096
         return list(range(start, start + max(1, request.output_length)))
+
+
+class PromptIds(Sequence[int]):
+    """A prompt's token ids (`PromptTokens.prompt`) followed by `extra` ids, built only where
+    read. The simulator reads a prompt's length for routing and admission, and its ids only
+    past its last full block (to extend the block hashes at a hand-off or a finish): the
+    whole list, ~13k ids per Mooncake request, would be built and copied for nothing."""
+
+    __slots__ = ("_prompts", "_request", "_extra", "_prompt_len")
+
+    def __init__(self, prompts: PromptTokens, request: TraceRequest, extra: list[int]) -> None:
+        self._prompts, self._request, self._extra = prompts, request, extra
+        self._prompt_len = len(prompts.header) + request.input_length + len(prompts.trailer)
+
+    def __len__(self) -> int:
+        return self._prompt_len + len(self._extra)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, stride = i.indices(len(self))
+            if stride != 1:
+                return self[:][start:stop:stride]
+            return self._between(start, max(start, stop))
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("prompt index out of range")
+        i %= n
+        return self._between(i, i + 1)[0]
+
+    def _between(self, start: int, stop: int) -> list[int]:
+        split = self._prompt_len
+        out = self._prompts.ids_between(self._request, start, min(stop, split)) if start < split else []
+        out += self._extra[max(0, start - split) : max(0, stop - split)]
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self[:])
+
+    def __add__(self, other: Sequence[int]) -> PromptIds:
+        return PromptIds(self._prompts, self._request, self._extra + list(other))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PromptIds | list):
+            return self[:] == list(other)
+        return NotImplemented

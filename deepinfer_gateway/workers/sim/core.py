@@ -27,6 +27,7 @@ bandwidth is not shared between readers; TTL expiry emits no events (the index h
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -56,7 +57,7 @@ class AdmissionError(Exception):
 @dataclass
 class SimRequest:
     request_id: str
-    token_ids: list[int]  # the prompt (decode role: prompt + first token)
+    token_ids: Sequence[int]  # the prompt (decode role: prompt + first token)
     output: list[int]  # every token this worker will emit, in order
     finish_reason: FinishReason  # once `output` is exhausted
     workload_class: WorkloadClass = "chat"
@@ -121,7 +122,7 @@ class SchedulerCore:
 
     # --- requests ---------------------------------------------------------------------
 
-    def hashes(self, token_ids: list[int], known: list[int] | None = None) -> list[int]:
+    def hashes(self, token_ids: Sequence[int], known: list[int] | None = None) -> list[int]:
         """Block hashes of `token_ids` under this worker's salt. `known`: the hashes of a
         prefix of `token_ids`; when they carry their chain (`BlockHashes`) under this
         salt, only the blocks past them are digested."""
@@ -255,9 +256,9 @@ class SchedulerCore:
             start = len(known) * KV_BLOCK_TOKENS
             full: list[int]
             if self._chains_on(known) and start <= len(prompt):  # without copying the prompt
-                full = extend_block_hashes(known, prompt[start:] + seq.req.output[: seq.emitted])
+                full = extend_block_hashes(known, [*prompt[start:], *seq.req.output[: seq.emitted]])
             else:
-                full = self.hashes(prompt + seq.req.output[: seq.emitted])
+                full = self.hashes([*prompt, *seq.req.output[: seq.emitted]])
             self._cache_blocks(full, seq.req.workload_class, now)
 
     def _cache_blocks(self, hashes: list[int], workload_class: WorkloadClass, now: float) -> None:
