@@ -17,7 +17,7 @@ Modes:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import attrgetter, is_not
 from typing import Any
@@ -162,8 +162,36 @@ class _PoolCandidates:
             self.members[i] = w
             if w != before:
                 changed.append(i)
+        self._take(changed, overlap)
+        return True
+
+    def refresh(self, views: Sequence[WorkerView], at: Mapping[int, int], dirty: Iterable[int],
+                overlap: Overlap) -> bool:
+        """`update(members, overlap)`, where member k is `views[i]` for `at[i] == k`, when the
+        members' views can differ from the last ones only at positions `dirty` of `views`
+        and every position keeps its worker; False when the caller must start afresh."""
+        if len(self.profile_values) > _KEEP_PROFILES:
+            return False
+        members = self.members
+        changed = []
+        for i in sorted(dirty):
+            k = at.get(i)
+            if k is None:
+                continue
+            w, before = views[i], members[k]
+            if w is not before:
+                members[k] = w
+                if w != before:
+                    changed.append(k)
+        changed.sort()
+        self._take(changed, overlap)
+        return True
+
+    def _take(self, changed: list[int], overlap: Overlap) -> None:
+        """Redo the members at `changed` (ascending) and take this request's overlap."""
+        n = len(self.members)
         for i in changed:
-            w = members[i]
+            w = self.members[i]
             base = self.bases[i] = self.planner._base(w)
             self.formats[i] = w.kv_format
             self.queues[i] = base.queued_prefill_tokens
@@ -182,7 +210,6 @@ class _PoolCandidates:
             stored = self.stored = list(self.stored)
             for i in changed:
                 stored[i] = store.get(self.formats[i], 0)
-        return True
 
     def candidates(self) -> _Candidates:
         return _Candidates(list(self.bases), self.hits, self.stored)
@@ -194,9 +221,24 @@ class _PoolCandidates:
                        profile_values=list(self.profile_values))
 
 
+@dataclass(eq=False)
+class _Group:
+    """The workers of one role (and KV formats) in the caller's view list, while it holds the
+    same workers: their positions, their pool when they share one, and their candidates with
+    the positions whose view may have changed since the candidates last took them."""
+
+    indices: list[int]
+    at: dict[int, int]  # position in the view list -> member position
+    pool: str | None  # None: members of several pools
+    dirty: set[int] = field(default_factory=set)
+    candidates: _PoolCandidates | None = None
+
+
 class _RoleSplit:
     """The indices of each (role, KV format)'s workers in the caller's view list, kept while
-    the list holds the same workers: a fleet's view list changes in a few places per request."""
+    the list holds the same workers: a fleet's view list changes in a few places per request.
+    Each call says which positions changed (identity); the groups collect them, so a pool's
+    candidates redo only those instead of comparing every member again."""
 
     def __init__(self, workers: Sequence[WorkerView]) -> None:
         self.workers = list(workers)
@@ -206,30 +248,43 @@ class _RoleSplit:
         self.formats: dict[Role, set[str]] = {}
         for role, fmt in self.at:
             self.formats.setdefault(role, set()).add(fmt)
-        self._merged: dict[tuple[Role, frozenset[str] | None], list[int]] = {}
+        self._groups: dict[tuple[Role, frozenset[str] | None], _Group] = {}
 
     def still(self, workers: Sequence[WorkerView]) -> bool:
         mine = self.workers
         if len(workers) != len(mine):
             return False
+        changed = []
         for i in compress(range(len(mine)), map(is_not, workers, mine)):
             w, before = workers[i], mine[i]
-            if w.worker_id != before.worker_id or w.role is not before.role or w.kv_format != before.kv_format:
+            if (w.worker_id != before.worker_id or w.role is not before.role or w.kv_format != before.kv_format
+                    or w.pool != before.pool):
                 return False
             mine[i] = w
+            changed.append(i)
+        if changed:
+            for group in self._groups.values():
+                group.dirty.update(changed)
         return True
+
+    def group(self, role: Role, formats: Iterable[str] | None = None) -> _Group:
+        """The workers of `role` (with one of `formats`, if given), in list order."""
+        wanted = None if formats is None else frozenset(formats)
+        group = self._groups.get((role, wanted))
+        if group is None:
+            at = self.at
+            keys = [(role, fmt) for fmt in (self.formats.get(role, ()) if wanted is None else wanted)
+                    if (role, fmt) in at]
+            indices = sorted(i for key in keys for i in at[key])
+            pools = {self.workers[i].pool for i in indices}
+            group = self._groups[role, wanted] = _Group(indices, {i: k for k, i in enumerate(indices)},
+                                                        pools.pop() if len(pools) == 1 else None)
+        return group
 
     def members(self, workers: Sequence[WorkerView], role: Role, formats: Iterable[str] | None = None) -> list[
             WorkerView]:
         """The workers of `role` (with one of `formats`, if given), in list order."""
-        wanted = None if formats is None else frozenset(formats)
-        indices = self._merged.get((role, wanted))
-        if indices is None:
-            at = self.at
-            keys = [(role, fmt) for fmt in (self.formats.get(role, ()) if wanted is None else wanted)
-                    if (role, fmt) in at]
-            indices = self._merged[role, wanted] = sorted(i for key in keys for i in at[key])
-        return list(map(workers.__getitem__, indices))
+        return list(map(workers.__getitem__, self.group(role, formats).indices))
 
 
 class NoCandidate(Exception):
@@ -272,6 +327,7 @@ class RoutePlanner:
         self.settings = self.settings.with_policies(policy, decode_policy)
         self._policies.clear()
         self._pools.clear()
+        self._split = None
 
     def describe(self) -> dict[str, Any]:
         """The routing policies in force, by name, with every parameter (admin API)."""
@@ -320,8 +376,28 @@ class RoutePlanner:
             for w in workers:
                 pools.setdefault(w.pool, []).append(w)
             pool, members = max(pools.items(), key=lambda item: (len(item[1]), item[0]))
+        return self._decide(role, pool, self._pool(members, overlap), prompt_tokens, hashes, session_key)
+
+    def _choose_in(self, group: _Group, live: Sequence[WorkerView], role: Role, prompt_tokens: int,
+                   hashes: Mapping[str, list[int]], overlap: Overlap,
+                   session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
+        """`_choose` over a group of the view list: when it is one pool, its candidates redo only
+        the members whose view changed since the group's last request."""
+        if group.pool is None:
+            return self._choose(role, [live[i] for i in group.indices], prompt_tokens, hashes, overlap, session_key)
+        candidates = group.candidates
+        if candidates is None or not candidates.refresh(live, group.at, group.dirty, overlap):
+            members = [live[i] for i in group.indices]
+            candidates = group.candidates = _PoolCandidates(self, members)
+            candidates.update(members, overlap)
+        group.dirty.clear()
+        return self._decide(role, group.pool, candidates, prompt_tokens, hashes, session_key)
+
+    def _decide(self, role: Role, pool: str, candidates: _PoolCandidates, prompt_tokens: int,
+                hashes: Mapping[str, list[int]], session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
+        """The pool policy's choice among `candidates` (its members' views as of this request)."""
+        members = candidates.members
         fmt = members[0].kv_format
-        candidates = self._pool(members, overlap)
         view = RoutingView(
             prompt_tokens=prompt_tokens,
             candidates=candidates.candidates(),
@@ -342,31 +418,31 @@ class RoutePlanner:
         split = self._role_split(live)
         decode_formats = split.formats.get(Role.DECODE)
         if decode_formats and Role.PREFILL in split.formats:
-            decode = split.members(live, Role.DECODE)
-            bypass = self._bypass_candidates(decode, prompt_tokens, overlap)
+            bypass = self._bypass_candidates(split, live, prompt_tokens, overlap)
             if bypass:
                 chosen, decision, view = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
                 decision = Decision(decision.worker_id, Reason.BYPASS, decision.costs,
                                     *self._predicted(chosen, prompt_tokens, overlap))
                 return Plan("bypass", chosen, decision, view)
-            prefill = split.members(live, Role.PREFILL, decode_formats)  # those a decode worker can continue
-            if prefill:
-                chosen, decision, view = self._choose(Role.PREFILL, prefill, prompt_tokens, hashes, overlap,
-                                                      session_key)
+            prefill = split.group(Role.PREFILL, decode_formats)  # those a decode worker can continue
+            if prefill.indices:
+                chosen, decision, view = self._choose_in(prefill, live, Role.PREFILL, prompt_tokens, hashes, overlap,
+                                                         session_key)
                 return Plan("pd", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
-        unified = split.members(live, Role.UNIFIED)
-        if unified:
-            chosen, decision, view = self._choose(Role.UNIFIED, unified, prompt_tokens, hashes, overlap, session_key)
+        unified = split.group(Role.UNIFIED)
+        if unified.indices:
+            chosen, decision, view = self._choose_in(unified, live, Role.UNIFIED, prompt_tokens, hashes, overlap,
+                                                     session_key)
             return Plan("unified", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
         raise NoCandidate("no healthy worker can serve this request")
 
     def plan_decode(self, workers: Sequence[WorkerView], kv_format: str, prompt_tokens: int,
                     exclude: frozenset[str] = frozenset()) -> tuple[WorkerView, Decision]:
         live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
-        decode = self._role_split(live).members(live, Role.DECODE, (kv_format,))
-        if not decode:
+        decode = self._role_split(live).group(Role.DECODE, (kv_format,))
+        if not decode.indices:
             raise NoCandidate(f"no healthy decode worker with KV format {kv_format}")
-        chosen, decision, _ = self._choose(Role.DECODE, decode, prompt_tokens, {}, Overlap(), None)
+        chosen, decision, _ = self._choose_in(decode, live, Role.DECODE, prompt_tokens, {}, Overlap(), None)
         return chosen, decision
 
     def _role_split(self, workers: Sequence[WorkerView]) -> _RoleSplit:
@@ -375,7 +451,8 @@ class RoutePlanner:
             split = self._split = _RoleSplit(workers)
         return split
 
-    def _bypass_candidates(self, decode: list[WorkerView], prompt_tokens: int, overlap: Overlap) -> list[WorkerView]:
+    def _bypass_candidates(self, split: _RoleSplit, live: Sequence[WorkerView], prompt_tokens: int,
+                           overlap: Overlap) -> list[WorkerView]:
         limit = self.settings.pd_bypass_tokens
         if limit <= 0:
             return []
@@ -384,7 +461,7 @@ class RoutePlanner:
         if prompt_tokens - min(best * KV_BLOCK_TOKENS, prompt_tokens) > limit:
             return []
         out = []
-        for w in (w for w in decode if w.prefills):
+        for w in (w for w in split.members(live, Role.DECODE) if w.prefills):
             cached = max(overlap.memory.get(w.worker_id, 0), overlap.store.get(w.kv_format, 0)) * KV_BLOCK_TOKENS
             if prompt_tokens - min(cached, prompt_tokens) <= limit:
                 out.append(w)
