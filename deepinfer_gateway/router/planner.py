@@ -221,6 +221,44 @@ class _PoolCandidates:
                        profile_values=list(self.profile_values))
 
 
+class ViewList(list[WorkerView]):
+    """A view list that remembers which positions were replaced (`views[i] = view`, its only
+    mutation), for a caller that keeps one list and replaces the views that change: the
+    planner then looks at those positions instead of comparing every view with the last
+    request's (a fleet has ~1,000 views and a few change per request)."""
+
+    _KEEP = 4  # positions remembered, per view in the list, before the oldest marks expire
+
+    def __init__(self, views: Iterable[WorkerView] = ()) -> None:
+        super().__init__(views)
+        self._replaced: list[int] = []
+        self._first = 0  # the mark of _replaced[0]
+
+    def __setitem__(self, i: Any, view: Any) -> None:
+        if not isinstance(i, int):
+            raise TypeError("ViewList: only single positions are replaced")
+        super().__setitem__(i, view)
+        if len(self._replaced) >= self._KEEP * max(1, len(self)):
+            self._first += len(self._replaced)
+            self._replaced = []
+        self._replaced.append(i % len(self))
+
+    @property
+    def mark(self) -> int:
+        """Where `replaced_since` starts for replacements after now."""
+        return self._first + len(self._replaced)
+
+    def replaced_since(self, mark: int) -> list[int] | None:
+        """The positions replaced since `mark` (repeats possible); None when no longer known."""
+        start = mark - self._first
+        return None if start < 0 else self._replaced[start:]
+
+    def _fixed(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("ViewList: only single positions are replaced (views[i] = view)")
+
+    __delitem__ = __iadd__ = __imul__ = append = extend = insert = pop = remove = clear = sort = reverse = _fixed
+
+
 @dataclass(eq=False)
 class _Group:
     """The workers of one role (and KV formats) in the caller's view list, while it holds the
@@ -249,14 +287,20 @@ class _RoleSplit:
         for role, fmt in self.at:
             self.formats.setdefault(role, set()).add(fmt)
         self._groups: dict[tuple[Role, frozenset[str] | None], _Group] = {}
+        self._source: ViewList | None = None
+        self._mark = 0
+        self._watch(workers)
 
     def still(self, workers: Sequence[WorkerView]) -> bool:
         mine = self.workers
         if len(workers) != len(mine):
             return False
+        replaced = workers.replaced_since(self._mark) if workers is self._source else None
         changed = []
-        for i in compress(range(len(mine)), map(is_not, workers, mine)):
+        for i in compress(range(len(mine)), map(is_not, workers, mine)) if replaced is None else set(replaced):
             w, before = workers[i], mine[i]
+            if w is before:
+                continue
             if (w.worker_id != before.worker_id or w.role is not before.role or w.kv_format != before.kv_format
                     or w.pool != before.pool):
                 return False
@@ -265,7 +309,12 @@ class _RoleSplit:
         if changed:
             for group in self._groups.values():
                 group.dirty.update(changed)
+        self._watch(workers)
         return True
+
+    def _watch(self, workers: Sequence[WorkerView]) -> None:
+        """From a `ViewList`, the next call reads which positions were replaced since this one."""
+        self._source, self._mark = (workers, workers.mark) if isinstance(workers, ViewList) else (None, 0)
 
     def group(self, role: Role, formats: Iterable[str] | None = None) -> _Group:
         """The workers of `role` (with one of `formats`, if given), in list order."""

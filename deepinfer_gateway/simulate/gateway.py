@@ -25,6 +25,7 @@ from deepinfer_gateway.router.planner import (
     NoCandidate,
     Plan,
     RoutePlanner,
+    ViewList,
     prompt_hashes,
 )
 from deepinfer_gateway.simulate.cluster import SimWorker
@@ -64,7 +65,7 @@ class SimGateway:
         self.hasher = PrefixHasher()  # as the gateway's: a follow-up turn digests only its new blocks
         self.by_id = {w.worker_id: w for w in workers}
         # Every worker's view, rebuilt only for the workers whose view changed.
-        self._views = [w.view() for w in workers]
+        self._views = ViewList(w.view() for w in workers)
         self._position = {w: i for i, w in enumerate(workers)}
         self._stale: set[SimWorker] = set()
         for w in workers:
@@ -112,15 +113,16 @@ class SimGateway:
         worker.changed()
         return worker
 
-    def current_views(self) -> list[Any]:
-        """What `[w.view() for w in workers]` gives, from the last list and the changed workers."""
+    def current_views(self) -> ViewList:
+        """What `[w.view() for w in workers]` gives: the one list, its changed workers' views
+        replaced (which tells the planner where to look). Read it before the next call."""
         views = self._views
         if self._stale:
             position = self._position
             for worker in self._stale:
                 views[position[worker]] = worker.view()
             self._stale.clear()
-        return list(views)
+        return views
 
     def _admit(self, plan: Plan, views: list[Any], req: RequestState) -> bool:
         """The gateway's admission control (`RouteInputs.admit`): 429 over the pool's budget."""
