@@ -10,14 +10,21 @@ spreads new connections over them by address hash, as nginx's `reuseport` does. 
 shared by every process was measured to leave one process with every connection of a burst:
 16 keep-alive connections opened at once all went to one of two processes in 5 of 6 runs (the
 first process woken drains the whole accept queue; uvloop accepts until it is empty, and
-UV_TCP_SINGLE_ACCEPT did not change that), so two processes served like one. The
-supervisor, not the child, holds each slot's socket: when a process dies, the connections
-queued on its slot (and those the kernel keeps hashing to it) wait for the replacement
-instead of being reset. The price: while a slot is empty they wait: its restart delay
-(immediate at first, up to MAX_RESTART_DELAY_S for a slot whose processes keep dying young)
-plus the replacement's start-up (seconds: the tokenizer loads). A keep-alive connection
-stays with the process that accepted it. Where SO_REUSEPORT does not balance (not Linux),
-all processes share one socket.
+UV_TCP_SINGLE_ACCEPT did not change that), so two processes served like one.
+
+The supervisor binds each slot's socket (so the port is taken, and a bind error stops it
+before any child starts) without listening: the child's server listens once its app has
+started, and only then does the kernel hash connections to it. When a slot's process dies
+the supervisor closes its copy of the socket, which takes the slot out of the balancing, and
+binds a fresh one for the replacement. So no new connection waits for a process that is
+starting or restarting: held open, a dead slot's socket kept its share of new connections
+waiting for the replacement, its restart delay (up to MAX_RESTART_DELAY_S for a slot whose
+processes keep dying young) plus its start-up (~1.7 s here: the tokenizer loads).
+Connections queued on a dead slot's socket are reset, as the dead process's own are (with
+the sysctl `net.ipv4.tcp_migrate_req=1`, Linux 5.14+, the kernel moves them to a live
+socket instead). A keep-alive connection stays with the process that accepted it. Where
+SO_REUSEPORT does not balance (not Linux), all processes share one socket, held for the
+supervisor's whole life.
 
 uvicorn.supervisors.Multiprocess is not used: its children run uvicorn's own signal
 handling (no `/ready` 503 and no drain delay), it restarts a dead child at once (a crash
@@ -73,7 +80,6 @@ STARTUP_FAILURE = 3  # a child's exit status when its app never started (uvicorn
 STABLE_AFTER_S = 30.0  # a child that lived this long resets its slot's restart backoff
 MAX_RESTART_DELAY_S = 30.0
 STOP_MARGIN_S = 5.0  # past the drain (delay + grace), remaining children are killed
-LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 def available_cpus() -> int:
@@ -99,28 +105,39 @@ def restart_delay_s(failures: int) -> float:
 
 
 def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` listening sockets on one port, balanced by the kernel (SO_REUSEPORT, Linux), or
-    one socket for all where that does not balance; `port` 0 picks a free port for all."""
+    """`count` sockets bound to one port, balanced by the kernel once listening (SO_REUSEPORT,
+    Linux), or one socket for all where that does not balance; `port` 0 picks a free port for
+    all. Not listening yet: a child's server listens once its app has started, so the kernel
+    hands no connection to a socket whose process cannot take it yet."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     reuse_port = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT") and count > 1
     socks: list[socket.socket] = []
     try:
         for _ in range(count if reuse_port else 1):
-            # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP.
-            sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
-            socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(address)
-            sock.listen(LISTEN_BACKLOG)
-            address = sock.getsockname()  # the port 0 chose, for the others
+            socks.append(bind_listener(family, address, reuse_port))
+            address = socks[-1].getsockname()  # the port 0 chose, for the others
     except OSError:
         for sock in socks:
             sock.close()
         raise
     return socks
+
+
+def bind_listener(family: int, address: Any, reuse_port: bool) -> socket.socket:
+    """One socket bound to `address`, not listening; with `reuse_port`, one of a SO_REUSEPORT
+    group (TCP sockets join the group's balancing when they listen)."""
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @dataclass
@@ -150,14 +167,18 @@ class Supervisor:
         with contextlib.ExitStack() as stack:
             child_settings = self._shared_state(stack)
             try:
-                self._socks = bind_listeners(self.settings.host, self.settings.port, self.processes)
+                self._socks: list[socket.socket | None] = list(
+                    bind_listeners(self.settings.host, self.settings.port, self.processes))
             except OSError as e:
                 log.error("cannot listen on %s:%s: %s", self.settings.host, self.settings.port, e)
                 return 1
             stack.callback(self._close_listeners)
+            first = self._socks[0]
+            assert first is not None
+            self._family, self._address = first.family, first.getsockname()
             self._metrics_dir = stack.enter_context(_metrics_directory())
             stack.enter_context(self._signal_wakeup())
-            host, port = self._socks[0].getsockname()[:2]
+            host, port = self._address[:2]
             log.info("supervisor %d: %d gateway processes on %s:%d", os.getpid(), self.processes, host, port)
             for slot in self.slots:
                 self._start(slot, child_settings)
@@ -205,9 +226,12 @@ class Supervisor:
             os.close(wake_w)
 
     def _start(self, slot: _Slot, settings: GatewaySettings) -> None:
+        sock = self._slot_socket(slot)
+        if sock is None:
+            self._schedule_restart(slot)
+            return
         process = self._context.Process(target=child_main, name=f"dgw-gateway-{slot.index}", daemon=False,
-                                        args=(settings, self.log_level, self.log_format,
-                                              self._socks[slot.index % len(self._socks)]))
+                                        args=(settings, self.log_level, self.log_format, sock))
         process.start()
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
         log.info("gateway process %d started (slot %d)", process.pid, slot.index)
@@ -260,11 +284,37 @@ class Supervisor:
 
     def _close_listeners(self) -> None:
         for sock in self._socks:
+            if sock is not None:
+                sock.close()
+
+    @property
+    def _socket_per_slot(self) -> bool:
+        return len(self._socks) > 1
+
+    def _slot_socket(self, slot: _Slot) -> socket.socket | None:
+        """The slot's listening socket, bound afresh if its last process's was closed (None:
+        the bind failed, logged)."""
+        if not self._socket_per_slot:
+            return self._socks[0]
+        sock = self._socks[slot.index]
+        if sock is None:
+            try:
+                sock = self._socks[slot.index] = bind_listener(self._family, self._address, reuse_port=True)
+            except OSError as e:
+                log.error("slot %d: cannot listen on %s again: %s", slot.index, self._address, e)
+        return sock
+
+    def _close_slot_socket(self, slot: _Slot) -> None:
+        """New connections go to the live processes while the slot is empty."""
+        sock = self._socks[slot.index] if self._socket_per_slot else None
+        if sock is not None:
             sock.close()
+            self._socks[slot.index] = None
 
     def _on_exit(self, slot: _Slot) -> None:
         process = slot.process
         assert process is not None and process.pid is not None
+        self._close_slot_socket(slot)  # first: until it is closed, new connections queue on it in vain
         process.join()
         _mark_process_dead(process.pid, self._metrics_dir)
         slot.process = None
@@ -279,10 +329,13 @@ class Supervisor:
             return
         lived = time.monotonic() - slot.started_at
         slot.failures = 1 if lived >= STABLE_AFTER_S else slot.failures + 1
-        delay = restart_delay_s(slot.failures)
         log.warning("gateway process %d exited (%s) after %.1fs: replacing it in %.0fs",
-                    process.pid, _status(code), lived, delay)
-        slot.restart_at = time.monotonic() + delay
+                    process.pid, _status(code), lived, restart_delay_s(slot.failures))
+        slot.restart_at = time.monotonic() + restart_delay_s(slot.failures)
+
+    def _schedule_restart(self, slot: _Slot) -> None:
+        slot.failures += 1
+        slot.restart_at = time.monotonic() + max(1.0, restart_delay_s(slot.failures))
 
     def _kill_all(self) -> None:
         for slot in self.slots:

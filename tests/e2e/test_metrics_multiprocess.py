@@ -185,10 +185,15 @@ def _shared_dir(pid: int) -> Path:
 
 
 def _scrape_until_pids(gw: Gateway, done: Callable[[set[int]], bool]) -> Samples:
-    """Scrape until the CPU series' pids satisfy `done` (children start and restart on their own)."""
+    """Scrape until the CPU series' pids satisfy `done` (children start and restart on their own).
+    A connection that reached a killed child's socket before the supervisor closed it is reset:
+    scraped again, as a client retries."""
     deadline = time.monotonic() + 30
     while True:
-        samples = scrape(gw.url)
+        try:
+            samples = scrape(gw.url)
+        except ConnectionResetError:
+            continue
         if done(set(_cpu_pids(samples))) or time.monotonic() > deadline:
             return samples
         time.sleep(0.1)

@@ -214,6 +214,32 @@ def test_a_killed_process_is_replaced_and_its_stream_ends_in_an_error(gateway: G
     assert len(pinned_clients(gateway)) == 2
 
 
+
+def test_no_new_connection_waits_for_a_replacement_process(gateway: Gateway) -> None:
+    """A dead process's socket leaves the kernel's balancing at once, and its replacement's
+    joins only once it can serve: every connection opened meanwhile goes to the survivor."""
+    clients = pinned_clients(gateway)
+    victim, survivor = list(clients)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while victim in supervised_pids(gateway.proc.proc.pid):  # the supervisor has reaped it
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.1)  # and closed its socket, right after (connections queued before are reset)
+
+    def answer() -> tuple[int, float]:
+        opened = time.monotonic()
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+            return served_by_raw(sock), time.monotonic() - opened
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: answer(), range(16)))
+    # The replacement takes ~1-2 s to start here: had its socket taken a share of these
+    # connections before it could serve, ~8 of them would have waited that long.
+    assert survivor in {pid for pid, _ in answers} and victim not in {pid for pid, _ in answers}, answers
+    assert max(waited for _, waited in answers) < 0.5, answers
+    assert len(pinned_clients(gateway)) == 2  # and the replacement serves once it is up
+
 def embedded_redis(supervisor: int) -> tuple[int, Path]:
     """The supervisor's child that listens on a `redis.sock` (found through /proc/net/unix:
     the server rewrites its command line, and its binary may be a link)."""
