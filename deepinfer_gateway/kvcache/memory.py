@@ -79,9 +79,10 @@ class InMemoryPrefixIndex:
         self._worker_at: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._slots_version = 0  # bumped when a worker gets or loses a slot
-        # The last lookup's (slots version, formats, workers, slot mask per format): a router
-        # looks up over the same ~1,000 workers request after request.
-        self._masks: tuple[int, tuple[str, ...], dict[str, str], dict[str, int]] | None = None
+        # The last lookup's (slots version, formats, workers, their order, slot mask per format,
+        # zero hits per worker): a router looks up over the same ~1,000 workers request after request.
+        self._masks: tuple[int, tuple[str, ...], dict[str, str], tuple[str, ...], dict[str, int],
+                           dict[str, int]] | None = None
         self._cursors: dict[str, Cursor] = {}
         self._store: OrderedDict[int, float] = OrderedDict()
 
@@ -127,25 +128,31 @@ class InMemoryPrefixIndex:
         return cur.poll_after
 
     def lookup_now(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> Overlap:
-        memory = dict.fromkeys(workers, 0)
+        masks, zeros = self._format_masks(hashes, workers)
+        memory = zeros.copy()  # dict.fromkeys(workers, 0), copied: no hashing of ~1,000 ids
         store = {fmt: self._store_leading(hs) for fmt, hs in hashes.items()}
-        for fmt, mask in self._format_masks(hashes, workers).items():
+        for fmt, mask in masks.items():
             self._memory_leading(hashes[fmt], mask, memory)
         return Overlap(memory=memory, store=store)
 
-    def _format_masks(self, hashes: Mapping[str, Sequence[int]], workers: Mapping[str, str]) -> dict[str, int]:
-        """Per KV format among `hashes`, the slot mask of the `workers` of that format."""
+    def _format_masks(self, hashes: Mapping[str, Sequence[int]],
+                      workers: Mapping[str, str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per KV format among `hashes`, the slot mask of the `workers` of that format; and
+        `dict.fromkeys(workers, 0)`."""
         formats = tuple(hashes)
+        order = tuple(workers)
         last = self._masks
-        if last is not None and last[0] == self._slots_version and last[1] == formats and last[2] == workers:
-            return last[3]
+        if (last is not None and last[0] == self._slots_version and last[1] == formats and last[2] == workers
+                and last[3] == order):
+            return last[4], last[5]
         by_format: dict[str, int] = {}
         for worker_id, fmt in workers.items():
             slot = self._slot.get(worker_id)
             if slot is not None and fmt in hashes:
                 by_format[fmt] = by_format.get(fmt, 0) | (1 << slot)
-        self._masks = (self._slots_version, formats, dict(workers), by_format)
-        return by_format
+        zeros = dict.fromkeys(order, 0)
+        self._masks = (self._slots_version, formats, dict(workers), order, by_format, zeros)
+        return by_format, zeros
 
     async def stats(self) -> dict[str, Any]:
         return self.stats_now()

@@ -22,6 +22,7 @@ Output ids are arbitrary (the sim engine never reads them) but distinct per requ
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -36,6 +37,7 @@ _HEADER = [VOCAB + i for i in range(HEADER_TOKENS)]
 _TRAILER = [VOCAB + HEADER_TOKENS + i for i in range(TRAILER_TOKENS)]
 _OUTPUT_BASE = VOCAB + 64
 _UNIQUE_STRIDE = 1 << 20  # private blocks per request (no prefix info)
+_PACKED_DIGITS = struct.Struct("<3I")
 
 
 class PromptTokens:
@@ -117,12 +119,11 @@ class PromptTokens:
         parts.append(self._packed_trailer)
         return b"".join(parts)
 
-    def _packed_digits(self, number: int) -> bytes:
-        digits = []
-        for _ in range(3):
-            number, d = divmod(number, VOCAB)
-            digits.append(d)
-        return pack_tokens(digits)
+    @staticmethod
+    def _packed_digits(number: int) -> bytes:
+        """`pack_tokens` of the three ids spelling `number` (little-endian uint32 words)."""
+        high, low = divmod(number, VOCAB)
+        return _PACKED_DIGITS.pack(low, high % VOCAB, high // VOCAB % VOCAB)
 
     @staticmethod
     def output(request: TraceRequest) -> list[int]:
