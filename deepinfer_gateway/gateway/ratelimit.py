@@ -119,13 +119,15 @@ return {tostring(wait), tostring(r or ''), tostring(t or '')}
 
 
 class RedisRateLimiter:
-    def __init__(self, redis: Any, on_error: Any = None):
+    def __init__(self, redis: Any, on_error: Any = None, retry_interval_s: float = 1.0):
         self._redis = redis
         self._script = redis.register_script(_ADMIT_LUA)
-        self._outage = Outage("rate limiter", "failing open", on_error)
+        self._outage = Outage("rate limiter", "failing open", on_error, retry_interval_s)
 
     async def admit(self, key: str, limits: tuple[int | None, int | None], prompt_tokens: int) -> Verdict:
         limit_r, limit_t = limits
+        if not self._outage.due():  # fail open at once while Redis is known to be failing
+            return Verdict(True, 0.0, None, None, limit_r, limit_t)
         try:
             wait, r, t = await self._script(keys=[f"dgw:rl:{{{key}}}"],
                                             args=[time.time(), limit_r or 0, limit_t or 0, prompt_tokens, 180])
@@ -137,7 +139,7 @@ class RedisRateLimiter:
         return Verdict(wait_s == 0.0, wait_s, float(r) if r else None, float(t) if t else None, limit_r, limit_t)
 
     async def debit(self, key: str, tokens: int) -> None:
-        if not tokens:
+        if not tokens or not self._outage.due():
             return
         try:
             bucket = f"dgw:rl:{{{key}}}"

@@ -17,7 +17,8 @@ replicas' reservations to the reported queue when it routes.
   instead of two MULTI/EXEC transactions, each ~1.5x a script call's client CPU with
   redis-py. Until its write is acknowledged, a replica's own reservation is added to
   `totals()` from its local view (so for one round trip it may count twice: the safe
-  direction, a busy worker looks a little busier). Redis errors degrade to the local view (counted, logged once).
+  direction, a busy worker looks a little busier). Redis errors degrade to the local view
+  (counted, logged once), at once for every request while Redis is failing (outage.py).
 
 Reservations and load reports overlap for the time a request sits both in the worker's
 queue and in a reservation (until its first token); the overlap makes the router
@@ -95,13 +96,14 @@ def _keys(worker: str) -> tuple[str, str]:
 
 
 class RedisInflight:
-    def __init__(self, redis: Any, lease_s: float = 60.0, on_error: Callable[[], None] | None = None):
+    def __init__(self, redis: Any, lease_s: float = 60.0, on_error: Callable[[], None] | None = None,
+                 retry_interval_s: float = 1.0):
         self._redis = redis
         self._lease_s = lease_s
         self._totals = redis.register_script(_TOTALS_LUA)
         self._write = redis.register_script(_WRITE_LUA)
         self._local = MemoryInflight()
-        self._outage = Outage("in-flight reservations", "using this replica's own view", on_error)
+        self._outage = Outage("in-flight reservations", "using this replica's own view", on_error, retry_interval_s)
         # Queued writes by request (insertion order = write order): (worker, tokens), tokens
         # None for a release.
         self._queued: dict[tuple[str, str], int | None] = {}
@@ -111,6 +113,8 @@ class RedisInflight:
     async def totals(self, workers: Sequence[str]) -> dict[str, int]:
         if not workers:
             return {}
+        if not self._outage.due():
+            return await self._local.totals(workers)
         keys = [k for w in workers for k in _keys(w)]
         try:
             sums = await self._totals(keys=keys, args=[time.time()])

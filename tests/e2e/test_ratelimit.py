@@ -89,12 +89,13 @@ async def test_redis_limit_is_atomic_across_concurrent_callers(backend: str, req
 async def test_redis_down_fails_open(redis_server) -> None:  # type: ignore[no-untyped-def]
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
     errors = []
-    limiter = RedisRateLimiter(client, on_error=lambda: errors.append(1))
+    limiter = RedisRateLimiter(client, on_error=lambda: errors.append(1), retry_interval_s=0.1)
     assert (await limiter.admit("k", (1, None), 1)).allowed
     redis_server.stop()
     assert (await limiter.admit("k", (1, None), 1)).allowed  # would be refused if Redis answered
     assert errors
     redis_server.start()  # a fresh, empty server on the same port: limits apply again
+    await asyncio.sleep(0.15)  # once the next probe is due
     assert (await limiter.admit("k", (1, None), 1)).allowed
     assert not (await limiter.admit("k", (1, None), 1)).allowed
     await client.aclose()

@@ -60,13 +60,14 @@ async def test_lease_of_a_dead_replica_expires(redis_url: str) -> None:
 async def test_redis_down_falls_back_to_local_view(redis_server) -> None:  # type: ignore[no-untyped-def]
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
     errors: list[int] = []
-    inflight = RedisInflight(client, on_error=lambda: errors.append(1))
+    inflight = RedisInflight(client, on_error=lambda: errors.append(1), retry_interval_s=0.1)
     redis_server.stop()
     await inflight.reserve("w1", "r1", 70)
     await inflight.flush()  # the write fails (counted); the reservation stays in the local view
     assert await inflight.totals(["w1"]) == {"w1": 70}
     assert errors
     redis_server.start()
+    await asyncio.sleep(0.15)  # once the next probe is due
     assert await inflight.totals(["w1"]) == {"w1": 0}  # Redis is back (empty): its view again
     await client.aclose()
 
