@@ -120,7 +120,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         redis = None
         if settings.redis_url:
             redis = redis_client(settings.redis_url, cluster=settings.redis_cluster)
-        keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None)
+        keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None,
+                        on_error=metrics.redis_errors.labels("apikeys").inc)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
         index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,

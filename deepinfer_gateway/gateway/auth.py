@@ -9,20 +9,22 @@ with the default workload class.
 
 Keys may also live in Redis (hash `dgw:apikey:{sha256}` with fields name, models
 (comma-separated), workload_class, requests_per_minute, tokens_per_minute, admin) so an
-operator can add one without restarting any gateway replica; lookups are cached for
-`cache_ttl_s`.
+operator can add one without restarting any gateway replica; lookups (found or not) are
+cached for `cache_ttl_s`, at most `cache_size` of them (oldest dropped first: clients
+presenting random keys must not grow the cache without bound). While Redis fails, a key
+seen before keeps its last record and an unknown one is refused, without waiting for Redis
+(outage.py); a failed lookup is not cached.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from deepinfer_gateway.config import ApiKey
-
-log = logging.getLogger(__name__)
+from deepinfer_gateway.outage import Outage
 
 ANONYMOUS = ApiKey(name="anonymous", key_sha256="0" * 64)
 
@@ -39,11 +41,14 @@ def presented_key(headers: Any) -> str | None:
 
 
 class KeyStore:
-    def __init__(self, keys: tuple[ApiKey, ...], redis: Any = None, cache_ttl_s: float = 10.0):
+    def __init__(self, keys: tuple[ApiKey, ...], redis: Any = None, cache_ttl_s: float = 10.0,
+                 cache_size: int = 10_000, on_error: Callable[[], None] | None = None):
         self._keys = {k.key_sha256: k for k in keys}
         self._redis = redis
-        self._cache: dict[str, tuple[float, ApiKey | None]] = {}
+        self._cache: dict[str, tuple[float, ApiKey | None]] = {}  # digest -> (expires, record); oldest first
         self._cache_ttl_s = cache_ttl_s
+        self._cache_size = cache_size
+        self._outage = Outage("API keys", "configured and recently seen keys only", on_error)
         self.enabled = bool(keys) or redis is not None
 
     async def lookup(self, key: str | None) -> ApiKey | None:
@@ -57,18 +62,29 @@ class KeyStore:
         if found is not None or self._redis is None:
             return found
         cached = self._cache.get(digest)
-        if cached and cached[0] > time.monotonic():
+        now = time.monotonic()
+        if cached and cached[0] > now:
             return cached[1]
-        record = await self._from_redis(digest)
-        self._cache[digest] = (time.monotonic() + self._cache_ttl_s, record)
+        stale = cached[1] if cached else None
+        if not self._outage.due():
+            return stale
+        try:
+            record = await self._from_redis(digest)
+        except Exception as exc:  # configured keys still work; others keep their last record
+            self._outage.failed(exc)
+            return stale
+        self._outage.ok()
+        self._remember(digest, record, now)
         return record
 
+    def _remember(self, digest: str, record: ApiKey | None, now: float) -> None:
+        self._cache.pop(digest, None)  # re-inserted last: the order is the order of expiry
+        self._cache[digest] = (now + self._cache_ttl_s, record)
+        while len(self._cache) > self._cache_size:
+            del self._cache[next(iter(self._cache))]
+
     async def _from_redis(self, digest: str) -> ApiKey | None:
-        try:
-            fields = await self._redis.hgetall(f"dgw:apikey:{digest}")
-        except Exception as exc:  # Redis down: configured keys still work; unknown keys are refused
-            log.warning("API key lookup in Redis failed: %s", exc)
-            return None
+        fields = await self._redis.hgetall(f"dgw:apikey:{digest}")
         if not fields:
             return None
         f = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
