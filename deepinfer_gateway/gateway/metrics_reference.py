@@ -41,7 +41,7 @@ LABELS: dict[str, str] = {
     "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`",
     "kind": _values(UpstreamKind),
     "worker": "a worker id from the configuration or `POST /admin/workers`; its series go when it is removed",
-    "component": "`ratelimit`, `inflight`, `admin` (shared admin changes)",
+    "component": "`ratelimit`, `inflight`, `apikeys` (keys kept in Redis), `admin` (shared admin changes)",
     "op": "the Redis prefix index's operation: `apply`, `lookup`, `remove_worker`",
     "version": "the installed `deepinfer-gateway` version",
     "python": "the interpreter's version",
