@@ -190,19 +190,29 @@ class PrefixHasher:
         family = self._families.pop(family_key, None) or _Family()
         self._families[family_key] = family  # most recently used
         known, shared = family.longest(full, step)
-        chain = _Chain(full, {})
+        chain = _Chain(full, {}, {})
+        out: list[list[int]] = []
         for salt in salts:
-            digests = list(known.digests[salt][:shared]) if known is not None and salt in known.digests else []
+            reused = known is not None and salt in known.digests
+            digests = list(known.digests[salt][:shared]) if known is not None and reused else []
+            start = len(digests)
             prev = digests[-1] if digests else salt
-            _chain(data, step, len(digests), prev, digests)
+            _chain(data, step, start, prev, digests)
             chain.digests[salt] = digests
+            # The reused blocks' hashes are the known chain's int objects: dict lookups of them
+            # (prefix index, caches) match by identity, without comparing values.
+            hashes = _published(digests[start:], salt, prev)
+            if known is not None and start:
+                hashes[:0] = known.hashes[salt][:start]
+            chain.hashes[salt] = tuple(hashes)
+            out.append(hashes)
         if known is not None and shared * step == len(known.data):  # it extends that prompt: keep the longer
             self._bytes -= family.remove(known)
         self._bytes += family.add(chain)
         while len(family.chains) > self.per_family:
             self._bytes -= family.remove(next(iter(family.chains.values())))
         self._evict()
-        return [_published(chain.digests[salt], salt, salt) for salt in salts]
+        return out
 
     def _evict(self) -> None:
         families = self._families
@@ -221,6 +231,7 @@ class PrefixHasher:
 class _Chain:
     data: bytes  # packed full-block tokens
     digests: dict[bytes, list[bytes]]  # salt -> chained digests, one per block
+    hashes: dict[bytes, tuple[int, ...]]  # salt -> published hashes, one per block
 
 
 class _Family:

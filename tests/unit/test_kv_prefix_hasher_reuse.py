@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_gateway.kvcache import hashing
-from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import BlockHashes, PrefixHasher, block_hashes, kv_salt
 
 BT = 16
 SALTS = [kv_salt("m", "sm100"), kv_salt("m", "ascend950")]
@@ -58,3 +58,16 @@ def test_per_family_and_max_bytes_bound_what_is_kept() -> None:
     (family,) = small._families.values()
     assert len(family.chains) == 3 and small._bytes == 3 * 5 * BT * 4
     assert family.ordered == sorted(family.chains)
+
+
+def test_a_caller_changing_its_hashes_does_not_change_later_ones() -> None:
+    hasher = PrefixHasher(block_tokens=BT)
+    first = hasher.hashes(conversation(1, 3), SALTS)
+    for hashes in first:
+        hashes[:] = [0] * len(hashes)  # the caller owns what it got
+    follow_up = conversation(1, 3) + [5] * BT
+    again = hasher.hashes(follow_up, SALTS)
+    assert again == [block_hashes(follow_up, s, BT) for s in SALTS]
+    tails = [h.chain_tail for h in again if isinstance(h, BlockHashes)]
+    assert tails == [h.chain_tail for s in SALTS if isinstance(h := block_hashes(follow_up, s, BT), BlockHashes)]
+    assert len(tails) == len(SALTS)
