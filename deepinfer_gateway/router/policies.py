@@ -36,7 +36,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
-from operator import add, attrgetter, eq, le
+from operator import add, and_, attrgetter, eq, le
 from typing import assert_never
 
 from deepinfer_gateway.router.policy import (
@@ -106,20 +106,32 @@ def _estimates(table: Columns, keys: list[tuple[int, int, int]], terms: _Terms) 
 
 
 def _cheapest(seconds: list[float], ids: list[str], among: Iterable[bool] | None = None) -> int | None:
-    """Index of the first candidate in (seconds, worker id) order, among those `among` selects."""
-    ranked = zip(seconds, ids, range(len(ids)), strict=True)
-    best = min(ranked if among is None else compress(ranked, among), default=None)
-    return None if best is None else best[2]
+    """Index of the first candidate in (seconds, worker id, index) order, among those `among`
+    selects. Float passes (min, count) first: the ids break ties only."""
+    if among is None:
+        selected: list[int] | range = range(len(seconds))
+        costs = seconds
+    else:
+        selected = list(compress(range(len(seconds)), among))
+        if not selected:
+            return None
+        costs = list(map(seconds.__getitem__, selected))
+    least = min(costs)
+    if costs.count(least) == 1:
+        return selected[costs.index(least)]
+    return min(compress(selected, map(eq, costs, repeat(least))), key=ids.__getitem__)
 
 
 def least_load_index(table: Columns) -> int:
-    """Index of the candidate first in (queued prefill tokens, running, worker id) order."""
+    """Index of the candidate first in (queued prefill tokens, running, worker id, index) order."""
     queues = table.queues
     least = min(queues)
     if queues.count(least) == 1:
         return queues.index(least)
-    tied = compress(zip(table.running, table.ids, range(len(queues)), strict=True), map(eq, queues, repeat(least)))
-    return min(tied)[2]
+    at_least = list(map(eq, queues, repeat(least)))  # decode pools: most queues are 0
+    fewest = min(compress(table.running, at_least))
+    tied = list(compress(range(len(queues)), map(and_, at_least, map(eq, table.running, repeat(fewest)))))
+    return tied[0] if len(tied) == 1 else min(tied, key=table.ids.__getitem__)
 
 
 _load_key: Callable[[Candidate], tuple[int, int, str]] = attrgetter("queued_prefill_tokens", "running", "worker_id")
