@@ -76,10 +76,8 @@ class SimWorker:
 
     def report(self) -> None:
         """Take a load report now (what the gateway's health check reads)."""
-        ranks = self.core.rank_loads()
-        self.report_queued = sum(r.queued_prefill_tokens for r in ranks)
-        self.report_running = sum(r.running for r in ranks)
-        self.report_ranks = len(ranks) or self.profile.dp_ranks
+        self.report_queued, self.report_running = self.core.load_totals()
+        self.report_ranks = self.profile.dp_ranks  # len(rank_loads()), which has one per rank
         self.changed()
 
     def changed(self) -> None:
