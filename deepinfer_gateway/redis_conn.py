@@ -5,8 +5,12 @@ its keys under one hash tag per structure, so each script or transaction touches
 slot and runs unchanged on Redis Cluster; `cluster=True` only swaps in redis-py's
 cluster client, which routes each command to the node owning its slot.
 
-Clients fail fast (no retries, short timeouts): every caller has its own fallback for a
-Redis outage and must not stall a request on reconnects.
+Clients fail fast (short timeouts, no retry after a timeout): every caller has its own
+fallback for a Redis outage and must not stall a request on reconnects. A connection error
+is retried once, at once, on a fresh connection: after Redis restarts, every idle pooled
+connection is dead, and its first use fails ("Connection closed by server") although Redis
+is back; without the retry each such connection cost a failed call and, with the outage
+breaker (outage.py), another second of fallback.
 
 `url` may be `redis://`, `rediss://` or `unix:///path/redis.sock` (the server that
 `serve --processes N` starts for its own processes, supervisor.py).
@@ -25,6 +29,7 @@ from redis.asyncio.connection import AbstractConnection, Connection, SSLConnecti
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -111,8 +116,8 @@ def redis_client(
     """
     kwargs.setdefault("connection_class", GatewayTcpConnection)
     options: dict[str, Any] = dict(
-        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
-        max_connections=max_connections, **kwargs,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=max_connections,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **kwargs,
     )
     if cluster:
         # The cluster client has the Redis command API the callers use; typed as Redis for them.

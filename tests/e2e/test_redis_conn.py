@@ -1,4 +1,5 @@
-"""`redis_client` against a real Redis: a task cancelled in a Redis call stops.
+"""`redis_client` against a real Redis: a task cancelled in a Redis call stops, and a
+restarted Redis is used again at once.
 
 redis-py sends each command under `asyncio.wait_for`, which before Python 3.12 drops a
 cancellation that lands as the send completes; `redis_client`'s connections send under
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.redis_process import RedisProcess
-from tests.conftest import _require_redis_server
+from tests.conftest import RedisServer, _require_redis_server
 
 CANCELS = 40
 
@@ -65,5 +66,17 @@ async def test_control_redis_py_alone_loses_cancels(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url, socket_timeout=0.5)
     try:
         assert await lost_cancels(client, enough=1) == 1
+    finally:
+        await client.aclose()
+
+
+async def test_after_redis_restarts_pooled_connections_are_replaced_not_failed(redis_server: RedisServer) -> None:
+    client = redis_client(redis_server.url)
+    try:
+        await asyncio.gather(*(client.get(f"k{i}") for i in range(8)))  # eight pooled connections
+        redis_server.stop()
+        redis_server.start()  # every pooled connection is now dead
+        for i in range(8):  # each first use of a dead connection reconnects once, at once
+            assert await client.set(f"k{i}", i)
     finally:
         await client.aclose()
