@@ -61,10 +61,14 @@ class SimKvEventLog:
         oldest = self._rows[0][0] if self._rows else self._last_seq + 1
         start = max(0, after + 1 - oldest)  # seqs are contiguous, so index arithmetic works
         end = min(len(self._rows), start + max(0, limit))
+        # Built without validation: the rows hold exactly the models' types (ints, the enums, a
+        # list of ints nobody changes once appended), and validating copies every hash list.
+        construct = KvEvent.model_construct
         events = [
-            KvEvent(seq=seq, kind=kind, tier=tier, block_hashes=hashes, expires_at=expires)
+            construct(seq=seq, kind=kind, tier=tier, block_hashes=hashes,
+                      expires_at=None if expires is None else float(expires))
             for seq, kind, tier, hashes, expires in (self._rows[i] for i in range(start, end))
         ]
-        return KvEventBatch(
+        return KvEventBatch.model_construct(
             worker_id=self.worker_id, epoch=self.epoch, events=events, last_seq=self._last_seq, oldest_seq=oldest
         )
