@@ -16,7 +16,6 @@ is idempotent, so whoever owns the leg releases it in one `finally`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -33,6 +32,7 @@ from deepinfer_gateway.errors import (
     UpstreamKind,
     WorkerRefused,
 )
+from deepinfer_gateway.gateway.background import run_in_background
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.route_inputs import LEG_ROLE, RouteInputs
@@ -72,7 +72,7 @@ class Lease:
         if self.stream is not None:
             self.stream.close()
             if abort:
-                asyncio.get_running_loop().create_task(self._client.abort(self.worker.url, self.request_id))
+                run_in_background(self._client.abort(self.worker.url, self.request_id))
 
     async def next_event(self) -> dict[str, Any] | None:
         assert self.stream is not None

@@ -35,6 +35,7 @@ from deepinfer_gateway.errors import (
     Unauthorized,
 )
 from deepinfer_gateway.gateway.auth import presented_key
+from deepinfer_gateway.gateway.background import run_in_background
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.logs import random_id
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
@@ -105,7 +106,7 @@ async def admit(state: GatewayState, key: ApiKey, prompt_tokens: int
     limiter = state.limiter
 
     def debit(tokens: int) -> None:
-        asyncio.get_running_loop().create_task(limiter.debit(key.name, tokens))
+        run_in_background(limiter.debit(key.name, tokens))
 
     return headers, debit
 
