@@ -165,8 +165,9 @@ class PrefixHasher:
     longest prefix is a neighbour of the new prompt in that order (bisect, memcmp), and
     the shared length is found by binary search over block boundaries with memcmp,
     ~0.1 ms for 128k tokens. Exact: reused digests cover byte-identical token prefixes.
-    Bounded: at most `max_bytes` of packed prompts (least recently used families first,
-    then a lone family's least recently used prompts).
+    Bounded: at most ~`max_bytes` of memory for the remembered prompts, their digests and
+    hashes (least recently used families first, then a lone family's least recently used
+    prompts).
     """
 
     def __init__(self, max_bytes: int = 64 << 20, per_family: int = 1024, block_tokens: int = KV_BLOCK_TOKENS):
@@ -219,12 +220,22 @@ class PrefixHasher:
         while self._bytes > self.max_bytes:
             if len(families) > 1:
                 _, evicted = families.popitem(last=False)
-                self._bytes -= sum(len(data) for data in evicted.chains)
+                self._bytes -= sum(_size(chain) for chain in evicted.chains.values())
                 continue
             (only,) = families.values()
             if len(only.chains) <= 1:
                 return  # the prompt just hashed stays
             self._bytes -= only.remove(next(iter(only.chains.values())))
+
+
+# Memory of one block per salt beyond its packed tokens: its digest (a 32-byte bytes object:
+# 65 bytes), its published hash (an int: 36) and their two list slots (16). An upper bound:
+# a follow-up's chain shares the digest and hash objects of the prompt it extends.
+_BLOCK_SALT_BYTES = 117
+
+
+def _size(chain: _Chain) -> int:
+    return len(chain.data) + _BLOCK_SALT_BYTES * sum(len(digests) for digests in chain.digests.values())
 
 
 @dataclass(slots=True)
@@ -271,17 +282,16 @@ class _Family:
 
     def add(self, chain: _Chain) -> int:
         """Remember `chain` (replacing one with the same prompt); the bytes added."""
-        if chain.data in self.chains:
-            del self.chains[chain.data]
-            self.chains[chain.data] = chain
-            return 0
+        old = self.chains.pop(chain.data, None)
         self.chains[chain.data] = chain
+        if old is not None:
+            return _size(chain) - _size(old)
         insort(self.ordered, chain.data)
-        return len(chain.data)
+        return _size(chain)
 
     def remove(self, chain: _Chain) -> int:
         """Forget `chain`; the bytes freed."""
         del self.chains[chain.data]
         ordered = self.ordered
         del ordered[bisect_left(ordered, chain.data)]
-        return len(chain.data)
+        return _size(chain)

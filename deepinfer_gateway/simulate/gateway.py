@@ -54,6 +54,8 @@ class RequestState:
     last_token_t: float = -1.0
     emitted: int = 0
 
+SIM_HASHER_BYTES = 256 << 20
+
 
 class SimGateway:
     def __init__(self, config: ClusterConfig, workers: list[SimWorker], store: InMemoryKvStore | None,
@@ -62,7 +64,9 @@ class SimGateway:
         self.store = store
         self.prompts = prompts
         self.stats = stats
-        self.hasher = PrefixHasher()  # as the gateway's: a follow-up turn digests only its new blocks
+        # As the gateway's (a follow-up turn digests only its new blocks), with room for a
+        # whole trace's conversations: memory matters less here than in a serving process.
+        self.hasher = PrefixHasher(max_bytes=SIM_HASHER_BYTES)
         self.by_id = {w.worker_id: w for w in workers}
         # Every worker's view, rebuilt only for the workers whose view changed.
         self._views = ViewList(w.view() for w in workers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_gateway.kvcache import hashing
-from deepinfer_gateway.kvcache.hashing import BlockHashes, PrefixHasher, block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import _BLOCK_SALT_BYTES, BlockHashes, PrefixHasher, block_hashes, kv_salt
 
 BT = 16
 SALTS = [kv_salt("m", "sm100"), kv_salt("m", "ascend950")]
@@ -47,16 +47,17 @@ def test_a_follow_up_of_an_old_conversation_digests_only_its_new_blocks(digested
 
 
 def test_per_family_and_max_bytes_bound_what_is_kept() -> None:
+    prompt_bytes = 5 * BT * 4 + 5 * len(SALTS) * _BLOCK_SALT_BYTES  # 5 blocks: tokens, digests, hashes
     hasher = PrefixHasher(per_family=4, block_tokens=BT)
     for n in range(10):
         hasher.hashes(conversation(n, 3), SALTS)
     (family,) = hasher._families.values()
-    assert len(family.chains) == 4 and hasher._bytes == 4 * 5 * BT * 4
-    small = PrefixHasher(max_bytes=3 * 5 * BT * 4, block_tokens=BT)  # three prompts' worth, one family
+    assert len(family.chains) == 4 and hasher._bytes == 4 * prompt_bytes
+    small = PrefixHasher(max_bytes=3 * prompt_bytes, block_tokens=BT)  # three prompts' worth, one family
     for n in range(10):
         small.hashes(conversation(n, 3), SALTS)
     (family,) = small._families.values()
-    assert len(family.chains) == 3 and small._bytes == 3 * 5 * BT * 4
+    assert len(family.chains) == 3 and small._bytes == 3 * prompt_bytes
     assert family.ordered == sorted(family.chains)
 
 
