@@ -80,7 +80,7 @@ class Gateway:
                  processes: int | str = 1, stderr: IO[bytes] | None = None):
         """workers: (url, role, hardware). processes: `serve --processes` (N or "auto"); above 1 a
         supervisor with N gateway processes on the port, sharing a Redis of their own unless
-        `extra_toml` sets redis_url. The port answers at once then; wait_ready waits for them."""
+        `extra_toml` sets redis_url. The port answers once a process has started; wait_ready waits for all."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"gateway-{self.port}.toml"
