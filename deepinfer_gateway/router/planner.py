@@ -174,7 +174,7 @@ class _PoolCandidates:
             return False
         members = self.members
         changed = []
-        for i in sorted(dirty):
+        for i in sorted(dirty):  # `at` keeps the list order: member positions come out ascending
             k = at.get(i)
             if k is None:
                 continue
@@ -183,7 +183,6 @@ class _PoolCandidates:
                 members[k] = w
                 if w != before:
                     changed.append(k)
-        changed.sort()
         self._take(changed, overlap)
         return True
 
