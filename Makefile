@@ -5,7 +5,8 @@ BIN = $(VENV)/bin
 
 .PHONY: run test vllm-venv clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml system-packages.txt
+	scripts/system-packages.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
