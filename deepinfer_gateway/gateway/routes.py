@@ -55,10 +55,16 @@ GENERATION_ROUTES: dict[str, ApiProtocol] = {
     "/v1/messages": ApiProtocol.MESSAGES,
 }
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-SESSION_HEADER = "x-session-id"
+# A session's id for affinity: SGLang/our clients send x-session-id, AIPerf and Dynamo x-correlation-id.
+SESSION_HEADERS = ("x-session-id", "x-correlation-id")
 # dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
 MODELS = "models"
 COUNT_TOKENS = "count_tokens"
+
+
+def session_key(request: Request) -> str | None:
+    headers = request.headers
+    return next((value for name in SESSION_HEADERS if (value := headers.get(name))), None)
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -201,7 +207,7 @@ class ClientRoutes:
             headers, on_done = await admit(state, key, prepared.prompt_tokens)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
-                                         session_key=request.headers.get(SESSION_HEADER))
+                                         session_key=session_key(request))
             return await unless_disconnected(request, serving)
         except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
             if isinstance(exc, BridgeError) and exc.model:

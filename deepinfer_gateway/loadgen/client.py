@@ -12,6 +12,10 @@ measured as server latency). Headers (worker id) come from `with_raw_response`.
 
 Timing: TTFT = first chunk carrying output (text, reasoning or tool-call delta); each
 later output chunk adds one inter-chunk gap to `itl_s`; e2e = end of the stream.
+
+`send` sends one user message; `converse` a whole conversation (closed-loop sessions), with
+the session's id in `X-Session-ID` and `X-Correlation-ID` (the headers AIPerf and Dynamo's
+clients pin sessions with), and returns the answer's text.
 """
 
 from __future__ import annotations
@@ -20,14 +24,21 @@ import asyncio
 import importlib
 import inspect
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 WORKER_HEADER = "x-dgw-worker"
+SESSION_HEADERS = ("X-Session-ID", "X-Correlation-ID")
 PROTOCOLS = ("chat", "responses", "messages")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    role: str  # "system", "user" or "assistant"
+    text: str
 
 
 @dataclass(frozen=True)
@@ -123,14 +134,27 @@ class ProtocolClient:
 
     async def send(self, prompt: str, max_tokens: int, record: RequestRecord) -> None:
         """Run one streamed request, filling `record`; never raises except CancelledError."""
+        await self.converse((Turn("user", prompt),), max_tokens, record)
+
+    async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                       session_id: str | None = None) -> str:
+        """Run one streamed request of a conversation, filling `record`; returns the answer's
+        text ("" on failure). Never raises except CancelledError."""
         start = time.perf_counter()
         timer = _Timer(record, start)
+        headers = {name: session_id for name in SESSION_HEADERS} if session_id else None
+        answer: list[str] = []
         try:
-            stream = getattr(self, f"_{self.config.protocol}")(prompt, max_tokens, record)
-            async for _ in stream:
+            stream = getattr(self, f"_{self.config.protocol}")(turns, max_tokens, record, headers)
+            async for text in stream:
                 timer.output()
+                if text is None:  # a reasoning chunk: not part of the answer's text
+                    record.reasoning = True
+                else:
+                    answer.append(text)
             record.e2e_s = time.perf_counter() - start
             record.status = "ok"
+            return "".join(answer)
         except asyncio.CancelledError:
             record.status, record.error = "error", RecordError.CANCELLED
             raise
@@ -140,15 +164,18 @@ class ProtocolClient:
             record.http_status = status or record.http_status
             record.detail = f"{type(exc).__name__}: {exc}"[:300]
             record.ttft_s = record.e2e_s = None
+        return ""
 
     def _extra(self) -> dict[str, Any]:
         return {"ignore_eos": True} if self.config.ignore_eos else {}
 
-    # Each protocol method yields once per output chunk and fills usage fields.
-    async def _chat(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+    # Each protocol method yields once per output chunk (the answer's text, None for reasoning) and fills usage fields.
+    async def _chat(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                    headers: dict[str, str] | None) -> AsyncIterator[str | None]:
         raw = await self._sdk.chat.completions.with_raw_response.create(
-            model=self.config.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            stream=True, stream_options={"include_usage": True}, extra_body=self._extra() or None)
+            model=self.config.model, messages=[{"role": t.role, "content": t.text} for t in turns],
+            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+            extra_body=self._extra() or None, extra_headers=headers)
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
         async with await _parsed(raw) as stream:
@@ -157,20 +184,32 @@ class ProtocolClient:
                     _chat_usage(chunk.usage, record)
                 if chunk.choices:
                     delta = chunk.choices[0].delta
-                    if delta.content or delta.tool_calls or getattr(delta, "reasoning_content", None):
-                        yield
+                    if delta.content or delta.tool_calls:
+                        yield delta.content or ""
+                    elif getattr(delta, "reasoning_content", None):
+                        yield None
 
-    async def _responses(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+    async def _responses(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                         headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+        system = "".join(t.text for t in turns if t.role == "system")
+        rest = [t for t in turns if t.role != "system"]
+        text_input: Any = rest[0].text if len(rest) == 1 and rest[0].role == "user" else [
+            {"role": t.role, "content": t.text} for t in rest]
         raw = await self._sdk.responses.with_raw_response.create(
-            model=self.config.model, input=prompt, max_output_tokens=max_tokens, stream=True,
-            extra_body=self._extra() or None)
+            model=self.config.model, input=text_input, max_output_tokens=max_tokens, stream=True,
+            extra_body=self._extra() or None, extra_headers=headers,
+            **({"instructions": system} if system else {}))
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
         async with await _parsed(raw) as stream:
             async for event in stream:
                 kind = event.type
-                if kind.endswith(".delta") and kind != "response.audio.delta":
-                    yield
+                if kind == "response.output_text.delta":
+                    yield event.delta
+                elif kind.startswith("response.reasoning") and kind.endswith(".delta"):
+                    yield None
+                elif kind.endswith(".delta") and kind != "response.audio.delta":
+                    yield ""
                 elif kind in ("response.completed", "response.incomplete") and event.response.usage:
                     usage = event.response.usage
                     record.prompt_tokens = usage.input_tokens
@@ -180,10 +219,14 @@ class ProtocolClient:
                 elif kind in ("response.failed", "error"):
                     raise ValueError(f"stream reported {kind}")
 
-    async def _messages(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+    async def _messages(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                        headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+        system = "".join(t.text for t in turns if t.role == "system")
+        messages = [{"role": t.role, "content": t.text} for t in turns if t.role != "system"]
         raw = await self._sdk.messages.with_raw_response.create(
-            model=self.config.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            stream=True, extra_body=self._extra() or None)
+            model=self.config.model, messages=messages,
+            max_tokens=max_tokens, stream=True, extra_body=self._extra() or None, extra_headers=headers,
+            **({"system": system} if system else {}))
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
         stream = await _parsed(raw)
@@ -191,7 +234,8 @@ class ProtocolClient:
             async for event in stream:
                 kind = event.type
                 if kind == "content_block_delta":
-                    yield
+                    thinking = event.delta.type in ("thinking_delta", "signature_delta")
+                    yield None if thinking else getattr(event.delta, "text", None) or ""
                 elif kind == "message_start":
                     usage = event.message.usage
                     cached = getattr(usage, "cache_read_input_tokens", None)

@@ -99,3 +99,26 @@ def pareto(points: Sequence[tuple[str, dict[str, Any]]], path: Path, sweep: str)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def by_round(summary: dict[str, Any], path: Path, title: str = "") -> None:
+    """Closed-loop sessions: TTFT p50/p90 and hit rate (with the planned rate) per round index."""
+    plt = _pyplot()
+    rows = sorted((int(k), v) for k, v in summary.get("ttft_by_round", {}).items())
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    for key, label in (("p50", "TTFT p50"), ("p90", "TTFT p90")):
+        points = [(i, v["ttft_s"].get(key)) for i, v in rows if v["ttft_s"].get(key) is not None]
+        top.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=label)
+    top.set(ylabel="time to first token (s)", title=title or "sessions by round")
+    top.grid(True, alpha=0.3)
+    top.legend(loc="best")
+    series = (("hit_rate", "reported by server", "-"), ("planned_hit_rate", "planned (perfect cache)", "--"))
+    for key, label, style in series:
+        points = [(i, v[key]) for i, v in rows if v.get(key) is not None]
+        bottom.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", ms=3, label=label)
+    bottom.set(xlabel="round index in its session", ylabel="prompt-token hit rate", ylim=(0, 1))
+    bottom.grid(True, alpha=0.3)
+    bottom.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

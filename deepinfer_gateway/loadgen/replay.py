@@ -45,7 +45,7 @@ class ReplayResult:
     synthesis_cpu_s: float  # of which: building prompt texts
 
 
-class _Progress:
+class Progress:
     def __init__(self, total: int, enabled: bool):
         from tqdm import tqdm
 
@@ -65,7 +65,7 @@ class _Progress:
 async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRequest], str], sender: Sender,
                  config: ReplayConfig) -> ReplayResult:
     records: list[RequestRecord] = []
-    progress = _Progress(len(requests), config.progress)
+    progress = Progress(len(requests), config.progress)
     cpu0 = time.process_time()
     start = time.perf_counter()
     deadline = start + config.duration_s if config.duration_s else None

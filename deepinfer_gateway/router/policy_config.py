@@ -88,7 +88,7 @@ class EstimatedTtftConfig(_Variant):
 
 
 class SessionAffinityConfig(_Variant):
-    """Keeps a session (the request's `user`, or the x-session-id header) on its last worker."""
+    """Keeps a session (the request's `user`, or the x-session-id or x-correlation-id header) on its last worker."""
 
     enabled: bool = Field(False, description="Keep a session on its worker while load allows.")
     max_queue_tokens: int = Field(

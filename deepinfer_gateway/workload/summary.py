@@ -261,3 +261,43 @@ def summarize(
             "measured_with": "time.process_time over the replay (all threads of the bench process)",
         }
     return summary
+
+
+def session_figures(records: Sequence[RequestRecord], makespans_s: Sequence[float], service_s: Sequence[float],
+                    percentiles: Sequence[float] = PERCENTILES) -> dict[str, Any]:
+    """Closed-loop session figures, merged into summary.json by a session replay.
+
+    follow_up_hit_rate: cached / prompt tokens over the rounds after a session's first;
+    planned_hit_rate: what a perfect cache would serve them (each round's parent context,
+    its prompt plus its answer unless the answer began with reasoning, which chat templates
+    drop from later turns; at most the round's prompt); session_makespan_s: per session,
+    first send to last answer without the tool waits on that path (`_with_waits_s`: with them)."""
+    ok = [r for r in records if r.ok and r.round_idx is not None]
+    follow = [r for r in ok if r.round_idx]
+    prompt = sum(r.prompt_tokens or 0 for r in follow)
+    cached = sum(r.cached_tokens or 0 for r in follow)
+    planned = sum(min(r.planned_cached_tokens or 0, r.prompt_tokens or 0) for r in follow)
+    rounds: dict[int, list[RequestRecord]] = {}
+    for r in ok:
+        rounds.setdefault(r.round_idx or 0, []).append(r)
+    by_round = {
+        str(i): {
+            "requests": len(group),
+            "ttft_s": distribution([r.ttft_s for r in group if r.ttft_s is not None], percentiles),
+            "itl_s": distribution([g for r in group for g in r.itl_s], percentiles),
+            "hit_rate": _ratio(sum(r.cached_tokens or 0 for r in group), sum(r.prompt_tokens or 0 for r in group)),
+            "planned_hit_rate": _ratio(sum(min(r.planned_cached_tokens or 0, r.prompt_tokens or 0) for r in group),
+                                       sum(r.prompt_tokens or 0 for r in group)),
+        }
+        for i, group in sorted(rounds.items())
+    }
+    hit, plan = _ratio(cached, prompt), _ratio(planned, prompt)
+    return {
+        "sessions": len(makespans_s),
+        "follow_up_hit_rate": hit,
+        "planned_hit_rate": plan,
+        "follow_up_vs_planned": _ratio(hit, plan) if hit is not None and plan else None,
+        "session_makespan_s": distribution(service_s, percentiles),
+        "session_makespan_with_waits_s": distribution(makespans_s, percentiles),
+        "ttft_by_round": by_round,
+    }

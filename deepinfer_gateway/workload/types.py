@@ -57,6 +57,7 @@ class RecordError:
     STREAM = "stream"  # broken or malformed stream after the response started
     CANCELLED = "cancelled"  # still running when the run's time bound ended it
     CLIENT = "client"  # anything else raised in the client
+    DEPENDENCY = "dependency"  # a session round not sent: a round it continues failed
 
 
 @dataclass(slots=True)
@@ -84,6 +85,10 @@ class RequestRecord:
     expected_output_tokens: int | None = None
     worker: str | None = None
     send_lag_s: float | None = None  # open loop: actual send time minus scheduled time
+    session_id: str | None = None  # closed-loop sessions: the round's session and position in it
+    round_idx: int | None = None
+    planned_cached_tokens: int | None = None  # a follow-up round: what a perfect cache serves of it
+    reasoning: bool = False  # the answer began with reasoning (chat templates drop it from later turns)
 
     @property
     def ok(self) -> bool:

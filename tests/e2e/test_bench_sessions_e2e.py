@@ -1,0 +1,113 @@
+"""End to end: closed-loop session replay through the real SDKs -> gateway -> sim workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from deepinfer_gateway.cli import main as cli_main
+from deepinfer_gateway.launch import Gateway, SimCluster
+from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
+from deepinfer_gateway.loadgen.run import session_texts
+from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, replay_sessions
+from deepinfer_gateway.workload.sessions import load_sessions
+from deepinfer_gateway.workload.synthesis import PromptSynthesizer
+from deepinfer_gateway.workload.types import RequestRecord, read_records
+
+MULTI = Path("/work/shared/traces/tracelab/multi_session_example.csv")
+KV_BLOCK = 128  # the sim workers' KV block (tokens)
+
+
+@pytest.fixture(scope="module")
+def agent_gateway(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway as an agent deployment runs it: sessions (the clients' X-Session-ID /
+    X-Correlation-ID headers) kept on their worker."""
+    roles = [spec.split(":") for spec in sim_cluster.specs]
+    gw = Gateway(tmp_path_factory.mktemp("agent-gw"),
+                 [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)],
+                 extra_toml="[router]\nsession_affinity = true")
+    gw.wait_ready(len(roles))
+    yield gw
+    gw.stop()
+
+
+class _Recording(ProtocolClient):
+    """The real SDK client, keeping each round's turns and answer."""
+
+    def __init__(self, config: ClientConfig):
+        super().__init__(config)
+        self.rounds: list[tuple[RequestRecord, tuple[Turn, ...], str]] = []
+
+    async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                       session_id: str | None = None) -> str:
+        answer = await super().converse(turns, max_tokens, record, session_id)
+        self.rounds.append((record, tuple(turns), answer))
+        return answer
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "messages"])
+def test_a_follow_up_round_carries_the_previous_answer_and_hits_the_cache(agent_gateway: Gateway,
+                                                                         protocol: str) -> None:
+    trace = load_sessions("synthetic:agent:loop=closed,sessions=2,seed=4,steps=3,tool_latency_s=0.05,"
+                          "system_tokens=600,task_tokens=300,tool_result_tokens=200,call_tokens=400")
+
+    async def run() -> _Recording:
+        # deepseek-chat: without thinking, so the whole answer is part of the next prompt
+        # (chat templates drop an earlier turn's reasoning).
+        client = _Recording(ClientConfig(url=agent_gateway.url, model="deepseek-chat", protocol=protocol,
+                                         api_key="test", ignore_eos=True))
+        try:
+            await replay_sessions(trace, session_texts(PromptSynthesizer.for_default_tokenizer()), client,
+                                  SessionReplayConfig(concurrency=2, progress=False))
+        finally:
+            await client.aclose()
+        return client
+
+    client = asyncio.run(run())
+    assert len(client.rounds) == trace.rounds and all(record.ok for record, _, _ in client.rounds)
+    by_key = {(record.session_id, record.round_idx): (record, turns, answer)
+              for record, turns, answer in client.rounds}
+    follow_ups = 0
+    for (session, index), (record, turns, _) in by_key.items():
+        if not index:
+            continue
+        parent, parent_turns, parent_answer = by_key[(session, index - 1)]
+        # The prompt is the parent's conversation, the parent's actual answer, then the new input.
+        assert parent_answer and turns[:len(parent_turns)] == parent_turns
+        assert turns[len(parent_turns)] == Turn("assistant", parent_answer)
+        assert record.planned_cached_tokens == parent.prompt_tokens + parent.output_tokens
+        assert record.prompt_tokens > record.planned_cached_tokens
+        # The engine served the parent's prompt AND its answer from its cache: the answer came
+        # back token for token (a block of it that differed would end the cached prefix there).
+        reusable = (record.planned_cached_tokens // KV_BLOCK) * KV_BLOCK
+        assert not parent.reasoning
+        assert record.cached_tokens >= reusable, (session, index, record.cached_tokens, reusable)
+        assert reusable > parent.prompt_tokens  # so the answer's tokens are among those cached
+        assert record.worker == parent.worker  # the session header kept it on its worker
+        follow_ups += 1
+    assert follow_ups == trace.rounds - len(trace.sessions)
+
+
+@pytest.mark.skipif(not MULTI.exists(), reason="shared traces not mounted")
+def test_bench_cli_replays_a_tracelab_file_closed_loop(agent_gateway: Gateway, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sessions"
+    rc = cli_main(["bench", "--url", agent_gateway.url, "--trace", str(MULTI), "--concurrency", "2",
+                   "--speedup", "20", "--out", str(out), "--no-progress", "--ignore-eos"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    trace = load_sessions(str(MULTI))
+    assert summary["mode"] == "sessions" and summary["sessions"] == len(trace.sessions) == 3
+    assert summary["completed"] == summary["requests"] == trace.rounds and summary["errors"] == {}
+    assert 0 < summary["planned_hit_rate"] < 1 and summary["follow_up_hit_rate"] > 0
+    assert summary["follow_up_vs_planned"] >= 0.8
+    assert set(summary["ttft_by_round"]) == {str(i) for i in range(max(len(s.rounds) for s in trace.sessions))}
+    assert summary["session_makespan_s"]["count"] == 3
+    assert summary["session_makespan_s"]["max"] <= summary["session_makespan_with_waits_s"]["max"]
+    records = read_records(out / "results.jsonl")
+    assert {r.session_id for r in records} == {s.id for s in trace.sessions}
+    assert (out / "by_round.png").exists()
