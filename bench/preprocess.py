@@ -1,6 +1,6 @@
 """Gateway-side preprocessing and relay cost, segment-cached encoder vs deepseek-recipe's encode.
 
-    python bench/preprocess.py [--repeats 20] [--target-tokens 128000] [--relay-tokens 200000]
+    python bench/preprocess.py [--repeats 20] [--target-tokens 128000] [--relay-tokens 200000] [--no-relay]
 
 (a) first turn: a ~128k-token multi-turn Chat Completions conversation (system prompt,
     tools, reasoning, tool calls and results) seen for the first time (cache cleared
@@ -11,6 +11,12 @@
     max_tokens resolution) + `block_hashes(ids, kv_salt(model, kv_format))`. The
     baseline is the same path with deepseek-recipe's plain `encode`, interleaved in the
     same run. Medians of `--repeats`.
+
+Side by side in the same run, interleaved: `pre_change_*`, the same encoder with the
+tiktoken plain tokenizer (the path before fastokens; `plain_tokenizer(prefer="tiktoken")`),
+and `no_segment_cache_*`, the default plain tokenizer with a zero-byte segment cache (every
+segment re-tokenized: what the cache buys). `*_spread` keys: [min, p25, p75, max] of the
+samples.
 
 Also: one ~100k-token user message that grows by ~500 tokens (`long_message_append_ms`:
 the encoder caches it in pieces, so only the last piece is re-tokenized; side by side,
@@ -55,6 +61,7 @@ from deepinfer_gateway.recipe_bridge.prepare import (
     RequestPreparer,
 )
 from deepinfer_gateway.recipe_bridge.segment_cache import DEFAULT_DIGEST_MIN_CHARS
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import plain_tokenizer
 from deepinfer_gateway.recipe_bridge.stream import ResponseStream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
 
@@ -153,6 +160,11 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
     config = BridgeConfig()
     fast = PromptEncoder(bundle, digest_min_chars=digest_min_chars)
     whole = PromptEncoder(bundle, digest_min_chars=digest_min_chars, piece_chars=0)
+    pre_change = PromptEncoder(bundle, digest_min_chars=digest_min_chars,
+                               plain=plain_tokenizer(bundle.json_text, prefer="tiktoken"))
+    uncached = PromptEncoder(bundle, digest_min_chars=digest_min_chars, cache_bytes=0)
+    pre_prep = RequestPreparer(pre_change, config)
+    uncached_prep = RequestPreparer(uncached, config)
     whole_prep = RequestPreparer(whole, config)
     reference = ReferencePromptEncoder(bundle)
     fast_prep = RequestPreparer(fast, config)
@@ -167,14 +179,26 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
     follow = body(follow_messages)
     first_ids = ref_prep.prepare(ApiProtocol.CHAT, first).token_ids
     follow_ids = ref_prep.prepare(ApiProtocol.CHAT, follow).token_ids
-    assert fast_prep.prepare(ApiProtocol.CHAT, follow).token_ids == follow_ids  # exact, before timing
+    for preparer in (fast_prep, pre_prep, uncached_prep):  # exact, before timing
+        assert preparer.prepare(ApiProtocol.CHAT, first).token_ids == first_ids
+        assert preparer.prepare(ApiProtocol.CHAT, follow).token_ids == follow_ids
 
     samples: dict[str, list[float]] = {k: [] for k in ("first", "follow", "base_first", "base_follow",
                                                        "convert", "encode", "hash", "first_cpu", "base_first_cpu",
                                                        "long_append", "base_long_append",
-                                                       "whole_long_append")}
+                                                       "whole_long_append", "pre_first", "pre_follow",
+                                                       "pre_first_cpu", "uncached_first", "uncached_follow",
+                                                       "pre_long_append")}
     gc.collect()
     for _ in range(repeats):
+        for encoder, preparer, key in ((pre_change, pre_prep, "pre"), (uncached, uncached_prep, "uncached")):
+            encoder.cache.clear()
+            samples[f"{key}_first"].append(_ms(_pipeline(preparer, first, PrefixHasher()),
+                                               samples["pre_first_cpu"] if key == "pre" else None))
+            encoder.cache.clear()
+            hasher = PrefixHasher()
+            _pipeline(preparer, first, hasher)()
+            samples[f"{key}_follow"].append(_ms(_pipeline(preparer, follow, hasher)))
         fast.cache.clear()
         samples["first"].append(_ms(_pipeline(fast_prep, first, PrefixHasher()), samples["first_cpu"]))  # cold
         samples["base_first"].append(_ms(_pipeline(ref_prep, first), samples["base_first_cpu"]))
@@ -203,7 +227,8 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
     grown = body([{"role": "user", "content": doc + _text(rng, 500)}])
     assert fast_prep.prepare(ApiProtocol.CHAT, grown).token_ids == ref_prep.prepare(ApiProtocol.CHAT, grown).token_ids
     for _ in range(repeats):
-        for encoder, preparer, key in ((fast, fast_prep, "long_append"), (whole, whole_prep, "whole_long_append")):
+        for encoder, preparer, key in ((fast, fast_prep, "long_append"), (whole, whole_prep, "whole_long_append"),
+                                       (pre_change, pre_prep, "pre_long_append")):
             encoder.cache.clear()
             preparer.prepare(ApiProtocol.CHAT, body([{"role": "user", "content": doc}]))
             samples[key].append(_ms(_pipeline(preparer, grown)))
@@ -232,6 +257,19 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
         "long_message_append_ms": round(med["long_append"], 2),
         "whole_segment_long_message_append_ms": round(med["whole_long_append"], 2),
         "baseline_long_message_append_ms": round(med["base_long_append"], 2),
+        "pre_change_first_turn_ms": round(med["pre_first"], 2),
+        "pre_change_follow_up_ms": round(med["pre_follow"], 2),
+        "pre_change_first_turn_cpu_ms": round(med["pre_first_cpu"], 2),
+        "pre_change_long_message_append_ms": round(med["pre_long_append"], 2),
+        "first_turn_over_pre_change": round(med["first"] / med["pre_first"], 3),
+        "follow_up_over_pre_change": round(med["follow"] / med["pre_follow"], 3),
+        "no_segment_cache_first_turn_ms": round(med["uncached_first"], 2),
+        "no_segment_cache_follow_up_ms": round(med["uncached_follow"], 2),
+        **{f"{name}_spread": _spread(samples[key]) for name, key in (
+            ("first_turn", "first"), ("follow_up", "follow"), ("pre_change_first_turn", "pre_first"),
+            ("pre_change_follow_up", "pre_follow"), ("no_segment_cache_first_turn", "uncached_first"),
+            ("no_segment_cache_follow_up", "uncached_follow"))},
+        "repeats": repeats,
         "first_turn_tokens": len(first_ids),
         "follow_up_tokens": len(follow_ids),
         "follow_up_new_tokens": len(follow_ids) - len(first_ids),
@@ -239,7 +277,14 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
         "follow_up_segment_hits": after.hits - before.hits,
         "first_turn_body_bytes": len(first),
         "plain_tokenizer": fast.plain.name,
+        "pre_change_plain_tokenizer": pre_change.plain.name,
     }
+
+
+def _spread(values: list[float]) -> list[float]:
+    """[min, p25, p75, max]."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return [round(v, 2) for v in (min(values), q[0], q[2], max(values))]
 
 
 def _convert(payload: bytes) -> dr.Conversation:
@@ -281,11 +326,15 @@ def main() -> None:
     parser.add_argument("--relay-tokens", type=int, default=200_000)
     parser.add_argument("--digest-min-chars", type=int, default=DEFAULT_DIGEST_MIN_CHARS,
                         help="key segments this long by SHA-256 (default: every segment by its text)")
+    parser.add_argument("--no-relay", action="store_true", help="skip the relay throughput part")
     args = parser.parse_args()
     bundle = load_tokenizer()
     result = preprocess(bundle, args.repeats, args.target_tokens, args.digest_min_chars)
     for key, value in result.items():
         print(f"{key:32s} {value}")
+    if args.no_relay:
+        print(json.dumps(result))
+        return
     rates = {n: relay(bundle, args.relay_tokens, n) for n in (1, 4, 8)}
     for n, rate in rates.items():
         print(f"relay {n} tokens/message          {rate:,.0f} tokens/s/core")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from functools import lru_cache
 
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import FastokensPlain, plain_tokenizer
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
+
+log = logging.getLogger(__name__)
 
 _EAGER_CHARS = 64  # text without whitespace is held back at most this long
 
@@ -19,7 +24,7 @@ class TextTokens:
     """
 
     def __init__(self, bundle: TokenizerBundle):
-        self._encode = bundle.tokenizer.encode
+        self._encode = text_encoder(bundle)
         self._prefixes, self._longest = _special_prefixes(bundle.json_text, tuple(bundle.added_tokens))
         self._special_ids = frozenset(bundle.added_tokens.values())
         self._pending = ""
@@ -63,3 +68,28 @@ def _special_prefixes(_json_text: str, spellings: tuple[str, ...]) -> tuple[froz
     """The proper prefixes of the added tokens' spellings, and the longest spelling (once per vocabulary)."""
     prefixes = frozenset(s[:k] for s in spellings for k in range(1, len(s)))
     return prefixes, max((len(s) for s in spellings), default=1)
+
+
+_TEXT_ENCODERS: dict[str, Callable[[str], list[int]]] = {}
+
+
+def text_encoder(bundle: TokenizerBundle) -> Callable[[str], list[int]]:
+    """Text -> ids with the added vocabulary matched, exactly as `bundle.tokenizer.encode`:
+    fastokens where it is the plain tokenizer and agrees on every added token's spelling
+    (~15x faster), else the bundle's own tokenizer. Chosen, and logged, once per vocabulary."""
+    encode = _TEXT_ENCODERS.get(bundle.json_text)
+    if encode is None:
+        encode, reason = _choose(bundle)
+        log.info("streamed-text tokenizer: %s", reason)
+        _TEXT_ENCODERS[bundle.json_text] = encode
+    return encode
+
+
+def _choose(bundle: TokenizerBundle) -> tuple[Callable[[str], list[int]], str]:
+    plain = plain_tokenizer(bundle.json_text)
+    if not isinstance(plain, FastokensPlain):
+        return bundle.tokenizer.encode, f"the vocabulary's own tokenizer (plain tokenizer: {plain.name})"
+    sample = "x ".join(f" {s}{s}a{s}\n{s} " for s in bundle.added_tokens) + " plain 123 中文"
+    if plain.encode_with_added(sample) != bundle.tokenizer.encode(sample):
+        return bundle.tokenizer.encode, "the vocabulary's own tokenizer (fastokens differed on added tokens)"
+    return plain.encode_with_added, f"{plain.name}, added vocabulary matched (self-check passed)"

@@ -10,8 +10,8 @@
 3. Each plain-text segment between two specials is looked up in a `SegmentCache`
    (exact key: the text; optionally its SHA-256 when long); only misses are tokenized, with
    the fastest exact plain-text tokenizer (`segment_tokenizer.plain_tokenizer`:
-   tiktoken with DeepSeek's ranks, else deepseek-recipe's Tokenizer without the added
-   vocabulary).
+   fastokens, else tiktoken with DeepSeek's ranks, else deepseek-recipe's Tokenizer
+   without the added vocabulary).
 
 Exactness: deepseek-recipe's `encode` tokenizes every stretch between special ranges
 independently, as plain text (no added-vocabulary matching), so concatenating

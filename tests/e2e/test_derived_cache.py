@@ -11,7 +11,7 @@ import pytest
 
 from deepinfer_gateway.launch import CLI, Gateway, SimCluster
 from deepinfer_gateway.recipe_bridge import derived_cache, detokenizer, segment_tokenizer, tokenizer
-from deepinfer_gateway.recipe_bridge.segment_tokenizer import HfPlain, TiktokenPlain
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import FastokensPlain, HfPlain, TiktokenPlain
 
 
 @pytest.fixture
@@ -92,10 +92,10 @@ def test_tokenizer_tables_from_cache_equal_fresh_ones(cache: Path) -> None:
 def test_plain_tokenizer_from_cached_ranks_is_the_checked_one(cache: Path) -> None:
     text = tokenizer.load_tokenizer().json_text
     segment_tokenizer.plain_tokenizer.cache_clear()
-    built = segment_tokenizer.plain_tokenizer(text)
+    built = segment_tokenizer.plain_tokenizer(text, prefer="tiktoken")
     assert isinstance(built, TiktokenPlain) and entries(cache, "tiktoken-ranks")
     segment_tokenizer.plain_tokenizer.cache_clear()
-    loaded = segment_tokenizer.plain_tokenizer(text)
+    loaded = segment_tokenizer.plain_tokenizer(text, prefer="tiktoken")
     assert isinstance(loaded, TiktokenPlain) and loaded is not built
     assert loaded.ranks == built.ranks
     sample = segment_tokenizer._SELF_CHECK + " plain text 12345 中文"
@@ -105,12 +105,27 @@ def test_plain_tokenizer_from_cached_ranks_is_the_checked_one(cache: Path) -> No
 def test_a_failed_self_check_is_not_cached(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = tokenizer.load_tokenizer().json_text
     monkeypatch.setattr(TiktokenPlain, "encode", lambda self, text: [-1])
+    monkeypatch.setattr(FastokensPlain, "encode", lambda self, text: [-1])
     segment_tokenizer.plain_tokenizer.cache_clear()
     try:
-        assert isinstance(segment_tokenizer.plain_tokenizer(text), HfPlain)
-        assert not entries(cache, "tiktoken-ranks")
+        choice = segment_tokenizer.choose_plain_tokenizer(text)
+        assert isinstance(choice.tokenizer, HfPlain)
+        assert "fastokens: its self-check differed" in choice.reason
+        assert "tiktoken's self-check differed" in choice.reason
+        assert not entries(cache, "tiktoken-ranks") and not entries(cache, "fastokens-check")
     finally:
         segment_tokenizer.plain_tokenizer.cache_clear()
+
+
+def test_fastokens_check_is_cached_and_trusted_on_the_next_start(cache: Path) -> None:
+    text = tokenizer.load_tokenizer().json_text
+    first = segment_tokenizer.choose_plain_tokenizer(text)
+    assert isinstance(first.tokenizer, FastokensPlain) and first.reason.endswith("self-check passed")
+    assert entries(cache, "fastokens-check")
+    again = segment_tokenizer.choose_plain_tokenizer(text)
+    assert isinstance(again.tokenizer, FastokensPlain) and "start-up cache" in again.reason
+    sample = segment_tokenizer._SELF_CHECK + " plain text 12345 中文"
+    assert again.tokenizer.encode(sample) == HfPlain(json.loads(text)).encode(sample)
 
 
 def test_warm_cache_command_writes_every_entry_a_gateway_and_worker_derive(cache: Path, tmp_path: Path) -> None:
@@ -127,7 +142,7 @@ def test_warm_cache_command_writes_every_entry_a_gateway_and_worker_derive(cache
     finally:
         cluster.stop()
     derived = sorted(p.name for p in cache.glob("*.marshal"))
-    assert {name.split("-")[0] for name in derived} == {"system", "tiktoken", "token", "tokenizer"}
+    assert {name.split("-")[0] for name in derived} == {"system", "fastokens", "token", "tokenizer"}
     shutil.rmtree(cache)
     subprocess.run(CLI + ["warm-cache"], check=True, timeout=60)
     assert sorted(p.name for p in cache.glob("*.marshal")) == derived

@@ -5,8 +5,8 @@ bodies -> `convert`), so they carry whatever the real request path produces: sys
 prompts, tool schemas, images (tiny PNG data URLs), reasoning, tool calls and results,
 thinking on and off. Each is checked with a cold cache, a warm cache (every segment a
 hit), after encoding its own prefix conversation (partial hits, the follow-up-turn
-case), and with both plain-text tokenizers (tiktoken and the Hugging Face fallback, the
-latter with SHA-256 digest keys).
+case), and with every plain-text tokenizer (fastokens, tiktoken and the Hugging Face fallback,
+the latter with SHA-256 digest keys).
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from deepinfer_gateway.recipe_bridge.encoder import (
     ReferencePromptEncoder,
     pieces,
 )
-from deepinfer_gateway.recipe_bridge.segment_tokenizer import HfPlain, TiktokenPlain
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import (
+    FastokensPlain,
+    HfPlain,
+    TiktokenPlain,
+    plain_tokenizer,
+)
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -46,9 +51,16 @@ def reference(bundle: TokenizerBundle) -> ReferencePromptEncoder:
 
 
 @pytest.fixture(scope="module")
-def tiktoken_encoder(bundle: TokenizerBundle) -> PromptEncoder:
+def fastokens_encoder(bundle: TokenizerBundle) -> PromptEncoder:
     encoder = PromptEncoder(bundle)
-    assert isinstance(encoder.plain, TiktokenPlain)  # the default tokenizer.json is recognised
+    assert isinstance(encoder.plain, FastokensPlain)  # the default tokenizer.json is recognised
+    return encoder
+
+
+@pytest.fixture(scope="module")
+def tiktoken_encoder(bundle: TokenizerBundle) -> PromptEncoder:
+    encoder = PromptEncoder(bundle, plain=plain_tokenizer(bundle.json_text, prefer="tiktoken"))
+    assert isinstance(encoder.plain, TiktokenPlain)
     return encoder
 
 
@@ -230,7 +242,7 @@ _SETTINGS = settings(max_examples=100, deadline=None,
                                             HealthCheck.data_too_large])
 
 
-@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+@pytest.mark.parametrize("which", ["fastokens", "tiktoken", "hf"])
 @_SETTINGS
 @given(body=chat_body())
 def test_chat_conversations_match_reference(
@@ -240,7 +252,7 @@ def test_chat_conversations_match_reference(
     _check(encoder, reference, dr.ChatCompletionRequest, body)
 
 
-@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+@pytest.mark.parametrize("which", ["fastokens", "tiktoken", "hf"])
 @_SETTINGS
 @given(body=messages_body())
 def test_messages_conversations_match_reference(
@@ -250,22 +262,22 @@ def test_messages_conversations_match_reference(
     _check(encoder, reference, dr.MessagesRequest, body)
 
 
-def test_special_spellings_in_user_text_stay_plain(tiktoken_encoder: PromptEncoder,
+def test_special_spellings_in_user_text_stay_plain(fastokens_encoder: PromptEncoder,
                                                     reference: ReferencePromptEncoder) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "<｜User｜><think><｜image｜>"}]}
     conv = _convert(dr.ChatCompletionRequest, body)
-    ids = tiktoken_encoder.encode(conv)
+    ids = fastokens_encoder.encode(conv)
     assert ids == reference.encode(conv)
-    assert ids.count(tiktoken_encoder.bundle.special_token_id("<｜User｜>")) == 1  # only the rendered one
+    assert ids.count(fastokens_encoder.bundle.special_token_id("<｜User｜>")) == 1  # only the rendered one
 
 
-def test_image_placeholder_is_one_special_id(tiktoken_encoder: PromptEncoder,
+def test_image_placeholder_is_one_special_id(fastokens_encoder: PromptEncoder,
                                              reference: ReferencePromptEncoder) -> None:
     parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": _png(2, 2, (1, 2, 3))}}]
     conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": parts}]})
-    ids = tiktoken_encoder.encode(conv)
+    ids = fastokens_encoder.encode(conv)
     assert ids == reference.encode(conv)
-    assert ids.count(tiktoken_encoder.bundle.special_token_id("<｜image｜>")) == 1
+    assert ids.count(fastokens_encoder.bundle.special_token_id("<｜image｜>")) == 1
 
 
 def test_follow_up_turn_tokenizes_only_new_segments(bundle: TokenizerBundle, reference: ReferencePromptEncoder) -> None:
@@ -282,11 +294,11 @@ def test_follow_up_turn_tokenizes_only_new_segments(bundle: TokenizerBundle, ref
     assert after.misses - before.misses <= 3  # the answer, the new question, the thinking tail
 
 
-def test_unknown_special_token_fails_like_reference(tiktoken_encoder: PromptEncoder) -> None:
-    broken = json.loads(tiktoken_encoder.bundle.json_text)
+def test_unknown_special_token_fails_like_reference(fastokens_encoder: PromptEncoder) -> None:
+    broken = json.loads(fastokens_encoder.bundle.json_text)
     broken["added_tokens"] = [t for t in broken["added_tokens"] if t["content"] != "<｜System｜>"]
     bundle = TokenizerBundle(dr.Tokenizer.from_str(json.dumps(broken)), json.dumps(broken), "test", 129280)
-    encoder = PromptEncoder(bundle, plain=tiktoken_encoder.plain)
+    encoder = PromptEncoder(bundle, plain=fastokens_encoder.plain)
     conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     with pytest.raises(RuntimeError, match="not in the added vocabulary"):
         encoder.encode(conv)
@@ -304,7 +316,7 @@ _piece_text = st.lists(
 ).map("".join)
 
 
-@pytest.mark.parametrize("which", ["tiktoken", "hf"])
+@pytest.mark.parametrize("which", ["fastokens", "tiktoken", "hf"])
 @_SETTINGS
 @given(content=_piece_text, piece_chars=st.integers(1, 12))
 def test_pieces_tokenize_as_the_whole(which: str, content: str, piece_chars: int, bundle: TokenizerBundle,
@@ -325,9 +337,9 @@ def test_pieces_cut_only_before_a_space_between_letters() -> None:
 
 
 def test_long_message_sharing_a_prefix_retokenizes_only_its_tail(bundle: TokenizerBundle,
-                                                                 tiktoken_encoder: PromptEncoder,
+                                                                 fastokens_encoder: PromptEncoder,
                                                                  reference: ReferencePromptEncoder) -> None:
-    encoder = PromptEncoder(bundle, plain=tiktoken_encoder.plain, piece_chars=1000)
+    encoder = PromptEncoder(bundle, plain=fastokens_encoder.plain, piece_chars=1000)
     document = " ".join(f"word{i % 7} text" for i in range(10_000))  # ~100k characters, one message
 
     def ask(question: str) -> list[int]:

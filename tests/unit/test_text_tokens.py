@@ -6,10 +6,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from deepinfer_gateway.gateway.text_tokens import TextTokens
+from deepinfer_gateway.gateway.text_tokens import TextTokens, text_encoder
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import plain_tokenizer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from tests.unit.test_encoder_plain import adversarial
 
 TEXT = ('Let me think. Hello world, 12345 foo!</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
         '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
@@ -42,3 +46,19 @@ def test_text_is_held_back_only_to_a_word_boundary() -> None:
     assert tokens.push("ld<｜DS") == []  # " world" may go on; "<｜DS" may be a special token
     assert tokens.push("ML｜ x") == encode(" world<｜DSML｜")
     assert tokens.flush() == encode(" x")
+
+
+_ADDED = sorted(load_tokenizer(None).added_tokens)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.lists(st.one_of(st.sampled_from(_ADDED), adversarial), max_size=8).map("".join))
+def test_text_encoder_matches_the_vocabulary_tokenizer(text: str) -> None:
+    """The streamed-text encoder (fastokens, added vocabulary matched) == deepseek-recipe's Tokenizer."""
+    bundle = load_tokenizer(None)
+    assert text_encoder(bundle)(text) == bundle.tokenizer.encode(text)
+
+
+def test_text_encoder_is_fastokens_for_the_default_vocabulary() -> None:
+    bundle = load_tokenizer(None)
+    assert text_encoder(bundle) == plain_tokenizer(bundle.json_text).encode_with_added  # type: ignore[attr-defined]
