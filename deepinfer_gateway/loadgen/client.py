@@ -50,6 +50,10 @@ class ClientConfig:
     max_connections: int = 1024
     request_timeout_s: float = 600.0
     ignore_eos: bool = False
+    # chat only: the SSE stream is read here (httpx + orjson) instead of by the SDK, whose
+    # per-chunk model construction costs ~10x more client CPU: where the load generator
+    # shares a few cores with the server under test, its own stalls would count as TTFT.
+    lean: bool = False
 
     @property
     def root(self) -> str:
@@ -129,8 +133,18 @@ class ProtocolClient:
                 base_url=config.root + "/v1", api_key=config.api_key, max_retries=0,
                 http_client=_http_client(config, openai.DefaultAsyncHttpxClient))
 
+        self._lean: Any = None
+        if config.lean:
+            if config.protocol != "chat":
+                raise ValueError("the lean client speaks the chat protocol only")
+            import httpx
+
+            self._lean = _http_client(config, httpx.AsyncClient)
+
     async def aclose(self) -> None:
         await self._sdk.close()
+        if self._lean is not None:
+            await self._lean.aclose()
 
     async def send(self, prompt: str, max_tokens: int, record: RequestRecord) -> None:
         """Run one streamed request, filling `record`; never raises except CancelledError."""
@@ -172,6 +186,10 @@ class ProtocolClient:
     # Each protocol method yields once per output chunk (the answer's text, None for reasoning) and fills usage fields.
     async def _chat(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
                     headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+        if self._lean is not None:
+            async for text in self._chat_lean(turns, max_tokens, record, headers):
+                yield text
+            return
         raw = await self._sdk.chat.completions.with_raw_response.create(
             model=self.config.model, messages=[{"role": t.role, "content": t.text} for t in turns],
             max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
@@ -188,6 +206,45 @@ class ProtocolClient:
                         yield delta.content or ""
                     elif getattr(delta, "reasoning_content", None):
                         yield None
+
+    async def _chat_lean(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                         headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+        """`_chat` without the SDK: the same request body, SSE `data:` lines parsed with orjson."""
+        import orjson
+
+        body = {"model": self.config.model, "messages": [{"role": t.role, "content": t.text} for t in turns],
+                "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                **self._extra()}
+        request = self._lean.build_request(
+            "POST", self.config.root + "/v1/chat/completions", content=orjson.dumps(body),
+            headers={"content-type": "application/json", "authorization": f"Bearer {self.config.api_key}",
+                     **(headers or {})})
+        response = await self._lean.send(request, stream=True)
+        try:
+            record.http_status = response.status_code
+            record.worker = response.headers.get(WORKER_HEADER)
+            if response.status_code != 200:
+                raise HttpStatusError(response.status_code, (await response.aread())[:300].decode(errors="replace"))
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    raise ValueError(f"stream reported an error: {str(chunk['error'])[:200]}")
+                if chunk.get("usage"):
+                    _chat_usage_dict(chunk["usage"], record)
+                choices = chunk.get("choices")
+                if choices:
+                    delta = choices[0].get("delta") or {}
+                    if delta.get("content") or delta.get("tool_calls"):
+                        yield delta.get("content") or ""
+                    elif delta.get("reasoning_content"):
+                        yield None
+        finally:
+            await response.aclose()
 
     async def _responses(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
                          headers: dict[str, str] | None) -> AsyncIterator[str | None]:
@@ -247,6 +304,21 @@ class ProtocolClient:
                     record.output_tokens = event.usage.output_tokens
                 elif kind == "error":
                     raise ValueError("stream reported an error event")
+
+
+class HttpStatusError(Exception):
+    """A non-200 answer to the lean client (classify reads `status_code`, as on SDK errors)."""
+
+    def __init__(self, status_code: int, text: str):
+        super().__init__(f"HTTP {status_code}: {text}")
+        self.status_code = status_code
+
+
+def _chat_usage_dict(usage: dict[str, Any], record: RequestRecord) -> None:
+    record.prompt_tokens = usage.get("prompt_tokens")
+    record.output_tokens = usage.get("completion_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    record.cached_tokens = usage.get("prompt_cache_hit_tokens") if cached is None else cached
 
 
 def _chat_usage(usage: Any, record: RequestRecord) -> None:

@@ -79,13 +79,13 @@ async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRe
         synthesis_cpu += time.process_time() - t0
         return text
 
-    async def one(request: TraceRequest, lag: float | None) -> None:
+    async def one(request: TraceRequest, lag: float | None, text: str | None = None) -> None:
         record = RequestRecord(index=request.index, arrival_s=time.perf_counter() - start, send_lag_s=lag,
                                expected_input_tokens=request.input_length,
                                expected_output_tokens=request.output_length)
         records.append(record)
         try:
-            await sender.send(prompt(request), max(1, request.output_length), record)
+            await sender.send(prompt(request) if text is None else text, max(1, request.output_length), record)
         finally:
             ends.append(time.perf_counter())
             progress.done(record)
@@ -103,6 +103,10 @@ async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRe
     try:
         if config.mode == "open":
             for request in requests:
+                # The prompt is built before its due time, while the loop would sleep anyway:
+                # built at send time, a long uncached prompt holds the loop past the next
+                # sends and every stream in flight (measured as TTFT and send lag).
+                text = prompt(request)
                 due = start + request.arrival_s / config.speedup
                 delay = due - time.perf_counter()
                 if delay > 0:
@@ -111,7 +115,7 @@ async def replay(requests: Sequence[TraceRequest], prompt_for: Callable[[TraceRe
                     await asyncio.sleep(delay)
                 if expired():
                     break
-                spawn(one(request, max(0.0, time.perf_counter() - due)))
+                spawn(one(request, max(0.0, time.perf_counter() - due), text))
         elif config.mode == "closed":
             queue = iter(requests)
 

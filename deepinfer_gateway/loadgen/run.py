@@ -52,6 +52,7 @@ class BenchConfig:
     max_connections: int = 1024
     request_timeout_s: float = 600.0
     ignore_eos: bool = False
+    lean_client: bool = False  # ClientConfig.lean
     hit_window_s: float | None = None
     plots: bool = True
     percentiles: tuple[float, ...] = PERCENTILES
@@ -114,7 +115,7 @@ async def _measured(config: BenchConfig, model: str,
     client = ProtocolClient(ClientConfig(
         url=config.url, model=model, protocol=config.protocol, api_key=config.api_key,
         max_connections=config.max_connections, request_timeout_s=config.request_timeout_s,
-        ignore_eos=config.ignore_eos))
+        ignore_eos=config.ignore_eos, lean=config.lean_client))
     try:
         await _warm_up(client)
         before = await asyncio.to_thread(gateway_metrics.scrape, _root(config.url))

@@ -66,3 +66,21 @@ def test_bench_cli_refuses_bad_percentiles(tmp_path: Path, capsys: pytest.Captur
         cli_main(["bench", "--url", "http://127.0.0.1:9", "--trace", "synthetic:chat", "--out", str(tmp_path),
                   "--percentiles", "50,101"])
     assert exc.value.code == 2 and "--percentiles '50,101': 101 is outside 0..100" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+def test_lean_client_records_what_the_sdk_records(gateway, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The lean SSE client (no SDK) fills the same fields, with the same token counts, at less CPU."""
+    runs = {}
+    for lean in (False, True):
+        config = BenchConfig(url=gateway.url, trace=str(CONVERSATION), out=tmp_path / str(lean), max_requests=12,
+                             replay=ReplayConfig(mode="open", speedup=40.0, progress=False), plots=False,
+                             ignore_eos=True, lean_client=lean)
+        runs[lean] = (run_bench(config), read_records(tmp_path / str(lean) / "results.jsonl"))
+    (sdk, sdk_records), (lean, lean_records) = runs[False], runs[True]
+    assert lean["completed"] == sdk["completed"] == 12
+    for a, b in zip(sdk_records, lean_records, strict=True):
+        assert (b.prompt_tokens, b.output_tokens, b.http_status) == (a.prompt_tokens, a.output_tokens, 200)
+        assert b.output_tokens == b.expected_output_tokens and b.cached_tokens is not None
+        assert b.worker and b.ttft_s is not None and len(b.itl_s) == len(a.itl_s)
+    assert lean["client_cpu"]["per_request_ms"] < sdk["client_cpu"]["per_request_ms"]

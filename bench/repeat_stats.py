@@ -1,0 +1,74 @@
+"""Repeated-run statistics for bench/peers.py: per-target medians and spreads, and ratios of
+medians between targets with a bootstrap confidence interval. Pure functions, no I/O.
+
+One run of an 800-request p99 is the 8th-worst request of one replay: it swings with the
+machine. A claim needs several interleaved repetitions; these summarise them:
+- `describe(values)`: median, min, max and spread (max / min) of one figure over the runs;
+- `ratio_ci(a, b)`: median(a) / median(b) with a percentile bootstrap interval (each
+  resample draws both targets' runs with replacement; seeded, so the report is stable).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate", "errors", "router_cpu_ms_per_req",
+           "client_send_lag_p99_s", "others_cpu_cores")
+RATIO_FIGURES = {"p99": "ttft_p99_s", "p90": "ttft_p90_s", "p50": "ttft_p50_s", "hit": "hit_rate"}
+
+
+def describe(values: Sequence[float]) -> dict[str, float | None]:
+    """Median, min, max and max/min of the runs' values (None where undefined)."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "spread": None}
+    low, high = min(values), max(values)
+    return {"median": round(statistics.median(values), 4), "min": round(low, 4), "max": round(high, 4),
+            "spread": round(high / low, 3) if low > 0 else None}
+
+
+def ratio_ci(a: Sequence[float], b: Sequence[float], resamples: int = 2000, level: float = 0.95,
+             seed: int = 0) -> dict[str, float | None]:
+    """median(a) / median(b) and its percentile bootstrap interval at `level`."""
+    if not a or not b or statistics.median(b) == 0:
+        return {"ratio": None, "low": None, "high": None}
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        denominator = statistics.median(rng.choices(b, k=len(b)))
+        if denominator > 0:
+            ratios.append(statistics.median(rng.choices(a, k=len(a))) / denominator)
+    ratios.sort()
+    tail = (1 - level) / 2
+    pick = lambda q: ratios[min(len(ratios) - 1, max(0, round(q * (len(ratios) - 1))))]  # noqa: E731
+    return {"ratio": round(statistics.median(a) / statistics.median(b), 3),
+            "low": round(pick(tail), 3) if ratios else None, "high": round(pick(1 - tail), 3) if ratios else None}
+
+
+def summarise(rows: Sequence[dict[str, Any]], reference: str = "gateway") -> dict[str, Any]:
+    """Per target: each figure described over its runs (keys `<figure>_median`, `_min`,
+    `_max`, `_spread`); ratios of `reference` to every other target."""
+    by_target: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_target.setdefault(row["target"], []).append(row)
+    targets: dict[str, dict[str, Any]] = {}
+    for target, runs in by_target.items():
+        entry: dict[str, Any] = {"runs": len(runs)}
+        for figure in FIGURES:
+            values = [float(r[figure]) for r in runs if r.get(figure) is not None]
+            for stat, value in describe(values).items():
+                entry[f"{figure}_{stat}"] = value
+        targets[target] = entry
+    ratios: dict[str, dict[str, Any]] = {}
+    if reference in by_target:
+        mine = by_target[reference]
+        for peer, theirs in by_target.items():
+            if peer == reference:
+                continue
+            ratios[f"{reference}_vs_{peer}"] = {
+                name: ratio_ci([float(r[f]) for r in mine if r.get(f) is not None],
+                               [float(r[f]) for r in theirs if r.get(f) is not None])
+                for name, f in RATIO_FIGURES.items()}
+    return {"targets": targets, "ratios": ratios}

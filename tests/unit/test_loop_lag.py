@@ -1,0 +1,60 @@
+"""LoopLag on a real event loop: a synchronous stall shows as lateness, and a timeout over a
+span the loop itself was held up is not held against the worker (WorkerRegistry)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from deepinfer_gateway.config import HealthSettings, WorkerSpec
+from deepinfer_gateway.gateway.loop_lag import LoopLag
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.registry import WorkerRegistry
+
+
+async def test_a_blocked_loop_is_seen_late_and_blamed_on_itself() -> None:
+    metrics = GatewayMetrics()
+    lag = LoopLag(interval_s=0.02, histogram=metrics.loop_lag)
+    lag.start()
+    try:
+        since = lag.now()
+        await asyncio.sleep(0.2)  # a healthy loop: ticks on time
+        assert lag.own_stall_s(since) < 0.1
+        assert not lag.blames_self(since)
+        since = lag.now()
+        time.sleep(0.5)  # the loop is held: no tick can run
+        await asyncio.sleep(0.05)
+        assert lag.own_stall_s(since) >= 0.4
+        assert lag.blames_self(since)
+        assert (metrics.registry.get_sample_value("dgw_event_loop_lag_seconds_count") or 0) > 5
+        under = {le: metrics.registry.get_sample_value("dgw_event_loop_lag_seconds_bucket", {"le": le}) or 0
+                 for le in ("0.25", "1.0")}
+        assert under["0.25"] < under["1.0"]  # the stall landed in (0.25, 1] s
+    finally:
+        lag.stop()
+
+
+async def test_timeouts_during_the_gateways_own_stall_do_not_eject_a_worker() -> None:
+    metrics = GatewayMetrics()
+    client: Any = object()  # no health checks run here
+    registry = WorkerRegistry((WorkerSpec(url="http://w1.test"),), client, HealthSettings(failures_to_eject=2),
+                              metrics, loop_lag=LoopLag(interval_s=0.02, histogram=metrics.loop_lag))
+    registry.loop_lag.start()
+    try:
+        (state,) = registry.workers.values()
+        state.healthy = True
+        for _ in range(3):
+            since = registry.loop_lag.now()
+            time.sleep(0.3)  # the timeout fired after this process stalled
+            await asyncio.sleep(0.03)
+            registry.record_failure(state, "connect timed out", since=since)
+        assert state.healthy and state.consecutive_failures == 0
+        assert metrics.registry.get_sample_value("dgw_stall_timeouts_total") == 3
+        for _ in range(2):  # the same timeouts on a loop that ran on time: the worker's
+            since = registry.loop_lag.now()
+            await asyncio.sleep(0.3)
+            registry.record_failure(state, "connect timed out", since=since)
+        assert not state.healthy and state.consecutive_failures == 2
+    finally:
+        registry.loop_lag.stop()
