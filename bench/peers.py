@@ -188,10 +188,10 @@ class SimWorkers:
         self._cluster = SimCluster(spec.workers, time_scale=spec.time_scale, extra=extra)
         self.urls = self._cluster.urls
 
-    def gateway(self, tmp: Path) -> Gateway:
+    def gateway(self, tmp: Path, extra_toml: str = "") -> Gateway:
         roles = [spec.split(":") for spec in self._cluster.specs]
         workers = [(url, role, hardware) for url, (role, hardware) in zip(self.urls, roles, strict=True)]
-        return Gateway(tmp, workers, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
+        return Gateway(tmp, workers, extra_toml=extra_toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self._cluster.proc.proc.pid)
@@ -246,8 +246,8 @@ class VllmWorkers:
             with urllib.request.urlopen(request, timeout=30) as response:
                 assert response.status == 200, f"{server.url}/reset_prefix_cache answered {response.status}"
 
-    def gateway(self, tmp: Path) -> Gateway:
-        toml = "".join(
+    def gateway(self, tmp: Path, extra_toml: str = "") -> Gateway:
+        toml = extra_toml + "".join(
             f'[[workers]]\nurl = "{s.url}"\nengine = "vllm"\nid = "vllm-{i}"\nhardware = "sm100"\n'
             f'kv_events_endpoint = "{s.kv_endpoint}"\nkv_events_replay_endpoint = "{s.kv_replay_endpoint}"\n'
             f'kv_events_topic = "{KV_TOPIC}"\n'
@@ -312,9 +312,10 @@ def _peer_command(target: str, venv: Path, port: int, workers: list[str]) -> lis
     return [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"]
 
 
-def start_router(target: str, workers: Workers, tmp: Path) -> Router:
+def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | None = None) -> Router:
     if target == "gateway":
-        gateway = workers.gateway(tmp)
+        gateway = workers.gateway(tmp, f"[router]\ndecision_log = {json.dumps(str(decision_log))}\n"
+                                  if decision_log else "")
         gateway.wait_ready(len(workers.urls), timeout=60)
         return Router(gateway.url, gateway.proc.proc.pid, gateway.stop)
     venv = ensure_venv(PEER_ROUTERS[target])
@@ -383,6 +384,7 @@ class RunSpec:
     out: Path
     autogroup_nice: int = 0
     lean_client: bool = True
+    decision_trace: bool = False
 
 
 def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
@@ -394,7 +396,12 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
     router: Router | None = None
     nice_applied = None
     try:
-        router = start_router(target, workers, tmp)
+        decision_log = None
+        if spec.decision_trace and target == "gateway":
+            (spec.out / target).mkdir(parents=True, exist_ok=True)
+            decision_log = spec.out / target / "decisions.jsonl"
+            decision_log.unlink(missing_ok=True)
+        router = start_router(target, workers, tmp, decision_log)
         if spec.autogroup_nice:
             nice_applied = set_autogroup_nice(router.pid, spec.autogroup_nice)
             if isinstance(workers, SimWorkers):
@@ -514,6 +521,9 @@ def main() -> None:
                         help="consecutive trace slices of --requests requests each (default 1)")
     parser.add_argument("--autogroup-nice", type=int, default=-10,
                         help="autogroup nice of the bench's processes, 0 to leave alone (default -10; module doc)")
+    parser.add_argument("--decision-trace", action="store_true",
+                        help="the gateway writes <out>/.../gateway/decisions.jsonl (router.decision_log); "
+                             "bench/decision_report.py reads it")
     parser.add_argument("--sdk-client", action="store_true",
                         help="stream through the openai SDK instead of the lean SSE client (module doc)")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
@@ -554,7 +564,7 @@ def main() -> None:
                         run_out = out / f"slice{k}" / f"rep{rep}" if args.repeats > 1 or args.slices > 1 else out
                         spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
                                        memory_blocks_for(args.memory_blocks, args.speedup), run_out,
-                                       args.autogroup_nice, not args.sdk_client)
+                                       args.autogroup_nice, not args.sdk_client, args.decision_trace)
                         print(f"--- slice {k} rep {rep} {target}: cold {'vLLM caches' if vllm else 'cluster'}, "
                               f"{args.requests} requests", file=sys.stderr, flush=True)
                         row = {"slice": k, "repeat": rep, **run_target(target, spec, Path(tmp), vllm)}

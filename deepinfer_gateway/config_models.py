@@ -151,6 +151,10 @@ class RouterSettings(_Frozen):
         60.0, gt=0,
         description="Shared in-flight reservations expire after this if a replica dies.")
     kv_events_interval_s: float = Field(0.05, gt=0, description="Seconds between polls of each worker's KV events.")
+    decision_log: str = Field(
+        "", description="A file that gets one JSON line per routed request: candidates, predictions, what the "
+                        "worker reported, timings (gateway/decision_log.py; bench/peers.py --decision-trace). "
+                        "Empty: off.")
 
     def with_policies(self, policy: PolicyInput | None = None,
                       decode_policy: PolicyInput | None = None) -> RouterSettings:

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.gateway.decision_log import DecisionLog, decision_record
 from deepinfer_gateway.gateway.legs import Legs
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
@@ -49,6 +50,9 @@ class RequestServer:
         self.relay = Relay(self.legs, metrics)
         self.bundle = bundle
         self.metrics = metrics
+        self.loop_lag = registry.loop_lag
+        path = settings.router.decision_log
+        self.decisions = DecisionLog(path) if path else None
 
     @property
     def planner(self) -> RoutePlanner:
@@ -73,6 +77,11 @@ class RequestServer:
         response = ResponseStream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
         lease, plan, ready, first = await self.legs.first(prepared, body, request_id, session_key or prepared.user)
         worker = lease.worker  # the decode worker already when a prefill handed off before any token (vLLM)
+        if self.decisions is not None:
+            now = time.perf_counter()
+            stall = self.loop_lag.own_stall_s(self.loop_lag.now() - (now - arrival))
+            self.decisions.write(decision_record(plan, request_id, ready, arrival=arrival, ready_at=lease.ready_at,
+                                                 first_at=now, loop_stall_s=stall))
         first_series = self.metrics.request_series(prepared.model, plan.worker.pool, plan.worker.hardware)
         series = (first_series if worker.worker_id == plan.worker.worker_id
                   else self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware))
