@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from deepinfer_gateway.config import GatewaySettings
+    from deepinfer_gateway.worker_auth import SecretTokens
 
 
 def configure_logging(level: str, fmt: str) -> None:
@@ -176,11 +177,12 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
         for i, (role, hardware) in enumerate(parse_worker_list(args.workers))
     ]
 
+    tokens = _worker_tokens(args.host)
     with_spans = _worker_spans(args)
 
     async def serve_until_stopped() -> None:
         cluster = await serve_sim_cluster(specs, args.host, with_store=not args.no_store,
-                                          profiles_path=args.profiles, wrap=with_spans)
+                                          profiles_path=args.profiles, wrap=with_spans, tokens=tokens)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -212,10 +214,23 @@ def _worker_spans(args: argparse.Namespace) -> Callable[[Any], Any]:
     return lambda app: tracing.ServerSpans(app, skip=polled)
 
 
+def _worker_tokens(host: str) -> SecretTokens | None:
+    """The worker token from DGW_WORKER_TOKEN(_FILE); refuses a tokenless worker beyond loopback."""
+    from deepinfer_gateway.worker_auth import TokenError, check_bind, worker_tokens_from_env
+
+    try:
+        tokens = worker_tokens_from_env()
+    except TokenError as e:
+        raise SystemExit(str(e)) from None
+    check_bind(host, tokens)
+    return tokens
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from deepinfer_gateway import tracing
     from deepinfer_gateway.protocol import Role
 
+    tokens = _worker_tokens(args.host)
     with_spans = _worker_spans(args)
     try:
         if args.engine == "deepinfer":
@@ -230,13 +245,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
             config = DeepInferConfig(model=args.model, role=Role(args.role), hardware=Hardware(args.hardware),
                                      worker_id=args.worker_id or f"{args.hardware}-{args.role}-{args.port}",
                                      kv_store_dir=args.kv_store_dir)
-            run_until_signal(with_spans(create_worker_app(build_deepinfer_engine(config))), args.host, args.port,
+            run_until_signal(with_spans(create_worker_app(build_deepinfer_engine(config), tokens=tokens)),
+                             args.host, args.port,
                              log_level=args.log_level)
             return 0
         from deepinfer_gateway.workers.sim.run import WorkerOptions, run_worker
 
         run_worker(WorkerOptions(role=Role(args.role), hardware=args.hardware, host=args.host, port=args.port,
-                                 worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale),
+                                 worker_id=args.worker_id, profiles_path=args.profiles, time_scale=args.time_scale,
+                                 tokens=tokens),
                    wrap=with_spans)
         return 0
     finally:

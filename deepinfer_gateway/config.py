@@ -165,7 +165,7 @@ def _problem(error: Any) -> tuple[str, str]:
     else:
         reason = error["msg"].removeprefix("Value error, ")
         given = error.get("input")
-        secret_ish = any(word in where for word in ("url", "key"))
+        secret_ish = any(word in where for word in ("url", "key", "password", "token"))
         if isinstance(given, str | int | float) and len(repr(given)) <= 40 and not secret_ish \
                 and repr(given) not in reason:
             reason += f" (got {given!r})"

@@ -219,6 +219,20 @@ class GatewaySettings(_Frozen):
         None,
         description="Shared prefix index, in-flight reservations, rate limits and keys; none: this process's memory.")
     redis_cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster.")
+    redis_password: str | None = Field(
+        None, repr=False,
+        description="Redis AUTH password (DGW_REDIS_PASSWORD); none: the URL's, if any.")
+    redis_password_file: str | None = Field(
+        None,
+        description="File holding the Redis password (first line), re-read at each new connection; wins over "
+                    "redis_password.")
+    worker_token: str | None = Field(
+        None, repr=False,
+        description="Token sent to workers as Authorization: Bearer (DGW_WORKER_TOKEN); vLLM's --api-key.")
+    worker_token_file: str | None = Field(
+        None,
+        description="File of worker tokens, one a line, the first sent; re-read when it changes; wins over "
+                    "worker_token.")
     kv_writer_lease_s: float = Field(
         3.0, ge=0,
         description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")

@@ -61,12 +61,14 @@ class Proc:
 class SimCluster:
     """`sim-cluster` child process: several sim workers in one process, consecutive ports."""
 
-    def __init__(self, workers: str, time_scale: float = 20.0, extra: list[str] | None = None):
+    def __init__(self, workers: str, time_scale: float = 20.0, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        """`env`: e.g. DGW_WORKER_TOKEN(_FILE), the token every worker call must carry."""
         self.specs = workers.split(",")
         self.base_port = _free_port_block(len(self.specs))
         self.urls = [f"http://127.0.0.1:{self.base_port + i}" for i in range(len(self.specs))]
         self.proc = Proc(CLI + ["sim-cluster", "--workers", workers, "--base-port", str(self.base_port),
-                                "--time-scale", str(time_scale)] + (extra or []))
+                                "--time-scale", str(time_scale)] + (extra or []), env=env)
         for i in range(len(self.specs)):
             wait_for_port(self.base_port + i, timeout=30)
 

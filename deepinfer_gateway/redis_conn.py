@@ -12,8 +12,11 @@ connection is dead, and its first use fails ("Connection closed by server") alth
 is back; without the retry each such connection cost a failed call and, with the outage
 breaker (outage.py), another second of fallback.
 
-`url` may be `redis://`, `rediss://` or `unix:///path/redis.sock` (the server that
-`serve --processes N` starts for its own processes, supervisor.py).
+`url` may be `redis://`, `rediss://` (TLS; `?ssl_ca_certs=/path/ca.pem` names the CA) or
+`unix:///path/redis.sock` (the server that `serve --processes N` starts for its own
+processes, supervisor.py). The password comes from the URL, `password`, or `password_file`
+(a mounted Secret), which is re-read at each new connection: after a rotation, connections
+opened from then on use the new password while open ones keep theirs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -29,6 +34,7 @@ from redis.asyncio.connection import AbstractConnection, Connection, SSLConnecti
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
+from redis.credentials import CredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
@@ -106,14 +112,42 @@ class _Cluster(RedisCluster):
         return await super().execute_command(*args, **kwargs)
 
 
+class PasswordFile(CredentialProvider):
+    """The Redis password as the first non-blank line of a file, read at each new connection."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def get_credentials(self) -> tuple[str]:
+        from deepinfer_gateway.worker_auth import parse_tokens
+
+        try:
+            found = parse_tokens(Path(self.path).read_text())
+        except OSError as e:
+            raise RedisConnectionError(f"cannot read the Redis password file {self.path}: {e.strerror}") from None
+        if not found:
+            raise RedisConnectionError(f"the Redis password file {self.path} is empty")
+        return (found[0],)
+
+    async def get_credentials_async(self) -> tuple[str]:
+        return self.get_credentials()
+
+
 def redis_client(
-    url: str, *, cluster: bool = False, timeout_s: float = 0.5, max_connections: int = 256, **kwargs: Any
+    url: str, *, cluster: bool = False, timeout_s: float = 0.5, max_connections: int = 256,
+    password: str | None = None, password_file: str | None = None, **kwargs: Any
 ) -> aioredis.Redis:
     """A fail-fast client for `url`; with `cluster`, `url` names any node of a Redis Cluster.
+    `password` or `password_file` (re-read per connection) override the URL's password.
 
     Past `max_connections` busy connections, a caller waits up to `timeout_s` for one (a
     plain pool would raise at once, turning a burst of requests into a fake outage).
     """
+    if password_file:
+        kwargs["credential_provider"] = PasswordFile(password_file)
+        url = _without_credentials(url)  # redis-py refuses URL credentials beside a credential provider
+    elif password:
+        kwargs["password"] = password
     kwargs.setdefault("connection_class", GatewayTcpConnection)
     options: dict[str, Any] = dict(
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=max_connections,
@@ -125,3 +159,9 @@ def redis_client(
     pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **options)
     pool.connection_class = _GATEWAY_CLASS.get(pool.connection_class, pool.connection_class)
     return aioredis.Redis(connection_pool=pool)
+
+
+def _without_credentials(url: str) -> str:
+    """`url` without its user and password part (the password file's user is `default`)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

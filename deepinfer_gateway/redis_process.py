@@ -20,6 +20,7 @@ from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 
@@ -63,8 +64,9 @@ class RedisProcess:
     SOCKET_NAME = "redis.sock"
 
     def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False,
-                 dies_with_parent: bool = False) -> None:
+                 dies_with_parent: bool = False, password: str | None = None) -> None:
         self.unix_socket = unix_socket
+        self.password = password  # --requirepass; clients must AUTH
         self.dies_with_parent = dies_with_parent
         self.port = 0 if unix_socket else port or free_port()
         self.url = "" if unix_socket else f"redis://127.0.0.1:{self.port}/0"
@@ -86,7 +88,8 @@ class RedisProcess:
             where = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         self.proc = subprocess.Popen(
             [binary, *where, "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--logfile", str(log), *self.args],
+             "--dir", self._dir.name, "--logfile", str(log),
+             *(("--requirepass", self.password) if self.password else ()), *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             # A socket server belongs to its supervisor, which stops it last: a terminal's
             # Ctrl-C (sent to the whole foreground group) must not take it away mid-drain.
@@ -94,7 +97,7 @@ class RedisProcess:
             preexec_fn=_terminated_with(os.getpid()) if self.dies_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
-        while not _answers_ping(self.port, self.socket_path):
+        while not _answers_ping(self.port, self.socket_path, self.password):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
@@ -136,10 +139,10 @@ def _terminated_with(parent: int) -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
-def _answers_ping(port: int, unix_socket: Path | None = None) -> bool:
-    where = {"unix_socket_path": str(unix_socket)} if unix_socket else {"port": port}
+def _answers_ping(port: int, unix_socket: Path | None = None, password: str | None = None) -> bool:
+    where: dict[str, Any] = {"unix_socket_path": str(unix_socket)} if unix_socket else {"port": port}
     try:
-        with redis.Redis(**where, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
+        with redis.Redis(**where, password=password, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
             return bool(client.ping())
     except redis.RedisError:  # not listening yet, or still loading
         return False

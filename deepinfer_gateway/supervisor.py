@@ -204,7 +204,7 @@ class Supervisor:
                                                  f"set redis_url, or make a Redis server available ({e})")]) from None
             stack.callback(server.stop)
             log.info("shared state: Redis at %s (pid %s)", server.url, server.proc.pid if server.proc else "?")
-            updates["redis_url"] = server.url
+            updates.update(redis_url=server.url, redis_password=None, redis_password_file=None)  # a private socket
         return self.settings.model_copy(update=updates)
 
     @contextlib.contextmanager

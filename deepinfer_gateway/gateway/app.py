@@ -47,6 +47,7 @@ from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
+from deepinfer_gateway.worker_auth import tokens_from
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +116,20 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         client = WorkerClient(Timeouts(connect_s=settings.connect_timeout_s,
                                        first_event_s=settings.first_event_timeout_s,
                                        between_events_s=settings.between_events_timeout_s),
-                              tokenizer=bundle)
+                              tokenizer=bundle,
+                              tokens=tokens_from(settings.worker_token, settings.worker_token_file))
         await client.start()
         redis = None
         if settings.redis_url:
-            redis = redis_client(settings.redis_url, cluster=settings.redis_cluster)
+            redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
+                                 password=settings.redis_password, password_file=settings.redis_password_file)
         keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None,
                         on_error=metrics.redis_errors.labels("apikeys").inc)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
         index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
+                                    redis_password=settings.redis_password,
+                                    redis_password_file=settings.redis_password_file,
                                     registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
         feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s,
                                vllm_salt=client.vllm_kv_salt)

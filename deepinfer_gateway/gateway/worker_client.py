@@ -6,6 +6,11 @@ an `UpstreamKind` (metrics label) and a `retryable` verdict for the router.
 
 Workers of another engine (`WorkerSpec.engine`, e.g. vLLM) are registered by URL; their
 `generate` goes through their adapter (vllm_upstream.py), which yields the same events.
+
+Every call to a worker goes through one session, whose default headers carry the worker
+token (`Authorization: Bearer`, worker_auth.py; vLLM's `--api-key` reads the same header):
+generate, abort, probes, KV event polls and the adapters all send it. A changed token file
+reaches the header within TOKEN_REFRESH_S.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import WorkerEngine, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.worker_auth import SecretTokens, bearer
 
 if TYPE_CHECKING:
     from deepinfer_gateway.gateway.openai_upstream import OpenAIFacts, OpenAIUpstream
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
     from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
 
+TOKEN_REFRESH_S = 1.0
 POOL_KEEP_ALIVE_S = 30  # below the workers' server keep-alive (asgi.KEEP_ALIVE_S)
 MAX_LINE_BYTES = 64 << 20  # one worker message; bounds what a broken worker makes the gateway buffer
 
@@ -166,8 +173,10 @@ class WorkerStream(LineStream):
 
 class WorkerClient:
     def __init__(self, timeouts: Timeouts = Timeouts(), session: aiohttp.ClientSession | None = None,
-                 tokenizer: TokenizerBundle | None = None):
+                 tokenizer: TokenizerBundle | None = None, tokens: SecretTokens | None = None):
         self.timeouts = timeouts
+        self._tokens = tokens
+        self._token_task: asyncio.Task[None] | None = None
         self._session = session
         self._owns_session = session is None
         self._tokenizer = tokenizer  # openai workers re-tokenize their text with it
@@ -209,8 +218,21 @@ class WorkerClient:
                 connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s),
             )
+        if self._tokens is not None:
+            self._session.headers.update(bearer(self._tokens))
+            self._token_task = asyncio.create_task(self._follow_token(self._tokens, self._session))
+
+    @staticmethod
+    async def _follow_token(tokens: SecretTokens, session: aiohttp.ClientSession) -> None:
+        """Keep the session's Authorization header on the token file's first token."""
+        while True:
+            await asyncio.sleep(TOKEN_REFRESH_S)
+            session.headers.update(bearer(tokens))
 
     async def close(self) -> None:
+        if self._token_task is not None:
+            self._token_task.cancel()
+            self._token_task = None
         if self._session is not None and self._owns_session:
             await self._session.close()
         self._session = None

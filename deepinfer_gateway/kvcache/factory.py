@@ -21,6 +21,8 @@ def create_prefix_index(
     redis_url: str | None,
     *,
     redis_cluster: bool = False,
+    redis_password: str | None = None,
+    redis_password_file: str | None = None,
     namespace: str = "dgw:kv",
     registry: CollectorRegistry | None = None,
     max_blocks_per_worker: int = 1 << 20,
@@ -45,7 +47,8 @@ def create_prefix_index(
             clock=clock,
         )
     return RedisPrefixIndex(
-        redis_client(redis_url, cluster=redis_cluster, timeout_s=redis_timeout_s),
+        redis_client(redis_url, cluster=redis_cluster, timeout_s=redis_timeout_s, password=redis_password,
+                     password_file=redis_password_file),
         namespace=namespace,
         metrics=KvIndexMetrics(registry),
         max_blocks_per_worker=max_blocks_per_worker,

@@ -43,6 +43,7 @@ from deepinfer_gateway.protocol import (
     GenerateRequest,
     encode_line,
 )
+from deepinfer_gateway.worker_auth import RequireWorkerToken, SecretTokens
 from deepinfer_gateway.workers.engine import Engine
 
 JSON = "application/json"
@@ -153,7 +154,11 @@ def protocol_router(engine: Engine) -> APIRouter:
     return router
 
 
-def create_worker_app(engine: Engine, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+def create_worker_app(engine: Engine, extra_routers: Sequence[APIRouter] = (),
+                      tokens: SecretTokens | None = None) -> FastAPI:
+    """With `tokens`, every endpoint but /health needs one of them (worker_auth.py): a call
+    without gets 401 before it reaches the engine."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -166,4 +171,6 @@ def create_worker_app(engine: Engine, extra_routers: Sequence[APIRouter] = ()) -
     app.include_router(protocol_router(engine))
     for router in extra_routers:
         app.include_router(router)
+    if tokens is not None:
+        app.add_middleware(RequireWorkerToken, tokens=tokens)
     return app

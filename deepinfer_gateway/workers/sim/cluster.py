@@ -20,6 +20,7 @@ from typing import Any
 from deepinfer_gateway.asgi import ServedApp, serve_app
 from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.worker_auth import SecretTokens
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.compat import compat_router
 from deepinfer_gateway.workers.sim.engine import Failures, SimEngine
@@ -92,9 +93,11 @@ async def serve_sim_cluster(
     tokenizer_path: str | None = None,
     compat: bool = True,
     wrap: Callable[[Any], Any] = lambda app: app,
+    tokens: SecretTokens | None = None,
 ) -> InProcessSimCluster:
     """Start every worker of `specs`; `with_store=False` makes a memory-only cluster. `wrap`:
-    ASGI middleware around each worker's app (e.g. tracing)."""
+    ASGI middleware around each worker's app (e.g. tracing). `tokens`: the worker token
+    every call but /health must present (worker_auth.py)."""
     if len({s.worker_id for s in specs}) != len(specs):
         raise ValueError("worker ids must be unique")
     bundle = load_tokenizer(tokenizer_path)
@@ -107,7 +110,7 @@ async def serve_sim_cluster(
         for spec in specs:
             engine = engines[spec.worker_id]
             routers = [compat_router(engine, bundle, model)] if compat else []
-            served[spec.worker_id] = await serve_app(wrap(create_worker_app(engine, routers)), host, spec.port)
+            served[spec.worker_id] = await serve_app(wrap(create_worker_app(engine, routers, tokens)), host, spec.port)
     except BaseException:
         await asyncio.gather(*(app.stop() for app in served.values()))
         raise

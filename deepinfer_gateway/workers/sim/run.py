@@ -15,6 +15,7 @@ from typing import Any
 from deepinfer_gateway.asgi import run_until_signal
 from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from deepinfer_gateway.worker_auth import SecretTokens, check_bind
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, build_sim_engine
 from deepinfer_gateway.workers.sim.compat import compat_router
@@ -36,10 +37,12 @@ class WorkerOptions:
     tokenizer_path: str | None = None
     with_store: bool = False
     compat: bool = True  # OpenAI/SGLang-compatible endpoints for third-party routers
+    tokens: SecretTokens | None = None  # the worker token callers must present (worker_auth.py)
 
 
 def run_worker(options: WorkerOptions, wrap: Callable[[Any], Any] = lambda app: app) -> None:
     """Build the sim worker's app, `wrap` it (ASGI middleware, e.g. tracing), serve it."""
+    check_bind(options.host, options.tokens)
     if options.engine != "sim":
         raise ValueError(f"engine {options.engine!r} is served by deepinfer_gateway.workers.deepinfer, not run_worker")
     worker_id = options.worker_id or f"{options.hardware}-{options.role}-{options.port}"
@@ -50,5 +53,5 @@ def run_worker(options: WorkerOptions, wrap: Callable[[Any], Any] = lambda app: 
         spec, store=store, planner=OutputPlanner(bundle), profiles_path=options.profiles_path, model=options.model
     )
     routers = [compat_router(engine, bundle, options.model)] if options.compat else []
-    app = wrap(create_worker_app(engine, routers))
+    app = wrap(create_worker_app(engine, routers, options.tokens))
     run_until_signal(app, options.host, options.port, log_level="warning", graceful_s=2)
