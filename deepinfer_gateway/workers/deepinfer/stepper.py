@@ -54,6 +54,10 @@ from deepinfer_gateway.workers.deepinfer.transfer import KvTransfer, pd_engine_c
 
 log = logging.getLogger(__name__)
 
+# The worker's role -> the `EngineType` member its LLMEngine is built with.
+ENGINE_TYPES = {Role.UNIFIED: "NORMAL", Role.PREFILL: "PROMPT", Role.DECODE: "COMPLETION"}
+
+
 @dataclass(slots=True)
 class _Live:
     request: GenerateRequest
@@ -89,8 +93,7 @@ class Stepper:
         self._handoffs = KvHandoffs(config, kv_store, events, clock)
         self._transfer = kv_transfer
         self._role = config.role
-        engine_type = {Role.UNIFIED: "NORMAL", Role.PREFILL: "PROMPT", Role.DECODE: "COMPLETION"}[config.role]
-        self._engine_type = getattr(api.EngineType, engine_type)
+        self._engine_type = getattr(api.EngineType, ENGINE_TYPES[config.role])
         base = api.LLMEngine
         self._engine_cls = (
             pd_engine_class(base, kv_transfer, self._on_prompt_kv) if config.role is Role.PREFILL else base
