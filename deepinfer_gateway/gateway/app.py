@@ -43,6 +43,7 @@ from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import BridgeConfig, RequestPreparer
+from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
@@ -104,6 +105,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     """`shutting_down`: set by the host when a stop signal arrives (asgi.serve_until_signal's
     on_signal); from then on `/ready` answers 503 while requests in flight carry on."""
     metrics = metrics or GatewayMetrics()
+    metrics.expect_models([str(p) for p in ApiProtocol], settings.model_names)
     bundle = load_tokenizer(settings.tokenizer_path)
     preparer = RequestPreparer(
         PromptEncoder(bundle),

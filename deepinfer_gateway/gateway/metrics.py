@@ -11,6 +11,10 @@ children up once per worker leg (`request_series`), never per streamed chunk.
 
 With PROMETHEUS_MULTIPROC_DIR set, every process of a host writes to that folder and
 `/metrics` serves their merge (metrics_host.py); each gauge states its `multiprocess_mode`.
+
+A labelled counter's series exists at 0 from the moment its label values are known (served
+models, pools and workers as they are configured or join, enums at start): `rate()` and
+`increase()` see a series' first increment only if an earlier scrape saw it at 0.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import os
 import platform
 import subprocess
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from deepinfer_gateway.errors import UpstreamKind
 from deepinfer_gateway.gateway.loop_lag import LAG_BUCKETS
 from deepinfer_gateway.gateway.metrics_host import HostCollector, ProcessCpuCollector, live_processes, multiprocess_dir
 
@@ -41,6 +47,12 @@ OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 
 REQUEST_LABELS = ("model", "pool", "hardware")
 WORKER_LABEL = "worker"
+CACHE_TIERS = ("memory", "store")
+# dgw_requests_total{status} values that exist at 0 for every generation protocol and served
+# model: what the gateway answers itself (errors.GatewayError subclasses, 200, 499) and the
+# usual statuses relayed from a worker. Others appear at their first request.
+ANSWERED_STATUSES = ("200", "400", "401", "403", "404", "413", "422", "429", "499", "500", "502", "503", "504")
+UNKNOWN_MODEL = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +152,15 @@ class GatewayMetrics:
                                     ["component"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)
+        self.pool_healthy = Gauge("dgw_pool_healthy_workers",
+                                  "Workers of the pool that pass health checks, from the moment the pool has a worker "
+                                  "(0 once all are gone: the pool serves nothing)",
+                                  ["pool"], multiprocess_mode="livemostrecent", registry=r)
+        for tier in CACHE_TIERS:
+            self.cached_tokens.labels(tier)
+            self.predicted_cached_tokens.labels(tier)
+        for kind in UpstreamKind:
+            self.retries.labels(kind)
         # Every metric labelled by worker: a removed worker's series go with it.
         self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
                            self.upstream_errors)
@@ -158,6 +179,21 @@ class GatewayMetrics:
         """dgw_requests_total: every request's outcome is recorded here, once.
         `protocol`: an ApiProtocol or a non-generation route; `model`: a served name or `unknown`."""
         self.requests.labels(protocol, model, str(status)).inc()
+
+    def expect_models(self, protocols: Iterable[str], models: Iterable[str]) -> None:
+        """dgw_requests_total at 0 for every generation protocol, served model (and `unknown`)
+        and answered status, so the first 5xx or 429 of a model is an increase from 0."""
+        for protocol in protocols:
+            for model in (*models, UNKNOWN_MODEL):
+                for status in ANSWERED_STATUSES:
+                    self.requests.labels(protocol, model, status)
+
+    def admit_worker(self, worker_id: str, pool: str) -> None:
+        """A worker joined the registry (configuration, admin API or discovery): its error
+        counters and its pool's start at 0."""
+        for kind in UpstreamKind:
+            self.upstream_errors.labels(worker_id, kind)
+        self.admission_rejections.labels(pool)
 
     def request_series(self, model: str, pool: str, hardware: str) -> RequestSeries:
         """The children for a served model name, a configured pool and a Hardware value:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from deepinfer_gateway.errors import UpstreamKind
-from deepinfer_gateway.gateway.metrics import REQUEST_LABELS, GatewayMetrics
+from deepinfer_gateway.gateway.metrics import ANSWERED_STATUSES, REQUEST_LABELS, GatewayMetrics
 from deepinfer_gateway.gateway.metrics_host import ProcessCpuCollector
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
 from deepinfer_gateway.protocol import Hardware, Role
@@ -96,6 +96,17 @@ export none: their load reports appear as `dgw_worker_*{{worker}}` on every repl
 - **Worker series.** Every series labelled `worker` is removed with the worker
   (`DELETE /admin/workers/{{id}}`); a worker added again under the same id starts from zero,
   which Prometheus reads as a counter reset.
+- **Series at 0 before their first event.** A labelled counter's series exists at 0 as soon
+  as its label values are known, so `rate()` and `increase()` see its first increment:
+  `dgw_upstream_errors_total{{worker,kind}}` and `dgw_admission_rejections_total{{pool}}` when a
+  worker joins (configuration, `POST /admin/workers`, discovery);
+  `dgw_requests_total{{protocol,model,status}}` at start for every generation protocol, served
+  model and `unknown`, and the statuses {", ".join(f"`{s}`" for s in ANSWERED_STATUSES)} (others
+  appear at their first request); `dgw_retries_total{{reason}}`,
+  `dgw_cached_prompt_tokens_total{{tier}}`, `dgw_predicted_cached_tokens_total{{tier}}`,
+  `dgw_kv_index_errors_total{{op}}` and `dgw_redis_errors_total{{component}}` (with Redis) at start.
+  `dgw_pool_healthy_workers{{pool}}` exists from a pool's first worker on and stays, at 0, when
+  its last worker goes.
 - **Build.** `dgw_build_info` is 1, its labels name the build.
 - **Several processes per host** (`serve --processes N`, or any host that sets
   `PROMETHEUS_MULTIPROC_DIR` for its gateway processes): `/metrics` from any of them is the

@@ -6,8 +6,11 @@ worker: its /v1/models and Prometheus /metrics, read as the same reports);
 it. Request failures count as health failures too (passive checks), so a dead worker
 is ejected at the first failed request rather than at the next poll.
 
-A removed worker takes its `dgw_*{worker}` series with it; late writers (a health check
-or a request still in flight on it) find it gone and write nothing.
+A worker's counters exist at 0 from the moment it joins (configuration, admin API or
+discovery: all go through `add`), so its first error is an increase Prometheus sees. A
+removed worker takes its `dgw_*{worker}` series with it; late writers (a health check or a
+request still in flight on it) find it gone and write nothing. `dgw_pool_healthy_workers`
+follows every change of a worker's health or membership.
 """
 
 from __future__ import annotations
@@ -56,30 +59,33 @@ class WorkerState:
 class WorkerRegistry:
     def __init__(self, specs: tuple[WorkerSpec, ...], client: WorkerClient, settings: HealthSettings,
                  metrics: GatewayMetrics, loop_lag: LoopLag | None = None):
-        self.workers: dict[str, WorkerState] = {s.worker_id: WorkerState(s) for s in specs}
+        self.workers: dict[str, WorkerState] = {}
         # A timeout during this process's own stall is not the worker's failure (loop_lag.py).
         self.loop_lag = loop_lag or LoopLag(histogram=metrics.loop_lag)
         self._client = client
-        for spec in specs:
-            if spec.engine is not WorkerEngine.DGW:
-                client.register(spec)
         self._settings = settings
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
+        for spec in specs:
+            self.add(spec)
 
     def healthy(self, role: wp.Role | None = None) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy and (role is None or w.spec.role == role)]
 
     def add(self, spec: WorkerSpec) -> WorkerState:
         state = self.workers.setdefault(spec.worker_id, WorkerState(spec))
-        if state.spec is spec and spec.engine is not WorkerEngine.DGW:
-            self._client.register(spec)
+        if state.spec is spec:
+            if spec.engine is not WorkerEngine.DGW:
+                self._client.register(spec)
+            self._metrics.admit_worker(spec.worker_id, state.pool)
+            self._count_pool(state.pool)
         return state
 
     def remove(self, worker_id: str) -> bool:
         state = self.workers.pop(worker_id, None)
         if state is not None:
             self._metrics.forget_worker(worker_id)
+            self._count_pool(state.pool)
             if state.spec.engine is not WorkerEngine.DGW:
                 self._client.unregister(state.url)
         return state is not None
@@ -167,3 +173,9 @@ class WorkerRegistry:
     def _set_healthy(self, worker: WorkerState) -> None:
         if self.registered(worker):
             self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)
+            self._count_pool(worker.pool)
+
+    def _count_pool(self, pool: str) -> None:
+        """dgw_pool_healthy_workers{pool}; the series stays at 0 when the pool's last worker goes."""
+        healthy = sum(1 for w in self.workers.values() if w.healthy and w.pool == pool)
+        self._metrics.pool_healthy.labels(pool).set(healthy)

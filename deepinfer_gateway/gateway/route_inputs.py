@@ -16,7 +16,7 @@ from typing import Any
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.errors import NoHealthyWorker, Overloaded
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.metrics import CACHE_TIERS, GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
@@ -104,7 +104,7 @@ class RouteInputs:
         reported = ready["cached_tokens"]
         predicted = {"memory": plan.decision.predicted_memory_tokens, "store": plan.decision.predicted_store_tokens}
         self.metrics.prompt_tokens.inc(prompt)
-        for tier in ("memory", "store"):
+        for tier in CACHE_TIERS:
             if reported.get(tier):
                 self.metrics.cached_tokens.labels(tier).inc(reported[tier])
             if predicted[tier]:

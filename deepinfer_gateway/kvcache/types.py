@@ -75,6 +75,10 @@ class PrefixIndex(Protocol):
     async def aclose(self) -> None: ...
 
 
+# The Redis prefix index's operations: the `op` label of dgw_kv_index_errors_total.
+INDEX_OPS = ("apply", "lookup", "remove_worker")
+
+
 class KvIndexMetrics:
     """`dgw_kv_index_errors_total{op}` and `dgw_kv_index_writes_deferred_total` in the
     caller's registry (a private one if none)."""
@@ -87,6 +91,8 @@ class KvIndexMetrics:
             ["op"],
             registry=self.registry,
         )
+        for op in INDEX_OPS:
+            self.errors.labels(op=op)  # at 0 from the start: the first failure is an increase
         self.writes_deferred = Counter(
             "dgw_kv_index_writes_deferred",
             "Event batches applied to the local view only: another replica holds the worker's write lease.",

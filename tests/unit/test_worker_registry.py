@@ -115,3 +115,27 @@ async def test_removal_drops_the_worker_and_its_series(rig: tuple[WorkerRegistry
     registry.record_success(state)  # a late writer (a check or request in flight) writes nothing
     registry.count_error(state, "connect")
     assert gauge(metrics, "dgw_worker_healthy", state.worker_id) is None
+
+
+async def test_a_workers_counters_and_its_pool_exist_at_zero_from_joining_to_leaving(
+        rig: tuple[WorkerRegistry, FakeWorker, GatewayMetrics]) -> None:
+    registry, _, metrics = rig
+    (configured,) = registry.workers
+    added = registry.add(WorkerSpec(url="http://w2.test", pool="big")).worker_id  # as the admin API and discovery do
+    for worker_id in (configured, added):
+        for kind in UpstreamKind:
+            assert metrics.registry.get_sample_value("dgw_upstream_errors_total",
+                                                     {"worker": worker_id, "kind": str(kind)}) == 0
+    for pool in ("unified", "big"):
+        assert metrics.registry.get_sample_value("dgw_admission_rejections_total", {"pool": pool}) == 0
+        assert metrics.registry.get_sample_value("dgw_pool_healthy_workers", {"pool": pool}) == 0
+
+    await registry.check_all()
+    assert metrics.registry.get_sample_value("dgw_pool_healthy_workers", {"pool": "unified"}) == 1
+    assert metrics.registry.get_sample_value("dgw_pool_healthy_workers", {"pool": "big"}) == 1
+
+    assert registry.remove(added)
+    assert metrics.registry.get_sample_value("dgw_upstream_errors_total", {"worker": added, "kind": "connect"}) is None
+    # The pool stays, at 0: a pool whose workers are all gone serves nothing (DgwNoHealthyWorker fires).
+    assert metrics.registry.get_sample_value("dgw_pool_healthy_workers", {"pool": "big"}) == 0
+    assert metrics.registry.get_sample_value("dgw_pool_healthy_workers", {"pool": "unified"}) == 1
