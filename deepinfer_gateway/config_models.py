@@ -194,6 +194,18 @@ class ImageSettings(_Frozen):
     allow: tuple[str, ...] = Field((), description="Hosts or CIDRs fetched even when not globally routable.")
 
 
+class ResponsesSettings(_Frozen):
+    store: bool = Field(
+        True,
+        description="Keep answered Responses (their `store`, default true as OpenAI's) for previous_response_id "
+                    "and GET /v1/responses/{id}, in Redis with redis_url (durable), else in memory; off: "
+                    "store: true is refused.")
+    ttl_s: int = Field(30 * 86_400, ge=60, description="How long a stored response is kept.")
+    max_per_key: int = Field(10_000, ge=1, description="Stored responses per API key; beyond it store: true is "
+                                                       "refused until some expire or are deleted.")
+    max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest stored response (with its input).")
+
+
 class GatewaySettings(_Frozen):
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
@@ -257,6 +269,7 @@ class GatewaySettings(_Frozen):
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line with request_id.")
     access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
     tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
+    responses: ResponsesSettings = Field(ResponsesSettings(), description="Stored Responses (OpenAI Responses API).")
 
     @field_validator("processes", mode="before")
     @classmethod

@@ -22,11 +22,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis import asyncio as aioredis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.config_models import ResponsesSettings
 from deepinfer_gateway.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.admin import admin_router
 from deepinfer_gateway.gateway.admin_store import AdminStore
@@ -36,6 +38,8 @@ from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from deepinfer_gateway.gateway.registry import WorkerRegistry
+from deepinfer_gateway.gateway.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
+from deepinfer_gateway.gateway.responses_api import ResponsesState
 from deepinfer_gateway.gateway.routes import MODELS, ClientRoutes, Endpoint
 from deepinfer_gateway.gateway.serving import RequestServer
 from deepinfer_gateway.gateway.worker_client import Timeouts, WorkerClient
@@ -64,6 +68,7 @@ class GatewayState:
     feeder: KvEventFeeder
     started_at: int
     admin: AdminSync
+    responses: ResponsesState
 
 
 class GatewayApp(FastAPI):
@@ -98,6 +103,15 @@ class GatewayApp(FastAPI):
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+
+def response_store(settings: ResponsesSettings, redis: aioredis.Redis | None) -> ResponseStore | None:
+    """Where stored Responses live: Redis when the gateway has one (shared by its replicas, durable), else memory."""
+    if not settings.store:
+        return None
+    if redis is not None:
+        return RedisResponseStore(redis, settings.ttl_s, settings.max_per_key, settings.max_bytes)
+    return MemoryResponseStore(settings.ttl_s, settings.max_per_key, settings.max_bytes)
 
 
 def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None, *,
@@ -146,7 +160,9 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, server.planner, settings.workers,
                           metrics.redis_errors.labels("admin").inc)
         await admin.start()  # with Redis: the shared admin changes, before the first request
-        app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin)
+        responses = ResponsesState(response_store(settings.responses, redis),
+                                   on_error=metrics.redis_errors.labels("responses").inc)
+        app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin, responses)
         try:
             yield
         finally:
@@ -167,6 +183,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         app.add_fast_route(path, endpoint)
     app.add_api_route("/v1/models", client_routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", client_routes.model_info, methods=["GET"])
+    client_routes.add_stored_responses(app)
     app.include_router(admin_router(settings))
 
     @app.get("/health")

@@ -42,7 +42,10 @@ from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from deepinfer_gateway.gateway.app import GatewayState
+    from deepinfer_gateway.gateway.responses_api import ResponsesState
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ SESSION_HEADERS = ("x-session-id", "x-correlation-id")
 # dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
 MODELS = "models"
 COUNT_TOKENS = "count_tokens"
+STORED_RESPONSES = "stored_responses"  # GET/DELETE /v1/responses/{id}[/input_items]
 
 
 def session_key(request: Request) -> str | None:
@@ -199,6 +203,9 @@ class ClientRoutes:
         try:
             key = await authenticate(request)
             body = await read_body(request, self.settings.max_body_bytes)
+            pending = None
+            if protocol is ApiProtocol.RESPONSES:
+                body, pending = await state.responses.prepare(key.name, body)
             prepared = await self.preparer.prepare_async(protocol, body)
             model = prepared.model
             self.metrics.preprocess.observe(time.perf_counter() - arrival)
@@ -208,7 +215,8 @@ class ClientRoutes:
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session_key=session_key(request))
-            return await unless_disconnected(request, serving)
+            response = await unless_disconnected(request, serving)
+            return response if pending is None else await state.responses.capture(pending, response)
         except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
@@ -274,3 +282,33 @@ class ClientRoutes:
             return self.refuse(MODELS, protocol, target.served if target else "unknown", exc)
         self.count(MODELS, target.served, 200)
         return JSONResponse(self.model_card(model_id, target.served, gateway_state(request).started_at, protocol))
+
+    # --- stored Responses (responses_api.py) ------------------------------------------------
+    def add_stored_responses(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/responses/{response_id}", self.retrieve_response, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"])
+        app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input_items, methods=["GET"])
+
+    async def _stored_response_call(self, request: Request,
+                                    call: Callable[[ResponsesState, str], Awaitable[Response]]) -> Response:
+        try:
+            key = await authenticate(request)
+            response = await call(gateway_state(request).responses, key.name)
+        except GatewayError as exc:
+            return self.refuse(STORED_RESPONSES, ApiProtocol.RESPONSES, "unknown", exc)
+        self.count(STORED_RESPONSES, "unknown", response.status_code)
+        return response
+
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        """`GET /v1/responses/{id}`: a stored response of the caller's key (another key's: 404)."""
+        return await self._stored_response_call(
+            request, lambda responses, owner: responses.retrieve(owner, response_id, request))
+
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        """`DELETE /v1/responses/{id}`."""
+        return await self._stored_response_call(request, lambda responses, owner: responses.delete(owner, response_id))
+
+    async def response_input_items(self, response_id: str, request: Request) -> Response:
+        """`GET /v1/responses/{id}/input_items` (`limit`, `order`, `after`)."""
+        return await self._stored_response_call(
+            request, lambda responses, owner: responses.list_input_items(owner, response_id, request))

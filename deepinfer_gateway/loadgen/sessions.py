@@ -106,8 +106,8 @@ class _SessionRun:
         if parent is not None and parent.prompt_tokens is not None:
             # The parent's prompt and answer come back as this prompt's start, except the
             # parent's reasoning, which chat templates drop: the shared prefix ends where it began.
-            answer = 0 if parent.reasoning else parent.output_tokens or 0
-            record.planned_cached_tokens = parent.prompt_tokens + answer
+            answered = 0 if parent.reasoning else parent.output_tokens or 0
+            record.planned_cached_tokens = parent.prompt_tokens + answered
         history = self.conversation.get(r.parent, ()) if r.parent else ()
         turns = (*history, *self.texts(r, record.index))
         answer = await self.client.converse(turns, max(1, r.output_tokens), record, self.session.id)

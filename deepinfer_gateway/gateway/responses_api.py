@@ -1,0 +1,214 @@
+"""Stateful Responses: `store`, `previous_response_id`, and `GET`/`DELETE /v1/responses/{id}`
+with `GET /v1/responses/{id}/input_items`, over a `ResponseStore` (response_store.py).
+
+A `POST /v1/responses` body goes through `ResponsesState.prepare` before the preparer sees
+it: `background` and `conversation` are refused (400, naming the field); a
+`previous_response_id` of this key's is replaced by the stored conversation (its input and
+its output items) followed by the new input (an unknown or another key's id: 404); with
+`store` (default true, as OpenAI) the key's room is checked and `capture` keeps the answer,
+before its final event or body reaches the client, so a `retrieve` right after succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.gateway.response_store import ResponseStore, StoredResponse
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_FINAL_EVENTS = (b"event: response.completed", b"event: response.incomplete")
+_INPUT_ROLE_TEXT = {"user": "input_text", "system": "input_text", "developer": "input_text",
+                    "assistant": "output_text"}
+
+
+class BadField(GatewayError):
+    status_code = 400
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message, param=field, code="invalid_request_error")
+
+
+class ResponseNotFound(GatewayError):
+    status_code = 404
+
+    def __init__(self, response_id: str, field: str | None = None):
+        what = "Previous response" if field else "Response"
+        super().__init__(f"{what} with id '{response_id}' not found.", param=field, code="not_found")
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A Responses `input` (a string or a list of items) as typed items with ids, as OpenAI lists them."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise BadField("input", "input must be a string or a list of input items.")
+    items = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise BadField("input", "each input item must be an object.")
+        item = dict(item)
+        if "type" not in item and "role" in item:
+            item["type"] = "message"
+        if item.get("type") == "message" and isinstance(item.get("content"), str):
+            kind = _INPUT_ROLE_TEXT.get(str(item.get("role")), "input_text")
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        item.setdefault("id", f"{'msg' if item.get('type') == 'message' else 'item'}_{uuid.uuid4().hex}")
+        items.append(item)
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What `capture` stores with the answer: its owner and the whole input it answers."""
+
+    owner: str
+    items: list[dict[str, Any]]
+
+
+class ResponsesState:
+    def __init__(self, store: ResponseStore | None, on_error: Callable[[], None] = lambda: None):
+        self.store = store  # None: storing is off (settings.responses.store)
+        self.on_error = on_error
+
+    async def prepare(self, owner: str, body: bytes) -> tuple[bytes, Pending | None]:
+        """The body the preparer gets, and what to store with its answer (None: not stored)."""
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return body, None  # the preparer answers the 400
+        if not isinstance(obj, dict):
+            return body, None
+        if obj.get("background"):
+            raise BadField("background", "background: true is not supported by this gateway; stream the response "
+                                         "instead (stream: true), or send background: false.")
+        if obj.get("conversation") is not None:
+            raise BadField("conversation", "The Conversations API is not supported by this gateway; continue a "
+                                           "conversation with previous_response_id.")
+        store = obj.get("store", self.store is not None)
+        if not isinstance(store, bool):
+            raise BadField("store", "store must be true or false.")
+        if store and self.store is None:
+            raise BadField("store", "Storing responses is turned off on this gateway (responses.store); "
+                                    "send store: false.")
+        items = input_items(obj.get("input", []))
+        previous_id = obj.get("previous_response_id")
+        if previous_id is not None:
+            if not isinstance(previous_id, str) or self.store is None:
+                raise ResponseNotFound(str(previous_id), "previous_response_id")
+            previous = await self.store.get(owner, previous_id)
+            if previous is None:
+                raise ResponseNotFound(previous_id, "previous_response_id")
+            items = previous.input_items + _replayable(previous.response.get("output") or []) + items
+            obj["input"] = items
+            body = orjson.dumps(obj)
+        if not store or self.store is None:
+            return body, None
+        await self.store.check_room(owner)
+        return body, Pending(owner, items)
+
+    async def capture(self, pending: Pending, response: Response) -> Response:
+        """Store the answer before its last part reaches the client (an error answer is not stored)."""
+        if response.status_code != 200:
+            return response
+        writer = getattr(response, "body_writer", None)
+        if writer is None:  # one JSON body
+            await self._keep(pending, orjson.loads(response.body))
+            return response
+        setattr(response, "body_writer", lambda send: writer(self._teeing(pending, send)))  # noqa: B010
+        return response
+
+    def _teeing(self, pending: Pending, send: Send) -> Send:
+        kept = False
+
+        async def tee(message: dict[str, Any]) -> None:
+            nonlocal kept
+            body = message.get("body", b"")
+            if not kept and message["type"] == "http.response.body" and any(e in body for e in _FINAL_EVENTS):
+                final = _final_response(body)
+                if final is not None:
+                    kept = True
+                    await self._keep(pending, final)
+            await send(message)
+        return tee
+
+    async def _keep(self, pending: Pending, response: dict[str, Any]) -> None:
+        assert self.store is not None
+        try:
+            await self.store.put(pending.owner, str(response["id"]), StoredResponse(response, pending.items))
+        except GatewayError as exc:
+            log.warning("response %s not stored: %s", response.get("id"), exc.message)
+        except Exception:  # a store outage must not fail an answered response
+            self.on_error()
+            log.exception("response %s not stored", response.get("id"))
+
+    # --- the routes --------------------------------------------------------------------------
+    async def _stored(self, owner: str, response_id: str) -> StoredResponse:
+        found = await self.store.get(owner, response_id) if self.store is not None else None
+        if found is None:
+            raise ResponseNotFound(response_id)
+        return found
+
+    async def retrieve(self, owner: str, response_id: str, request: Request) -> Response:
+        if request.query_params.get("stream", "false").lower() == "true":
+            raise BadField("stream", "Streaming a stored response again is not supported; retrieve it without "
+                                     "stream.")
+        return JSONResponse((await self._stored(owner, response_id)).response)
+
+    async def delete(self, owner: str, response_id: str) -> Response:
+        if self.store is None or not await self.store.delete(owner, response_id):
+            raise ResponseNotFound(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def list_input_items(self, owner: str, response_id: str, request: Request) -> Response:
+        items = (await self._stored(owner, response_id)).input_items
+        params = request.query_params
+        order = params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadField("order", "order must be asc or desc.")
+        try:
+            limit = int(params.get("limit", "20"))
+        except ValueError:
+            raise BadField("limit", "limit must be an integer from 1 to 100.") from None
+        if not 1 <= limit <= 100:
+            raise BadField("limit", "limit must be an integer from 1 to 100.")
+        ordered = items[::-1] if order == "desc" else items
+        after = params.get("after")
+        if after is not None:
+            ids = [item.get("id") for item in ordered]
+            if after not in ids:
+                raise BadField("after", f"No input item with id '{after}' in this response.")
+            ordered = ordered[ids.index(after) + 1:]
+        page = ordered[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit})
+
+
+def _replayable(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored response's output items as the next request's input: its messages, tool calls and
+    their results. Reasoning is left out: the chat template drops an earlier turn's reasoning."""
+    return [item for item in output if item.get("type") != "reasoning"]
+
+
+def _final_response(chunk: bytes) -> dict[str, Any] | None:
+    """The response object in an SSE chunk holding a `response.completed`/`.incomplete` event."""
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: "):
+            try:
+                event = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and event.get("type") in ("response.completed", "response.incomplete"):
+                response = event.get("response")
+                return response if isinstance(response, dict) else None
+    return None
