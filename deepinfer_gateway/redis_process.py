@@ -54,7 +54,9 @@ def redis_server_binary() -> str:
 
 
 class RedisProcess:
-    """One server without persistence, in a temporary directory of its own (mode 0700):
+    """One server without persistence (unless `config_file` says otherwise: e.g. the
+    shipped deploy/k8s/redis.conf, with its append-only file in `data_dir`, which outlives
+    `stop()`), in a temporary directory of its own (mode 0700):
     on 127.0.0.1 at a free port, or with `unix_socket` on `redis.sock` in that directory
     only (no TCP port; `url` is known once started). `stop()` kills it (a crash);
     `start()` again gives an empty server on the same port. With `dies_with_parent` (Linux),
@@ -64,9 +66,12 @@ class RedisProcess:
     SOCKET_NAME = "redis.sock"
 
     def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False,
-                 dies_with_parent: bool = False, password: str | None = None) -> None:
+                 dies_with_parent: bool = False, password: str | None = None,
+                 config_file: Path | None = None, data_dir: Path | None = None) -> None:
         self.unix_socket = unix_socket
         self.password = password  # --requirepass; clients must AUTH
+        self.config_file = config_file
+        self.data_dir = data_dir
         self.dies_with_parent = dies_with_parent
         self.port = 0 if unix_socket else port or free_port()
         self.url = "" if unix_socket else f"redis://127.0.0.1:{self.port}/0"
@@ -86,9 +91,12 @@ class RedisProcess:
         if self.socket_path is not None:
             self.url = f"unix://{self.socket_path}"
             where = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        persistence = [str(self.config_file)] if self.config_file else []  # a config file comes first
+        if not self.config_file:
+            where += ["--save", "", "--appendonly", "no"]
         self.proc = subprocess.Popen(
-            [binary, *where, "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--logfile", str(log),
+            [binary, *persistence, *where,
+             "--dir", str(self.data_dir or self._dir.name), "--logfile", str(log),
              *(("--requirepass", self.password) if self.password else ()), *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             # A socket server belongs to its supervisor, which stops it last: a terminal's

@@ -7,6 +7,8 @@ unreachable Redis refuses it (503) rather than splitting the replicas; then appl
 then announced on the channel. Every replica re-reads the store on an announcement and
 every `reconcile_interval_s` (a replica that missed a message, or lost its subscription,
 catches up), and once at start (one started after a change has it before it serves).
+A Redis that comes back without the admin state (its marker gone, admin_store.py) does
+not wipe the changes: a replica that has them applied writes them back, and announces it.
 Reconcile errors are counted (`dgw_redis_errors_total{component="admin"}`) and retried;
 they never stop the replica, which keeps the state it last applied.
 """
@@ -151,6 +153,14 @@ class AdminSync:
         """Read the shared state and apply it; raises redis' errors."""
         assert self._store is not None
         snapshot = await self._store.read()
+        if not snapshot.kept and not snapshot.lost:
+            await self._store.mark_kept()  # stored before the marker existed
+        elif snapshot.lost and (self._entries or self._routing):
+            if await self._store.restore(self._entries, self._routing):
+                log.warning("admin state: Redis had lost it; written back from this replica (%d worker "
+                            "entries, routing %s)", len(self._entries), sorted(self._routing))
+                await self._notify()
+            snapshot = await self._store.read()
         for worker_id in snapshot.invalid:
             self._on_error()
             log.warning("admin state: undecodable entry for worker %s left out", worker_id)

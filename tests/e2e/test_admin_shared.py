@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from deepinfer_gateway.config import WorkerSpec
-from deepinfer_gateway.gateway.admin_store import ROUTING_KEY, WORKERS_KEY, WorkerEntry
+from deepinfer_gateway.gateway.admin_store import KEPT_KEY, ROUTING_KEY, WORKERS_KEY, WorkerEntry
 from deepinfer_gateway.gateway.admin_sync import RECONCILE_INTERVAL_S
 from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
@@ -37,7 +37,7 @@ def cluster() -> Iterator[SimCluster]:
 
 def _clear_admin_state(url: str, cluster: bool) -> None:
     client: Any = redis.RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
-    client.delete(WORKERS_KEY, ROUTING_KEY)  # one slot: both keys share the hash tag
+    client.delete(WORKERS_KEY, ROUTING_KEY, KEPT_KEY)  # one slot: the keys share the hash tag
     client.close()
 
 

@@ -26,3 +26,12 @@ def test_entries_round_trip_and_routing_fields_decode() -> None:
     stored = {"policy": '{"name": "round_robin"}', "decode_policy": '"least_load"'}
     assert routing_inputs(stored) == {"policy": {"name": "round_robin"}, "decode_policy": "least_load"}
     assert routing_inputs({}) == {}
+
+
+def test_a_snapshot_is_lost_only_without_its_marker_and_without_data() -> None:
+    from deepinfer_gateway.gateway.admin_store import AdminSnapshot
+
+    assert AdminSnapshot({}, {}, kept=False).lost
+    assert not AdminSnapshot({}, {}, kept=True).lost  # changes were made and all undone: nothing to restore
+    assert not AdminSnapshot({A.worker_id: WorkerEntry()}, {}, kept=False).lost  # stored before the marker
+    assert not AdminSnapshot({}, {"policy": '"least_load"'}, kept=False).lost
