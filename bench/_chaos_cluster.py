@@ -133,7 +133,7 @@ class Cluster:
 
     def _start(self, host: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
         if host not in self.logs:
-            self.logs[host] = open(self.workdir / f"{host}.log", "ab")  # noqa: SIM115 - closed in stop_all
+            self.logs[host] = open(self.workdir / f"{host}.log", "ab")  # closed in stop_all
         log = self.logs[host]
         log.write(f"--- {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()

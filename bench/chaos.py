@@ -69,14 +69,14 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules
 
-from _chaos_cluster import WORKER_PORT, Cluster, http, shipped_redis_args, wait_tcp  # noqa: E402
-from _chaos_figures import HitSample, between, hit_rate, outcome, recovery_s, tally  # noqa: E402
-from _chaos_load import LoadRun, run_load  # noqa: E402
-from _chaos_workload import SessionLoad, SessionTrace, session_trace  # noqa: E402
-from _netns import Lab, netns_usable, run_name, sweep_stale  # noqa: E402
+from _chaos_cluster import WORKER_PORT, Cluster, http, shipped_redis_args, wait_tcp
+from _chaos_figures import HitSample, between, hit_rate, outcome, recovery_s, tally
+from _chaos_load import LoadRun, run_load
+from _chaos_workload import SessionLoad, SessionTrace, session_trace
+from _netns import Lab, netns_usable, run_name, sweep_stale
 
-from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, LOAD_PATH  # noqa: E402
-from deepinfer_gateway.workload.synthesis import PromptSynthesizer  # noqa: E402
+from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, LOAD_PATH
+from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 
 GATEWAYS = ("gw1", "gw2")
 WORKERS = ("w1", "w2", "w3", "w4")
@@ -188,7 +188,7 @@ class ChaosRun:
             try:
                 load["run"] = run_load([self.cluster.url(g) for g in GATEWAYS], self.keys["load"], self.st,
                                        self.synthesizer, stop, tl.start)
-            except BaseException as exc:  # noqa: BLE001 - raised again by the main thread
+            except BaseException as exc:  # raised again by the main thread
                 failure.append(exc)
                 tl.ready.set()
 

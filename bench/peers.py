@@ -100,19 +100,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench scripts
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/ (the vLLM server fixture's code)
 
-from peer_venvs import PEER_ROUTERS, ensure_venv  # noqa: E402
-from policies import memory_blocks_for  # noqa: E402
-from repeat_stats import summarise  # noqa: E402
+from peer_venvs import PEER_ROUTERS, ensure_venv
+from policies import memory_blocks_for
+from repeat_stats import summarise
 
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port, wait_for_port  # noqa: E402
-from deepinfer_gateway.loadgen.replay import ReplayConfig  # noqa: E402
-from deepinfer_gateway.loadgen.run import BenchConfig, run_bench  # noqa: E402
-from deepinfer_gateway.protocol import DEFAULT_MODEL  # noqa: E402
-from deepinfer_gateway.workload.oracle import oracle_hit_rate  # noqa: E402
-from deepinfer_gateway.workload.traces import load_trace  # noqa: E402
-from deepinfer_gateway.workload.types import read_records  # noqa: E402
-from tests.vllm_server import KV_TOPIC, VllmServer  # noqa: E402
-from tests.vllm_venv import ensure_vllm_venv  # noqa: E402
+from deepinfer_gateway.launch import Gateway, SimCluster, free_port, wait_for_port
+from deepinfer_gateway.loadgen.replay import ReplayConfig
+from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
+from deepinfer_gateway.protocol import DEFAULT_MODEL
+from deepinfer_gateway.workload.oracle import oracle_hit_rate
+from deepinfer_gateway.workload.traces import load_trace
+from deepinfer_gateway.workload.types import read_records
+from tests.vllm_server import KV_TOPIC, VllmServer
+from tests.vllm_venv import ensure_vllm_venv
 
 DEFAULT_TRACE = "mooncake:conversation"
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:ascend950"

@@ -53,7 +53,7 @@ class _NoopSpan:
     def is_recording(self) -> bool:
         return False
 
-    def __enter__(self) -> _NoopSpan:  # noqa: PYI034
+    def __enter__(self) -> _NoopSpan:
         return self
 
     def __exit__(self, *exc: object) -> None:

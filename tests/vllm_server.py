@@ -138,7 +138,7 @@ class VllmServer:
             TRANSFORMERS_OFFLINE="1",
         )
         env.pop("PYTHONHASHSEED", None)
-        log = open(self.workdir / "vllm.log", "ab")  # noqa: SIM115 -- the process owns it until stop()
+        log = open(self.workdir / "vllm.log", "ab")  # the process owns it until stop()
         began = time.monotonic()
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

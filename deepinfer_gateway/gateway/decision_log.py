@@ -52,7 +52,7 @@ class DecisionLog:
     one gateway may share the file; each line is one write)."""
 
     def __init__(self, path: str):
-        self._file: IO[bytes] = open(path, "ab", buffering=0)  # noqa: SIM115 - held for the process's life
+        self._file: IO[bytes] = open(path, "ab", buffering=0)  # held for the process's life
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(orjson.dumps(record) + b"\n")

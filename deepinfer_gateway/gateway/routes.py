@@ -217,7 +217,7 @@ class ClientRoutes:
                                          session_key=session_key(request))
             response = await unless_disconnected(request, serving)
             return response if pending is None else await state.responses.capture(pending, response)
-        except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
+        except Exception as exc:  # any failure is answered in the protocol's error JSON
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
             return self.refuse(str(protocol), protocol, model, self.caught(exc, request_id), request_id)
@@ -237,7 +237,7 @@ class ClientRoutes:
             if not may_use(key, model, counted.requested_model):
                 raise Forbidden(f"This API key may not use model {counted.requested_model}.")
             headers, _ = await admit(gateway_state(request), key, 0)
-        except Exception as exc:  # noqa: BLE001 -- any failure is answered in the protocol's error JSON
+        except Exception as exc:  # any failure is answered in the protocol's error JSON
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
             return self.refuse(COUNT_TOKENS, ApiProtocol.MESSAGES, model, self.caught(exc, request_id), request_id)

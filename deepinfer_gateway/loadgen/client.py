@@ -172,7 +172,7 @@ class ProtocolClient:
         except asyncio.CancelledError:
             record.status, record.error = "error", RecordError.CANCELLED
             raise
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a record
+        except Exception as exc:  # every failure becomes a record
             record.status = "error"
             record.error, status = classify(exc)
             record.http_status = status or record.http_status

@@ -39,7 +39,7 @@ class Mirror:
         mirror = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 mirror.hits[self.path] = mirror.hits.get(self.path, 0) + 1
                 body = mirror.files.get(self.path)
                 self.send_response(200 if body is not None else 404)

@@ -11,13 +11,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import _chaos_cluster as cluster  # noqa: E402
-import _chaos_figures as figures  # noqa: E402
-import _chaos_load as load  # noqa: E402
-import _chaos_workload as workload  # noqa: E402
-import _netns as netns  # noqa: E402
+import _chaos_cluster as cluster
+import _chaos_figures as figures
+import _chaos_load as load
+import _chaos_workload as workload
+import _netns as netns
 
-from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest  # noqa: E402
+from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
 
 # ------------------------------------------------------------------ hosts
 

@@ -74,7 +74,7 @@ class KvHandoffs:
         try:
             for key, data in zip(keys, blocks, strict=True):
                 self.store.put(key, data, expires_at)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise HandoffError(f"KV store write failed: {exc!r}") from exc
         if full:
             self._events.append(KvEventKind.STORED, KvTier.STORE, full, expires_at)

@@ -140,7 +140,7 @@ class Stepper:
             self._llm = self._engine_cls.from_engine_args(args)
             if self._role is not Role.UNIFIED:
                 self._transfer.check(self._llm)
-        except BaseException as exc:  # noqa: BLE001 - reported to start() on the loop
+        except BaseException as exc:  # reported to start() on the loop
             self.start_error = exc
             self._fail_commands(ErrorKind.ENGINE, f"engine failed to start: {exc!r}")
             self._close_engine()
