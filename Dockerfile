@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1.7
 # DeepInfer Gateway image: one image for every role.
 #
 #   docker build -t deepinfer-gateway:local .
@@ -16,6 +15,11 @@
 #   PYTHON_VERSION  e.g. 3.12 (DeepInfer's version): python:<version>-slim-bookworm by tag,
 #                   unpinned, or a local image of that name (the gateway needs >= 3.11)
 #   EXTRAS          optional extras of the package, e.g. "[bench]" (locked too)
+# No `# syntax=` line: BuildKit's built-in frontend builds this file (RUN --mount included),
+# so a build fetches no frontend image; with the base image local and deploy/wheels filled,
+# it needs no registry at all.
+# As PID 1 (no init in the container) the entrypoint is its own init: it passes stop signals
+# on and reaps orphans (deepinfer_gateway/container_init.py).
 # Dependencies come from requirements.lock (exact versions and hashes; docs/deploy.md says
 # how to regenerate it). Wheels that are not on your index (air-gapped sites) can be
 # dropped into deploy/wheels/ before the build: the builder looks there first, and their

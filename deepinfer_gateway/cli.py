@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from deepinfer_gateway import container_init
 from deepinfer_gateway.cli_commands import (
     DEMO_TOPOLOGIES,
     cmd_bench,
@@ -243,6 +244,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from deepinfer_gateway.config import ConfigError
 
+    init_status = container_init.become_init_if_pid1()  # PID 1 in a container: the init, the command in a child
+    if init_status is not None:
+        return init_status
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.log_level not in LOG_LEVELS:  # from DGW_LOG_LEVEL, which argparse does not check

@@ -12,6 +12,8 @@ import re
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,6 +115,20 @@ def redis_key(redis_url: str) -> Iterator[str]:
     yield key
     client.delete(name)
     client.close()
+
+
+def test_compose_gateway_healthcheck_passes_on_a_gateway_and_fails_without_one(shipped_gateway: str) -> None:
+    """The compose gateways' healthcheck command, run as Docker would (its port moved to the
+    loopback gateway's)."""
+    test = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["gateway-1"]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "python"]
+
+    def check(port: int | str) -> int:
+        argv = [sys.executable, *(a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in test[2:])]
+        return subprocess.run(argv, capture_output=True, timeout=30).returncode
+
+    assert check(shipped_gateway.rsplit(":", 1)[1]) == 0
+    assert check(free_port()) != 0
 
 
 def test_shipped_gateway_refuses_without_a_key_and_serves_a_key_from_redis(shipped_gateway: str,

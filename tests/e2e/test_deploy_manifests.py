@@ -340,6 +340,19 @@ def test_dockerfile_multistage_nonroot_healthcheck_entrypoint() -> None:
     assert parse_cli(["warm-cache"]).command == "warm-cache"
 
 
+def test_dockerfile_has_no_parser_directive() -> None:
+    """No `# syntax=` (nor any directive): BuildKit's built-in frontend builds it, no frontend
+    image is pulled, and an air-gapped build with deploy/wheels needs no registry."""
+    text = (ROOT / "Dockerfile").read_text()
+    leading = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        leading.append(line)
+    assert not [line for line in leading if re.match(r"#\s*\w+\s*=", line)], leading[:3]
+    assert "syntax=" not in text.replace("`# syntax=`", "")
+
+
 def _build_arg_value(text: str, args: dict[str, str]) -> str:
     """Dockerfile substitution of the forms the global ARGs use: ${A}, ${A:-word}, ${A:+word}."""
     def one(m: re.Match[str]) -> str:
@@ -426,6 +439,25 @@ def test_compose_services_and_images() -> None:
         assert svc.get("image") or svc.get("build"), name
         for dep in svc.get("depends_on", {}) or {}:
             assert dep in services, f"{name} depends on unknown service {dep}"
+
+
+def test_compose_services_waited_on_as_healthy_state_their_own_healthcheck() -> None:
+    """`service_healthy` on a service whose healthcheck comes only from its image never holds
+    for an image built without one (OCI format): every such service states it in compose."""
+    for files in ([COMPOSE_FILE], [COMPOSE_FILE, UNIFIED_OVERRIDE]):
+        services: dict[str, Any] = {}
+        for f in files:
+            for name, svc in yaml.safe_load(f.read_text())["services"].items():
+                services[name] = {**services.get(name, {}), **svc}
+        waited = {dep for svc in services.values() if isinstance(svc.get("depends_on"), dict)
+                  for dep, cond in svc["depends_on"].items() if (cond or {}).get("condition") == "service_healthy"}
+        assert {"gateway-1", "gateway-2", "redis"} <= waited
+        for name in waited:
+            test = services[name]["healthcheck"]["test"]
+            assert test[0] in ("CMD", "CMD-SHELL"), (name, test)
+        for gateway in ("gateway-1", "gateway-2"):
+            test = services[gateway]["healthcheck"]["test"]
+            assert test[:3] == ["CMD", "python", "-c"] and f"127.0.0.1:{GATEWAY_PORT}/health" in test[3]
 
 
 def test_compose_commands_are_real_cli_invocations() -> None:
