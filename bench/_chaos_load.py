@@ -25,7 +25,7 @@ from typing import overload
 
 from _chaos_workload import SessionTrace
 
-from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient
+from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
 from deepinfer_gateway.loadgen.replay import ReplayConfig, replay
 from deepinfer_gateway.loadgen.run import detect_model
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
@@ -52,9 +52,10 @@ class TrackedClient(ProtocolClient):
         super().__init__(config)
         self.refused: set[int] = set()  # id() of their records
 
-    async def _chat(self, prompt: str, max_tokens: int, record: RequestRecord) -> AsyncIterator[None]:
+    async def _chat(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                    headers: dict[str, str] | None) -> AsyncIterator[str | None]:
         try:
-            async for chunk in super()._chat(prompt, max_tokens, record):
+            async for chunk in super()._chat(turns, max_tokens, record, headers):
                 yield chunk
         except Exception as exc:
             if never_connected(exc):
