@@ -1,6 +1,8 @@
 """Shipped deployments, run for real on loopback: a gateway process started from a deploy
-file's own config and environment (only host, port, Redis URL and worker addresses moved to
-loopback), real Redis, a real simulated cluster, the real SDKs as clients."""
+file's own config and environment (only host, port, Redis URL, worker addresses and the
+mounted Secrets' paths moved to loopback and temporary files), a real Redis started with the
+shipped redis.conf and a password, a real simulated cluster that requires the worker token,
+the real SDKs as clients."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import yaml
 
 from deepinfer_gateway.config import load_settings
 from deepinfer_gateway.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
+from deepinfer_gateway.redis_process import RedisProcess
+from tests.conftest import _require_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -51,15 +55,38 @@ def _compose_gateway() -> tuple[Path, dict[str, str]]:
 SHIPPED = {"k8s": _k8s_gateway, "compose": _compose_gateway}
 
 
+REDIS_PASSWORD = "e2e-" + secrets.token_hex(8)
+WORKER_TOKEN = "e2e-" + secrets.token_hex(8)
+
+
 @pytest.fixture(scope="module")
-def pd_cluster() -> Iterator[SimCluster]:
-    cluster = SimCluster(PD_WORKERS, time_scale=20.0)
+def secret_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The mounted Secrets' files: the Redis password and the worker token."""
+    tmp = tmp_path_factory.mktemp("secrets-mounted")
+    (tmp / "redis-password").write_text(REDIS_PASSWORD + "\n")
+    (tmp / "worker-token").write_text(WORKER_TOKEN + "\n")
+    return {"DGW_REDIS_PASSWORD_FILE": str(tmp / "redis-password"), "DGW_WORKER_TOKEN_FILE": str(tmp / "worker-token")}
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """Redis as shipped: deploy/k8s/redis.conf, a password."""
+    _require_redis_server()
+    with RedisProcess(password=REDIS_PASSWORD, config_file=K8S / "redis.conf") as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(secret_files: dict[str, str]) -> Iterator[SimCluster]:
+    cluster = SimCluster(PD_WORKERS, time_scale=20.0,
+                         env={"DGW_WORKER_TOKEN_FILE": secret_files["DGW_WORKER_TOKEN_FILE"]})
     yield cluster
     cluster.stop()
 
 
 @pytest.fixture(scope="module", params=sorted(SHIPPED))
 def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redis_url: str,
+                    secret_files: dict[str, str],
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A shipped gateway config with its deploy file's environment (the k8s Deployment's, the
     compose service's); the worker URLs point at loopback workers of the same role and
@@ -77,6 +104,8 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     config.write_text(text)
     port = free_port()
     env = {**shipped_env, "DGW_HOST": "127.0.0.1", "DGW_PORT": str(port), "DGW_REDIS_URL": redis_url}
+    assert set(secret_files) <= set(env), "the deploy file mounts the Redis password and the worker token"
+    env.update(secret_files)
     if "DGW_SECRETS_DIR" in env:  # the optional key Secret, not created: an empty mount
         env["DGW_SECRETS_DIR"] = str(tmp_path_factory.mktemp("secrets"))
     proc = Proc(CLI + ["serve", "--config", str(config)], env=env)
@@ -110,7 +139,7 @@ def redis_key(redis_url: str) -> Iterator[str]:
     """A fresh API key stored in Redis the way docs/deploy.md says to add one."""
     key = "dgw-" + secrets.token_urlsafe(16)
     name = f"dgw:apikey:{hashlib.sha256(key.encode()).hexdigest()}"
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(redis_url, password=REDIS_PASSWORD)
     client.hset(name, mapping={"name": "e2e-deploy", "workload_class": "chat"})
     yield key
     client.delete(name)
@@ -213,3 +242,16 @@ def test_sigterm_turns_ready_503_while_a_stream_in_flight_completes(tmp_path: Pa
     finally:
         gateway.stop()
         cluster.stop()
+
+
+def test_shipped_workers_refuse_calls_without_the_gateway_token(shipped_gateway: str, pd_cluster: SimCluster) -> None:
+    """The gateway reached every worker with the mounted token (all healthy); a caller without it does not."""
+    from deepinfer_gateway.protocol import INFO_PATH
+
+    for url in pd_cluster.urls:
+        host = url.split("//")[1]
+        for headers in ({}, {"authorization": "Bearer not-the-token"}):
+            conn = http.client.HTTPConnection(host, timeout=5)
+            conn.request("GET", INFO_PATH, headers=headers)
+            assert conn.getresponse().status == 401
+            conn.close()

@@ -47,6 +47,7 @@ KNOWN_API_VERSIONS = {
     "Namespace": "v1", "Service": "v1", "ConfigMap": "v1", "ServiceAccount": "v1",
     "Deployment": "apps/v1", "StatefulSet": "apps/v1",
     "HorizontalPodAutoscaler": "autoscaling/v2", "PodDisruptionBudget": "policy/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
 }
 
 
@@ -645,6 +646,8 @@ def test_k8s_workers_are_addressable_and_listed_in_gateway_config(monkeypatch: p
     services = {s["metadata"]["name"]: s for s in by_kind("Service")}
     expected_urls: dict[str, tuple[str, str]] = {}
     for sts in by_kind("StatefulSet"):
+        if pod_labels(sts)["app.kubernetes.io/component"] != "worker":
+            continue  # Redis
         name = sts["metadata"]["name"]
         headless = services[sts["spec"]["serviceName"]]
         assert headless["spec"]["clusterIP"] == "None"
@@ -713,7 +716,94 @@ def test_kubectl_kustomize_when_client_available() -> None:
     result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
-    (config_map,) = [d for d in rendered if d["kind"] == "ConfigMap"]
+    (config_map,) = [d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("gateway-")]
     assert config_map["metadata"]["name"].startswith("gateway-config-")
+    (redis_config,) = [d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("redis-")]
+    (redis_sts,) = [d for d in rendered if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "redis"]
+    mounted = redis_sts["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "config", "configMap": {"name": redis_config["metadata"]["name"]}} in mounted
+    assert "appendonly yes" in redis_config["data"]["redis.conf"]
     assert all(d["metadata"].get("namespace") == "deepinfer-gateway" for d in rendered if d["kind"] != "Namespace")
     tomllib.loads(config_map["data"]["gateway.toml"])
+
+
+# ------------------------------------------------------------------------------ durable, closed
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _secret_mounted_at(workload: dict[str, Any], container: dict[str, Any], path: str) -> str | None:
+    """The Secret whose whole-volume mount holds file `path` in the container, if any."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"] + "/") and "subPath" not in mount:
+            secret = volumes[mount["name"]].get("secret")
+            return None if secret is None else str(secret["secretName"])
+    return None
+
+
+def test_k8s_redis_is_durable_and_requires_the_password() -> None:
+    (sts,) = [s for s in by_kind("StatefulSet") if s["metadata"]["name"] == "redis"]
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["args"][:2] == ["redis-server", "/etc/redis/redis.conf"]
+    assert c["args"][2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert _env(c)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    assert _env(c)["REDISCLI_AUTH"] == _env(c)["REDIS_PASSWORD"]  # the probe authenticates
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in c["volumeMounts"]
+    conf = (K8S / "redis.conf").read_text()
+    assert re.search(r"(?m)^appendonly yes$", conf) and re.search(r"(?m)^appendfsync everysec$", conf)
+    assert re.search(r"(?m)^maxmemory-policy volatile-", conf)  # keys without a TTL are never evicted
+
+
+def test_k8s_gateways_and_workers_share_the_token_and_gateways_the_password() -> None:
+    seen = set()
+    for workload in by_kind("Deployment") + by_kind("StatefulSet"):
+        for c in workload["spec"]["template"]["spec"]["containers"]:
+            if not c["image"].startswith("deepinfer-gateway"):
+                continue
+            env = _env(c)
+            command = parse_cli(c["args"]).command
+            seen.add(command)
+            assert env["DGW_WORKER_TOKEN_FILE"] == "/run/secrets/worker-token/tokens"
+            assert _secret_mounted_at(workload, c, env["DGW_WORKER_TOKEN_FILE"]) == "worker-token"
+            if command == "serve":
+                assert env["DGW_REDIS_URL"].startswith("redis://redis:")
+                assert _secret_mounted_at(workload, c, env["DGW_REDIS_PASSWORD_FILE"]) == "redis-auth"
+    assert seen == {"serve", "worker"}
+
+
+def test_k8s_network_policies_close_redis_and_the_workers() -> None:
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind("NetworkPolicy")}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    gateway = pod_labels(next(d for d in by_kind("Deployment") if d["metadata"]["name"] == "gateway"))
+    redis_pod = pod_labels(next(s for s in by_kind("StatefulSet") if s["metadata"]["name"] == "redis"))
+    workers = [pod_labels(s) for s in by_kind("StatefulSet") if s["metadata"]["name"] != "redis"]
+    for target, port in [(redis_pod, 6379)] + [(w, WORKER_PORT) for w in workers]:
+        admitting = [p for p in policies.values() if selects(p["podSelector"].get("matchLabels", {}), target)
+                     and p.get("ingress")]
+        assert admitting, target
+        for policy in admitting:
+            for rule in policy["ingress"]:
+                assert [r["podSelector"]["matchLabels"] for r in rule["from"]] == [
+                    {k: gateway[k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/component")}]
+                assert [p["port"] for p in rule["ports"]] == [port]
+    (open_rule,) = policies["gateway"]["ingress"]
+    assert "from" not in open_rule and [p["port"] for p in open_rule["ports"]] == [8000]  # clients, Prometheus
+
+
+def test_compose_redis_is_durable_and_closed() -> None:
+    doc = yaml.safe_load(COMPOSE_FILE.read_text())
+    services = doc["services"]
+    redis_svc = services["redis"]
+    assert "./k8s/redis.conf:/usr/local/etc/redis/redis.conf:ro" in redis_svc["volumes"]
+    assert "redis-data:/data" in redis_svc["volumes"] and "redis-data" in doc["volumes"]
+    assert "--requirepass" in redis_svc["command"][-1] and "/run/dgw-secrets/redis-password" in redis_svc["command"][-1]
+    for name, svc in services.items():
+        if "deepinfer-gateway" not in str(svc.get("image", "")):
+            continue
+        assert svc["environment"]["DGW_WORKER_TOKEN_FILE"] == "/run/dgw-secrets/worker-token", name
+        assert "dgw-secrets:/run/dgw-secrets:ro" in svc["volumes"], name
+        if name.startswith("gateway-"):
+            assert svc["environment"]["DGW_REDIS_PASSWORD_FILE"] == "/run/dgw-secrets/redis-password"
