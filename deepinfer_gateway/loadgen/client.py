@@ -50,8 +50,8 @@ class ClientConfig:
     max_connections: int = 1024
     request_timeout_s: float = 600.0
     ignore_eos: bool = False
-    # chat only: the SSE stream is read here (httpx + orjson) instead of by the SDK, whose
-    # per-chunk model construction costs ~10x more client CPU: where the load generator
+    # chat only: the SSE stream is read here (aiohttp + orjson) instead of by the SDK, whose
+    # per-chunk model construction costs several times more client CPU: where the load generator
     # shares a few cores with the server under test, its own stalls would count as TTFT.
     lean: bool = False
 
@@ -137,14 +137,16 @@ class ProtocolClient:
         if config.lean:
             if config.protocol != "chat":
                 raise ValueError("the lean client speaks the chat protocol only")
-            import httpx
+            import aiohttp
 
-            self._lean = _http_client(config, httpx.AsyncClient)
+            self._lean = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=config.max_connections),
+                timeout=aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=30.0))
 
     async def aclose(self) -> None:
         await self._sdk.close()
         if self._lean is not None:
-            await self._lean.aclose()
+            await self._lean.close()
 
     async def send(self, prompt: str, max_tokens: int, record: RequestRecord) -> None:
         """Run one streamed request, filling `record`; never raises except CancelledError."""
@@ -209,27 +211,26 @@ class ProtocolClient:
 
     async def _chat_lean(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
                          headers: dict[str, str] | None) -> AsyncIterator[str | None]:
-        """`_chat` without the SDK: the same request body, SSE `data:` lines parsed with orjson."""
+        """`_chat` without the SDK: the same request body over aiohttp (C HTTP parser), SSE
+        `data:` lines parsed with orjson."""
         import orjson
 
         body = {"model": self.config.model, "messages": [{"role": t.role, "content": t.text} for t in turns],
                 "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
                 **self._extra()}
-        request = self._lean.build_request(
-            "POST", self.config.root + "/v1/chat/completions", content=orjson.dumps(body),
-            headers={"content-type": "application/json", "authorization": f"Bearer {self.config.api_key}",
-                     **(headers or {})})
-        response = await self._lean.send(request, stream=True)
-        try:
-            record.http_status = response.status_code
+        async with self._lean.post(
+                self.config.root + "/v1/chat/completions", data=orjson.dumps(body),
+                headers={"content-type": "application/json", "authorization": f"Bearer {self.config.api_key}",
+                         **(headers or {})}) as response:
+            record.http_status = response.status
             record.worker = response.headers.get(WORKER_HEADER)
-            if response.status_code != 200:
-                raise HttpStatusError(response.status_code, (await response.aread())[:300].decode(errors="replace"))
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            if response.status != 200:
+                raise HttpStatusError(response.status, (await response.read())[:300].decode(errors="replace"))
+            async for line in response.content:
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = orjson.loads(data)
                 if "error" in chunk:
@@ -243,8 +244,6 @@ class ProtocolClient:
                         yield delta.get("content") or ""
                     elif delta.get("reasoning_content"):
                         yield None
-        finally:
-            await response.aclose()
 
     async def _responses(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
                          headers: dict[str, str] | None) -> AsyncIterator[str | None]:

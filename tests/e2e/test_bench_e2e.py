@@ -82,5 +82,6 @@ def test_lean_client_records_what_the_sdk_records(gateway, tmp_path: Path) -> No
     for a, b in zip(sdk_records, lean_records, strict=True):
         assert (b.prompt_tokens, b.output_tokens, b.http_status) == (a.prompt_tokens, a.output_tokens, 200)
         assert b.output_tokens == b.expected_output_tokens and b.cached_tokens is not None
-        assert b.worker and b.ttft_s is not None and len(b.itl_s) == len(a.itl_s)
+        # chunk counts may differ: the sim groups tokens of back-to-back steps by timing
+        assert b.worker and b.ttft_s is not None and b.reasoning == a.reasoning
     assert lean["client_cpu"]["per_request_ms"] < sdk["client_cpu"]["per_request_ms"]
