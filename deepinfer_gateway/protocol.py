@@ -105,6 +105,7 @@ class Sampling(_Model):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)  # no EOS before this many tokens (vLLM's extension; not in DeepInfer)
     ignore_eos: bool = False
     top_logprobs: int = Field(0, ge=0, le=1000)
     logprobs: bool = False

@@ -98,6 +98,8 @@ def completion_body(model: str, prompt: str, sampling: dict[str, Any], max_token
         body["top_k"] = sampling["top_k"]
     if sampling.get("ignore_eos"):
         body["ignore_eos"] = True
+    if sampling.get("min_tokens"):
+        body["min_tokens"] = sampling["min_tokens"]  # a server without it refuses: the client gets its 400
     if sampling.get("seq_seed") is not None:
         body["seed"] = sampling["seq_seed"]
     if stop:

@@ -108,6 +108,8 @@ def completion_body(model: str, token_ids: list[int], sampling: dict[str, Any], 
         body["top_k"] = sampling["top_k"]
     if sampling.get("ignore_eos"):
         body["ignore_eos"] = True
+    if sampling.get("min_tokens"):
+        body["min_tokens"] = sampling["min_tokens"]
     if sampling.get("seq_seed") is not None:
         body["seed"] = sampling["seq_seed"]
     if sampling.get("stop_token_ids"):

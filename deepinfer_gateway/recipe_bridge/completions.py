@@ -59,6 +59,7 @@ class CompletionRequest(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     ignore_eos: StrictBool = False  # vLLM/SGLang extension (benchmarks)
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM/SGLang extension
 
 
 class CompletionRefused(Exception):

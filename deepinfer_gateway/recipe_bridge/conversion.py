@@ -37,7 +37,7 @@ def conversion_options(config: BridgeConfig, names: tuple[str, ...], thinking: b
     return options.with_model_versions_by_name({name: dr.ModelVersion.DeepseekV41Flash for name in names})
 
 
-def sampling_of(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool) -> Sampling:
+def sampling_of(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool, min_tokens: int = 0) -> Sampling:
     opts = conv.inference_options
     constraint = opts.output_constraint
     so_args = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
@@ -50,13 +50,25 @@ def sampling_of(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool)
         seq_seed=opts.seed,
         so_args=so_args,
         ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
+
+
+def min_tokens_of(value: Any, max_tokens: int) -> int:
+    """`min_tokens` (vLLM/SGLang extension): an integer from 0 to the request's max_tokens."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_tokens:
+        raise BridgeError(400, f"min_tokens must be an integer from 0 to max_tokens ({max_tokens}).",
+                          param="min_tokens")
+    return value
 
 
 # Top-level fields deepseek-recipe does not surface. The body is parsed in Python only when
 # one of them may be present: a 500 kB conversation costs ~0.7 ms to parse, and the
 # library parses it anyway. (`"user":` not `"user"`: every chat has `"role": "user"`.)
-_EXTRA_KEYS = (b'"stream_options"', b'"user":', b'"user" :', b'"ignore_eos"', b'"max_completion_tokens"')
+_EXTRA_KEYS = (b'"stream_options"', b'"user":', b'"user" :', b'"ignore_eos"', b'"max_completion_tokens"',
+               b'"min_tokens"')
 
 
 class RawBody:

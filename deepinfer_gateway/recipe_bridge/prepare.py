@@ -23,7 +23,14 @@ from deepinfer_gateway.errors import BridgeError
 from deepinfer_gateway.model_catalog import ModelCatalog
 from deepinfer_gateway.protocol import Sampling
 from deepinfer_gateway.recipe_bridge import completions as legacy
-from deepinfer_gateway.recipe_bridge.conversion import RawBody, RefusalsOf, conversion_options, convert, sampling_of
+from deepinfer_gateway.recipe_bridge.conversion import (
+    RawBody,
+    RefusalsOf,
+    conversion_options,
+    convert,
+    min_tokens_of,
+    sampling_of,
+)
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
 from deepinfer_gateway.recipe_bridge.offload import OFFLOAD_BODY_BYTES, OFFLOAD_ENV, PrepareOffload, parse_offload
@@ -90,7 +97,8 @@ class RequestPreparer:
             conversation=conv,
             token_ids=token_ids,
             # `ignore_eos` (vLLM/SGLang extension): benchmarks replaying a trace's output lengths.
-            sampling=sampling_of(conv, max_tokens, parsed.get("ignore_eos") is True),
+            sampling=sampling_of(conv, max_tokens, parsed.get("ignore_eos") is True,
+                                 min_tokens_of(parsed.get("min_tokens"), max_tokens)),
             stream=conv.stream,
             include_usage=include_usage,
             responses_echo=echo,
@@ -143,6 +151,7 @@ class RequestPreparer:
             top_logprobs=request.logprobs or 0,
             seq_seed=request.seed,
             ignore_eos=request.ignore_eos,
+            min_tokens=min_tokens_of(request.min_tokens, max_tokens),
         )
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return PreparedRequest(

@@ -221,6 +221,9 @@ class DeepInferEngine:
             return self._refused(request, ErrorKind.ENGINE, "engine failed; worker is unhealthy")
         if self._stopping:
             return self._refused(request, ErrorKind.SHUTTING_DOWN, "worker is shutting down")
+        if request.sampling.min_tokens:
+            return self._refused(request, ErrorKind.INVALID_REQUEST,
+                                 "min_tokens is not supported by DeepInfer workers (SamplingParams has no minimum)")
         if request.request_id in self._streams:
             return self._refused(request, ErrorKind.INVALID_REQUEST, f"request id {request.request_id!r} is in flight")
         return None

@@ -17,7 +17,7 @@ unmatched regex gets plain text); `ebnf` is ignored.
 
 The output ends where the model would emit EOS (finish `stop`; like every stop token,
 EOS itself is not streamed) unless `max_tokens` cuts it (`length`); `ignore_eos` pads
-the answer out to `max_tokens`. Variants are picked by a hash of
+the answer out to `max_tokens`, `min_tokens` to at least that many tokens. Variants are picked by a hash of
 (prompt, seed), so a retry on another worker produces the same text. Each distinct
 text is tokenized once and cached.
 """
@@ -124,9 +124,11 @@ class OutputPlanner:
         shape = read_tail(self._detok.decode(prompt[-TAIL_TOKENS:]))
         pick = _picker(prompt, sampling.seq_seed)
         ids = list(self._encode(self._text(shape, sampling, pick)))
-        if sampling.ignore_eos:
+        # ignore_eos pads the answer to max_tokens, min_tokens to its minimum (no EOS before it).
+        length = sampling.max_tokens if sampling.ignore_eos else sampling.min_tokens
+        if len(ids) < length:
             filler = self._encode(" " + pick(_ANSWERS))
-            while len(ids) < sampling.max_tokens:
+            while len(ids) < length:
                 ids.extend(filler)
         # The EOS that would follow is not part of the plan: stop tokens are not streamed.
         if len(ids) >= sampling.max_tokens:
