@@ -33,6 +33,7 @@ from pydantic_settings import (
 from deepinfer_gateway.config_models import (
     DEFAULT_HARDWARE_COSTS,
     ApiKey,
+    DiscoverySpec,
     GatewaySettings,
     HardwareCost,
     HealthSettings,
@@ -46,7 +47,7 @@ from deepinfer_gateway.router.policy_config import POLICIES
 
 __all__ = [
     "DEFAULT_HARDWARE_COSTS", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "PROCESS_ENV", "SECRETS_DIR_ENV",
-    "ApiKey", "ConfigError", "GatewaySettings", "HardwareCost", "HealthSettings", "ImageSettings",
+    "ApiKey", "ConfigError", "DiscoverySpec", "GatewaySettings", "HardwareCost", "HealthSettings", "ImageSettings",
     "RouterSettings", "TracingSettings", "WorkerEngine", "WorkerSpec",
     "env_name", "load_settings", "unknown_environment",
 ]

@@ -99,6 +99,61 @@ class WorkerSpec(_Frozen):
         return self.id or self.url.split("://", 1)[1]
 
 
+class DiscoverySpec(_Frozen):
+    """Workers found by DNS (gateway/discovery.py): every address of `name`, re-resolved every `interval_s`."""
+
+    name: str = Field(
+        min_length=1,
+        description="DNS name whose addresses are the workers: a headless Service "
+                    "(dgw-decode.dgw.svc.cluster.local) or a compose service (worker-decode); with srv, an SRV name "
+                    "(_http._tcp.dgw-decode.dgw.svc.cluster.local) whose records give each worker's host and port.")
+    srv: bool = Field(False, description="Look up SRV records (host and port per worker) instead of A/AAAA.")
+    port: int = Field(8100, ge=1, le=65535, description="Worker port for A/AAAA addresses (ignored with srv).")
+    scheme: Literal["http", "https"] = Field("http", description="Scheme of the worker URLs.")
+    interval_s: float = Field(5.0, gt=0, description="Seconds between two resolutions of the name.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0,
+        description="A vanished address takes no new request; its requests in flight get this long to finish "
+                    "before it is removed (match the pods' terminationGracePeriodSeconds).")
+    engine: WorkerEngine = Field(
+        WorkerEngine.DGW,
+        description="dgw: each new address is probed at /v1/worker/info for role, hardware and KV format; vllm, "
+                    "openai: role and hardware come from here, the health checks probe /v1/models.")
+    model: str = Field("", description="vllm, openai: served model name to request; empty: the first of /v1/models.")
+    kv_events_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="vllm: port of each worker's KV events publisher (tcp://ADDRESS:PORT); none: no KV events.")
+    role: Role | None = Field(None, description="Role of every worker found; none: the role each worker reports.")
+    hardware: Hardware | None = Field(
+        None, description="Hardware of every worker found; none: the hardware each worker reports.")
+    pool: str = Field("", description="Pool of every worker found; empty: its role's default pool.")
+    nameservers: tuple[str, ...] = Field(
+        (),
+        description='Resolvers to ask, "IP" or "IP:PORT" (tests: a dnsmasq on a loopback port); empty: the '
+                    "system's (/etc/resolv.conf, with its search domains).")
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for server in v:
+            host, _, port = server.rpartition(":") if server.count(":") == 1 else (server, "", "")
+            if not host or (port and not port.isdigit()):
+                raise ValueError(f'nameserver {server!r}: expected "IP" or "IP:PORT"')
+        return v
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> DiscoverySpec:
+        if self.engine is not WorkerEngine.DGW and self.hardware is None:
+            raise ValueError("a vllm or openai pool reports no hardware: set hardware")
+        if self.engine is WorkerEngine.OPENAI and self.role not in (None, Role.UNIFIED):
+            raise ValueError("an openai worker serves whole requests: role must be unified")
+        if self.engine is WorkerEngine.DGW and self.model:
+            raise ValueError("model applies to vllm and openai workers only")
+        if self.engine is not WorkerEngine.VLLM and self.kv_events_port is not None:
+            raise ValueError("kv_events_port applies to vllm workers only")
+        return self
+
+
 class HealthSettings(_Frozen):
     interval_s: float = Field(1.0, gt=0, description="Seconds between health checks of each worker.")
     failures_to_eject: int = Field(2, ge=1, description="Consecutive failed checks that take a worker out.")
@@ -249,6 +304,8 @@ class GatewaySettings(_Frozen):
         3.0, ge=0,
         description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
     workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")
+    discovery: tuple[DiscoverySpec, ...] = Field(
+        (), description="DNS names whose addresses are workers, followed as pools scale (docs/deploy.md).")
     max_attempts: int = Field(3, ge=1, description="Tries on other workers before the first token reaches the client.")
     router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
     admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")

@@ -46,7 +46,8 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
         state = gateway_state(request)
         return JSONResponse({"workers": [
             {"id": w.worker_id, "url": w.url, "role": str(w.spec.role), "hardware": str(w.spec.hardware),
-             "pool": w.pool, "kv_format": w.kv_format, "healthy": w.healthy, "inflight": w.inflight,
+             "pool": w.pool, "kv_format": w.kv_format, "healthy": w.healthy, "draining": w.draining,
+             "inflight": w.inflight,
              "consecutive_failures": w.consecutive_failures, "kv_events_cursor": state.feeder.cursor(w.worker_id),
              "load": w.load.model_dump(mode="json") if w.load else None}
             for w in state.registry.workers.values()]})

@@ -64,10 +64,12 @@ class AdminSnapshot:
         return not self.kept and not self.workers and not self.routing and not self.invalid
 
 
-def desired_workers(static: Iterable[WorkerSpec], entries: Mapping[str, WorkerEntry]) -> dict[str, WorkerSpec]:
-    """The workers a replica serves: its configured ones, replaced by an added spec of the
-    same id, plus every other added one, less the tombstoned ids."""
-    out = {spec.worker_id: spec for spec in static}
+def desired_workers(static: Iterable[WorkerSpec], entries: Mapping[str, WorkerEntry],
+                    discovered: Mapping[str, WorkerSpec] | None = None) -> dict[str, WorkerSpec]:
+    """The workers a replica serves: its configured ones, then the ones DNS discovery found
+    (a configured id wins), each replaced by an added spec of the same id, plus every other
+    added one, less the tombstoned ids."""
+    out = {**(discovered or {}), **{spec.worker_id: spec for spec in static}}
     for worker_id, entry in entries.items():
         if entry.spec is None:
             out.pop(worker_id, None)

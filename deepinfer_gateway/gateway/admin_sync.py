@@ -11,6 +11,10 @@ A Redis that comes back without the admin state (its marker gone, admin_store.py
 not wipe the changes: a replica that has them applied writes them back, and announces it.
 Reconcile errors are counted (`dgw_redis_errors_total{component="admin"}`) and retried;
 they never stop the replica, which keeps the state it last applied.
+
+The workers DNS discovery finds (discovery.py, `set_discovered`) join the configured ones
+here, so every source of workers goes through the one `_apply_workers`: added to the
+registry and the KV event feeder, removed from both and from the prefix index.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class AdminSync:
         self._on_error = on_error
         self._interval = reconcile_interval_s
         self._entries: dict[str, WorkerEntry] = {}  # this replica's own changes, without Redis
+        self._discovered: dict[str, WorkerSpec] = {}  # found by DNS (discovery.py), by worker id
         self._routing: dict[str, str] = {}  # routing fields applied (field -> JSON), as stored
         self._lock = asyncio.Lock()  # one change or reconcile at a time
         self._wake = asyncio.Event()
@@ -147,6 +152,12 @@ class AdminSync:
             self._on_error()
             log.warning("admin change stored but not announced: %s", exc)
 
+    async def set_discovered(self, specs: Mapping[str, WorkerSpec]) -> None:
+        """The workers DNS discovery found now (by id): applied with the configured and admin ones."""
+        async with self._lock:
+            self._discovered = dict(specs)
+            await self._apply_workers(self._entries)
+
     # --- applying the shared state -------------------------------------------------------
 
     async def reconcile(self) -> None:
@@ -178,17 +189,17 @@ class AdminSync:
             log.warning("admin state reconcile failed (keeping the state last applied): %s", exc)
 
     async def _apply_workers(self, entries: Mapping[str, WorkerEntry]) -> None:
-        want = desired_workers(self._static, entries)
+        want = desired_workers(self._static, entries, self._discovered)
         have = {worker_id: w.spec for worker_id, w in self._registry.workers.items()}
         gone = [worker_id for worker_id, spec in have.items() if want.get(worker_id) != spec]
         new = [spec for worker_id, spec in want.items() if have.get(worker_id) != spec]
         for worker_id in gone:
             self._registry.remove(worker_id)
             await self._feeder.remove_worker(worker_id)
-            log.info("worker %s removed (admin)", worker_id)
+            log.info("worker %s removed", worker_id)
         for spec in new:
             self._feeder.add(self._registry.add(spec).spec)
-            log.info("worker %s added (admin)", spec.worker_id)
+            log.info("worker %s added", spec.worker_id)
         if new:
             await self._registry.check_all()  # routable now, not at the next health round
 

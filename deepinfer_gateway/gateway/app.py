@@ -34,6 +34,7 @@ from deepinfer_gateway.gateway.admin import admin_router
 from deepinfer_gateway.gateway.admin_store import AdminStore
 from deepinfer_gateway.gateway.admin_sync import AdminSync
 from deepinfer_gateway.gateway.auth import KeyStore
+from deepinfer_gateway.gateway.discovery import WorkerDiscovery
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
@@ -160,12 +161,15 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, server.planner, settings.workers,
                           metrics.redis_errors.labels("admin").inc)
         await admin.start()  # with Redis: the shared admin changes, before the first request
+        discovery = WorkerDiscovery(settings.discovery, client, registry, admin.set_discovered)
+        await discovery.start()  # the workers DNS names now, before the first request
         responses = ResponsesState(response_store(settings.responses, redis),
                                    on_error=metrics.redis_errors.labels("responses").inc)
         app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin, responses)
         try:
             yield
         finally:
+            await discovery.stop()
             await admin.stop()
             await registry.stop()
             await feeder.aclose()

@@ -118,8 +118,10 @@ class Legs:
             if not tried:
                 self.routing.admit(plan, views)
             self.routing.record(plan, request_id)
-            worker = self.registry.workers[plan.worker.worker_id]
-            tried.add(worker.worker_id)
+            tried.add(plan.worker.worker_id)
+            worker = self._routable(plan.worker.worker_id)
+            if worker is None:  # removed or draining since `views` was read (a retry plans from it)
+                continue
             leg_body = {**body, "role": LEG_ROLE[plan.mode]}
             if worker.spec.engine is not WorkerEngine.DGW:  # in-process adapters only: not a wire field
                 leg_body[PREDICTED_CACHED] = plan.decision.predicted_memory_tokens  # `ready`'s provisional count
@@ -169,8 +171,10 @@ class Legs:
             except NoCandidate:
                 break
             self.metrics.routing_decisions.labels(view.pool, view.hardware, str(decision.reason)).inc()
-            worker = self.registry.workers[view.worker_id]
-            tried.add(worker.worker_id)
+            tried.add(view.worker_id)
+            worker = self._routable(view.worker_id)
+            if worker is None:
+                continue
             since = self.registry.loop_lag.now()
             try:
                 with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
@@ -214,6 +218,11 @@ class Legs:
         finally:
             if reserve:
                 await self.routing.inflight.release(worker.worker_id, request_id)
+
+    def _routable(self, worker_id: str) -> WorkerState | None:
+        """The worker, if it may still take a new request (not removed, not draining)."""
+        worker = self.registry.workers.get(worker_id)
+        return None if worker is None or worker.draining else worker
 
     def _other_engines(self, source_worker: str) -> set[str]:
         """Workers whose engine differs from `source_worker`'s (none known if it is gone)."""

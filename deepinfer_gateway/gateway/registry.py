@@ -11,6 +11,9 @@ discovery: all go through `add`), so its first error is an increase Prometheus s
 removed worker takes its `dgw_*{worker}` series with it; late writers (a health check or a
 request still in flight on it) find it gone and write nothing. `dgw_pool_healthy_workers`
 follows every change of a worker's health or membership.
+
+A draining worker (`drain`: its address left DNS discovery) takes no new request while
+those in flight finish; it stays checked and counted until it is removed.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class WorkerState:
     info: wp.WorkerInfo | None = None
     load: wp.LoadReport | None = None
     inflight: int = 0  # requests this gateway has open on the worker
+    draining: bool = False  # no new requests: it is on its way out
 
     @property
     def worker_id(self) -> str:
@@ -70,7 +74,16 @@ class WorkerRegistry:
             self.add(spec)
 
     def healthy(self, role: wp.Role | None = None) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.healthy and (role is None or w.spec.role == role)]
+        return [w for w in self.workers.values()
+                if w.healthy and not w.draining and (role is None or w.spec.role == role)]
+
+    def drain(self, worker_id: str, *, draining: bool = True) -> WorkerState | None:
+        """Stop (or, `draining=False`, resume) giving the worker new requests; None if unknown."""
+        state = self.workers.get(worker_id)
+        if state is not None:
+            state.draining = draining
+            self._count_pool(state.pool)
+        return state
 
     def add(self, spec: WorkerSpec) -> WorkerState:
         state = self.workers.setdefault(spec.worker_id, WorkerState(spec))
@@ -177,5 +190,5 @@ class WorkerRegistry:
 
     def _count_pool(self, pool: str) -> None:
         """dgw_pool_healthy_workers{pool}; the series stays at 0 when the pool's last worker goes."""
-        healthy = sum(1 for w in self.workers.values() if w.healthy and w.pool == pool)
+        healthy = sum(1 for w in self.workers.values() if w.healthy and not w.draining and w.pool == pool)
         self._metrics.pool_healthy.labels(pool).set(healthy)
