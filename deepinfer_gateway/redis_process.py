@@ -67,14 +67,19 @@ class RedisProcess:
 
     def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False,
                  dies_with_parent: bool = False, password: str | None = None,
-                 config_file: Path | None = None, data_dir: Path | None = None) -> None:
+                 config_file: Path | None = None, data_dir: Path | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
         self.unix_socket = unix_socket
         self.password = password  # --requirepass; clients must AUTH
         self.config_file = config_file
         self.data_dir = data_dir
+        # (certificate, key): TLS only on the port, the certificate its own CA (self-signed).
+        self.tls = tls
         self.dies_with_parent = dies_with_parent
         self.port = 0 if unix_socket else port or free_port()
         self.url = "" if unix_socket else f"redis://127.0.0.1:{self.port}/0"
+        if tls is not None:
+            self.url = f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={tls[0]}"
         self.args = args  # extra server options, e.g. ("--cluster-enabled", "yes")
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -91,6 +96,10 @@ class RedisProcess:
         if self.socket_path is not None:
             self.url = f"unix://{self.socket_path}"
             where = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.tls is not None:
+            cert, key = (str(p) for p in self.tls)
+            where = ["--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--tls-cert-file", cert,
+                     "--tls-key-file", key, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
         persistence = [str(self.config_file)] if self.config_file else []  # a config file comes first
         if not self.config_file:
             where += ["--save", "", "--appendonly", "no"]
@@ -105,10 +114,10 @@ class RedisProcess:
             preexec_fn=_terminated_with(os.getpid()) if self.dies_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
-        while not _answers_ping(self.port, self.socket_path, self.password):
+        while not _answers_ping(self.port, self.socket_path, self.password, self.tls[0] if self.tls else None):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""  # stop() removes it
                 self.stop()
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 raise RuntimeError(f"{binary} did not answer PING at {self.url}:\n{tail}")
             time.sleep(0.05)
 
@@ -147,8 +156,11 @@ def _terminated_with(parent: int) -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
-def _answers_ping(port: int, unix_socket: Path | None = None, password: str | None = None) -> bool:
+def _answers_ping(port: int, unix_socket: Path | None = None, password: str | None = None,
+                  tls_ca: Path | None = None) -> bool:
     where: dict[str, Any] = {"unix_socket_path": str(unix_socket)} if unix_socket else {"port": port}
+    if tls_ca is not None:
+        where.update(host="127.0.0.1", ssl=True, ssl_ca_certs=str(tls_ca))
     try:
         with redis.Redis(**where, password=password, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
             return bool(client.ping())

