@@ -28,9 +28,11 @@ MODEL_DIR = "/nonexistent/deepinfer-double-checkpoint"  # EngineArgs.model: the 
 
 
 @contextmanager
-def start_workers(specs: Sequence[tuple[str, str, Sequence[str]]]) -> Iterator[list[tuple[str, str, str]]]:
+def start_workers(specs: Sequence[tuple[str, str, Sequence[str]]], env: dict[str, str] | None = None
+                  ) -> Iterator[list[tuple[str, str, str]]]:
     """Worker processes for (role, hardware, extra flags), all started before waiting on any;
-    yields their (url, role, hardware) once each listens, and stops them on exit."""
+    yields their (url, role, hardware) once each listens, and stops them on exit. `env`: more
+    environment (e.g. DGW_WORKER_TOKEN)."""
     from deepinfer_gateway.launch import Proc, free_port, wait_for_port
 
     root = Path(__file__).resolve().parents[2]  # the checkout, so `tests` imports in the child
@@ -40,7 +42,8 @@ def start_workers(specs: Sequence[tuple[str, str, Sequence[str]]]) -> Iterator[l
         for role, hardware, extra in specs:
             port = free_port()
             procs.append(Proc([sys.executable, "-m", "tests.deepinfer_double.serve", "--port", str(port),
-                               "--role", role, "--hardware", hardware, *extra], env={"PYTHONPATH": str(root)}))
+                               "--role", role, "--hardware", hardware, *extra],
+                               env={"PYTHONPATH": str(root), **(env or {})}))
             workers.append((f"http://127.0.0.1:{port}", role, hardware))
         for url, _, _ in workers:
             wait_for_port(int(url.rsplit(":", 1)[1]), timeout=60)

@@ -122,3 +122,35 @@ def test_a_tokenless_worker_beyond_loopback_refuses_to_start() -> None:
                            "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "DGW_WORKER_TOKEN" in done.stderr
+
+
+def test_every_worker_kind_enforces_the_token(tmp_path: Path) -> None:
+    """`worker --engine deepinfer` (on the LLMEngine double) and `worker --engine sim`, token
+    from DGW_WORKER_TOKEN: 401 without it, /health open, and a gateway with it serves."""
+    from deepinfer_gateway.launch import CLI, Proc, wait_for_port
+    from tests.deepinfer_double.serve import start_workers
+
+    env = {"DGW_WORKER_TOKEN": "kind-token"}
+    sim_port = free_port()
+    sim = Proc(CLI + ["worker", "--engine", "sim", "--port", str(sim_port), "--time-scale", "20"], env=env)
+    try:
+        with start_workers([("unified", "sm100", [])], env=env) as deepinfer:
+            wait_for_port(sim_port, timeout=30)
+            urls = [deepinfer[0][0], f"http://127.0.0.1:{sim_port}"]
+            for url in urls:
+                assert httpx.get(url + INFO_PATH, timeout=5).status_code == 401
+                assert httpx.post(url + GENERATE_PATH, json=GENERATE, timeout=5).status_code == 401
+                assert httpx.get(url + HEALTH_PATH, timeout=5).status_code == 200
+                assert httpx.get(url + INFO_PATH, headers={"authorization": "Bearer kind-token"},
+                                 timeout=5).status_code == 200
+            digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
+            gateway = Gateway(tmp_path, [(url, "unified", "sm100") for url in urls], env=env,
+                              extra_toml=f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n')
+            try:
+                gateway.wait_ready(2, timeout=60)
+                for i in range(4):
+                    assert _chat(gateway, f"kind {i}").status_code == 200
+            finally:
+                gateway.stop()
+    finally:
+        sim.stop()
