@@ -37,17 +37,24 @@ class Tally:
     failed: int
     lost: int
     failed_by_kind: dict[str, int]  # RecordError value, with the HTTP status for HTTP errors
+    examples: dict[str, str]  # kind -> the first such request's detail (failed and lost)
 
 
 def tally(records: Iterable[RequestRecord]) -> Tally:
     counts: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
+    examples: dict[str, str] = {}
     for record in records:
         kind = outcome(record)
         counts[kind] += 1
+        if kind == ANSWERED:
+            continue
+        label = f"{record.error}:{record.http_status}" if record.http_status else str(record.error)
         if kind == FAILED:
-            kinds[f"{record.error}:{record.http_status}" if record.http_status else str(record.error)] += 1
-    return Tally(sum(counts.values()), counts[ANSWERED], counts[FAILED], counts[LOST], dict(sorted(kinds.items())))
+            kinds[label] += 1
+        examples.setdefault(f"{kind} {label}", record.detail or "")
+    return Tally(sum(counts.values()), counts[ANSWERED], counts[FAILED], counts[LOST], dict(sorted(kinds.items())),
+                 examples)
 
 
 @dataclass(frozen=True)

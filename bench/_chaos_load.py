@@ -4,9 +4,9 @@ through a client-side spread that behaves as the shipped nginx upstream
 (deploy/nginx/nginx.conf):
 
 - least connections among the replicas not marked down (ties taken in turn);
-- a connection that cannot be opened counts a failure against its replica (2 within 5 s:
-  skipped for 5 s) and the request, which that replica never received, goes to the other
-  (`proxy_next_upstream error`, 2 tries);
+- a connection that cannot be opened (the load generator's `connect` error) counts a
+  failure against its replica (2 within 5 s: skipped for 5 s) and the request, which that
+  replica never received, goes to the other (`proxy_next_upstream error`, 2 tries);
 - a request that reached a replica is never sent again (nginx does not resend a POST), so
   one in flight on a replica that dies fails: the client sees a reset, an explicit failure.
 
@@ -19,54 +19,23 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
 from _chaos_workload import SessionTrace
 
-from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
+from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient
 from deepinfer_gateway.loadgen.replay import ReplayConfig, replay
 from deepinfer_gateway.loadgen.run import detect_model
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
-from deepinfer_gateway.workload.types import RequestRecord, TraceRequest
-
-_NEVER_CONNECTED = {"ConnectError", "ConnectTimeout"}  # httpx / httpcore: nothing was sent
-
-
-def never_connected(exc: BaseException | None) -> bool:
-    """Whether an SDK error comes from a connection that could not be opened."""
-    for _ in range(10):
-        if exc is None:
-            return False
-        if type(exc).__name__ in _NEVER_CONNECTED:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-class TrackedClient(ProtocolClient):
-    """The load generator's client, noting which requests never got a connection."""
-
-    def __init__(self, config: ClientConfig):
-        super().__init__(config)
-        self.refused: set[int] = set()  # id() of their records
-
-    async def _chat(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                    headers: dict[str, str] | None) -> AsyncIterator[str | None]:
-        try:
-            async for chunk in super()._chat(turns, max_tokens, record, headers):
-                yield chunk
-        except Exception as exc:
-            if never_connected(exc):
-                self.refused.add(id(record))
-            raise
+from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
 
 
 class Spread:
     """A `replay` sender over several replicas, nginx's way (module docstring)."""
 
-    def __init__(self, clients: Sequence[TrackedClient], max_fails: int = 2, fail_timeout_s: float = 5.0):
+    def __init__(self, clients: Sequence[ProtocolClient], max_fails: int = 2, fail_timeout_s: float = 5.0):
         self.clients = clients
         self.inflight = [0] * len(clients)
         self.fails: list[deque[float]] = [deque() for _ in clients]
@@ -108,7 +77,7 @@ class Spread:
                 await self.clients[i].send(prompt, max_tokens, record)
             finally:
                 self.inflight[i] -= 1
-            if id(record) not in self.clients[i].refused:
+            if record.error != RecordError.CONNECT:  # answered, or failed once it had reached the replica
                 return
             self._failed(i)
 
@@ -149,8 +118,8 @@ def run_load(urls: list[str], key: str, st: SessionTrace, synthesizer: PromptSyn
     model = detect_model(urls[0], key)
 
     async def main() -> LoadRun:
-        clients = [TrackedClient(ClientConfig(url=u, model=model, api_key=key, max_connections=256,
-                                              request_timeout_s=timeout_s)) for u in urls]
+        clients = [ProtocolClient(ClientConfig(url=u, model=model, api_key=key, max_connections=256,
+                                               request_timeout_s=timeout_s)) for u in urls]
         spread = Spread(clients)
         requests = st.trace.requests
         try:

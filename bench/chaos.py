@@ -32,7 +32,9 @@ Last line: one JSON object:
   `resent_to_other_replica`: refused connections re-sent to the other replica.
 - `keys_valid_after_redis_restart`: every key answered 200 on both replicas after the Redis
   restart; `admin_changes_kept_after_redis_restart`: the restarted gw2's GET /admin/routing
-  equals gw1's answer to the change (polled for 15 s after gw2 is ready).
+  equals gw1's answer to the change (polled for 15 s after gw2 is ready), whether Redis kept
+  the change or a surviving replica wrote it back (`admin_routing_in_redis_on_restart`: what
+  Redis held the moment it answered again).
 - `index_hit_recovery_s`: from the Redis kill to the start of the first 4 s window of send
   time from which every window of the phase has a follow-up hit rate within 10% of the
   one over the `before_s` before the kill. Only follow-ups whose previous turn was answered
@@ -75,6 +77,7 @@ from _chaos_load import LoadRun, run_load
 from _chaos_workload import SessionLoad, SessionTrace, session_trace
 from _netns import Lab, netns_usable, run_name, sweep_stale
 
+from deepinfer_gateway.gateway.admin_store import ROUTING_KEY
 from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, LOAD_PATH
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 
@@ -229,6 +232,8 @@ class ChaosRun:
         time.sleep(s.redis_down_s)
         c.start_redis()
         t_back = tl.mark("redis: restarted, answering")
+        with c.redis_client() as client:  # before a surviving replica may write its admin state back
+            self.out["admin_routing_in_redis_on_restart"] = bool(client.hgetall(ROUTING_KEY))
         time.sleep(2.0)
         self.out["index_after_redis_restart"] = self.admin("GET", "gw1", "/admin/index")[1]
         tl.sleep_until(t_back + KEY_CACHE_S + 1.0)
@@ -370,6 +375,7 @@ def figures(run: LoadRun, st: SessionTrace, schedule: Schedule, faults: dict[str
     return {
         "requests_total": counts.total, "requests_answered": counts.answered, "requests_failed": counts.failed,
         "requests_lost": counts.lost, "failed_by_kind": counts.failed_by_kind, "failed_by_phase": failed_by_phase,
+        "failure_examples": counts.examples,
         "resent_to_other_replica": run.resent, "attempts_per_replica": dict(zip(GATEWAYS, run.attempts, strict=True)),
         "follow_up_hit_before_redis_kill": _round(before),
         "follow_up_hit_by_phase": {n: _round(hit_rate(between(samples, lo, hi))) for n, (lo, hi) in bounds.items()},

@@ -80,6 +80,8 @@ def classify(exc: BaseException) -> tuple[str, int | None]:
     names = " ".join(c.__name__ for c in type(exc).__mro__)
     if isinstance(exc, asyncio.CancelledError):
         return RecordError.CANCELLED, None
+    if _never_connected(exc):
+        return RecordError.CONNECT, None
     if "Timeout" in names:
         return RecordError.TIMEOUT, None
     if isinstance(status, int):
@@ -91,6 +93,22 @@ def classify(exc: BaseException) -> tuple[str, int | None]:
     if any(n in names for n in ("RemoteProtocolError", "ReadError", "StreamError", "DecodingError", "ValueError")):
         return RecordError.STREAM, None
     return RecordError.CLIENT, None
+
+
+_CONNECT_ERRORS = frozenset({"ConnectError", "ConnectTimeout"})  # httpx's and httpcore's
+
+
+def _never_connected(exc: BaseException) -> bool:
+    """Whether the error, or one it was raised from (the SDKs wrap httpx's), is a connection that
+    could not be opened: the server never got the request, so another may be sent it."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if type(seen).__name__ in _CONNECT_ERRORS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 async def _parsed(raw: Any) -> Any:

@@ -50,7 +50,8 @@ class RecordError:
     """`RequestRecord.error` values (a bounded set, used as keys of summary `errors`)."""
 
     TIMEOUT = "timeout"
-    CONNECTION = "connection"
+    CONNECT = "connect"  # no connection could be opened (refused, unreachable): the server never got the request
+    CONNECTION = "connection"  # the connection failed after it was opened
     HTTP_4XX = "http_4xx"
     HTTP_5XX = "http_5xx"
     RATE_LIMITED = "rate_limited"

@@ -17,6 +17,7 @@ import _chaos_load as load
 import _chaos_workload as workload
 import _netns as netns
 
+from deepinfer_gateway.loadgen.client import classify
 from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
 
 # ------------------------------------------------------------------ hosts
@@ -165,15 +166,16 @@ class APIConnectionError(Exception):
     pass
 
 
-def test_never_connected_follows_the_cause_chain() -> None:
+def test_the_load_generator_tells_a_connection_never_opened_from_one_that_broke() -> None:
     try:
         try:
             raise ConnectError("refused")
         except ConnectError as inner:
             raise APIConnectionError("Connection error.") from inner
     except APIConnectionError as exc:
-        assert load.never_connected(exc)
-    assert not load.never_connected(APIConnectionError("reset after the request was sent"))
+        assert classify(exc) == (RecordError.CONNECT, None)
+    assert classify(ConnectError("refused")) == (RecordError.CONNECT, None)
+    assert classify(APIConnectionError("reset after the request was sent")) == (RecordError.CONNECTION, None)
 
 
 def test_spread_takes_the_least_busy_replica_and_skips_one_marked_down() -> None:
