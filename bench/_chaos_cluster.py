@@ -1,23 +1,30 @@
 """bench/chaos.py's cluster: the shipped compose topology's processes, each on its own host
-(bench/_netns.py), started and killed as the faults need.
+(bench/_netns.py), started and killed as the faults need, each run as deploy/docker-compose.yml
+(with the docker-compose.unified.yml override) runs it:
 
-- `redis`: deploy/docker-compose.yml's redis-server command, its ${...} variables filled in
-  (REDIS_PASSWORD: one generated here), plus what the official image adds to a command
-  without a config file (`--protected-mode no`) and its volume (`--dir`, kept across
-  restarts: a pod restarted on its persistent volume).
-- `gw1`, `gw2`: `serve --config deploy/gateway/compose-unified.toml` with the environment
-  compose gives the gateways; the service names in it (redis) resolve through each host's
-  /etc/hosts. The workers reach them as `DGW_WORKERS` (static `[[workers]]`).
-- workers: `worker --engine sim` as compose starts them (0.0.0.0:8100), unified, sm100.
-Gateways and workers share a worker token file (`DGW_WORKER_TOKEN_FILE`).
+- Compose's interpolation (${VAR:-default}, $$), then each container path of a service's
+  volumes mapped to a host path: a bind mount (`./k8s/redis.conf`) to the file under
+  deploy/, a named volume (`redis-data`, `dgw-secrets`) to a directory of the run's own,
+  kept across restarts (a pod restarted on its volume).
+- `secrets`: its own script, which writes the Redis password and the worker token.
+- `redis`: its command through `sh -c`, with the redis-server binary found here in place of
+  the image's `docker-entrypoint.sh redis-server` (and what that entrypoint adds to a
+  config file that does not set it: `--protected-mode no`), in its data volume as the
+  image's working directory.
+- `gw1`, `gw2`: `serve --config deploy/gateway/compose-unified.toml` with compose's gateway
+  environment; service names in it (redis) resolve through each host's /etc/hosts. The
+  workers reach them as `DGW_WORKERS` (static `[[workers]]`).
+- workers: `worker --engine sim` as the unified override starts them (0.0.0.0:8100),
+  unified, sm100, with compose's worker environment (the token file).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
+import shlex
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +41,7 @@ from deepinfer_gateway.redis_process import redis_server_binary
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "deploy" / "docker-compose.yml"
 GATEWAY_TOML = REPO / "deploy" / "gateway" / "compose-unified.toml"
+GATEWAY_SERVICE, WORKER_SERVICE = "gateway-1", "prefill-sm100-1"
 GATEWAY_PORT, WORKER_PORT, REDIS_PORT = 8000, 8100, 6379
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -51,25 +59,64 @@ def compose_expand(value: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, value)
 
 
-def compose_services(compose: Path = COMPOSE) -> dict[str, Any]:
-    services: dict[str, Any] = yaml.safe_load(compose.read_text())["services"]
-    return services
+class ComposeFile:
+    """The services of a compose file, their commands and environments with container paths
+    turned into host paths (named volumes under `volumes_dir`)."""
+
+    def __init__(self, volumes_dir: Path, env: dict[str, str], path: Path = COMPOSE):
+        self.path = path
+        self.services: dict[str, Any] = yaml.safe_load(path.read_text())["services"]
+        self.volumes_dir = volumes_dir
+        self.env = env
+
+    def mounts(self, service: str) -> list[tuple[str, Path]]:
+        """(container path, host path) of the service's volumes, the longest container path first."""
+        out = []
+        for volume in self.services[service].get("volumes") or []:
+            source, target = str(volume).split(":")[:2]
+            if source.startswith((".", "/")):
+                host = (self.path.parent / source).resolve()
+            else:
+                host = self.volumes_dir / source
+                host.mkdir(parents=True, exist_ok=True)
+            out.append((target, host))
+        return sorted(out, key=lambda m: -len(m[0]))
+
+    def on_host(self, service: str, text: str) -> str:
+        for target, host in self.mounts(service):
+            text = re.sub(rf"{re.escape(target)}(?=[/\s\"':]|$)", str(host), text)
+        return text
+
+    def environment(self, service: str) -> dict[str, str]:
+        environment = self.services[service].get("environment") or {}
+        if isinstance(environment, list):
+            environment = dict(str(item).split("=", 1) for item in environment)
+        return {k: self.on_host(service, compose_expand(str(v), self.env)) for k, v in environment.items()}
+
+    def script(self, service: str) -> str:
+        """The service's entrypoint + command as one shell script, container paths on the host."""
+        service_def = self.services[service]
+        words = [compose_expand(str(w), self.env) for w in (service_def.get("entrypoint") or [])]
+        command = service_def.get("command") or []
+        words += [compose_expand(str(w), self.env) for w in (command if isinstance(command, list) else [command])]
+        if words[:2] == ["sh", "-c"] and len(words) == 3:
+            text = words[2]
+        else:
+            text = shlex.join(words)
+        return self.on_host(service, text)
+
+    def host_path(self, service: str, container_path: str) -> Path:
+        return Path(self.on_host(service, container_path))
 
 
-def shipped_redis_args(env: dict[str, str], compose: Path = COMPOSE) -> list[str]:
-    """The arguments after `redis-server` in the compose file's redis command."""
-    command = compose_services(compose)["redis"]["command"]
-    words = [compose_expand(str(w), env) for w in (command if isinstance(command, list) else command.split())]
-    if not words or Path(words[0]).name != "redis-server":
-        raise ValueError(f"{compose}: the redis command {command!r} does not start redis-server")
-    return words[1:]
-
-
-def shipped_gateway_env(env: dict[str, str], compose: Path = COMPOSE) -> dict[str, str]:
-    environment = compose_services(compose)["gateway-1"].get("environment") or {}
-    if isinstance(environment, list):
-        environment = dict(item.split("=", 1) for item in environment)
-    return {k: compose_expand(str(v), env) for k, v in environment.items()}
+def redis_script(compose: ComposeFile, binary: str, data_dir: Path, logfile: Path) -> str:
+    """The shipped redis command, run here: the binary for the image's entrypoint, in its data
+    volume; its options last, so they cannot be overridden by the shipped ones."""
+    script = compose.script("redis")
+    swapped = re.sub(r"(docker-entrypoint\.sh\s+)?\bredis-server\b", shlex.quote(binary), script, count=1)
+    if swapped == script:
+        raise ValueError(f"{compose.path}: the redis command does not start redis-server: {script!r}")
+    return f"cd {shlex.quote(str(data_dir))} && {swapped} --protected-mode no --logfile {shlex.quote(str(logfile))}"
 
 
 def wait_tcp(host: str, port: int, timeout: float = 30.0, proc: Proc | None = None) -> None:
@@ -115,15 +162,20 @@ class Cluster:
         self.time_scale = time_scale
         self.procs: dict[str, Proc] = {}
         self.logs: dict[str, IO[bytes]] = {}
-        self.redis_password = secrets.token_urlsafe(24)
-        token_file = workdir / "worker-token"
-        token_file.write_text(secrets.token_urlsafe(32) + "\n")
-        token_file.chmod(0o600)
-        self.worker_token = token_file.read_text().strip()
-        self.compose_env = {"REDIS_PASSWORD": self.redis_password, "DGW_LOG_LEVEL": "warning"}
-        self.token_env = {"DGW_WORKER_TOKEN_FILE": str(token_file)}
-        self.redis_dir = workdir / "redis-data"
-        self.redis_dir.mkdir(exist_ok=True)
+        self.compose = ComposeFile(workdir / "volumes", {"DGW_LOG_LEVEL": "warning"})
+        done = subprocess.run(["sh", "-c", self.compose.script("secrets")], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the compose secrets script failed: {done.stderr}")
+        self.redis_password = self._secret("DGW_REDIS_PASSWORD_FILE", GATEWAY_SERVICE)
+        self.worker_token = self._secret("DGW_WORKER_TOKEN_FILE", WORKER_SERVICE)
+        self.redis_dir = next((host for target, host in self.compose.mounts("redis") if target == "/data"),
+                              workdir / "volumes" / "redis-data")
+        self.redis_dir.mkdir(parents=True, exist_ok=True)
+
+    def _secret(self, variable: str, service: str) -> str:
+        """The secret a service's environment names by file, "" when it names none."""
+        path = self.compose.environment(service).get(variable)
+        return Path(path).read_text().strip() if path else ""
 
     def ip(self, host: str) -> str:
         return self.lab.hosts[host].ip
@@ -145,17 +197,17 @@ class Cluster:
         """SIGKILL: a crash."""
         self.procs[host].kill()
 
-    def redis_args(self) -> list[str]:
-        return [redis_server_binary(), *shipped_redis_args(self.compose_env), "--protected-mode", "no",
-                "--dir", str(self.redis_dir), "--logfile", str(self.workdir / "redis-server.log")]
+    def redis_cmd(self) -> list[str]:
+        return ["sh", "-c", redis_script(self.compose, redis_server_binary(), self.redis_dir,
+                                         self.workdir / "redis-server.log")]
 
     def redis_client(self, password: str | None = "") -> redis.Redis:
         """A client on the Redis host; password "" (default): the cluster's, None: none."""
         return redis.Redis(host=self.ip("redis"), port=REDIS_PORT, socket_timeout=2, socket_connect_timeout=2,
-                           password=self.redis_password if password == "" else password)
+                           password=(self.redis_password or None) if password == "" else password)
 
     def start_redis(self, timeout: float = 30.0) -> None:
-        self._start("redis", self.redis_args())
+        self._start("redis", self.redis_cmd())
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -174,11 +226,11 @@ class Cluster:
     def start_worker(self, host: str) -> None:
         self._start(host, CLI + ["worker", "--engine", "sim", "--role", "unified", "--hardware", "sm100",
                                  "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--worker-id", host,
-                                 "--time-scale", str(self.time_scale)], env=self.token_env)
+                                 "--time-scale", str(self.time_scale)], env=self.compose.environment(WORKER_SERVICE))
 
     def start_gateway(self, host: str) -> None:
         workers = [{"id": w, "url": self.url(w), "role": "unified", "hardware": "sm100"} for w in self.workers]
-        env = {**shipped_gateway_env(self.compose_env), **self.token_env, "DGW_WORKERS": json.dumps(workers)}
+        env = {**self.compose.environment(GATEWAY_SERVICE), "DGW_WORKERS": json.dumps(workers)}
         self._start(host, CLI + ["serve", "--config", str(GATEWAY_TOML)], env=env)
 
     def wait_ready(self, host: str, healthy: int, timeout: float = 60.0) -> None:

@@ -71,7 +71,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules
 
-from _chaos_cluster import WORKER_PORT, Cluster, http, shipped_redis_args, wait_tcp
+from _chaos_cluster import WORKER_PORT, Cluster, http, wait_tcp
 from _chaos_figures import HitSample, between, hit_rate, outcome, recovery_s, tally
 from _chaos_load import LoadRun, run_load
 from _chaos_workload import SessionLoad, SessionTrace, session_trace
@@ -399,7 +399,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     st = session_trace(SessionLoad(duration_s=schedule.nominal_s + SLACK_S))
     chaos = ChaosRun(cluster, schedule, st, PromptSynthesizer.for_default_tokenizer(st.trace.block_size))
     chaos.out |= {"schedule": asdict(schedule), "time_scale": args.time_scale,
-                  "redis_command": ["redis-server", *shipped_redis_args({"REDIS_PASSWORD": "<password>"})]}
+                  "redis_command": cluster.redis_cmd()[-1]}
     try:
         chaos.start()
         return chaos.run()

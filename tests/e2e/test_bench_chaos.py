@@ -61,8 +61,6 @@ def test_every_request_is_answered_or_failed_explicitly(chaos: dict[str, Any]) -
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="shipped Redis has no persistence and no password; workers take no token")
 def test_state_survives_and_the_cluster_is_closed(chaos: dict[str, Any]) -> None:
     context = _context(chaos)
     assert chaos["keys_valid_after_redis_restart"] is True, context

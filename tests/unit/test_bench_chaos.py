@@ -138,22 +138,51 @@ def test_compose_interpolation() -> None:
     assert cluster.compose_expand("${EMPTY:-x} ${MISSING-y} $PW $$HOME", env) == "x y s3cret $HOME"
 
 
-def test_redis_command_comes_from_the_compose_file(tmp_path: Path) -> None:
-    compose = tmp_path / "compose.yml"
-    compose.write_text('services:\n  redis:\n    command: ["redis-server", "--requirepass", "${REDIS_PASSWORD}",'
-                       ' "--appendonly", "yes"]\n  gateway-1:\n    environment:\n'
-                       '      DGW_REDIS_URL: redis://:${REDIS_PASSWORD}@redis:6379/0\n')
-    env = {"REDIS_PASSWORD": "pw"}
-    assert cluster.shipped_redis_args(env, compose) == ["--requirepass", "pw", "--appendonly", "yes"]
-    assert cluster.shipped_gateway_env(env, compose) == {"DGW_REDIS_URL": "redis://:pw@redis:6379/0"}
-    compose.write_text('services:\n  redis:\n    command: ["valkey-cli"]\n')
+COMPOSE = """
+services:
+  secrets:
+    entrypoint: ["sh", "-c"]
+    command:
+      - |
+        [ -s /run/s/pw ] || printf 'pw%s' $$((6*7)) > /run/s/pw
+    volumes: ["vault:/run/s"]
+  redis:
+    command: ["sh", "-c", "exec docker-entrypoint.sh redis-server /etc/r.conf --requirepass \\"$$(cat /run/s/pw)\\""]
+    volumes: ["./r.conf:/etc/r.conf:ro", "data:/data", "vault:/run/s:ro"]
+  gateway-1:
+    environment:
+      DGW_REDIS_PASSWORD_FILE: /run/s/pw
+      DGW_LOG_LEVEL: ${DGW_LOG_LEVEL:-info}
+    volumes: ["vault:/run/s:ro"]
+"""
+
+
+def test_compose_paths_become_host_paths(tmp_path: Path) -> None:
+    (tmp_path / "compose.yml").write_text(COMPOSE)
+    compose = cluster.ComposeFile(tmp_path / "volumes", {"DGW_LOG_LEVEL": "warning"}, tmp_path / "compose.yml")
+    vault = tmp_path / "volumes" / "vault"
+    assert compose.environment("gateway-1") == {"DGW_REDIS_PASSWORD_FILE": f"{vault}/pw", "DGW_LOG_LEVEL": "warning"}
+    assert dict(compose.mounts("redis")) == {"/etc/r.conf": tmp_path / "r.conf", "/data": tmp_path / "volumes" / "data",
+                                            "/run/s": vault}
+    assert compose.script("secrets").strip() == f"[ -s {vault}/pw ] || printf 'pw%s' $((6*7)) > {vault}/pw"
+    script = cluster.redis_script(compose, "/usr/bin/redis-server", tmp_path / "d", tmp_path / "r.log")
+    assert script == (f"cd {tmp_path}/d && exec /usr/bin/redis-server {tmp_path}/r.conf"
+                      f' --requirepass "$(cat {vault}/pw)" --protected-mode no --logfile {tmp_path}/r.log')
+
+
+def test_a_redis_command_without_redis_server_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "compose.yml").write_text('services:\n  redis:\n    command: ["valkey-server"]\n')
+    compose = cluster.ComposeFile(tmp_path / "volumes", {}, tmp_path / "compose.yml")
     with pytest.raises(ValueError, match="redis-server"):
-        cluster.shipped_redis_args(env, compose)
+        cluster.redis_script(compose, "/usr/bin/redis-server", tmp_path, tmp_path / "log")
 
 
-def test_the_shipped_compose_file_parses() -> None:
-    assert isinstance(cluster.shipped_redis_args({"REDIS_PASSWORD": "pw"}), list)
-    assert "DGW_REDIS_URL" in cluster.shipped_gateway_env({"REDIS_PASSWORD": "pw"})
+def test_the_shipped_compose_file_gives_redis_its_config_and_password(tmp_path: Path) -> None:
+    compose = cluster.ComposeFile(tmp_path, {})
+    script = cluster.redis_script(compose, "redis-server", tmp_path, tmp_path / "log")
+    assert str(cluster.REPO / "deploy") in script and "--requirepass" in script
+    assert compose.environment(cluster.GATEWAY_SERVICE)["DGW_REDIS_PASSWORD_FILE"].startswith(str(tmp_path))
+    assert compose.environment(cluster.WORKER_SERVICE)["DGW_WORKER_TOKEN_FILE"].startswith(str(tmp_path))
 
 
 # ------------------------------------------------------------------ load
