@@ -69,6 +69,17 @@ def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> i
     return 0
 
 
+def _check_worker_token(settings: GatewaySettings) -> None:
+    """A worker token file that cannot be read is a config error now, not a failed start-up later."""
+    from deepinfer_gateway.config import ConfigError
+    from deepinfer_gateway.worker_auth import TokenError, tokens_from
+
+    try:
+        tokens_from(settings.worker_token, settings.worker_token_file)
+    except TokenError as e:
+        raise ConfigError([("worker_token_file" if settings.worker_token_file else "worker_token", str(e))]) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
     from deepinfer_gateway.gateway.auth import hash_key
@@ -80,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url, "workers": args.worker_url,
                  "api_keys": api_keys, "router": {"policy": args.policy}, "processes": args.processes}
     settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
+    _check_worker_token(settings)
     if args.log_format is None and settings.log_format != "text":  # the config file asked for JSON logs
         configure_logging(args.log_level, settings.log_format)
     return run_gateway(settings, args.log_level, args.log_format or settings.log_format)

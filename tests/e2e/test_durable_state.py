@@ -5,6 +5,7 @@ deploy/k8s/redis.conf and a password, real sim workers behind a worker token, re
   authenticates, the admin changes (a worker added, a routing policy) are still there, on a
   gateway replica started afterwards too (a replaced replica), and the prefix index in Redis
   is refilled from the workers without any new request (`/admin/index`).
+- Redis stopped with SIGTERM (a node drained): a write made just before is kept.
 - Redis restarted with its data directory lost: the admin changes are written back from a
   running replica, the index is refilled, and the keys configured in the gateway's settings
   (the Secret) keep working; the keys that were only in Redis are gone, as docs/deploy.md says.
@@ -110,7 +111,18 @@ def test_redis_crash_and_volume_loss(tmp_path: Path) -> None:
         assert _chat(b, CLIENT_KEY).status_code == 200  # a key seen for the first time here
         _until(lambda: _redis_blocks(a) >= before, REFILL_S, "the index refilled after the crash")
 
-        # 2. The data directory lost: an empty Redis.
+        # 2. SIGTERM (a drain, a reschedule): Redis writes its file before exiting; nothing is lost,
+        #    not even what was written a moment before.
+        admin.hset(f"dgw:apikey:{_digest('added-just-before')}", mapping={"name": "late"})
+        assert server.proc is not None
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
+        server.stop()
+        server.start()
+        admin = redis.Redis(port=server.port, password=PASSWORD)
+        assert admin.exists(f"dgw:apikey:{_digest('added-just-before')}") == 1
+
+        # 3. The data directory lost: an empty Redis.
         server.stop()
         shutil.rmtree(data)
         data.mkdir()

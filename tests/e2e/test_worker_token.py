@@ -154,3 +154,11 @@ def test_every_worker_kind_enforces_the_token(tmp_path: Path) -> None:
                 gateway.stop()
     finally:
         sim.stop()
+
+
+def test_a_gateway_with_an_unreadable_token_file_is_a_config_error(tmp_path: Path) -> None:
+    env = {**os.environ, "DGW_WORKER_TOKEN_FILE": str(tmp_path / "absent")}
+    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway.cli", "serve", "--port", str(free_port())],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "config error: worker_token_file: cannot read the token file" in done.stderr
