@@ -28,7 +28,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 NAME = "pool.dgw.test"
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 6)]
 INTERVAL_S = 0.3
-LONG_TOKENS = 1200  # ~6 s at time scale 2: streams open on every worker as it leaves
+LONG_TOKENS = 800  # ~4 s at time scale 2: streams open on every worker as it leaves
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def wait_for_port_at(host: str, port: int, timeout: float = 30.0) -> None:
 def gateway(tmp: Path, dns: Dnsmasq, port: int) -> Gateway:
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
     toml = (f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n'
-            f'[[discovery]]\nname = "{NAME}"\nport = {port}\ninterval_s = {INTERVAL_S}\ndrain_timeout_s = 15\n'
+            f'[[discovery]]\nname = "{NAME}"\nport = {port}\ninterval_s = {INTERVAL_S}\ndrain_timeout_s = 90\n'
             f'nameservers = ["{dns.nameserver}"]\n')
     return Gateway(tmp, [], extra_toml=toml)
 
@@ -110,7 +110,7 @@ class Load:
         self.durations: list[float] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=30)
+        self._client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN_KEY, max_retries=0, timeout=120)
         self._threads = [threading.Thread(target=self._run, args=(t, limit, max_tokens), daemon=True)
                          for t in range(threads)]
         for thread in self._threads:
@@ -149,6 +149,7 @@ class Load:
         return self.results
 
 
+@pytest.mark.timeout(300)  # ~30 s alone; a loaded 2-core CI host has taken 100 s
 def test_scaling_a_pool_2_4_1_under_load(tmp_path: Path, dns: Dnsmasq, workers: tuple[int, list[Proc]]) -> None:
     port, procs = workers
     ids = [f"{host}:{port}" for host in ADDRESSES]
@@ -180,10 +181,10 @@ def test_scaling_a_pool_2_4_1_under_load(tmp_path: Path, dns: Dnsmasq, workers: 
         # then (a removal without the drain) would fail. The third lives on, to show that
         # nothing reaches a removed worker.
         long = Load(gw.url, threads=12, limit=1, max_tokens=LONG_TOKENS)
-        within(10, lambda: all(w["inflight"] > 0 for i, w in listed(gw).items() if i in gone),
+        within(30, lambda: all(w["inflight"] > 0 for i, w in listed(gw).items() if i in gone),
                "long streams open on every leaving worker")
         dns.set_records({NAME: ADDRESSES[:1]})
-        within(25, lambda: sorted(listed(gw)) == ids[:1], "the vanished workers removed")
+        within(90, lambda: sorted(listed(gw)) == ids[:1], "the vanished workers removed")
         for proc in procs[2:]:
             proc.kill()
         long_results = long.stop()
