@@ -216,7 +216,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         protocol = client_protocol(request.url.path, request.headers)
         # exc.headers: a 405's Allow (RFC 9110), a 401's WWW-Authenticate.
         return error_response(protocol, GatewayError(str(exc.detail), status_code=exc.status_code,
-                                                     headers=exc.headers))
+                                                     headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
