@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -124,7 +125,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                    "--log-format", args.log_format or "text", "sim-cluster",
                    "--workers", ",".join(DEMO_TOPOLOGIES[args.topology]),
                    "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale)]
-    child = subprocess.Popen(cluster_cmd, start_new_session=True)
+    token = secrets.token_urlsafe(24)  # this demo's gateway is the only caller its workers serve
+    child = subprocess.Popen(cluster_cmd, start_new_session=True, env={**os.environ, "DGW_WORKER_TOKEN": token})
 
     def stop_child(*_: object) -> None:
         if child.poll() is None:
@@ -137,7 +139,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)
                     for (role, hardware), port in zip(specs, ports, strict=True))
     settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url,
-                               processes=demo_processes(args.processes, args.redis_url))
+                               processes=demo_processes(args.processes, args.redis_url), worker_token=token)
     base = f"http://{args.host}:{args.port}/v1"
     print(
         f"\nDeepInfer Gateway demo: {len(workers)} simulated workers "
