@@ -6,7 +6,11 @@ import logging
 from collections.abc import Callable
 from functools import lru_cache
 
-from deepinfer_gateway.recipe_bridge.segment_tokenizer import FastokensPlain, plain_tokenizer
+from deepinfer_gateway.recipe_bridge.segment_tokenizer import (
+    FastokensPlain,
+    fastokens_with_added_vocabulary,
+    plain_tokenizer,
+)
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
 log = logging.getLogger(__name__)
@@ -89,7 +93,8 @@ def _choose(bundle: TokenizerBundle) -> tuple[Callable[[str], list[int]], str]:
     plain = plain_tokenizer(bundle.json_text)
     if not isinstance(plain, FastokensPlain):
         return bundle.tokenizer.encode, f"the vocabulary's own tokenizer (plain tokenizer: {plain.name})"
+    encode = fastokens_with_added_vocabulary(bundle.json_text)
     sample = "x ".join(f" {s}{s}a{s}\n{s} " for s in bundle.added_tokens) + " plain 123 中文"
-    if plain.encode_with_added(sample) != bundle.tokenizer.encode(sample):
+    if encode(sample) != bundle.tokenizer.encode(sample):
         return bundle.tokenizer.encode, "the vocabulary's own tokenizer (fastokens differed on added tokens)"
-    return plain.encode_with_added, f"{plain.name}, added vocabulary matched (self-check passed)"
+    return encode, f"{plain.name}, added vocabulary matched (self-check passed)"

@@ -51,6 +51,8 @@ is tested against (tests/unit/test_encoder.py) and benchmarked against (bench/pr
 from __future__ import annotations
 
 import re
+import sys
+from array import array
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -62,6 +64,7 @@ from deepinfer_gateway.recipe_bridge.segment_cache import (
     CacheStats,
     Segment,
     SegmentCache,
+    SegmentKey,
 )
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import (
     PlainTokenizer,
@@ -94,12 +97,32 @@ def pieces(text: str, piece_chars: int) -> Iterator[str]:
 _INTERN_CHUNK = 4096
 
 
-def _interned(raw: list[int], ints: list[int]) -> list[int]:
+def _interned(packed: bytes, ints: list[int]) -> list[int]:
+    """The ids of little-endian uint32 words, as the shared int objects of `ints`."""
+    words: memoryview | array[int]
+    if _BIG_ENDIAN:
+        words = array("I", packed)
+        words.byteswap()
+    else:
+        words = memoryview(packed).cast("I")
     get = ints.__getitem__
     ids: list[int] = []
-    for start in range(0, len(raw), _INTERN_CHUNK):
-        ids += map(get, raw[start:start + _INTERN_CHUNK])
+    for start in range(0, len(words), _INTERN_CHUNK):
+        ids += map(get, words[start:start + _INTERN_CHUNK])
     return ids
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+_PENDING = Segment([], b"")  # a miss's place until the misses are tokenized
+
+
+class _Work(NamedTuple):
+    """One prompt's encoding in progress."""
+    segments: list[Segment]  # in prompt order; misses are `_PENDING`
+    pending: list[tuple[int, SegmentKey]]  # (index in segments, key) of each miss
+    misses: dict[SegmentKey, str]  # key -> text, each distinct miss once
 
 
 class EncodedPrompt(NamedTuple):
@@ -152,39 +175,48 @@ class PromptEncoder:
         rendered = self._render(conversation)
         prompt = rendered.prompt
         special = self._special
-        segments: list[Segment] = []
+        work = _Work([], [], {})
         pos = 0
         for start, end in rendered.special_ranges:
             if start > pos:
-                self._add_text(segments, prompt[pos:start])
+                self._add_text(work, prompt[pos:start])
             spelling = prompt[start:end]
             segment = special.get(spelling)
             if segment is None:  # same failure as deepseek-recipe's encode
                 raise RuntimeError(f"special token {spelling!r} is not in the added vocabulary")
-            segments.append(segment)
+            work.segments.append(segment)
             pos = end
         if pos < len(prompt):
-            self._add_text(segments, prompt[pos:])
+            self._add_text(work, prompt[pos:])
+        segments = work.segments
+        if work.misses:  # tokenized in one call
+            made: dict[SegmentKey, Segment] = {}
+            for key, packed in zip(work.misses, self.plain.encode_packed(list(work.misses.values())), strict=True):
+                made[key] = segment = Segment(_interned(packed, self._ints), packed)
+                self.cache.put(key, segment)
+            for index, key in work.pending:
+                segments[index] = made[key]
         ids: list[int] = []
         for segment in segments:
             ids += segment.ids
         return EncodedPrompt(ids, b"".join([segment.packed for segment in segments]))
 
-    def _add_text(self, segments: list[Segment], text: str) -> None:
+    def _add_text(self, work: _Work, text: str) -> None:
         if self._piece_chars and len(text) > self._piece_chars:
-            segments.extend(map(self._segment, pieces(text, self._piece_chars)))
+            for piece in pieces(text, self._piece_chars):
+                self._lookup(work, piece)
         else:
-            segments.append(self._segment(text))
+            self._lookup(work, text)
 
-    def _segment(self, text: str) -> Segment:
+    def _lookup(self, work: _Work, text: str) -> None:
         cache = self.cache
         key = cache.key(text)
-        segment = cache.get(key)
+        segment = cache.get(key) if key not in work.misses else None
         if segment is None:
-            ids = _interned(self.plain.encode(text), self._ints)
-            segment = Segment(ids, pack_tokens(ids))
-            cache.put(key, segment)
-        return segment
+            work.misses[key] = text
+            work.pending.append((len(work.segments), key))
+            segment = _PENDING
+        work.segments.append(segment)
 
     def cache_stats(self) -> CacheStats:
         return self.cache.stats()

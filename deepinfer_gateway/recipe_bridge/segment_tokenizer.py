@@ -53,6 +53,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from array import array
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -64,6 +67,7 @@ try:
 except ImportError:  # an optional speed-up: tiktoken and HfPlain are exact without it
     fastokens = None
 
+from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge import derived_cache
 from deepinfer_gateway.recipe_bridge.detokenizer import byte_alphabet
 
@@ -78,6 +82,14 @@ class PlainTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_packed(self, texts: list[str]) -> list[bytes]:
+        """Each text's ids as little-endian uint32 words (kvcache.hashing.pack_tokens)."""
+        ...
+
+
+def _packed_each(encode: Callable[[str], list[int]], texts: list[str]) -> list[bytes]:
+    return [pack_tokens(encode(text)) for text in texts]
+
 
 class HfPlain:
     name = "deepseek-recipe Tokenizer, added vocabulary removed"
@@ -89,6 +101,9 @@ class HfPlain:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
+
+    def encode_packed(self, texts: list[str]) -> list[bytes]:
+        return _packed_each(self.encode, texts)
 
 
 # The DeepSeek V3/V4 pre-tokenizer, as tokenizer.json spells it (checked for equality).
@@ -180,6 +195,9 @@ class TiktokenPlain:
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)
 
+    def encode_packed(self, texts: list[str]) -> list[bytes]:
+        return _packed_each(self.encode, texts)
+
 
 class FastokensPlain:
     cuts_at_word_spaces = True  # built only for DeepSeek's pre-tokenizer
@@ -188,14 +206,36 @@ class FastokensPlain:
         if fastokens is None:
             raise RuntimeError("fastokens is not installed")
         self.name = f"fastokens {_fastokens_version()}, DeepSeek pre-tokenizer scanner"
-        self._tokenizer = fastokens.Tokenizer.from_json_str(tokenizer_json)
+        # Built without the added vocabulary: its batch call (`encode_packed`) has no
+        # ordinary mode and would match e.g. `<｜User｜>` typed in a message.
+        stripped = {**json.loads(tokenizer_json), "added_tokens": []}
+        self._tokenizer = fastokens.Tokenizer.from_json_str(json.dumps(stripped, ensure_ascii=False))
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode_ordinary(text).ids
 
-    def encode_with_added(self, text: str) -> list[int]:
-        """Added vocabulary matched, as `deepseek_recipe.Tokenizer.encode` does (gateway/text_tokens.py)."""
-        return self._tokenizer.encode(text).ids
+    def encode_packed(self, texts: list[str]) -> list[bytes]:
+        """One call for all texts, straight to packed words: no Python int per token (~2x
+        cheaper than `encode` per text + `pack_tokens` on a 128k-token prompt's segments)."""
+        if not texts:
+            return []
+        flat, offsets = self._tokenizer.encode_batch_flat(texts)
+        ends = array("Q", offsets)
+        if sys.byteorder == "big":
+            ends.byteswap()
+            words = array("I", flat)
+            words.byteswap()
+            flat = words.tobytes()
+        return [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))]
+
+
+def fastokens_with_added_vocabulary(tokenizer_json: str) -> Callable[[str], list[int]]:
+    """Text -> ids with the added vocabulary matched, as `deepseek_recipe.Tokenizer.encode` does
+    (gateway/text_tokens.py checks that it agrees before using it)."""
+    if fastokens is None:
+        raise RuntimeError("fastokens is not installed")
+    tokenizer = fastokens.Tokenizer.from_json_str(tokenizer_json)
+    return lambda text: tokenizer.encode(text).ids
 
 
 def _fastokens_version() -> str:
@@ -262,7 +302,8 @@ def _fastokens_plain(tokenizer_json: str) -> tuple[FastokensPlain | None, str]:
         return fast, "DeepSeek pre-tokenizer; self-check passed earlier (start-up cache)"
     reference = HfPlain(json.loads(tokenizer_json))
     sample = _self_check_sample()
-    if fast.encode(sample) != reference.encode(sample):
+    expected = reference.encode(sample)
+    if fast.encode(sample) != expected or fast.encode_packed([sample]) != [pack_tokens(expected)]:
         return None, "its self-check differed from the reference tokenizer"
     derived_cache.store(_FASTOKENS_KIND, key, True)  # only a passed self-check is cached
     return fast, "DeepSeek pre-tokenizer; self-check passed"

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import (
     FastokensPlain,
     HfPlain,
@@ -82,7 +83,10 @@ _SETTINGS = settings(max_examples=1500, deadline=None, suppress_health_check=[He
 def test_matches_reference_on_adversarial_text(which: str, text: str, reference: HfPlain,
                                                request: pytest.FixtureRequest) -> None:
     fast = request.getfixturevalue(f"{which}_plain")
-    assert fast.encode(text) == reference.encode(text)
+    expected = reference.encode(text)
+    assert fast.encode(text) == expected
+    assert fast.encode_packed([text, "", text + "1"]) == [pack_tokens(expected), b"",
+                                                          pack_tokens(reference.encode(text + "1"))]
 
 
 @pytest.mark.parametrize("which", FAST)
@@ -124,6 +128,7 @@ def test_special_token_spellings_stay_plain_text(fast: PlainTokenizer, reference
             ids = fast.encode(text)
             assert ids == reference.encode(text), text
             assert not added_ids & set(ids)
+            assert fast.encode_packed([text]) == [pack_tokens(ids)]
 
 
 def test_cjk_kana_boundaries(fast: PlainTokenizer, reference: HfPlain) -> None:
