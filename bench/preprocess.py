@@ -188,17 +188,18 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
                                                        "long_append", "base_long_append",
                                                        "whole_long_append", "pre_first", "pre_follow",
                                                        "pre_first_cpu", "uncached_first", "uncached_follow",
-                                                       "pre_long_append")}
+                                                       "pre_long_append", "follow_cpu", "pre_follow_cpu",
+                                                       "uncached_first_cpu", "uncached_follow_cpu")}
     gc.collect()
     for _ in range(repeats):
         for encoder, preparer, key in ((pre_change, pre_prep, "pre"), (uncached, uncached_prep, "uncached")):
             encoder.cache.clear()
             samples[f"{key}_first"].append(_ms(_pipeline(preparer, first, PrefixHasher()),
-                                               samples["pre_first_cpu"] if key == "pre" else None))
+                                               samples[f"{key}_first_cpu"]))
             encoder.cache.clear()
             hasher = PrefixHasher()
             _pipeline(preparer, first, hasher)()
-            samples[f"{key}_follow"].append(_ms(_pipeline(preparer, follow, hasher)))
+            samples[f"{key}_follow"].append(_ms(_pipeline(preparer, follow, hasher), samples[f"{key}_follow_cpu"]))
         fast.cache.clear()
         samples["first"].append(_ms(_pipeline(fast_prep, first, PrefixHasher()), samples["first_cpu"]))  # cold
         samples["base_first"].append(_ms(_pipeline(ref_prep, first), samples["base_first_cpu"]))
@@ -206,7 +207,7 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
         fast.cache.clear()
         hasher = PrefixHasher()
         _pipeline(fast_prep, first, hasher)()  # the caches now hold exactly the previous turn
-        samples["follow"].append(_ms(_pipeline(fast_prep, follow, hasher)))
+        samples["follow"].append(_ms(_pipeline(fast_prep, follow, hasher), samples["follow_cpu"]))
         # Breakdown of the follow-up (same state again).
         fast.cache.clear()
         hasher = PrefixHasher()
@@ -263,12 +264,20 @@ def preprocess(bundle: TokenizerBundle, repeats: int, target_tokens: int,
         "pre_change_long_message_append_ms": round(med["pre_long_append"], 2),
         "first_turn_over_pre_change": round(med["first"] / med["pre_first"], 3),
         "follow_up_over_pre_change": round(med["follow"] / med["pre_follow"], 3),
+        "follow_up_cpu_ms": round(med["follow_cpu"], 2),
+        "pre_change_follow_up_cpu_ms": round(med["pre_follow_cpu"], 2),
+        "first_turn_cpu_over_pre_change": round(med["first_cpu"] / med["pre_first_cpu"], 3),
+        "follow_up_cpu_over_pre_change": round(med["follow_cpu"] / med["pre_follow_cpu"], 3),
+        "no_segment_cache_first_turn_cpu_ms": round(med["uncached_first_cpu"], 2),
+        "no_segment_cache_follow_up_cpu_ms": round(med["uncached_follow_cpu"], 2),
         "no_segment_cache_first_turn_ms": round(med["uncached_first"], 2),
         "no_segment_cache_follow_up_ms": round(med["uncached_follow"], 2),
         **{f"{name}_spread": _spread(samples[key]) for name, key in (
             ("first_turn", "first"), ("follow_up", "follow"), ("pre_change_first_turn", "pre_first"),
             ("pre_change_follow_up", "pre_follow"), ("no_segment_cache_first_turn", "uncached_first"),
-            ("no_segment_cache_follow_up", "uncached_follow"))},
+            ("no_segment_cache_follow_up", "uncached_follow"), ("first_turn_cpu", "first_cpu"),
+            ("pre_change_first_turn_cpu", "pre_first_cpu"), ("follow_up_cpu", "follow_cpu"),
+            ("pre_change_follow_up_cpu", "pre_follow_cpu"))},
         "repeats": repeats,
         "first_turn_tokens": len(first_ids),
         "follow_up_tokens": len(follow_ids),
