@@ -32,12 +32,14 @@ differ. Text without such spaces (CJK, long symbol runs) stays one segment.
 
 Cost per call: render + reading `special_ranges` (~1.7 ms for a 520k-character prompt:
 the library converts byte to code-point offsets) + O(prompt length) slicing/keying and
-list assembly (~1 ms) + tokenizing the misses only (~0.35 us/token with tiktoken).
-Measured by bench/preprocess.py (2-core dev box, 128.7k-token conversation, whole
-gateway path incl. convert and block hashing): first turn, cold cache 49 ms (baseline
-`encode` path 102 ms wall / 189 ms CPU: it uses 2 threads); follow-up adding 505 tokens
-7 ms, of which encode 3.6 ms. A 100k-token single message grown by 500 tokens: 5.3 ms
-(22.5 ms re-tokenizing it whole, i.e. without pieces; same run).
+list assembly (~1 ms) + tokenizing the misses only, all of them in one call (fastokens'
+batch encode straight to packed uint32 words, ~25 ns/token) + interning the new ids
+(~35 ns/token). Measured by bench/preprocess.py (2-core dev box under heavy shared load,
+CPU-time medians of 3 runs x 7 repeats, 128.7k-token conversation, whole gateway path
+incl. convert and block hashing): first turn, cold cache 20.9 ms vs 61.7 ms for the
+tiktoken encoder (pre-change tree, alternating runs); follow-up adding 505 tokens 7.5 ms,
+as before. Without the segment cache the follow-up costs ~17 ms (it still pays there;
+the first turn costs the same with or without it).
 Memory: the cache is bounded by `cache_bytes` (default 256 MiB, ~13 B per cached token
 with text keys; see segment_cache.py) plus one interned int per vocabulary id (~4.6 MB).
 
