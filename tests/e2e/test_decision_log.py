@@ -42,6 +42,7 @@ def test_each_request_leaves_its_decision_and_the_report_reads_them(traced_gatew
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == 3
     for line, (worker, usage) in zip(lines, usages, strict=True):
+        assert usage is not None and usage.prompt_tokens_details is not None
         assert line["worker"] == worker and line["prompt_tokens"] == usage.prompt_tokens
         assert line["reported"]["memory"] + line["reported"]["store"] == usage.prompt_tokens_details.cached_tokens
         assert {c["worker"] for c in line["candidates"]} >= {worker} and len(line["candidates"]) == 3
