@@ -11,9 +11,12 @@
   the image's `docker-entrypoint.sh redis-server` (and what that entrypoint adds to a
   config file that does not set it: `--protected-mode no`), in its data volume as the
   image's working directory.
+- `dns`: dnsmasq answering the worker pool's name (WORKERS_NAME) with the live workers'
+  addresses; the gateways' hosts have it as their resolver (/etc/netns/<host>/resolv.conf).
 - `gw1`, `gw2`: `serve --config deploy/gateway/compose-unified.toml` with compose's gateway
   environment; service names in it (redis) resolve through each host's /etc/hosts. The
-  workers reach them as `DGW_WORKERS` (static `[[workers]]`).
+  workers are found by DNS: the config's static `[[workers]]` replaced by one
+  `[[discovery]]` of WORKERS_NAME (`DGW_WORKERS`, `DGW_DISCOVERY`).
 - workers: `worker --engine sim` as the unified override starts them (0.0.0.0:8100),
   unified, sm100, with compose's worker environment (the token file).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import time
@@ -35,6 +39,7 @@ import redis
 import yaml
 from _netns import Lab
 
+from deepinfer_gateway.dnsmasq import dnsmasq_binary
 from deepinfer_gateway.launch import CLI, Proc
 from deepinfer_gateway.redis_process import redis_server_binary
 
@@ -43,6 +48,8 @@ COMPOSE = REPO / "deploy" / "docker-compose.yml"
 GATEWAY_TOML = REPO / "deploy" / "gateway" / "compose-unified.toml"
 GATEWAY_SERVICE, WORKER_SERVICE = "gateway-1", "prefill-sm100-1"
 GATEWAY_PORT, WORKER_PORT, REDIS_PORT = 8000, 8100, 6379
+WORKERS_NAME = "workers.dgw.test"  # the DNS name of the worker pool (a headless Service, a compose service)
+DISCOVERY_INTERVAL_S = 2.0
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -228,9 +235,31 @@ class Cluster:
                                  "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--worker-id", host,
                                  "--time-scale", str(self.time_scale)], env=self.compose.environment(WORKER_SERVICE))
 
+    def start_dns(self, workers: list[str]) -> None:
+        """dnsmasq on the dns host, port 53, answering WORKERS_NAME from a hosts file it re-reads
+        on SIGHUP (the flags of deepinfer_gateway/dnsmasq.py); the gateways' hosts use it as
+        their resolver, as containers use compose's DNS."""
+        self.dns_hosts = self.workdir / "dns.hosts"
+        self.set_dns(workers, signal_server=False)
+        self._start("dns", [dnsmasq_binary(), "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
+                            f"--listen-address={self.ip('dns')}", "--port=53", f"--addn-hosts={self.dns_hosts}",
+                            f"--local=/{WORKERS_NAME.split('.', 1)[1]}/", "--local-ttl=0", "--cache-size=0"])
+        wait_tcp(self.ip("dns"), 53, 30, self.procs["dns"])
+        for host in self.gateways:
+            self.lab.write_etc(host, "resolv.conf", f"nameserver {self.ip('dns')}\n")
+
+    def set_dns(self, workers: list[str], signal_server: bool = True) -> None:
+        """WORKERS_NAME answers exactly these workers' addresses from now on."""
+        tmp = self.dns_hosts.with_suffix(".tmp")
+        tmp.write_text("".join(f"{self.ip(w)} {WORKERS_NAME}\n" for w in workers))
+        tmp.replace(self.dns_hosts)
+        if signal_server:
+            self.procs["dns"].proc.send_signal(signal.SIGHUP)
+
     def start_gateway(self, host: str) -> None:
-        workers = [{"id": w, "url": self.url(w), "role": "unified", "hardware": "sm100"} for w in self.workers]
-        env = {**self.compose.environment(GATEWAY_SERVICE), "DGW_WORKERS": json.dumps(workers)}
+        """Workers found by DNS: the shipped config's static [[workers]] replaced by one [[discovery]]."""
+        discovery = [{"name": WORKERS_NAME, "port": WORKER_PORT, "interval_s": DISCOVERY_INTERVAL_S}]
+        env = {**self.compose.environment(GATEWAY_SERVICE), "DGW_WORKERS": "[]", "DGW_DISCOVERY": json.dumps(discovery)}
         self._start(host, CLI + ["serve", "--config", str(GATEWAY_TOML)], env=env)
 
     def wait_ready(self, host: str, healthy: int, timeout: float = 60.0) -> None:

@@ -4,7 +4,7 @@ open-loop load, and what each one cost.
     sudo python bench/chaos.py [--short] [--time-scale 1.0] [--log-dir DIR]
 
 Hosts (bench/_netns.py: a network namespace each, veth to a private bridge, no route beyond
-it): `redis`, `gw1`, `gw2`, sim workers `w1`..`w4`, a spare `w5`, and `client`, where this
+it): `redis`, `dns`, `gw1`, `gw2`, sim workers `w1`..`w4`, a spare `w5`, and `client`, where this
 script's driver runs (load, faults, checks). What runs on them and how it is configured
 from the shipped files: bench/_chaos_cluster.py. The load (multi-turn sessions, open loop,
 the project's load generator, spread over both replicas as the shipped nginx does):
@@ -17,8 +17,9 @@ starts late when the one before took longer, e.g. a slow gateway start):
    and a probe key never used before) are tried on both replicas once their key cache
    (10 s) has expired. Keys found lost are added again, as an operator would, so that
    later phases measure their own fault.
-2. worker: w4 SIGKILLed, w5 started at a new address; it joins through the admin API (POST
-   w5, DELETE w4 on gw1, shared with gw2 through Redis).
+2. worker: w4 SIGKILLed, w5 started at a new address, and the DNS name the gateways discover
+   workers by (a real dnsmasq on the `dns` host) answers w5 instead of w4: time until both
+   replicas route to w5, and until neither routes to w4 (draining or removed).
 3. gateway: gw2 SIGKILLed, restarted 3 s later. Its fresh process must show the routing
    change made through the admin API before the Redis restart.
 4. link: Redis's link down for 10 s (`ip link set down` on its bridge port): both gateways
@@ -84,7 +85,7 @@ from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 GATEWAYS = ("gw1", "gw2")
 WORKERS = ("w1", "w2", "w3", "w4")
 SPARE = "w5"
-HOSTS = ("client", "redis", *GATEWAYS, *WORKERS, SPARE)
+HOSTS = ("client", "redis", "dns", *GATEWAYS, *WORKERS, SPARE)
 KEY_CACHE_S = 10.0  # gateway/auth.py KeyStore's cache_ttl_s: a key is read from Redis again after it
 ROUTING_CHANGE = {"policy": {"name": "estimated_ttft", "stick_ratio": 1.75}, "decode_policy": "power_of_two"}
 
@@ -170,6 +171,7 @@ class ChaosRun:
             c.start_worker(w)
         for w in WORKERS:
             wait_tcp(c.ip(w), WORKER_PORT, 60, c.procs[w])
+        c.start_dns(list(WORKERS))
         for g in GATEWAYS:
             c.start_gateway(g)
         for g in GATEWAYS:
@@ -249,36 +251,39 @@ class ChaosRun:
             tl.mark("redis: keys lost, added again")
         return t
 
-    def worker_views(self) -> list[dict[str, bool]]:
+    def worker_views(self) -> list[dict[str, str]]:
+        """Per replica: worker URL -> healthy, draining or unhealthy."""
         views = []
         for g in GATEWAYS:
             status, body = self.admin("GET", g, "/admin/workers")
-            ok = status == 200 and isinstance(body, dict)
-            views.append({w["id"]: bool(w["healthy"]) for w in body["workers"]} if ok else {})
+            workers = body["workers"] if status == 200 and isinstance(body, dict) else []
+            views.append({w["url"]: "draining" if w.get("draining") else "healthy" if w["healthy"] else "unhealthy"
+                          for w in workers})
         return views
 
     def worker_phase(self, at: float) -> float:
         c, tl = self.cluster, self.timeline
         tl.sleep_until(at)
-        t = tl.mark(f"worker: SIGKILL w4; {SPARE} starts at {c.ip(SPARE)}")
+        t = tl.mark(f"worker: SIGKILL w4; {SPARE} starts at {c.ip(SPARE)}, DNS answers it instead of w4")
         c.kill("w4")
         c.start_worker(SPARE)
         wait_tcp(c.ip(SPARE), WORKER_PORT, 60, c.procs[SPARE])
-        spec = {"id": SPARE, "url": c.url(SPARE), "role": "unified", "hardware": "sm100"}
-        added = self.admin("POST", "gw1", "/admin/workers", spec)[0]
-        removed = self.admin("DELETE", "gw1", "/admin/workers/w4")[0]
-        switched, views = None, self.worker_views()
-        deadline = tl.now() + 30
-        while added == 201 and tl.now() < deadline:
+        c.set_dns(["w1", "w2", "w3", SPARE])
+        new, old = c.url(SPARE), c.url("w4")
+        found = gone = None
+        views = self.worker_views()
+        deadline = tl.now() + 60
+        while tl.now() < deadline and (found is None or gone is None):
             views = self.worker_views()
-            if all(v.get(SPARE) and "w4" not in v for v in views):
-                switched = round(tl.now() - t, 2)
-                break
+            if found is None and all(v.get(new) == "healthy" for v in views):
+                found = round(tl.now() - t, 2)
+            if gone is None and all(v.get(old, "gone") in ("gone", "draining") for v in views):
+                gone = round(tl.now() - t, 2)
             time.sleep(0.25)
-        tl.mark(f"worker: POST {added}, DELETE {removed}; both replicas on {SPARE} after {switched} s")
+        tl.mark(f"worker: both replicas route to {SPARE} after {found} s, stopped routing to w4 after {gone} s")
         self.out["worker_replacement"] = {
-            "via": "admin API", "post_status": added, "delete_status": removed, "both_replicas_switched_s": switched,
-            "healthy_by_replica": dict(zip(GATEWAYS, views, strict=True))}
+            "via": "DNS discovery", "new_worker_healthy_on_both_s": found, "old_worker_out_of_routing_s": gone,
+            "views": dict(zip(GATEWAYS, views, strict=True))}
         return t
 
     def gateway_phase(self, at: float) -> float:

@@ -55,7 +55,8 @@ def test_every_request_is_answered_or_failed_explicitly(chaos: dict[str, Any]) -
     assert chaos["requests_lost"] == 0, context
     assert chaos["requests_answered"] + chaos["requests_failed"] == chaos["requests_total"], context
     # The faults happened and the run saw them.
-    assert chaos["worker_replacement"]["both_replicas_switched_s"] is not None, context
+    assert chaos["worker_replacement"]["new_worker_healthy_on_both_s"] is not None, context
+    assert chaos["worker_replacement"]["old_worker_out_of_routing_s"] is not None, context
     assert chaos["attempts_per_replica"]["gw1"] > 0 and chaos["attempts_per_replica"]["gw2"] > 0, context
     assert 0.5 < chaos["follow_up_hit_before_redis_kill"] <= 1, context  # prefix-aware routing works at all
 
