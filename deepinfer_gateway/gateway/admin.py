@@ -47,6 +47,7 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
         return JSONResponse({"workers": [
             {"id": w.worker_id, "url": w.url, "role": str(w.spec.role), "hardware": str(w.spec.hardware),
              "pool": w.pool, "kv_format": w.kv_format, "healthy": w.healthy, "draining": w.draining,
+             "reported_id": w.info.worker_id if w.info else None,
              "inflight": w.inflight,
              "consecutive_failures": w.consecutive_failures, "kv_events_cursor": state.feeder.cursor(w.worker_id),
              "load": w.load.model_dump(mode="json") if w.load else None}

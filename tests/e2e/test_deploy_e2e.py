@@ -96,10 +96,17 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     free = {}
     for url, spec in zip(pd_cluster.urls, pd_cluster.specs, strict=True):
         free.setdefault(spec, []).append(url)
-    for worker in load_settings(shipped, {"redis_url": redis_url}).workers:
+    settings = load_settings(shipped, {"redis_url": redis_url})
+    for worker in settings.workers:
         text, n = re.subn(rf'(?m)^url = "{re.escape(worker.url)}"$',
                           f'url = "{free[f"{worker.role}:{worker.hardware}"].pop(0)}"', text)
         assert n == 1, worker.url
+    if settings.discovery:  # cluster DNS names: the same pools as loopback workers (test_discovery.py: DNS)
+        text, n = re.subn(r"(?ms)^\[\[discovery\]\]\n.*?(?=^\[|\Z)", "", text)
+        assert n == len(settings.discovery)
+        for found in settings.discovery:
+            for url in free.pop(f"{found.role}:{found.hardware}"):
+                text += f'\n[[workers]]\nurl = "{url}"\nrole = "{found.role}"\nhardware = "{found.hardware}"\n'
     config = tmp_path_factory.mktemp(request.param) / "gateway.toml"
     config.write_text(text)
     port = free_port()

@@ -140,10 +140,14 @@ def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.Mo
     for path in configs:
         settings = load_settings(path, DEPLOYED_REDIS)
         assert settings.host == "0.0.0.0" and settings.port == GATEWAY_PORT, path
-        assert settings.workers, path
+        assert settings.workers or settings.discovery, path
         if path == unified:
             assert {str(w.role) for w in settings.workers} == {"unified"}
         if path not in simulated:
+            continue
+        if settings.discovery:  # the pools' sizes are their replicas: one entry per pool
+            assert {(str(d.role), str(d.hardware)) for d in settings.discovery} == set(POOL), path
+            assert not settings.workers, path
             continue
         counts: dict[tuple[str, str], int] = {}
         for w in settings.workers:
@@ -640,11 +644,14 @@ def test_k8s_gateway_probes_command_and_config() -> None:
     assert Path(args.config).name in generator["files"]
 
 
-def test_k8s_workers_are_addressable_and_listed_in_gateway_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_k8s_workers_are_discovered_through_their_headless_services(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker StatefulSet's headless Service is one [[discovery]] name of gateway.toml, with
+    the pods' role, hardware and port; DNS lists ready pods only, so a terminating pod is drained."""
     for name in GatewaySettings.model_fields:
         monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
     services = {s["metadata"]["name"]: s for s in by_kind("Service")}
-    expected_urls: dict[str, tuple[str, str]] = {}
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    expected: dict[str, tuple[str, str, int]] = {}
     for sts in by_kind("StatefulSet"):
         if pod_labels(sts)["app.kubernetes.io/component"] != "worker":
             continue  # Redis
@@ -660,12 +667,15 @@ def test_k8s_workers_are_addressable_and_listed_in_gateway_config(monkeypatch: p
         assert _http_probe(c, "livenessProbe") == ("/health", args.port)
         labels = pod_labels(sts)
         assert (labels["deepinfer.ai/role"], labels["deepinfer.ai/hardware"]) == (args.role, args.hardware)
-        for i in range(sts["spec"]["replicas"]):
-            expected_urls[f"http://{name}-{i}.{headless['metadata']['name']}:{args.port}"] = (args.role, args.hardware)
+        assert headless["spec"].get("publishNotReadyAddresses", False) is False, name
+        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] <= 30, name
+        fqdn = f"{headless['metadata']['name']}.{namespace}.svc.cluster.local."
+        expected[fqdn] = (args.role, args.hardware, args.port)
     settings = load_settings(K8S / "gateway.toml", DEPLOYED_REDIS)
-    listed = {w.url: (str(w.role), str(w.hardware)) for w in settings.workers}
-    assert listed == expected_urls
-    assert all(w.worker_id == w.url.split("://")[1].split(".")[0] for w in settings.workers)
+    assert not settings.workers
+    found = {d.name: (str(d.role), str(d.hardware), d.port) for d in settings.discovery}
+    assert found == expected
+    assert all(d.drain_timeout_s >= 30 and not d.nameservers and not d.srv for d in settings.discovery)
 
 
 def test_k8s_services_and_pdbs_select_real_pods() -> None:

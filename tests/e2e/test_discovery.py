@@ -169,6 +169,7 @@ def test_scaling_a_pool_2_4_1_under_load(tmp_path: Path, dns: Dnsmasq, workers: 
                "the new workers get requests")
         info = {w["id"]: w for w in listed(gw).values()}
         assert {info[i]["role"] for i in ids} == {"unified"} and {info[i]["hardware"] for i in ids} == {"sm100"}
+        assert {info[i]["reported_id"] for i in ids} == {f"sm100-unified-{port}"}  # the workers' own ids
 
         # The index and the metrics know every worker before the scale-down.
         gone = ids[1:]
