@@ -240,3 +240,36 @@ def index_workers(gw: Gateway) -> dict[str, Any]:
 
 def metrics(gw: Gateway) -> str:
     return httpx.get(gw.url + "/metrics", timeout=10).text
+
+
+def test_srv_records_give_each_workers_port(tmp_path: Path) -> None:
+    """With srv = true the SRV records name host and port: two workers on one address."""
+    ports = [free_port(), free_port()]
+    srv = [("_worker._tcp.srv.dgw.test", "host.dgw.test", p) for p in ports]
+    try:
+        server = Dnsmasq(tmp_path, srv=srv)
+    except NoDnsmasq as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{e}; CI must never skip the DNS discovery tests")
+        pytest.skip(str(e))
+    procs = [Proc(CLI + ["worker", "--role", "decode", "--port", str(p), "--time-scale", "20"]) for p in ports]
+    digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
+    toml = (f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n'
+            f'[[discovery]]\nname = "_worker._tcp.srv.dgw.test"\nsrv = true\ninterval_s = {INTERVAL_S}\n'
+            f'nameservers = ["{server.nameserver}"]\n')
+    gw = None
+    try:
+        for p in ports:
+            wait_for_port(p, timeout=30)
+        server.set_records({"host.dgw.test": ["127.0.0.1"]})
+        gw = Gateway(tmp_path, [], extra_toml=toml)
+        gw.wait_ready(2, timeout=20)
+        workers = listed(gw)
+        assert sorted(workers) == sorted(f"127.0.0.1:{p}" for p in ports)
+        assert {w["role"] for w in workers.values()} == {"decode"}  # probed, not configured
+    finally:
+        if gw is not None:
+            gw.stop()
+        for proc in procs:
+            proc.stop()
+        server.stop()
