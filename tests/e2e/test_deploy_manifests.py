@@ -483,7 +483,7 @@ def test_compose_commands_are_real_cli_invocations() -> None:
     assert seen == POOL
 
 
-def test_compose_gateway_config_lists_the_compose_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compose_gateway_config_discovers_the_compose_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DGW_REDIS_URL", raising=False)
     services = compose()["services"]
     gateway = services["gateway-1"]
@@ -492,11 +492,19 @@ def test_compose_gateway_config_lists_the_compose_workers(monkeypatch: pytest.Mo
     src = DEPLOY / mounts[config_path]
     assert src.exists()
     settings = load_settings(src, DEPLOYED_REDIS)
-    for w in settings.workers:
-        host, port = w.url.split("://", 1)[1].split(":")
-        assert host in services and int(port) == WORKER_PORT
-        args = parse_cli(services[host]["command"])
-        assert (str(w.role), str(w.hardware), w.worker_id) == (args.role, args.hardware, args.worker_id)
+    assert not settings.workers, "the compose gateways find their workers by DNS"
+    pools = {d.name.rstrip("."): d for d in settings.discovery}
+    members: dict[str, list[str]] = {name: [] for name in pools}
+    for name, svc in services.items():
+        if "deepinfer-gateway" not in str(svc.get("image", "")) or parse_cli(svc["command"]).command != "worker":
+            continue
+        (alias,) = svc["networks"]["default"]["aliases"]  # Docker's DNS answers the alias with every container
+        args = parse_cli(svc["command"])
+        found = pools[alias]
+        assert (str(found.role), str(found.hardware), found.port) == (args.role, args.hardware, args.port), name
+        members[alias].append(name)
+    assert {(str(pools[a].role), str(pools[a].hardware)): len(m) for a, m in members.items()} == POOL
+    assert all(d.drain_timeout_s > 0 and not d.nameservers for d in settings.discovery)
     assert services["gateway-2"]["command"] == gateway["command"]
 
 
