@@ -1,0 +1,114 @@
+"""The Kubernetes manifests as an operator applies them: the base (deploy/k8s) and the
+overlays (deploy/k8s-overlays/dev, prod) rendered by a real kustomize (`kubectl kustomize`)
+and validated by `kubernetes-validate --strict` against Kubernetes' own schemas (bundled
+with the package: no network). Under CI=true neither tool may be missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+BASE = DEPLOY / "k8s"
+OVERLAYS = {name: DEPLOY / "k8s-overlays" / name for name in ("dev", "prod")}
+TREES = {"base": BASE, **OVERLAYS}
+IMAGE_NAME = "deepinfer-gateway"  # what the manifests' containers name; the images entry sets it
+
+
+def tool(name: str, where: Path | None = None) -> str:
+    path = str(where) if where is not None and where.exists() else shutil.which(name)
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} missing; CI must never skip rendering and validating the manifests")
+        pytest.skip(f"{name} missing")
+    return path
+
+
+def render(tree: Path) -> str:
+    done = subprocess.run([tool("kubectl"), "kustomize", str(tree)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def objects(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def validate(path: Path) -> subprocess.CompletedProcess[str]:
+    validator = tool("kubernetes-validate", Path(sys.executable).parent / "kubernetes-validate")
+    return subprocess.run([validator, "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=300)
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj.get("spec", {}).get("template", {}).get("spec", {})
+    return [*spec.get("initContainers", []), *spec.get("containers", [])]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("rendered")
+    paths = {}
+    for name, tree in TREES.items():
+        paths[name] = out / f"{name}.yaml"
+        paths[name].write_text(render(tree))
+    return paths
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_renders_and_validates_strictly(rendered: dict[str, Path], tree: str) -> None:
+    docs = objects(rendered[tree].read_text())
+    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "HorizontalPodAutoscaler"} <= {d["kind"] for d in docs}
+    done = validate(rendered[tree])
+    # --quiet prints only warnings (a kind without a schema) and failures: none of either.
+    assert done.returncode == 0 and done.stdout.strip() == "" and done.stderr.strip() == "", done.stdout + done.stderr
+
+
+def test_strict_validation_fails_on_an_unknown_field(rendered: dict[str, Path], tmp_path: Path) -> None:
+    docs = objects(rendered["base"].read_text())
+    service = next(d for d in docs if d["kind"] == "Service")
+    service["spec"]["clusterIp"] = "None"  # a typo of clusterIP
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump_all(docs))
+    done = validate(broken)
+    assert done.returncode != 0 and "clusterIp" in done.stdout + done.stderr
+
+
+def test_one_images_entry_sets_every_image_with_a_registry(rendered: dict[str, Path]) -> None:
+    (entry,) = [e for e in yaml.safe_load((BASE / "kustomization.yaml").read_text())["images"]
+                if e["name"] == IMAGE_NAME]
+    reference = f"{entry['newName']}:{entry['newTag']}"
+    registry = entry["newName"].split("/")[0]
+    assert "/" in entry["newName"] and ("." in registry or ":" in registry or registry == "localhost")
+    for tree, path in rendered.items():
+        ours = [c["image"] for d in objects(path.read_text()) for c in containers(d)
+                if c["image"].rsplit("/", 1)[-1].split(":")[0].split("@")[0] == IMAGE_NAME]
+        assert len(ours) >= 5 and set(ours) == {reference}, (tree, set(ours))
+        for overlay in OVERLAYS.values():  # no overlay sets the image a second time
+            assert "images" not in yaml.safe_load((overlay / "kustomization.yaml").read_text())
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_each_pool_size_is_one_replicas_count_in_the_overlay(rendered: dict[str, Path], overlay: str) -> None:
+    counts = {r["name"]: r["count"] for r in
+              yaml.safe_load((OVERLAYS[overlay] / "kustomization.yaml").read_text())["replicas"]}
+    docs = objects(rendered[overlay].read_text())
+    pools = {d["metadata"]["name"]: d for d in docs
+             if d["kind"] == "StatefulSet" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"}
+    assert pools and {name: s["spec"]["replicas"] for name, s in pools.items()} == counts
+    # Nothing else holds a pool's size: the gateway lists no worker, it finds each pool's pods
+    # through the pool's headless Service.
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("gateway-config")]
+    config = tomllib.loads(config_map["data"]["gateway.toml"])
+    assert "workers" not in config
+    found = {entry["name"] for entry in config["discovery"]}
+    for name, statefulset in pools.items():
+        namespace = statefulset["metadata"]["namespace"]
+        assert f"{statefulset['spec']['serviceName']}.{namespace}.svc.cluster.local." in found, name
