@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
 from functools import lru_cache
 
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import (
     FastokensPlain,
-    fastokens_with_added_vocabulary,
+    PlainTokenizer,
     plain_tokenizer,
 )
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
@@ -93,8 +95,51 @@ def _choose(bundle: TokenizerBundle) -> tuple[Callable[[str], list[int]], str]:
     plain = plain_tokenizer(bundle.json_text)
     if not isinstance(plain, FastokensPlain):
         return bundle.tokenizer.encode, f"the vocabulary's own tokenizer (plain tokenizer: {plain.name})"
-    encode = fastokens_with_added_vocabulary(bundle.json_text)
+    encode = _added_then_plain(plain, json.loads(bundle.json_text)["added_tokens"])
     sample = "x ".join(f" {s}{s}a{s}\n{s} " for s in bundle.added_tokens) + " plain 123 中文"
-    if encode(sample) != bundle.tokenizer.encode(sample):
-        return bundle.tokenizer.encode, "the vocabulary's own tokenizer (fastokens differed on added tokens)"
-    return encode, f"{plain.name}, added vocabulary matched (self-check passed)"
+    if encode is None or encode(sample) != bundle.tokenizer.encode(sample):
+        return bundle.tokenizer.encode, "the vocabulary's own tokenizer (added tokens not matched as modelled here)"
+    return encode, f"added tokens matched here, the text between them by {plain.name} (self-check passed)"
+
+
+def _added_then_plain(plain: PlainTokenizer, added: list[dict[str, object]]) -> Callable[[str], list[int]] | None:
+    """Hugging Face tokenizers' added-vocabulary matching, for a tokenizer.json without a
+    normalizer (the plain tokenizer only exists for those): leftmost-longest over the
+    tokens with `normalized: false`, then over the `normalized: true` ones within the
+    stretches left, the text between by the plain tokenizer. None when a token asks for
+    stripping or whole-word matching (not modelled)."""
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added):
+        return None
+    ids = {str(t["content"]): int(str(t["id"])) for t in added}
+
+    def alternation(normalized: bool) -> re.Pattern[str] | None:
+        spellings = sorted((str(t["content"]) for t in added if bool(t.get("normalized")) == normalized),
+                           key=len, reverse=True)  # longest first: leftmost-longest
+        return re.compile("|".join(map(re.escape, spellings))) if spellings else None
+
+    def split(pattern: re.Pattern[str] | None, text: str, inner: Callable[[str, list[int]], None],
+              out: list[int]) -> None:
+        pos = 0
+        if pattern is not None:
+            for match in pattern.finditer(text):
+                if match.start() > pos:
+                    inner(text[pos:match.start()], out)
+                out.append(ids[match.group()])
+                pos = match.end()
+        if pos < len(text):
+            inner(text[pos:], out)
+
+    first, second = alternation(False), alternation(True)
+
+    def plain_part(text: str, out: list[int]) -> None:
+        out += plain.encode(text)
+
+    def normalized_part(text: str, out: list[int]) -> None:
+        split(second, text, plain_part, out)
+
+    def encode(text: str) -> list[int]:
+        out: list[int] = []
+        split(first, text, normalized_part, out)
+        return out
+
+    return encode

@@ -229,15 +229,6 @@ class FastokensPlain:
         return [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))]
 
 
-def fastokens_with_added_vocabulary(tokenizer_json: str) -> Callable[[str], list[int]]:
-    """Text -> ids with the added vocabulary matched, as `deepseek_recipe.Tokenizer.encode` does
-    (gateway/text_tokens.py checks that it agrees before using it)."""
-    if fastokens is None:
-        raise RuntimeError("fastokens is not installed")
-    tokenizer = fastokens.Tokenizer.from_json_str(tokenizer_json)
-    return lambda text: tokenizer.encode(text).ids
-
-
 def _fastokens_version() -> str:
     return str(getattr(fastokens, "__version__", "")) or _distribution_version("fastokens")
 
