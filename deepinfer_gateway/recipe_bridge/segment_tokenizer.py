@@ -17,9 +17,10 @@ and the reason once per process and tokenizer.json):
   when the tokenizer.json has the recognised settings (`_recognised`, the same gate as
   tiktoken's) AND a self-check on `_SELF_CHECK` matches the reference; a passed check is
   kept in `derived_cache`. Text with lone surrogates fails with `UnicodeEncodeError`, as
-  the reference does (tiktoken instead encodes them as U+FFFD). Building it parses the
-  tokenizer.json in Rust: ~1.2 s CPU per process start, where tiktoken's cached ranks
-  load in ~0.15 s.
+  the reference does (tiktoken instead encodes them as U+FFFD). Built from the
+  tokenizer.json without its added vocabulary (its batch call, `encode_packed`, has no
+  ordinary mode). Building it costs ~1.2 s CPU and ~100 MiB per process, where
+  tiktoken's cached ranks load in ~0.15 s.
 - `TiktokenPlain` (first fallback, ~6.5x faster than HfPlain: 2.9 vs 0.45 Mtok/s on 2 MB of Python source,
   one core; a cold 128.7k-token conversation encodes in ~42 ms vs deepseek-recipe's
   `encode` at ~145 ms wall / ~180 ms CPU). A `tiktoken.Encoding` built from the tokenizer.json itself (tiktoken's own
