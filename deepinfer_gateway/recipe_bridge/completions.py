@@ -37,9 +37,9 @@ class _StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """The OpenAI legacy Completions body; unknown fields are ignored, as OpenAI-compatible servers do."""
+    """The OpenAI legacy Completions body; an unknown field is refused (nothing accepted and ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
@@ -59,6 +59,7 @@ class CompletionRequest(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     ignore_eos: StrictBool = False  # vLLM/SGLang extension (benchmarks)
+    top_k: StrictInt | None = None  # vLLM/SGLang extension
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM/SGLang extension
 
 
@@ -83,12 +84,18 @@ def parse_completion(body: bytes) -> CompletionRequest:
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         param = ".".join(str(p) for p in error["loc"]) or None
+        if error["type"] == "extra_forbidden":
+            raise CompletionRefused(f"Unrecognized request argument supplied: {param}", param) from None
         raise CompletionRefused(f"Invalid request: {param}: {error['msg']}" if param else error["msg"], param) from None
     for name in ("n", "best_of"):
         if (getattr(request, name) or 1) > 1:
             raise CompletionRefused(f"`{name}` > 1 is not supported: send one request per completion.", name)
     if request.echo:
         raise CompletionRefused("`echo` is not supported.", "echo")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(request, name):
+            raise CompletionRefused(f"`{name}` is not supported: DeepInfer's sampler has no such control; only 0 "
+                                    "is accepted.", name)
     if request.suffix:
         raise CompletionRefused("`suffix` (insertion) is not supported.", "suffix")
     stops = stop_sequences(request.stop)

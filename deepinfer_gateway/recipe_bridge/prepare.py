@@ -32,6 +32,7 @@ from deepinfer_gateway.recipe_bridge.conversion import (
     sampling_of,
 )
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+from deepinfer_gateway.recipe_bridge.fields import check_fields, session_of, top_k_of
 from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
 from deepinfer_gateway.recipe_bridge.offload import OFFLOAD_BODY_BYTES, OFFLOAD_ENV, PrepareOffload, parse_offload
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, BridgeConfig, PreparedRequest, TokenCount
@@ -71,7 +72,8 @@ class RequestPreparer:
         if protocol is ApiProtocol.COMPLETIONS:
             return self._prepare_completion(body)
         raw = RawBody(body)
-        parsed = raw.extras()
+        parsed = raw.parsed  # every field is checked (fields.py): nothing accepted and ignored
+        check_fields(protocol, parsed)
         if protocol is ApiProtocol.CHAT and parsed.get("max_tokens") is None and "max_completion_tokens" in parsed:
             # deepseek-recipe 0.2 reads only the deprecated `max_tokens`; the newer name means the same.
             parsed["max_tokens"] = parsed.pop("max_completion_tokens")
@@ -89,7 +91,7 @@ class RequestPreparer:
                 raise BridgeError.from_conversion(exc) from None
         stream_options = parsed.get("stream_options")
         include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
-        user = parsed.get("user") if isinstance(parsed.get("user"), str) else None
+        user = session_of(protocol, parsed)
         return PreparedRequest(
             protocol=protocol,
             model=target.served,
@@ -98,7 +100,7 @@ class RequestPreparer:
             token_ids=token_ids,
             # `ignore_eos` (vLLM/SGLang extension): benchmarks replaying a trace's output lengths.
             sampling=sampling_of(conv, max_tokens, parsed.get("ignore_eos") is True,
-                                 min_tokens_of(parsed.get("min_tokens"), max_tokens)),
+                                 min_tokens_of(parsed.get("min_tokens"), max_tokens), top_k_of(parsed.get("top_k"))),
             stream=conv.stream,
             include_usage=include_usage,
             responses_echo=echo,
@@ -151,6 +153,7 @@ class RequestPreparer:
             top_logprobs=request.logprobs or 0,
             seq_seed=request.seed,
             ignore_eos=request.ignore_eos,
+            top_k=top_k_of(request.top_k),
             min_tokens=min_tokens_of(request.min_tokens, max_tokens),
         )
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
