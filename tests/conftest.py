@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,7 +80,9 @@ def _require_redis_server() -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Under CI=true a Redis test that skips, for whatever reason, is reported as failed."""
     report = yield
     if os.environ.get("CI") == "true" and report.skipped:
@@ -195,7 +197,7 @@ def engine(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def gateway(engine: str, request: pytest.FixtureRequest) -> Gateway:
     """The gateway process in front of `engine`'s workers (`sim_gateway` or `deepinfer_gateway`)."""
-    return request.getfixturevalue(f"{engine}_gateway")  # type: ignore[no-any-return]
+    return request.getfixturevalue(f"{engine}_gateway")
 
 
 @pytest.fixture

@@ -131,7 +131,7 @@ def test_admin_changes_reach_every_replica(cluster: SimCluster, shared_redis: tu
         for gw in (a, b, late):  # everything went through Redis, without an error
             assert total(scrape(gw.url), "dgw_redis_errors_total", component="admin") == 0
     finally:
-        for gw in (a, b, late):
+        for gw in (a, b, late):  # type: ignore[assignment]
             if gw is not None:
                 gw.stop()
 

@@ -41,7 +41,7 @@ async def test_while_redis_hangs_a_seen_key_works_and_nobody_waits(redis_server:
     keys = KeyStore((), client, cache_ttl_s=0.05, on_error=lambda: errors.append(1))
     assert redis_server.proc is not None
     try:
-        assert (await keys.lookup("seen-key")).name == "seen"  # type: ignore[union-attr]
+        assert (await keys.lookup("seen-key")).name == "seen"
         await asyncio.sleep(0.1)  # its cache entry expired: the next lookup asks Redis
         os.kill(redis_server.proc.pid, signal.SIGSTOP)  # connections stay open, nothing answers
         try:
@@ -57,7 +57,7 @@ async def test_while_redis_hangs_a_seen_key_works_and_nobody_waits(redis_server:
         await client.delete(f"dgw:apikey:{hashlib.sha256(b'seen-key').hexdigest()}")
         await store_key(client, "new-key", "new")
         await asyncio.sleep(1.1)  # the next probe is due
-        assert (await keys.lookup("new-key")).name == "new"  # type: ignore[union-attr]
+        assert (await keys.lookup("new-key")).name == "new"
         assert await keys.lookup("seen-key") is None  # Redis answers again: what it says counts
     finally:
         await client.aclose()

@@ -18,7 +18,7 @@ CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.
 
 
 @pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
-def test_bench_replays_a_trace_slice_through_the_gateway(gateway, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_replays_a_trace_slice_through_the_gateway(gateway, tmp_path: Path) -> None:
     out = tmp_path / "conv"
     config = BenchConfig(url=gateway.url, trace=str(CONVERSATION), out=out, max_requests=20,
                          replay=ReplayConfig(mode="open", speedup=40.0, progress=False),
@@ -45,7 +45,7 @@ def test_bench_replays_a_trace_slice_through_the_gateway(gateway, tmp_path: Path
 
 
 @pytest.mark.parametrize("protocol", ["responses", "messages"])
-def test_bench_cli_other_protocols_closed_loop(gateway, tmp_path: Path, protocol: str,  # type: ignore[no-untyped-def]
+def test_bench_cli_other_protocols_closed_loop(gateway, tmp_path: Path, protocol: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / protocol
     rc = cli_main(["bench", "--url", gateway.url + "/v1", "--protocol", protocol, "--trace",
@@ -69,7 +69,7 @@ def test_bench_cli_refuses_bad_percentiles(tmp_path: Path, capsys: pytest.Captur
 
 
 @pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
-def test_lean_client_records_what_the_sdk_records(gateway, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_lean_client_records_what_the_sdk_records(gateway, tmp_path: Path) -> None:
     """The lean SSE client (no SDK) fills the same fields, with the same token counts, at less CPU."""
     runs = {}
     for lean in (False, True):
@@ -77,7 +77,7 @@ def test_lean_client_records_what_the_sdk_records(gateway, tmp_path: Path) -> No
                              replay=ReplayConfig(mode="open", speedup=40.0, progress=False), plots=False,
                              ignore_eos=True, lean_client=lean)
         runs[lean] = (run_bench(config), read_records(tmp_path / str(lean) / "results.jsonl"))
-    (sdk, sdk_records), (lean, lean_records) = runs[False], runs[True]
+    (sdk, sdk_records), (lean, lean_records) = runs[False], runs[True]  # type: ignore[assignment]
     assert lean["completed"] == sdk["completed"] == 12
     for a, b in zip(sdk_records, lean_records, strict=True):
         assert (b.prompt_tokens, b.output_tokens, b.http_status) == (a.prompt_tokens, a.output_tokens, 200)

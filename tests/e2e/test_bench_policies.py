@@ -17,7 +17,7 @@ ROW_KEYS = {"hit_rate", "hit_rate_memory", "hit_rate_store", "ttft_p50_s", "ttft
             "load_max_over_mean", "requests", "errors", "lost"}
 
 
-def _module():  # type: ignore[no-untyped-def]
+def _module():
     spec = importlib.util.spec_from_file_location("bench_policies", REPO / "bench" / "policies.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

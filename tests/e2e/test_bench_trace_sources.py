@@ -183,7 +183,7 @@ def test_real_pins_accept_the_published_files(mirror: Mirror, monkeypatch: pytes
 
 
 @pytest.mark.skipif(not SHARED.exists(), reason="shared traces not mounted")
-def test_bench_cli_replays_a_named_trace(gateway, mirror: Mirror, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+def test_bench_cli_replays_a_named_trace(gateway, mirror: Mirror, monkeypatch: pytest.MonkeyPatch,
                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mirror.put(SOURCES["azure:code"], _shared_bytes("AzureLLMInferenceTrace_code.csv"))
     monkeypatch.setenv("DGW_CACHE_DIR", str(tmp_path / "cache"))

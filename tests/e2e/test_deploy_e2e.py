@@ -93,7 +93,7 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     hardware, DGW_HOST/PORT/REDIS_URL at loopback."""
     shipped, shipped_env = SHIPPED[request.param]()
     text = shipped.read_text()
-    free = {}
+    free: dict[str, list[str]] = {}
     for url, spec in zip(pd_cluster.urls, pd_cluster.specs, strict=True):
         free.setdefault(spec, []).append(url)
     settings = load_settings(shipped, {"redis_url": redis_url})

@@ -373,7 +373,7 @@ def _build_arg_value(text: str, args: dict[str, str]) -> str:
 def dockerfile_bases(build_args: dict[str, str]) -> list[str]:
     """The image each FROM names under these --build-arg values (global ARGs, in order)."""
     args: dict[str, str] = {}
-    bases = []
+    bases: list[str] = []
     for word, rest in dockerfile_instructions():
         if word == "ARG" and not bases:
             name, _, default = rest.partition("=")

@@ -103,7 +103,7 @@ def raw_stream_request(port: int, payload: dict[str, object], rcvbuf: int = 4096
 # --- a slow-reading client ----------------------------------------------------------------------
 
 
-def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimCluster, gateway_factory) -> None:  # type: ignore[no-untyped-def]
+def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimCluster, gateway_factory) -> None:
     gw = gateway_factory(cluster)
     port = int(gw.url.rsplit(":", 1)[1])
     sock = raw_stream_request(port, body(1, 4000, ignore_eos=True))
@@ -137,7 +137,7 @@ def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimClust
     assert ClusterLoads(cluster).wait_idle()[0]["running"] == 0
 
 
-def test_stalled_client_that_hangs_up_is_counted_and_freed(cluster: SimCluster, gateway_factory) -> None:  # type: ignore[no-untyped-def]
+def test_stalled_client_that_hangs_up_is_counted_and_freed(cluster: SimCluster, gateway_factory) -> None:
     """A client that stops reading (the gateway blocks in send) and then disconnects."""
     gw = gateway_factory(cluster)
     port = int(gw.url.rsplit(":", 1)[1])
@@ -161,7 +161,7 @@ def test_stalled_client_that_hangs_up_is_counted_and_freed(cluster: SimCluster, 
 
 
 @pytest.mark.parametrize("cluster", [5.0], indirect=True)
-async def test_500_clients_disconnecting_at_random(cluster: SimCluster, gateway_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_500_clients_disconnecting_at_random(cluster: SimCluster, gateway_factory) -> None:
     gw = gateway_factory(cluster)
     rng = random.Random(7)
     n = 500
@@ -202,7 +202,7 @@ async def test_500_clients_disconnecting_at_random(cluster: SimCluster, gateway_
     assert seen["client_disconnects_total"] == seen["status_499"], seen
 
 
-async def test_client_gone_before_the_first_token_leaks_nothing(cluster: SimCluster, gateway_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_client_gone_before_the_first_token_leaks_nothing(cluster: SimCluster, gateway_factory) -> None:
     """Disconnect while the gateway is still waiting for the worker's first token."""
     gw = gateway_factory(cluster)
     port = int(gw.url.rsplit(":", 1)[1])
@@ -223,7 +223,7 @@ async def test_client_gone_before_the_first_token_leaks_nothing(cluster: SimClus
 # --- Redis killed and restarted ---------------------------------------------------------------
 
 
-def test_redis_killed_and_restarted(cluster: SimCluster, gateway_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_redis_killed_and_restarted(cluster: SimCluster, gateway_factory, redis_server) -> None:
     def key_toml(name: str, key: str, rpm: int) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()
         return f'[[api_keys]]\nname = "{name}"\nkey_sha256 = "{digest}"\nrequests_per_minute = {rpm}\n'
@@ -267,7 +267,7 @@ def test_redis_killed_and_restarted(cluster: SimCluster, gateway_factory, redis_
 
 
 @pytest.mark.parametrize("cluster", [1.0], indirect=True)
-async def test_burst_of_twice_the_admission_budget(cluster: SimCluster, gateway_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_burst_of_twice_the_admission_budget(cluster: SimCluster, gateway_factory) -> None:
     template = "[router]\nadmission_queued_tokens = {n}\n"
     prompt = " ".join(f"word{i}" for i in range(2000))  # ~4k tokens per request
     budget = 3 * 20_000  # tokens queued per pool (3 workers in one unified pool)

@@ -139,7 +139,7 @@ def _check(path: str, response: httpx.Response, body: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def http(gateway) -> Any:  # type: ignore[no-untyped-def]
+def http(gateway) -> Any:
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
         yield client
 
@@ -156,7 +156,7 @@ def test_fuzzed_bodies_never_5xx_and_errors_keep_the_protocol_format(http: httpx
     run()
 
 
-def test_no_engine_request_leaks(http: httpx.Client, sim_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_no_engine_request_leaks(http: httpx.Client, sim_cluster) -> None:
     # Runs after the fuzz tests (file order): every worker must be idle again.
     deadline = time.monotonic() + 2.0
     while True:

@@ -15,7 +15,7 @@ MODEL = "DeepSeek-V4.1-Flash"
 
 
 @pytest.fixture
-def two_workers() -> list[tuple[Proc, str]]:
+def two_workers() -> list[tuple[Proc, str]]:  # type: ignore[misc]
     workers = []
     for hardware in ("sm100", "ascend950"):
         port = free_port()
@@ -29,7 +29,7 @@ def two_workers() -> list[tuple[Proc, str]]:
         proc.kill()
 
 
-def test_dead_worker_is_retried_then_503_when_none_left(tmp_path: Path, two_workers) -> None:  # type: ignore[no-untyped-def]
+def test_dead_worker_is_retried_then_503_when_none_left(tmp_path: Path, two_workers) -> None:
     (dead, _), (alive, _) = two_workers
     gw = Gateway(tmp_path, [(url, "unified", "sm100") for _, url in two_workers])
     try:

@@ -88,7 +88,7 @@ def test_shared_prefix_is_served_from_cache(openai_client: openai.OpenAI, engine
         ({"model": MODEL, "messages": "not a list"}, ""),
     ],
 )
-def test_invalid_requests_get_openai_errors(gateway, body: dict, needle: str) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_requests_get_openai_errors(gateway, body: dict, needle: str) -> None:
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body)
     assert 400 <= r.status_code < 500
     error = r.json()["error"]
@@ -96,7 +96,7 @@ def test_invalid_requests_get_openai_errors(gateway, body: dict, needle: str) ->
     assert needle in error["message"]
 
 
-def test_malformed_json_is_400(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_json_is_400(gateway) -> None:
     r = httpx.post(gateway.url + "/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
@@ -109,7 +109,7 @@ def test_sdk_raises_not_found_for_unknown_model(openai_client: openai.OpenAI) ->
     assert "nope" in str(info.value)
 
 
-def test_metrics_count_requests(gateway, openai_client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_count_requests(gateway, openai_client: openai.OpenAI) -> None:
     openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4)
     text = httpx.get(gateway.url + "/metrics").text
     assert 'dgw_requests_total{model="DeepSeek-V4.1-Flash",protocol="chat",status="200"}' in text

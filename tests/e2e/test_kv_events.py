@@ -45,7 +45,7 @@ class FakeWorker:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
@@ -112,7 +112,7 @@ async def test_worker_restart_drops_its_memory_tier(
         await until(lambda: feeder.cursor("w1") == 1)
         log.restart("e2")
         log.store_mem(H[:7])
-        await until(lambda: feeder.cursor("w1") == 2 and index.cursor("w1").epoch == "e2")  # type: ignore[union-attr]
+        await until(lambda: feeder.cursor("w1") == 2 and index.cursor("w1").epoch == "e2")
         assert await memory_blocks(index, "w1") == 7
     finally:
         await feeder.aclose()

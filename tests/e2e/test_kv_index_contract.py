@@ -30,11 +30,11 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     def make(**kwargs: object) -> PrefixIndex:
         index: PrefixIndex
         if url is None:
-            index = InMemoryPrefixIndex(**kwargs)  # type: ignore[arg-type]
+            index = InMemoryPrefixIndex(**kwargs)
         else:  # each index its own namespace: on the cluster, its own hash slot (and node)
             namespace = f"test:{uuid.uuid4().hex[:8]}"
             client = redis_client(url, cluster=request.param == "redis-cluster")
-            index = RedisPrefixIndex(client, namespace=namespace, **kwargs)  # type: ignore[arg-type]
+            index = RedisPrefixIndex(client, namespace=namespace, **kwargs)
         made.append(index)
         return index
 

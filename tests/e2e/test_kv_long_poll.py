@@ -60,7 +60,7 @@ async def last_seq(http: aiohttp.ClientSession, url: str) -> int:
 def wait_tasks() -> list[asyncio.Task[Any]]:
     """The worker server's tasks of a held kv_events request (this test's loop serves it)."""
     names = ("wait_kv_events", "wait_past", "_disconnected")
-    return [t for t in asyncio.all_tasks() if any(n in t.get_coro().__qualname__ for n in names)]  # type: ignore[union-attr]
+    return [t for t in asyncio.all_tasks() if any(n in t.get_coro().__qualname__ for n in names)]
 
 
 # --- worker server -------------------------------------------------------------------------
@@ -186,7 +186,7 @@ async def test_feeder_keeps_the_interval_with_a_worker_that_ignores_wait() -> No
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = site._server.sockets[0].getsockname()[1]
     try:
         async with aiohttp.ClientSession() as session:
             feeder = KvEventFeeder(InMemoryPrefixIndex(), session, interval_s=0.1, wait_s=1.0)

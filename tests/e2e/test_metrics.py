@@ -190,7 +190,7 @@ def pd_pair() -> Iterator[SimCluster]:
 def test_pd_first_leg_and_last_leg_label_their_own_histograms(
         pd_pair: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
     workers = [(url, *spec.split(":")) for url, spec in zip(pd_pair.urls, pd_pair.specs, strict=True)]
-    gw = Gateway(tmp_path_factory.mktemp("metrics-pd"), workers,  # type: ignore[arg-type]
+    gw = Gateway(tmp_path_factory.mktemp("metrics-pd"), workers,
                  extra_toml=KEYS_TOML + "\n[router]\npd_bypass_tokens = 0\n")
     try:
         gw.wait_ready(2)

@@ -91,7 +91,7 @@ def pinned_clients(gateway: Gateway, processes: int = 2, key: str = KEY,
 
 
 def chat(client: openai.OpenAI, messages: list[dict[str, str]], **kwargs: object) -> tuple[int, object]:
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages,
                                                            max_tokens=8, **kwargs)
     return int(raw.headers[PROCESS_HEADER]), raw.parse()
 
@@ -278,7 +278,7 @@ def test_sigterm_drains_every_process_then_everything_is_gone(cluster: SimCluste
             for chunk in chunks:
                 first_chunk.set()
                 finish += [c.finish_reason for c in chunk.choices if c.finish_reason]
-            results[pid] = finish
+            results[pid] = finish  # type: ignore[assignment]
 
         started = {pid: threading.Event() for pid in clients}
         threads = [threading.Thread(target=stream_on, args=(pid, started[pid])) for pid in clients]

@@ -93,7 +93,7 @@ def test_required_tool_call_is_parsed_from_text(sim_client: openai.OpenAI) -> No
     `｜DSML｜` markers must come back as their token ids for the parser to see a call."""
     tools = [{"type": "function", "function": {"name": "tool", "parameters": {"type": "object", "properties": {}}}}]
     reply = sim_client.chat.completions.create(
-        model=MODEL, max_tokens=200, tools=tools, tool_choice="required",  # type: ignore[arg-type]
+        model=MODEL, max_tokens=200, tools=tools, tool_choice="required",
         messages=[{"role": "user", "content": "Call it."}])
     calls = reply.choices[0].message.tool_calls
     assert calls is not None and len(calls) == 1
@@ -154,7 +154,7 @@ def test_streamed_chat_and_cached_count_on_vllm_as_text_server(vllm_client: open
     for _ in range(2):
         chunks = list(vllm_client.chat.completions.create(
             model=MODEL, max_tokens=16, stream=True, stream_options={"include_usage": True},
-            messages=messages))  # type: ignore[arg-type]
+            messages=messages))
         usages.append(chunks[-1].usage)
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     first, second = usages

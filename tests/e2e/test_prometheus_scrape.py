@@ -50,7 +50,7 @@ class Prometheus:
         r.raise_for_status()
         body = r.json()
         assert body["status"] == "success", body
-        return body["data"]["result"]  # type: ignore[no-any-return]
+        return body["data"]["result"]
 
     def wait_for(self, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
 
 
 @pytest.fixture
-def client(gateway) -> Any:  # type: ignore[no-untyped-def]
+def client(gateway) -> Any:
     with anthropic.Anthropic(base_url=gateway.url, api_key="test", max_retries=0, timeout=60) as c:
         yield c
 
@@ -60,7 +60,7 @@ def test_agent_loop_tool_use_then_tool_result_then_text(client: anthropic.Anthro
         with client.messages.stream(model=MODEL, max_tokens=400, tools=[WEATHER], messages=messages) as s:
             first = s.get_final_message()
     else:
-        first = client.messages.create(model=MODEL, max_tokens=400, tools=[WEATHER], messages=messages)
+        first = client.messages.create(model=MODEL, max_tokens=400, tools=[WEATHER], messages=messages)  # type: ignore[assignment]
     assert first.stop_reason == "tool_use"
     (use,) = [b for b in first.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input == {"city": "Paris"}
@@ -71,7 +71,7 @@ def test_agent_loop_tool_use_then_tool_result_then_text(client: anthropic.Anthro
     assert final.content[-1].type == "text" and final.content[-1].text
 
 
-def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, gateway) -> None:  # type: ignore[no-untyped-def]
+def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, gateway) -> None:
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(model="claude-nope", max_tokens=10, messages=[{"role": "user", "content": "x"}])
     assert info.value.body == {"type": "error", "error": {

@@ -92,7 +92,7 @@ def test_agent_loop_tool_call_then_tool_result_then_text(openai_client: openai.O
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = openai_client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=400)
     message = first.choices[0].message
-    (call,) = message.tool_calls
+    (call,) = message.tool_calls  # type: ignore[misc]
     messages.append(message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21})})
     final = openai_client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=400)
@@ -196,14 +196,14 @@ def test_image_data_url_counts_its_image_tokens(openai_client: openai.OpenAI) ->
     assert one.usage.prompt_tokens - text_only.usage.prompt_tokens > 100
 
 
-def test_remote_image_urls_are_off_by_default(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_remote_image_urls_are_off_by_default(gateway) -> None:
     r = httpx.post(gateway.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": _image_message("http://169.254.169.254/latest/meta-data")})
     assert r.status_code == 400
     assert "remote image URLs are disabled" in r.json()["error"]["message"]
 
 
-def test_broken_image_is_a_clear_400(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_broken_image_is_a_clear_400(gateway) -> None:
     r = httpx.post(gateway.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": _image_message("data:image/png;base64,AAAA")})
     assert r.status_code == 400

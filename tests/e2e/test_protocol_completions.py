@@ -69,7 +69,7 @@ def test_stop_and_logprobs(openai_client: openai.OpenAI) -> None:
     ({"stop": ["a"] * 5}, "stop"),
     ({"temperature": 3}, "temperature"), ({"logprobs": 99}, "logprobs"),
 ])
-def test_refused_requests_are_openai_400s(gateway, extra: dict[str, Any], needle: str) -> None:  # type: ignore[no-untyped-def]
+def test_refused_requests_are_openai_400s(gateway, extra: dict[str, Any], needle: str) -> None:
     r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", **extra})
     assert r.status_code == 400, r.text
     error = r.json()["error"]

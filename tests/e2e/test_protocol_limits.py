@@ -54,7 +54,7 @@ def image_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def small_gateway(sim_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:  # type: ignore[no-untyped-def]
+def small_gateway(sim_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     roles = [spec.split(":") for spec in sim_cluster.specs]
     extra = "\n".join([f"max_body_bytes = {64 * 1024}", f"context_limit = {CONTEXT}", "[images]",
                        "max_images = 2", "remote_fetch = true", 'allow = ["localhost"]', ""])
@@ -148,7 +148,7 @@ def _loads(urls: list[str]) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
-def test_client_disconnect_mid_stream_aborts_the_worker_request_within_1s(gateway, sim_cluster, path: str) -> None:  # type: ignore[no-untyped-def]
+def test_client_disconnect_mid_stream_aborts_the_worker_request_within_1s(gateway, sim_cluster, path: str) -> None:
     body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": 20_000, "ignore_eos": True}
     if path == "/v1/completions":
         body["prompt"] = "Tell me a very long story."

@@ -108,7 +108,7 @@ def test_unknown_model_is_openai_404_model_not_found_on_every_openai_route(gatew
 def test_unknown_model_is_anthropic_not_found_error(gateway: Gateway) -> None:
     before = requests_total(gateway, protocol="messages", status="404")
     with pytest.raises(anthropic.NotFoundError) as info:
-        ant(gateway).messages.create(model="claude-nope", max_tokens=10, messages=HELLO)  # type: ignore[arg-type]
+        ant(gateway).messages.create(model="claude-nope", max_tokens=10, messages=HELLO)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "not_found_error"
     assert "claude-nope" in info.value.body["error"]["message"]
     assert requests_total(gateway, protocol="messages", status="404") == before + 1
@@ -143,12 +143,12 @@ def test_models_need_a_valid_key(configured: Gateway) -> None:
                  lambda: oai(configured, "sk-wrong").models.retrieve(MODEL)):
         with pytest.raises(openai.AuthenticationError) as info:
             call()
-        assert info.value.body["type"] == "authentication_error"  # type: ignore[index]
+        assert info.value.body["type"] == "authentication_error"
     r = httpx.get(configured.url + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError) as ant_info:
         ant(configured, "sk-wrong").models.list()
-    assert ant_info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert ant_info.value.body["error"]["type"] == "authentication_error"
     assert requests_total(configured, protocol="models", status="401") == before + 4
 
 
@@ -174,7 +174,7 @@ def test_anthropic_sdk_lists_and_retrieves_models(configured: Gateway) -> None:
     assert info.id == "claude-sonnet-4-5" and info.type == "model" and info.created_at.year >= 2024
     with pytest.raises(anthropic.NotFoundError) as error:
         client.models.retrieve("claude-nope")
-    assert error.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert error.value.body["error"]["type"] == "not_found_error"
 
 
 # --- aliases ---------------------------------------------------------------------------------
@@ -195,8 +195,8 @@ def test_deepseek_platform_code_works_unchanged(gateway: Gateway) -> None:
     assert _reasoning(thinking_chat.choices[0].message)
     stream = client.chat.completions.create(model="deepseek-reasoner", messages=HELLO, max_tokens=400, stream=True)
     chunks = list(stream)
-    assert {c.model for c in chunks} == {"deepseek-reasoner"}
-    assert any(c.choices and _reasoning(c.choices[0].delta) for c in chunks)
+    assert {c.model for c in chunks} == {"deepseek-reasoner"}  # type: ignore[attr-defined]
+    assert any(c.choices and _reasoning(c.choices[0].delta) for c in chunks)  # type: ignore[attr-defined]
     # Metrics and usage keep the served name: bounded labels.
     assert requests_total(gateway, protocol="chat", model=MODEL, status="200") == served + 4
     samples = scrape(gateway.url)
@@ -206,12 +206,12 @@ def test_deepseek_platform_code_works_unchanged(gateway: Gateway) -> None:
 
 def test_configured_vendor_alias_serves_an_anthropic_agent(configured: Gateway) -> None:
     client = ant(configured, "sk-full")
-    message = client.messages.create(model="claude-sonnet-4-5", max_tokens=400, tools=[ANT_WEATHER],  # type: ignore[list-item]
-                                     messages=ASK)  # type: ignore[arg-type]
+    message = client.messages.create(model="claude-sonnet-4-5", max_tokens=400, tools=[ANT_WEATHER],
+                                     messages=ASK)
     assert message.model == "claude-sonnet-4-5"
     assert message.stop_reason == "tool_use"
     with pytest.raises(anthropic.NotFoundError):  # not configured on the default gateway's twin: not an alias here
-        client.messages.create(model="claude-opus-4", max_tokens=10, messages=HELLO)  # type: ignore[arg-type]
+        client.messages.create(model="claude-opus-4", max_tokens=10, messages=HELLO)
 
 
 def test_alias_of_an_unserved_model_is_a_config_error() -> None:
@@ -229,14 +229,14 @@ def test_alias_of_an_unserved_model_is_a_config_error() -> None:
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_choice_without_a_thinking_request_is_served_without_thinking(
         gateway: Gateway, tool_choice: Any) -> None:
-    completion = oai(gateway).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],  # type: ignore[list-item]
+    completion = oai(gateway).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                                       tool_choice=tool_choice, max_tokens=400)
     message = completion.choices[0].message
     assert not _reasoning(message)
     (call,) = message.tool_calls or []
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     # deepseek-reasoner names a default, not a request: the forced tool still wins.
-    reasoner = oai(gateway).chat.completions.create(model="deepseek-reasoner", messages=ASK, tools=[WEATHER],  # type: ignore[list-item]
+    reasoner = oai(gateway).chat.completions.create(model="deepseek-reasoner", messages=ASK, tools=[WEATHER],
                                                     tool_choice=tool_choice, max_tokens=400)
     assert reasoner.choices[0].message.tool_calls and not _reasoning(reasoner.choices[0].message)
 
@@ -246,17 +246,17 @@ def test_forced_tool_choice_with_an_explicit_thinking_request_is_a_400(gateway: 
                                                                        thinking: dict[str, Any]) -> None:
     before = requests_total(gateway, protocol="chat", model=MODEL, status="400")
     with pytest.raises(openai.BadRequestError) as info:
-        oai(gateway).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],  # type: ignore[list-item]
+        oai(gateway).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                              tool_choice="required", extra_body=thinking)
-    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
-    assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    assert info.value.body["param"] == "tool_choice"
+    assert info.value.body["type"] == "invalid_request_error"
     assert requests_total(gateway, protocol="chat", model=MODEL, status="400") == before + 1
 
 
 def test_responses_forced_tool_choice_is_served_without_thinking(gateway: Gateway) -> None:
     tool = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-            "parameters": WEATHER["function"]["parameters"]}  # type: ignore[index]
-    response = oai(gateway).responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],  # type: ignore[list-item]
+            "parameters": WEATHER["function"]["parameters"]}
+    response = oai(gateway).responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
                                              tool_choice="required", max_output_tokens=400)
     kinds = [item.type for item in response.output]
     assert "function_call" in kinds and "reasoning" not in kinds
@@ -264,16 +264,16 @@ def test_responses_forced_tool_choice_is_served_without_thinking(gateway: Gatewa
 
 def test_anthropic_forced_tool_choice(gateway: Gateway) -> None:
     client = ant(gateway)
-    named = client.messages.create(model=MODEL, max_tokens=400, tools=[ANT_WEATHER], messages=ASK,  # type: ignore[list-item, arg-type]
+    named = client.messages.create(model=MODEL, max_tokens=400, tools=[ANT_WEATHER], messages=ASK,
                                    tool_choice={"type": "tool", "name": "get_weather"})
     assert [b.type for b in named.content if b.type != "text"] == ["tool_use"]
     for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
         with pytest.raises(anthropic.BadRequestError) as info:
-            client.messages.create(model=MODEL, max_tokens=400, tools=[ANT_WEATHER], messages=ASK,  # type: ignore[list-item, arg-type]
-                                   tool_choice=choice,  # type: ignore[arg-type]
+            client.messages.create(model=MODEL, max_tokens=400, tools=[ANT_WEATHER], messages=ASK,
+                                   tool_choice=choice,
                                    thinking={"type": "enabled", "budget_tokens": 200})
-        assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
-        assert "tool_choice" in info.value.body["error"]["message"]  # type: ignore[index]
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        assert "tool_choice" in info.value.body["error"]["message"]
 
 
 # --- Anthropic Messages rules and count_tokens ----------------------------------------------
@@ -293,12 +293,12 @@ def test_messages_refuse_a_system_role(gateway: Gateway) -> None:
                      [*HELLO, {"role": "assistant", "content": "Hi"}, {"role": "system", "content": "x"},
                       {"role": "user", "content": "again"}]):
         with pytest.raises(anthropic.BadRequestError) as info:
-            ant(gateway).messages.create(model=MODEL, max_tokens=10, messages=messages)  # type: ignore[arg-type]
-        assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
-        assert 'Unexpected role "system"' in info.value.body["error"]["message"]  # type: ignore[index]
+            ant(gateway).messages.create(model=MODEL, max_tokens=10, messages=messages)
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        assert 'Unexpected role "system"' in info.value.body["error"]["message"]
     # A user message that talks about roles is not a system message.
     quoted = [{"role": "user", "content": 'In JSON: {"role": "system"}'}]
-    assert ant(gateway).messages.create(model=MODEL, max_tokens=10, messages=quoted).content  # type: ignore[arg-type]
+    assert ant(gateway).messages.create(model=MODEL, max_tokens=10, messages=quoted).content
 
 
 def test_count_tokens_matches_what_the_engine_prefills(gateway: Gateway) -> None:
@@ -319,17 +319,17 @@ def test_count_tokens_matches_what_the_engine_prefills(gateway: Gateway) -> None
 
 def test_count_tokens_errors_and_auth(configured: Gateway, gateway: Gateway) -> None:
     with pytest.raises(anthropic.NotFoundError) as not_found:
-        ant(gateway).messages.count_tokens(model="claude-nope", messages=HELLO)  # type: ignore[arg-type]
-    assert not_found.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+        ant(gateway).messages.count_tokens(model="claude-nope", messages=HELLO)
+    assert not_found.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError):
-        ant(gateway).messages.count_tokens(model=MODEL, messages=[{"role": "system", "content": "x"}])  # type: ignore[list-item]
+        ant(gateway).messages.count_tokens(model=MODEL, messages=[{"role": "system", "content": "x"}])
     before = requests_total(configured, protocol="count_tokens", status="401")
     with pytest.raises(anthropic.AuthenticationError):
-        ant(configured, "sk-wrong").messages.count_tokens(model=MODEL, messages=HELLO)  # type: ignore[arg-type]
+        ant(configured, "sk-wrong").messages.count_tokens(model=MODEL, messages=HELLO)
     assert requests_total(configured, protocol="count_tokens", status="401") == before + 1
     with pytest.raises(anthropic.PermissionDeniedError):
-        ant(configured, "sk-none").messages.count_tokens(model=MODEL, messages=HELLO)  # type: ignore[arg-type]
-    allowed = ant(configured, "sk-chat").messages.count_tokens(model="deepseek-chat", messages=HELLO)  # type: ignore[arg-type]
+        ant(configured, "sk-none").messages.count_tokens(model=MODEL, messages=HELLO)
+    allowed = ant(configured, "sk-chat").messages.count_tokens(model="deepseek-chat", messages=HELLO)
     assert allowed.input_tokens > 0
     assert requests_total(configured, protocol="count_tokens", model=MODEL, status="200") >= 1
 
@@ -351,10 +351,10 @@ def test_unexpected_exception_on_the_request_path_is_json_500(broken_worker: Fau
         with pytest.raises(openai.InternalServerError) as info:
             oai(gw).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
         assert info.value.status_code == 500
-        assert info.value.body["type"] == "server_error"  # type: ignore[index]
+        assert info.value.body["type"] == "server_error"
         with pytest.raises(anthropic.InternalServerError) as ant_info:
-            ant(gw).messages.create(model=MODEL, max_tokens=4, messages=HELLO)  # type: ignore[arg-type]
-        assert ant_info.value.body["type"] == "error" and ant_info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+            ant(gw).messages.create(model=MODEL, max_tokens=4, messages=HELLO)
+        assert ant_info.value.body["type"] == "error" and ant_info.value.body["error"]["type"] == "api_error"
         assert requests_total(gw, model=MODEL, status="500") == 2
         assert httpx.get(gw.url + "/health").status_code == 200  # the gateway carries on
     finally:

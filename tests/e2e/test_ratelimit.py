@@ -60,13 +60,13 @@ async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[object]:
     await client.aclose()
 
 
-async def test_contract_request_limit(limiter) -> None:  # type: ignore[no-untyped-def]
+async def test_contract_request_limit(limiter) -> None:
     verdicts = [await limiter.admit("k1", (5, None), 1) for _ in range(7)]
     assert [v.allowed for v in verdicts] == [True] * 5 + [False] * 2
     assert (await limiter.admit("other", (5, None), 1)).allowed  # keys are independent
 
 
-async def test_contract_token_limit_and_debit(limiter) -> None:  # type: ignore[no-untyped-def]
+async def test_contract_token_limit_and_debit(limiter) -> None:
     assert (await limiter.admit("k2", (None, 1000), 600)).allowed
     await limiter.debit("k2", 300)  # output tokens of the finished request
     verdict = await limiter.admit("k2", (None, 1000), 200)
@@ -86,7 +86,7 @@ async def test_redis_limit_is_atomic_across_concurrent_callers(backend: str, req
         await c.aclose()
 
 
-async def test_redis_down_fails_open(redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_redis_down_fails_open(redis_server) -> None:
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
     errors = []
     limiter = RedisRateLimiter(client, on_error=lambda: errors.append(1), retry_interval_s=0.1)

@@ -29,7 +29,7 @@ def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s:
               redis_cluster: bool = False) -> list[Gateway]:
     workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
     toml = f'redis_url = "{redis_url}"\nredis_cluster = {str(redis_cluster).lower()}'
-    gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]  # type: ignore[arg-type]
+    gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]
     for gw in gateways:
         gw.wait_ready(len(workers))
     return gateways

@@ -47,13 +47,13 @@ def test_a_stored_response_is_retrieved_listed_continued_and_deleted(sim_gateway
     assert [i.role for i in listed.data] == ["user", "assistant", "user"]
     assert listed.data[1].content[0].text == first.output_text
 
-    deleted = client.responses.delete(first.id)
+    deleted = client.responses.delete(first.id)  # type: ignore[func-returns-value]
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError) as unknown:
         client.responses.create(model=MODEL, input="hi", previous_response_id=first.id, max_output_tokens=2)
-    assert unknown.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert unknown.value.body["param"] == "previous_response_id"
 
 
 def test_a_streamed_response_is_stored_before_its_last_event(sim_gateway: Gateway) -> None:
@@ -76,7 +76,7 @@ def test_store_false_and_unsupported_fields(sim_gateway: Gateway) -> None:
     for field, value in (("background", True), ("conversation", "conv_123")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={field: value})
-        assert refused.value.body["param"] == field  # type: ignore[index]
+        assert refused.value.body["param"] == field
     stored = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.responses.input_items.list(stored.id, limit=500)
@@ -115,7 +115,7 @@ def test_responses_are_per_key_bounded_and_survive_a_gateway_restart(
     alice.responses.create(model=MODEL, input="three", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError) as full:
         alice.responses.create(model=MODEL, input="four", max_output_tokens=2)
-    assert full.value.body["code"] == "stored_responses_limit"  # type: ignore[index]
+    assert full.value.body["code"] == "stored_responses_limit"
     alice.responses.create(model=MODEL, input="four", max_output_tokens=2, store=False)  # still served
 
     gateway.stop()  # a new gateway process on the same Redis

@@ -57,7 +57,7 @@ async def test_lease_of_a_dead_replica_expires(redis_url: str) -> None:
     await client.aclose()
 
 
-async def test_redis_down_falls_back_to_local_view(redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_redis_down_falls_back_to_local_view(redis_server) -> None:
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
     errors: list[int] = []
     inflight = RedisInflight(client, on_error=lambda: errors.append(1), retry_interval_s=0.1)
@@ -72,7 +72,7 @@ async def test_redis_down_falls_back_to_local_view(redis_server) -> None:  # typ
     await client.aclose()
 
 
-async def test_writes_are_batched_and_a_reservation_released_before_sending_is_never_sent(redis_server) -> None:  # type: ignore[no-untyped-def]
+async def test_writes_are_batched_and_a_reservation_released_before_sending_is_never_sent(redis_server) -> None:
     client = aioredis.Redis.from_url(redis_server.url)
     inflight = RedisInflight(client)
     await inflight.totals(["w1"])  # loads the totals script

@@ -69,7 +69,7 @@ def _live_replay(tmp: Path, trace: str) -> dict:
     cluster = SimCluster(WORKERS, time_scale=TIME_SCALE)
     gateway = None
     try:
-        gateway = Gateway(tmp, [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)],
+        gateway = Gateway(tmp, [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)],  # type: ignore[misc]
                           health_interval_s=HEALTH_INTERVAL_S)
         gateway.wait_ready(len(cluster.specs))
         return run_bench(BenchConfig(url=gateway.url, trace=trace, out=tmp, ignore_eos=True, plots=False,
@@ -98,7 +98,7 @@ def live_and_sim(tmp_path_factory: pytest.TempPathFactory) -> dict:
         costs.append(measure_gateway_cost())
         lives.append(_live_replay(tmp_path / f"live{k}", trace))
     cost = _median_cost(costs)
-    groups = tuple(WorkerGroup(role=s.split(":")[0], hardware=s.split(":")[1]) for s in WORKERS.split(","))  # type: ignore[arg-type]
+    groups = tuple(WorkerGroup(role=s.split(":")[0], hardware=s.split(":")[1]) for s in WORKERS.split(","))
     config = ClusterConfig(workers=groups, time_scale=TIME_SCALE, load_report_interval_s=HEALTH_INTERVAL_S,
                            gateway=cost.model_copy(update={"jitter": JITTER}))
     _, sim = run_simulation(config, trace, speedup=SPEEDUP, out=tmp_path / "sim")

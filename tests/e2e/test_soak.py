@@ -115,7 +115,7 @@ async def test_soak_every_token_exactly_once_in_order(soak_gateway: tuple[SimClu
                         text += choice["delta"].get("content") or ""
             if done and (text, usage) == expected[i]:
                 results["ok"] += 1
-                results["tokens"] += usage  # type: ignore[operator]
+                results["tokens"] += usage
             elif done:
                 results["mismatch"] += 1
                 mismatches.append((i, text[:80], expected[i][0][:80]))

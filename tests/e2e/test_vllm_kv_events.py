@@ -113,20 +113,20 @@ async def test_restarted_vllm_is_resynced(vllm_server: VllmServer, redis_url: st
         before = unique_prompt(2)
         await complete(vllm_server, before)
         for idx in indexes:
-            await eventually(lambda idx=idx: _equals(cached_blocks(idx, before), 2))
+            await eventually(lambda idx=idx: _equals(cached_blocks(idx, before), 2))  # type: ignore[misc]
         await eventually(lambda: _equals(gateway_blocks(gateway_index, before), 2))
 
         await asyncio.to_thread(vllm_server.restart)
         # No request yet: the reconnect alone shows a new process (its replay buffer is not the one we knew).
         for idx in indexes:
-            await eventually(lambda idx=idx: _equals(cached_blocks(idx, before), 0))
+            await eventually(lambda idx=idx: _equals(cached_blocks(idx, before), 0))  # type: ignore[misc]
         await eventually(lambda: _equals(gateway_blocks(gateway_index, before), 0))
         assert all(sub.stats["restarts"] >= 1 for sub in subs)
 
         after = unique_prompt(3)
         assert await complete(vllm_server, after) == 0
         for idx in indexes:
-            await eventually(lambda idx=idx: _equals(cached_blocks(idx, after), 3))
+            await eventually(lambda idx=idx: _equals(cached_blocks(idx, after), 3))  # type: ignore[misc]
             assert await cached_blocks(idx, before) == 0
         await eventually(lambda: _equals(gateway_blocks(gateway_index, after), 3))
         # the gateway saw the new process (its epoch) and serves on it

@@ -74,7 +74,7 @@ class Publisher:
         self.encoder = msgspec.msgpack.Encoder()
 
     def publish(self, *events: object, live: bool = True, buffered: bool = True) -> None:
-        payload = self.encoder.encode(VllmEventBatch(ts=time.time(), events=list(events)))  # type: ignore[arg-type]
+        payload = self.encoder.encode(VllmEventBatch(ts=time.time(), events=list(events)))
         seq, self.seq = self.seq, self.seq + 1
         if live:
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])

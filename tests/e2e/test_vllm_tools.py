@@ -99,7 +99,7 @@ def client(dsml_vllm: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def test_tool_call_parsed_from_vllm_output(client: openai.OpenAI) -> None:
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=200, messages=MESSAGES, tools=TOOLS, tool_choice="required")  # type: ignore[arg-type]
+        model=MODEL, max_tokens=200, messages=MESSAGES, tools=TOOLS, tool_choice="required")
     reply = raw.parse()
     assert raw.headers["x-dgw-worker"] == "vllm"
     choice = reply.choices[0]
@@ -113,7 +113,7 @@ def test_tool_call_parsed_from_vllm_output(client: openai.OpenAI) -> None:
 
 def test_streamed_tool_call_parsed_from_vllm_output(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(
-        model=MODEL, max_tokens=200, messages=MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+        model=MODEL, max_tokens=200, messages=MESSAGES, tools=TOOLS, tool_choice="required",
         stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas and deltas[0].function is not None and deltas[0].function.name == "get_weather"
@@ -124,5 +124,5 @@ def test_streamed_tool_call_parsed_from_vllm_output(client: openai.OpenAI) -> No
 
 def test_unforced_request_on_the_same_vllm_is_free_text(client: openai.OpenAI) -> None:
     """Without an opened calls block the processor leaves vLLM alone: random weights, no call."""
-    reply = client.chat.completions.create(model=MODEL, max_tokens=8, messages=MESSAGES)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=MODEL, max_tokens=8, messages=MESSAGES)
     assert not reply.choices[0].message.tool_calls

@@ -64,7 +64,7 @@ def _chat(gateway: Gateway, content: str) -> httpx.Response:
 def _load(url: str, token: str) -> dict[str, Any]:
     reply = httpx.get(url + LOAD_PATH, headers={"authorization": f"Bearer {token}"}, timeout=5)
     assert reply.status_code == 200
-    return reply.json()  # type: ignore[no-any-return]
+    return reply.json()
 
 
 def test_gateway_calls_carry_the_token(closed: tuple[SimCluster, Gateway, Path, Path]) -> None:

@@ -11,7 +11,7 @@ from deepinfer_gateway.workload.summary import summarize
 from deepinfer_gateway.workload.types import RequestRecord
 
 
-def write_run(d: Path, ttft: float, target: str, percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:  # type: ignore[type-arg]
+def write_run(d: Path, ttft: float, target: str, percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:
     records = [RequestRecord(index=i, arrival_s=float(i), ttft_s=ttft, e2e_s=ttft + 1.0, output_tokens=101,
                              prompt_tokens=1000, cached_tokens=400, itl_s=[0.01] * 100) for i in range(4)]
     s = summarize(records, wall_s=4.0, meta={"target": target, "protocol": "chat"}, percentiles=percentiles)

@@ -21,7 +21,7 @@ def synth() -> PromptSynthesizer:
 
 
 @pytest.fixture(scope="module")
-def prompt_ids():  # type: ignore[no-untyped-def]
+def prompt_ids():
     preparer = RequestPreparer(PromptEncoder(load_tokenizer()))
 
     def ids(text: str, protocol: ApiProtocol = ApiProtocol.CHAT) -> list[int]:
@@ -33,7 +33,7 @@ def prompt_ids():  # type: ignore[no-untyped-def]
     return ids
 
 
-def test_content_is_exactly_the_blocks_after_a_fixed_header(synth: PromptSynthesizer, prompt_ids) -> None:  # type: ignore[no-untyped-def]
+def test_content_is_exactly_the_blocks_after_a_fixed_header(synth: PromptSynthesizer, prompt_ids) -> None:
     a = TraceRequest(0, 0.0, 1400, 1, (10, 11, 12))
     b = TraceRequest(1, 0.0, 1800, 1, (10, 11, 13, 14))
     pa, pb = prompt_ids(synth.content(a)), prompt_ids(synth.content(b))

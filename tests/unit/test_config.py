@@ -181,7 +181,7 @@ def test_loaded_settings_are_plain_frozen_gateway_settings(tmp_path: Path) -> No
     s = load_settings(toml(tmp_path, "port = 1\n"))
     assert type(s) is GatewaySettings and s == GatewaySettings(port=1)
     with pytest.raises(ValidationError):
-        s.port = 2
+        s.port = 2  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------ secrets directory

@@ -52,7 +52,7 @@ def test_finish_mapping() -> None:
 
 def test_sampling_kwargs_mirror_sampling_params() -> None:
     s = Sampling(
-        temperature=0.0, top_k=5, max_tokens=3, seq_seed=9, so_args=StructuredOutput(schema_type="json", schema="{}")
+        temperature=0.0, top_k=5, max_tokens=3, seq_seed=9, so_args=StructuredOutput(schema_type="json", schema_="{}")
     )
     kw = sampling_kwargs(s)
     assert kw["so_args"] == {"schema_type": "json", "schema": "{}"} and kw["seq_seed"] == 9 and "logprobs" not in kw

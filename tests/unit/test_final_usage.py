@@ -73,7 +73,7 @@ def cached_in(protocol: ApiProtocol, usage: dict[str, Any]) -> int:
 
 def final_usage(protocol: ApiProtocol, raw: bytes, stream: bool) -> dict[str, Any]:
     if not stream:
-        return orjson.loads(raw)["usage"]  # type: ignore[no-any-return]
+        return orjson.loads(raw)["usage"]
     frames = sse_data(raw)
     if protocol is ApiProtocol.RESPONSES:
         return next(f["response"]["usage"] for f in frames if f["type"] == "response.completed")
@@ -81,7 +81,7 @@ def final_usage(protocol: ApiProtocol, raw: bytes, stream: bool) -> dict[str, An
         return next(f["usage"] for f in frames if f["type"] == "message_delta")
     with_usage = [f for f in frames if f.get("usage")]
     assert len(with_usage) == 1 and with_usage[0] is frames[-1]
-    return with_usage[0]["usage"]  # type: ignore[no-any-return]
+    return with_usage[0]["usage"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])

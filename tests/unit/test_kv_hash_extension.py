@@ -35,14 +35,14 @@ def test_extension_equals_hashing_the_whole_sequence(a: list[int], b: list[int],
     assert first == block_hashes(a + b, SALT, BT)
     second = extend_block_hashes(first, whole[len(first) * BT :], BT)  # an extension extends again
     assert second == block_hashes(whole, SALT, BT)
-    assert second.salt == SALT and second.chain_tail == block_hashes(whole, SALT, BT).chain_tail
+    assert second.salt == SALT and second.chain_tail == block_hashes(whole, SALT, BT).chain_tail  # type: ignore[attr-defined]
     assert known == block_hashes(a, SALT, BT)  # the known chain is left as it was
 
 
 @given(tokens)
 def test_an_empty_chain_extends_from_the_salt(a: list[int]) -> None:
     empty = block_hashes(a[: BT - 1], SALT, BT)
-    assert empty == [] and empty.chain_tail == SALT
+    assert empty == [] and empty.chain_tail == SALT  # type: ignore[attr-defined]
     assert extend_block_hashes(empty, a, BT) == block_hashes(a, SALT, BT)
 
 
@@ -130,6 +130,6 @@ def test_store_put_follows_the_plain_rule(capacity: int, puts: list[tuple[list[i
     now = 0.0
     for hashes, workload, advance in puts:  # repeated hashes and expired blocks included
         now += advance
-        put = store.put(hashes, workload, now)  # type: ignore[arg-type]
+        put = store.put(hashes, workload, now)
         assert (put.stored, put.evicted) == _reference_put(expected, hashes, store.ttl_s[workload], now, capacity)
         assert list(store._blocks.items()) == list(expected.items())

@@ -23,7 +23,7 @@ def preparer() -> RequestPreparer:
     return RequestPreparer(PromptEncoder(load_tokenizer()), BridgeConfig(model_names=(MODEL,)))
 
 
-BODIES = {
+BODIES: dict[ApiProtocol, dict[str, object]] = {
     ApiProtocol.CHAT: {"messages": [{"role": "user", "content": "hi"}]},
     ApiProtocol.RESPONSES: {"input": "hi"},
     ApiProtocol.MESSAGES: {"messages": [{"role": "user", "content": "hi"}]},

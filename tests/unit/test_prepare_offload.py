@@ -60,7 +60,7 @@ class _Spy:
         self.lock = threading.Lock()
         preparer.prepare = self  # type: ignore[method-assign]
 
-    def __call__(self, protocol: ApiProtocol, body: bytes):  # type: ignore[no-untyped-def]
+    def __call__(self, protocol: ApiProtocol, body: bytes):
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)

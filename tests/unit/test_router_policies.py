@@ -28,7 +28,7 @@ from deepinfer_gateway.router.policy_config import (
 
 
 def cand(wid: str, **kw: object) -> Candidate:
-    return Candidate(worker_id=wid, hardware=str(kw.pop("hardware", "sm100")), pool="prefill", kv_format="f", **kw)  # type: ignore[arg-type]
+    return Candidate(worker_id=wid, hardware=str(kw.pop("hardware", "sm100")), pool="prefill", kv_format="f", **kw)
 
 
 def test_round_robin_cycles() -> None:
@@ -176,7 +176,7 @@ def test_estimated_ttft_leaves_the_holder_when_its_queue_costs_too_much() -> Non
     (EstimatedTtftConfig(stick_s=0.0), EstimatedTtft),
 ])
 def test_make_policy_builds_the_variant_from_a_name_a_table_or_a_config(given: object, kind: type) -> None:
-    policy = make_policy(given)  # type: ignore[arg-type]
+    policy = make_policy(given)
     assert type(policy) is kind and policy.name in POLICIES
 
 
@@ -208,5 +208,5 @@ def test_session_affinity_wraps_only_when_enabled() -> None:
 ])
 def test_invalid_policy_configs_say_what_is_wrong(given: object, message: str) -> None:
     with pytest.raises(ValueError) as e:
-        parse_policy(given)  # type: ignore[arg-type]
+        parse_policy(given)
     assert str(e.value).startswith(message)

@@ -17,17 +17,18 @@ SM100 = load_profile("sm100")
 ONE_RANK = replace(SM100, dp_ranks=1, gpus_per_instance=1)
 
 
-def core(profile=ONE_RANK, store=None, time_scale=1.0) -> SchedulerCore:  # type: ignore[no-untyped-def]
+def core(profile=ONE_RANK, store=None, time_scale=1.0) -> SchedulerCore:
     return SchedulerCore(profile, SimKvEventLog("w"), "m", store=store, time_scale=time_scale)
 
 
-def req(rid: str, prompt: list[int], n_out: int = 3, **kw) -> SimRequest:  # type: ignore[no-untyped-def]
+def req(rid: str, prompt: list[int], n_out: int = 3, **kw) -> SimRequest:
     return SimRequest(rid, prompt, list(range(500, 500 + n_out)), FinishReason.STOP, **kw)
 
 
 def run(c: SchedulerCore, now: float = 0.0) -> tuple[float, dict[str, list[RequestUpdate]]]:
     """Step until idle; returns total time and every update per request."""
-    total, seen = 0.0, {}
+    total = 0.0
+    seen: dict[str, list[RequestUpdate]] = {}
     while c.has_work():
         d, ups = c.step(now)
         total += d

@@ -36,7 +36,7 @@ async def _stream_beside(disturbance: Callable[[], Awaitable[None]], rid: str) -
     """`_stream` on a fresh engine while `disturbance` runs on the same event loop."""
     engine = SimEngine(worker_id="w", profile=FLAT)
     await engine.start()
-    disturber = asyncio.create_task(disturbance())
+    disturber: asyncio.Task[None] = asyncio.create_task(disturbance())
     try:
         return await _stream(engine, rid)
     finally:

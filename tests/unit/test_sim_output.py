@@ -50,7 +50,7 @@ def run_chat(planner: OutputPlanner, body: dict[str, Any],
     conv = ChatCompletionRequest({"model": MODEL, **body}).convert(ConversionOptions())
     prompt = DeepseekV41Encoding().with_tokenizer(bundle.tokenizer).encode(conv.conversation)
     constraint = conv.inference_options.output_constraint
-    so = StructuredOutput(schema_type=constraint.kind, schema=constraint.schema) if constraint else None  # type: ignore[arg-type]
+    so = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
     plan = planner.plan(prompt, Sampling(max_tokens=max_tokens, so_args=so))
     proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, "id", MODEL), conv.parsing_options,
                            bundle.tokenizer)

@@ -55,7 +55,7 @@ def test_ascend_profile_is_a_labelled_scaled_assumption() -> None:
     assert SM100.memory_capacity_blocks == int(40e9 * 4 // (890 * 128))
 
 
-def test_user_profile_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_user_profile_file(tmp_path) -> None:
     path = tmp_path / "p.toml"
     path.write_text(
         '[tiny]\nhardware = "sm100"\nkv_format = "x"\nprefill_points = [[1, 1000]]\n'

@@ -43,7 +43,7 @@ def test_cluster_files_load_and_validate() -> None:
         assert load_cluster(path).worker_count >= 3
     assert load_cluster(CLUSTERS / "pd-128.toml").worker_count == 128
     with pytest.raises(ValidationError, match="prefill and decode"):
-        ClusterConfig(workers=(WorkerGroup(role="prefill"),))  # type: ignore[arg-type]
+        ClusterConfig(workers=(WorkerGroup(role="prefill"),))
     with pytest.raises(ValidationError):
         ClusterConfig(workers=(WorkerGroup(),), bogus=1)  # type: ignore[call-arg]
 
@@ -88,7 +88,7 @@ def test_run_produces_bench_summary_and_is_deterministic(cluster: str, tmp_path:
     assert summary["requests"] == summary["completed"] == len(trace.requests) and summary["errors"] == {}
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         assert summary[key]["p50"] > 0
-    assert all(r.prompt_tokens == r.expected_input_tokens + 30 for r in records)  # type: ignore[operator]
+    assert all(r.prompt_tokens == r.expected_input_tokens + 30 for r in records)
     assert all(r.output_tokens == r.expected_output_tokens for r in records)
     cache = summary["cache_hit_rate"]
     assert 0 < cache["total"] <= summary["oracle_hit_rate"] + 0.02

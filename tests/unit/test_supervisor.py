@@ -44,6 +44,6 @@ def test_several_processes_on_redis_cluster_need_its_url() -> None:
 @pytest.mark.parametrize("value", [-1, "-2", "many", 1.5, True])
 def test_the_processes_setting_takes_a_count_or_auto(value: object) -> None:
     with pytest.raises(ValueError, match="number of processes"):
-        GatewaySettings(processes=value)  # type: ignore[arg-type]
-    assert GatewaySettings(processes=" AUTO ").processes == "auto"  # type: ignore[arg-type]
-    assert GatewaySettings(processes="3").processes == 3  # type: ignore[arg-type]
+        GatewaySettings(processes=value)
+    assert GatewaySettings(processes=" AUTO ").processes == "auto"
+    assert GatewaySettings(processes="3").processes == 3

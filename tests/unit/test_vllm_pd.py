@@ -77,7 +77,7 @@ def test_an_aborted_prefill_is_an_abort_not_a_hand_off() -> None:
 
 
 @pytest.mark.parametrize("answer", [{}, {"choices": [], "usage": {}}, {"choices": [{}], "usage": {"x": 1}},
-                                    vllm_answer([1, 2]), "text"])  # type: ignore[list-item]
+                                    vllm_answer([1, 2]), "text"])
 def test_malformed_prefill_answers_are_refused(answer: Any) -> None:
     with pytest.raises(ValueError):
         vllm_pd.prefill_events(answer, "vllm-p", FORMAT)
@@ -210,7 +210,7 @@ async def test_no_decode_worker_of_the_engine_is_a_502_with_every_leg_released(p
 async def test_a_failing_decode_worker_is_retried_on_another(preparer: RequestPreparer) -> None:
     other = "http://vllm-d2.test"
     refused = UpstreamError(UpstreamKind.CONNECT, "cannot reach")
-    rig = PdRig({PREFILL: [prefill_script()], DECODE: [refused], other: [decode_script(2)]},  # type: ignore[list-item]
+    rig = PdRig({PREFILL: [prefill_script()], DECODE: [refused], other: [decode_script(2)]},
                 {PREFILL: "vllm", DECODE: "vllm", other: "vllm"})
     rig.worker(other).inflight = 1  # the planner tries DECODE first
     response = await rig.server.serve(prepared_chat(preparer), "req-1", 0.0)
