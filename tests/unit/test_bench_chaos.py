@@ -218,7 +218,8 @@ def test_spread_takes_the_least_busy_replica_and_skips_one_marked_down() -> None
     assert spread.down_until[1] == 0.0  # one failure: not yet
     spread._failed(1)
     assert spread.down_until[1] > 0 and all(spread._pick([]) == 0 for _ in range(3))
-    spread._failed(0), spread._failed(0)
+    spread._failed(0)
+    spread._failed(0)
     assert spread._pick([]) in (0, 1)  # every replica down: tried anyway
     assert spread._pick([0, 1]) is None
 
