@@ -13,10 +13,10 @@ bench/_chaos_workload.py and bench/_chaos_load.py.
 Faults, in turn, each at the start of a phase of at least its schedule's length (a phase
 starts late when the one before took longer, e.g. a slow gateway start):
 1. redis: SIGKILL, restarted 1 s later with the same command and data directory (a pod
-   restarted on its volume). The API keys written before it (the load's, an admin key,
-   and a probe key never used before) are tried on both replicas once their key cache
-   (10 s) has expired. Keys found lost are added again, as an operator would, so that
-   later phases measure their own fault.
+   restarted on its volume; with --redis-volume-lost on an empty one). The API keys
+   written before it (the load's, an admin key, and a probe key never used before) are
+   tried on both replicas once their key cache (10 s) has expired. Keys found lost are
+   added again, as an operator would, so that later phases measure their own fault.
 2. worker: w4 SIGKILLed, w5 started at a new address, and the DNS name the gateways discover
    workers by (a real dnsmasq on the `dns` host) answers w5 instead of w4: time until both
    replicas route to w5, and until neither routes to w4 (draining or removed).
@@ -58,6 +58,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,6 +161,7 @@ class ChaosRun:
         self.keys: dict[str, str] = {}
         self.changed_routing: Any = None
         self.out: dict[str, Any] = {}
+        self.redis_volume_lost = False
 
     def admin(self, method: str, gateway: str, path: str, body: Any = None) -> tuple[int, Any]:
         return http(method, self.cluster.url(gateway) + path, self.keys["admin"], body)
@@ -231,9 +233,12 @@ class ChaosRun:
         tl.sleep_until(at)
         t = tl.mark("redis: SIGKILL")
         c.kill("redis")
+        if self.redis_volume_lost:  # a node lost with its disk: only the rebuildable state may come back
+            shutil.rmtree(c.redis_dir)
+            c.redis_dir.mkdir()
         time.sleep(s.redis_down_s)
         c.start_redis()
-        t_back = tl.mark("redis: restarted, answering")
+        t_back = tl.mark(f"redis: restarted{' on an empty volume' if self.redis_volume_lost else ''}, answering")
         with c.redis_client() as client:  # before a surviving replica may write its admin state back
             self.out["admin_routing_in_redis_on_restart"] = bool(client.hgetall(ROUTING_KEY))
         time.sleep(2.0)
@@ -381,6 +386,7 @@ def figures(run: LoadRun, st: SessionTrace, schedule: Schedule, faults: dict[str
         "requests_total": counts.total, "requests_answered": counts.answered, "requests_failed": counts.failed,
         "requests_lost": counts.lost, "failed_by_kind": counts.failed_by_kind, "failed_by_phase": failed_by_phase,
         "failure_examples": counts.examples,
+        "failed_sent_at_s": [round(r.arrival_s, 2) for r in run.records if outcomes[r.index] == "failed"][:20],
         "resent_to_other_replica": run.resent, "attempts_per_replica": dict(zip(GATEWAYS, run.attempts, strict=True)),
         "follow_up_hit_before_redis_kill": _round(before),
         "follow_up_hit_by_phase": {n: _round(hit_rate(between(samples, lo, hi))) for n, (lo, hi) in bounds.items()},
@@ -403,8 +409,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     cluster = Cluster(Lab(args.run, HOSTS), workdir, GATEWAYS, WORKERS, args.time_scale)
     st = session_trace(SessionLoad(duration_s=schedule.nominal_s + SLACK_S))
     chaos = ChaosRun(cluster, schedule, st, PromptSynthesizer.for_default_tokenizer(st.trace.block_size))
+    chaos.redis_volume_lost = args.redis_volume_lost
     chaos.out |= {"schedule": asdict(schedule), "time_scale": args.time_scale,
-                  "redis_command": cluster.redis_cmd()[-1]}
+                  "redis_volume_lost": args.redis_volume_lost, "redis_command": cluster.redis_cmd()[-1]}
     try:
         chaos.start()
         return chaos.run()
@@ -439,6 +446,9 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help="the suite's short schedule (about 90 s of load)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="sim workers: divide simulated durations by this")
     parser.add_argument("--log-dir", help="the processes' logs (default: a new temporary directory)")
+    parser.add_argument("--redis-volume-lost", action="store_true",
+                        help="Redis restarts on an empty data volume: the prefix index must be refilled from the "
+                             "workers; keys found lost are added again")
     parser.add_argument("--inner", metavar="RUN", help=argparse.SUPPRESS)  # the driver, on the client host
     args = parser.parse_args()
     if args.inner is None:

@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from _netns import list_namespaces, netns_usable  # noqa: E402
+from _netns import list_namespaces, netns_usable, run_name  # noqa: E402
 
 
 def _netns_or_skip() -> None:
@@ -35,12 +35,18 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The short run's last-line JSON (one run for the module's tests)."""
     _netns_or_skip()
     logs = tmp_path_factory.mktemp("chaos-logs")
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--short", "--log-dir", str(logs)],
-                          capture_output=True, text=True, timeout=560, cwd=REPO)
+    with subprocess.Popen([sys.executable, str(REPO / "bench" / "chaos.py"), "--short", "--log-dir", str(logs)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=560)
+        except subprocess.TimeoutExpired:
+            run.terminate()  # its hosts are removed on SIGTERM
+            stdout, stderr = run.communicate(timeout=60)
     tails = "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(logs.glob("*.log")))
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{tails}"
-    assert not [ns for ns in list_namespaces() if ns.startswith("dgwc")], "the run left namespaces behind"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert run.returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}\n{tails}"
+    left = [ns for ns in list_namespaces() if ns.startswith(f"{run_name(run.pid)}-")]
+    assert not left, f"the run left namespaces behind: {left}"
+    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     return result
 
 
