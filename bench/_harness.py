@@ -15,7 +15,9 @@ from pathlib import Path
 import aiohttp
 
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
-from deepinfer_gateway.protocol import DEFAULT_MODEL as MODEL
+from deepinfer_gateway.protocol import DEFAULT_MODEL
+
+MODEL = DEFAULT_MODEL
 
 
 def chat_body(i: int, max_tokens: int = 8, **extra: object) -> bytes:

@@ -40,7 +40,8 @@ def process_cpu_s(pid: int) -> float:
 def post(url: str, body: bytes) -> dict[str, object]:
     request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
+        answer: dict[str, object] = json.load(response)
+        return answer
 
 
 def bodies(tokens: int, prompts: int) -> list[bytes]:

@@ -153,7 +153,8 @@ def instance_prefill_tokens_per_s(hardware: str) -> float:
 
 def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.load(r)
+        answer: dict[str, Any] = json.load(r)
+        return answer
 
 
 @dataclass
@@ -229,7 +230,8 @@ def _cpu_s(pid: int) -> float:
 
 def scrape_metrics(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        return r.read().decode("utf-8", "replace")
+        text: str = r.read().decode("utf-8", "replace")
+        return text
 
 
 def metric_samples(text: str, name: str) -> dict[str, float]:

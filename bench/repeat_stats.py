@@ -36,14 +36,16 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], resamples: int = 2000, leve
     if not a or not b or statistics.median(b) == 0:
         return {"ratio": None, "low": None, "high": None}
     rng = random.Random(seed)
-    ratios = []
+    ratios: list[float] = []
     for _ in range(resamples):
         denominator = statistics.median(rng.choices(b, k=len(b)))
         if denominator > 0:
             ratios.append(statistics.median(rng.choices(a, k=len(a))) / denominator)
     ratios.sort()
     tail = (1 - level) / 2
-    pick = lambda q: ratios[min(len(ratios) - 1, max(0, round(q * (len(ratios) - 1))))]  # noqa: E731
+    def pick(q: float) -> float:
+        return ratios[min(len(ratios) - 1, max(0, round(q * (len(ratios) - 1))))]
+
     return {"ratio": round(statistics.median(a) / statistics.median(b), 3),
             "low": round(pick(tail), 3) if ratios else None, "high": round(pick(1 - tail), 3) if ratios else None}
 

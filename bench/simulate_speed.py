@@ -21,6 +21,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from deepinfer_gateway.simulate import load_cluster, run_simulation
 from deepinfer_gateway.workload.traces import load_trace
@@ -31,7 +32,7 @@ TRACE = "mooncake:conversation"  # downloaded once into the cache (docs/bench.md
 WORKERS_PER_SPEEDUP = 16  # default speedup = workers / 16: constant offered load per worker
 
 
-def compare(result: dict, baseline_path: str) -> dict:
+def compare(result: dict[str, Any], baseline_path: str) -> dict[str, Any]:
     lines = Path(baseline_path).read_text().splitlines()
     base = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
     return {

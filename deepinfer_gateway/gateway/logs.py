@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeGuard
 
@@ -133,7 +133,8 @@ class RequestContext:
     def __getattr__(self, name: str) -> Any:  # `state`, `router`... of the wrapped app
         return getattr(self.app, name)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any,
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

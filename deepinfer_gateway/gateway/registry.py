@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import HealthSettings, WorkerEngine, WorkerSpec
-from deepinfer_gateway.errors import UpstreamKind
+from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.loop_lag import LoopLag
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.worker_client import UpstreamError, WorkerClient
+from deepinfer_gateway.gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 

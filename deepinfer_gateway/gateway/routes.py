@@ -73,7 +73,8 @@ def session_key(request: Request) -> str | None:
 
 def gateway_state(request: Request) -> GatewayState:
     """What the lifespan built (app.create_app)."""
-    return request.app.state.gateway
+    state: GatewayState = request.app.state.gateway
+    return state
 
 
 async def authenticate(request: Request) -> ApiKey:

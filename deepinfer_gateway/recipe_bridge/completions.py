@@ -13,7 +13,7 @@ The response side (text, logprobs, stop sequences, usage) is completion_stream.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import (
     BaseModel,
@@ -117,7 +117,7 @@ def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str 
     if prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise CompletionRefused("Batched prompts are not supported: send one prompt per request.", "prompt")
-        only: Any = prompt[0]
+        only: str | list[int] = prompt[0]
         return only
     return list(prompt)  # type: ignore[arg-type]
 

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -112,7 +112,7 @@ def cached(kind: str, key: str, build: Callable[[], T], valid: Callable[[Any], b
     """The stored value if it passes `valid`, else `build()` (stored for next time)."""
     value = load(kind, key)
     if value is not None and valid(value):
-        return value
+        return cast(T, value)  # `valid` vouched for it
     value = build()
     store(kind, key, value)
     return value

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 OFFLOAD_BODY_BYTES = 64 * 1024
 # How bodies over OFFLOAD_BODY_BYTES are prepared: "thread" (default), one dedicated thread,
@@ -58,7 +61,7 @@ class PrepareOffload:
         # The thread starts on first use.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prepare") if self.mode == "thread" else None
 
-    async def run(self, work: Any, *args: Any) -> Any:
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)`, whose last argument is the request body, run where the body says."""
         body: bytes = args[-1]
         if b"image" in body:  # may wait on remote fetches: never queue prompts behind them

@@ -213,7 +213,8 @@ class FastokensPlain:
         self._tokenizer = fastokens.Tokenizer.from_json_str(json.dumps(stripped, ensure_ascii=False))
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode_ordinary(text).ids
+        ids: list[int] = self._tokenizer.encode_ordinary(text).ids
+        return ids
 
     def encode_packed(self, texts: list[str]) -> list[bytes]:
         """One call for all texts, straight to packed words: no Python int per token (~2x

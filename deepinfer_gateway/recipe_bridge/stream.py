@@ -139,13 +139,13 @@ class ResponseStream:
     def _done(self) -> bytes:
         self.done = True
         if self._stream:
-            done = self._response_type.sse_done_data()
+            done: str | None = self._response_type.sse_done_data()
             if done is not None:
                 return b"data: " + done.encode() + b"\n\n"
         return b""
 
     def body(self) -> bytes:
-        text = self._accumulator.to_json()
+        text: str = self._accumulator.to_json()
         if self._correct_usage and self._legacy is None:
             text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
         return text.encode()
@@ -159,7 +159,8 @@ class ResponseStream:
             return b""
         if (len(chunks) == 1 and not self._named and not (self._split_usage and (final or self._processor.finished))
                 and not (final and self._correct_usage)):
-            return b"data: " + chunks[0].to_json().encode() + b"\n\n"  # the usual token chunk
+            frame: str = chunks[0].to_json()
+            return b"data: " + frame.encode() + b"\n\n"  # the usual token chunk
         parts: list[bytes] = []
         name_of = self._response_type.sse_event_name
         for chunk in chunks:

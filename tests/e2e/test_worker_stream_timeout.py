@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from deepinfer_gateway.gateway.worker_client import Timeouts, UpstreamError, WorkerStream
+from deepinfer_gateway.errors import UpstreamError
+from deepinfer_gateway.gateway.worker_client import Timeouts, WorkerStream
 
 GAP_S, TIMEOUT_S = 0.1, 0.25
 

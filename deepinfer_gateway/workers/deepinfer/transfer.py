@@ -72,7 +72,7 @@ def pd_engine_class(base: type[Any], transfer: KvTransfer, sink: PromptKvSink) -
     The sink runs on the step thread, before this step's outputs are returned.
     """
 
-    class PdLLMEngine(base):
+    class PdLLMEngine(base):  # type: ignore[misc]  # DeepInfer is untyped: `base` is Any to mypy
         def pe_prepare_save_kvcache(self, scheduled: list[Any], finished: list[Any]) -> None:
             # Nothing to stage: the KV is read after the model ran, in pe_do_save_kvcache.
             super().pe_prepare_save_kvcache(scheduled, finished)
