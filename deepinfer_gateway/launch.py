@@ -69,8 +69,12 @@ class SimCluster:
         self.urls = [f"http://127.0.0.1:{self.base_port + i}" for i in range(len(self.specs))]
         self.proc = Proc(CLI + ["sim-cluster", "--workers", workers, "--base-port", str(self.base_port),
                                 "--time-scale", str(time_scale)] + (extra or []), env=env)
-        for i in range(len(self.specs)):
-            wait_for_port(self.base_port + i, timeout=30)
+        try:
+            for i in range(len(self.specs)):
+                wait_for_port(self.base_port + i, timeout=30)
+        except BaseException:
+            self.proc.kill()  # never started for the caller: it gets no object to stop
+            raise
 
     def stop(self) -> None:
         self.proc.stop()
@@ -92,7 +96,11 @@ class Gateway:
         config.write_text("\n".join(lines))
         self.proc = Proc(CLI + ["serve", "--config", str(config), "--processes", str(processes)], env=env,
                          stdout=stdout, stderr=stderr)
-        wait_for_port(self.port, timeout=30)
+        try:
+            wait_for_port(self.port, timeout=30)
+        except BaseException:
+            self.proc.kill()  # never started for the caller: it gets no object to stop
+            raise
 
     def wait_ready(self, healthy: int, timeout: float = 15.0) -> None:
         wait_for_healthy_workers(self.url, healthy, timeout)

@@ -43,7 +43,11 @@ class Prometheus:
         self.log = (tmp / "prometheus.log").open("wb")
         self.proc = Proc([prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
                           f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=self.log)
-        wait_for_port(self.port, timeout=30)
+        try:
+            wait_for_port(self.port, timeout=30)
+        except BaseException:
+            self.stop()
+            raise
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         r = httpx.get(self.url + "/api/v1/query", params={"query": promql}, timeout=10)
@@ -86,7 +90,11 @@ def test_increase_sees_a_workers_first_upstream_error(tmp_path: Path, workers: l
     # next request or so goes to the dead worker (a cache-aware policy could keep away from it).
     gw = Gateway(tmp_path, [(url, "unified", "sm100") for _, url in workers], health_interval_s=60,
                  extra_toml='[router]\npolicy = "round_robin"')
-    prom = Prometheus(tmp_path, f"127.0.0.1:{gw.port}")
+    try:
+        prom = Prometheus(tmp_path, f"127.0.0.1:{gw.port}")
+    except BaseException:
+        gw.stop()
+        raise
     stop = threading.Event()
     answers: list[int] = []
 
