@@ -192,7 +192,9 @@ class WorkerDiscovery:
         followed.failing = False
         for endpoint in resolved & followed.draining.keys():  # back before its drain ended
             followed.draining.pop(endpoint).cancel()
-            self._registry.drain(followed.workers[endpoint].worker_id, draining=False)
+            state = self._registry.workers.get(followed.workers[endpoint].worker_id)
+            if state is not None and state.spec == followed.workers[endpoint]:
+                self._registry.drain(state.worker_id, draining=False)
             log.info("discovery: %s is back in %s, no longer draining", endpoint, name)
         new = [e for e in sorted(resolved) if e not in followed.workers]
         specs = await asyncio.gather(*(self._probe(followed.found, e) for e in new))
@@ -218,9 +220,14 @@ class WorkerDiscovery:
         return worker_spec(found, endpoint, info)
 
     async def _drain(self, followed: _Followed, endpoint: Endpoint) -> None:
-        worker_id = followed.workers[endpoint].worker_id
-        state = self._registry.drain(worker_id)
-        log.info("discovery: %s left %s, draining", worker_id, followed.found.name)
+        spec = followed.workers[endpoint]
+        worker_id = spec.worker_id
+        state = self._registry.workers.get(worker_id)
+        if state is not None and state.spec != spec:
+            state = None  # the id is served from the config or the admin API: not this entry's to drain
+        if state is not None:
+            self._registry.drain(worker_id)
+            log.info("discovery: %s left %s, draining", worker_id, followed.found.name)
         deadline = time.monotonic() + followed.found.drain_timeout_s
         while state is not None and state.inflight > 0 and self._registry.registered(state) \
                 and time.monotonic() < deadline:
@@ -231,7 +238,10 @@ class WorkerDiscovery:
         del followed.workers[endpoint]
         followed.draining.pop(endpoint, None)
         await self._publish()
-        log.info("discovery: %s removed", worker_id)
+        if state is not None and self._registry.registered(state):  # still wanted: another source names it
+            self._registry.drain(worker_id, draining=False)
+        else:
+            log.info("discovery: %s removed", worker_id)
 
     async def _publish(self) -> None:
         async with self._lock:

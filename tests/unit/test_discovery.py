@@ -94,18 +94,20 @@ class InfoClient:
 
 
 class Rig:
-    def __init__(self) -> None:
+    def __init__(self, static: tuple[WorkerSpec, ...] = ()) -> None:
         self.lookup = ScriptedLookup()
+        self.static = {spec.worker_id: spec for spec in static}
         client: Any = InfoClient()
-        self.registry = WorkerRegistry((), client, HealthSettings(), GatewayMetrics())
+        self.registry = WorkerRegistry(static, client, HealthSettings(), GatewayMetrics())
         self.discovery = WorkerDiscovery((FOUND,), client, self.registry, self.apply, lambda _: self.lookup)
         self.followed = self.discovery._followed[0]
 
     async def apply(self, specs: Mapping[str, WorkerSpec]) -> None:
-        """What AdminSync does with no configured or admin workers: the registry follows."""
-        for worker_id in set(self.registry.workers) - set(specs):
+        """What AdminSync does (desired_workers, no admin changes): the registry follows."""
+        want = desired_workers(self.static.values(), {}, specs)
+        for worker_id in set(self.registry.workers) - set(want):
             self.registry.remove(worker_id)
-        for spec in specs.values():
+        for spec in want.values():
             self.registry.add(spec)
         await self.registry.check_all()
 
@@ -158,4 +160,16 @@ async def test_a_failed_lookup_changes_nothing_an_empty_answer_removes_all() -> 
     await rig.round()
     await asyncio.sleep(0.2)
     assert rig.registry.workers == {}
+    await rig.discovery.stop()
+
+
+async def test_a_configured_worker_that_dns_also_names_is_never_drained_by_it() -> None:
+    static = WorkerSpec(url="http://10.0.0.1:8100", role=wp.Role.PREFILL, hardware=wp.Hardware.SM100)
+    rig = Rig((static,))
+    await rig.round("10.0.0.1", "10.0.0.2")
+    await rig.round("10.0.0.2")
+    await asyncio.sleep(0.2)
+    configured = rig.registry.workers["10.0.0.1:8100"]
+    assert configured.spec is static and not configured.draining
+    assert sorted(w.worker_id for w in rig.registry.healthy()) == ["10.0.0.1:8100", "10.0.0.2:8100"]
     await rig.discovery.stop()
