@@ -28,7 +28,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 NAME = "pool.dgw.test"
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 6)]
 INTERVAL_S = 0.3
-LONG_TOKENS = 800  # ~4 s at time scale 2: streams open on every worker as it leaves
+LONG_TOKENS = 1200  # ~6 s at time scale 2: streams open on every worker as it leaves
 
 
 @pytest.fixture
@@ -104,7 +104,8 @@ def prompt_tokens(host: str, port: int) -> int:
 class Load:
     """`threads` SDK clients streaming chat completions back to back, until stopped or `limit` each."""
 
-    def __init__(self, url: str, threads: int = 4, limit: int = 400, max_tokens: int = 16):
+    def __init__(self, url: str, threads: int = 4, limit: int = 400, max_tokens: int = 16, tag: str = "w"):
+        self._tag = tag  # in every word: two loads share no prompt, so no cache affinity ties them
         self.results: Counter[str] = Counter()
         self.errors: list[str] = []
         self.durations: list[float] = []
@@ -121,7 +122,7 @@ class Load:
             if self._stop.is_set():
                 return
             started = time.monotonic()
-            words = " ".join(f"w{thread}x{i}y{j}" for j in range(40))  # a new prompt: new KV blocks
+            words = " ".join(f"{self._tag}{thread}x{i}y{j}" for j in range(40))  # a new prompt: new KV blocks
             try:
                 stream = self._client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=max_tokens, stream=True,
@@ -181,10 +182,13 @@ def test_scaling_a_pool_2_4_1_under_load(tmp_path: Path, dns: Dnsmasq, workers: 
         # the moment they are gone, as a pod past its grace period: a stream still open on them
         # then (a removal without the drain) would fail. The third lives on, to show that
         # nothing reaches a removed worker.
-        long = Load(gw.url, threads=12, limit=1, max_tokens=LONG_TOKENS)
-        within(30, lambda: all(w["inflight"] > 0 for i, w in listed(gw).items() if i in gone),
-               "long streams open on every leaving worker")
+        long = Load(gw.url, threads=12, limit=1, max_tokens=LONG_TOKENS, tag="long")
+        killed = ids[2:]
+        within(30, lambda: all(w["inflight"] > 0 for i, w in listed(gw).items() if i in killed),
+               "long streams open on the workers killed as they leave")
         dns.set_records({NAME: ADDRESSES[:1]})
+        within(20, lambda: any(w["draining"] and w["inflight"] > 0 and i in killed for i, w in listed(gw).items()),
+               "a leaving worker draining with streams in flight")
         within(90, lambda: sorted(listed(gw)) == ids[:1], "the vanished workers removed")
         for proc in procs[2:]:
             proc.kill()
