@@ -153,3 +153,31 @@ def test_an_openai_agents_sdk_agent_continues_by_previous_response_id(sim_gatewa
     # The second turn's input is the first turn's question, its answer, then the new question.
     assert texts[0] == "What is a KV cache?" and texts[-1] == "Say it again, shorter."
     assert texts[1] == client.responses.retrieve(first_id).output_text
+
+
+def test_a_stored_response_survives_a_redis_crash_on_the_shipped_config(sim_cluster: SimCluster,
+                                                                       tmp_path: Path) -> None:
+    import time
+
+    shipped = Path(__file__).parents[2] / "deploy" / "k8s" / "redis.conf"
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    server = RedisProcess(config_file=shipped, data_dir=data)
+    server.start()
+    roles = [spec.split(":") for spec in sim_cluster.specs]
+    workers = [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)]
+    gateway = Gateway(tmp_path, workers, extra_toml=f'redis_url = "{server.url}"\n')
+    try:
+        gateway.wait_ready(len(workers))
+        kept = _client(gateway).responses.create(model=MODEL, input="remember me", max_output_tokens=4)
+        time.sleep(1.5)  # the shipped appendfsync everysec: a write older than a second is on disk
+        server.stop()  # SIGKILL
+        server.start()  # the same data directory, as the StatefulSet's volume
+        follow = _client(gateway).responses.create(model=MODEL, input="and now?", previous_response_id=kept.id,
+                                                   max_output_tokens=4)
+        assert _client(gateway).responses.retrieve(kept.id).output_text == kept.output_text
+        items = _client(gateway).responses.input_items.list(follow.id, order="asc").data
+        assert items[0].content[0].text == "remember me"
+    finally:
+        gateway.stop()
+        server.stop()
