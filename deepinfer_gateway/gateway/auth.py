@@ -12,8 +12,9 @@ Keys may also live in Redis (hash `dgw:apikey:{sha256}` with fields name, models
 operator can add one without restarting any gateway replica; lookups (found or not) are
 cached for `cache_ttl_s`, at most `cache_size` of them (oldest dropped first: clients
 presenting random keys must not grow the cache without bound). While Redis fails, a key
-seen before keeps its last record and an unknown one is refused, without waiting for Redis
-(outage.py); a failed lookup is not cached.
+seen before keeps its last record, without waiting for Redis (outage.py), and a key never
+seen is answered 503 (`KeysUnavailable`), not 401: nobody can tell yet whether it is valid,
+and a client told its key is invalid stops retrying. A failed lookup is not cached.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deepinfer_gateway.config import ApiKey
+from deepinfer_gateway.errors import GatewayError
 from deepinfer_gateway.outage import Outage
 
 ANONYMOUS = ApiKey(name="anonymous", key_sha256="0" * 64)
@@ -38,6 +40,13 @@ def presented_key(headers: Any) -> str | None:
     if authorization and authorization.lower().startswith("bearer "):
         return authorization[7:].strip() or None
     return headers.get("x-api-key") or None
+
+
+class KeysUnavailable(GatewayError):
+    status_code = 503
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"retry-after": "1"})
 
 
 class KeyStore:
@@ -65,17 +74,23 @@ class KeyStore:
         now = time.monotonic()
         if cached and cached[0] > now:
             return cached[1]
-        stale = cached[1] if cached else None
         if not self._outage.due():
-            return stale
+            return self._last_known(cached)
         try:
             record = await self._from_redis(digest)
         except Exception as exc:  # configured keys still work; others keep their last record
             self._outage.failed(exc)
-            return stale
+            return self._last_known(cached)
         self._outage.ok()
         self._remember(digest, record, now)
         return record
+
+    @staticmethod
+    def _last_known(cached: tuple[float, ApiKey | None] | None) -> ApiKey | None:
+        """While Redis cannot answer: a key's last record (None: it was known not to exist)."""
+        if cached is None:
+            raise KeysUnavailable("API keys cannot be checked right now (their store is unreachable); retry shortly.")
+        return cached[1]
 
     def _remember(self, digest: str, record: ApiKey | None, now: float) -> None:
         self._cache.pop(digest, None)  # re-inserted last: the order is the order of expiry

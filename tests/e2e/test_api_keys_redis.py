@@ -9,9 +9,10 @@ import os
 import signal
 import time
 
+import pytest
 import redis.asyncio as aioredis
 
-from deepinfer_gateway.gateway.auth import KeyStore
+from deepinfer_gateway.gateway.auth import KeyStore, KeysUnavailable
 from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import RedisServer
 
@@ -50,7 +51,8 @@ async def test_while_redis_hangs_a_seen_key_works_and_nobody_waits(redis_server:
             started = time.monotonic()
             for i in range(10):
                 assert (await keys.lookup("seen-key")) is not None
-                assert await keys.lookup(f"unknown-{i}") is None
+                with pytest.raises(KeysUnavailable):  # never seen: 503, not "invalid key"
+                    await keys.lookup(f"unknown-{i}")
             assert time.monotonic() - started < 0.2  # none of these waited for Redis
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
