@@ -313,7 +313,10 @@ class Router:
 
 
 def _peer_command(target: str, venv: Path, port: int, workers: list[str]) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers]
+    # A metrics port of its own: the default (29000) is one per machine, so a second router running
+    # meanwhile (another bench) would panic at start.
+    common = ["--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
+              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if target == "sglang-router":
         return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
     return [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"]
