@@ -27,16 +27,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.config import GatewaySettings, WorkerSpec
 from deepinfer_gateway.config_models import ResponsesSettings
 from deepinfer_gateway.errors import GatewayError, InternalError
-from deepinfer_gateway.gateway.admin import admin_router
+from deepinfer_gateway.gateway.admin import RoutingUpdate, admin_router
 from deepinfer_gateway.gateway.admin_store import AdminStore
 from deepinfer_gateway.gateway.admin_sync import AdminSync
 from deepinfer_gateway.gateway.auth import KeyStore
 from deepinfer_gateway.gateway.discovery import WorkerDiscovery
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.openapi_doc import REF, document
 from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
@@ -206,6 +207,16 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            admin_bodies = {("/admin/workers", "post"): WorkerSpec.model_json_schema(ref_template=REF),
+                            ("/admin/routing", "put"): RoutingUpdate.model_json_schema(ref_template=REF)}
+            models = tuple(name for name, _ in preparer.catalog.visible(lambda _: True))
+            app.openapi_schema = document(FastAPI.openapi(app), admin_bodies, models)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
