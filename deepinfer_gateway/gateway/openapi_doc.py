@@ -34,19 +34,33 @@ _OBJECT: Schema = {"type": "object"}
 _ARRAY: Schema = {"type": "array"}
 _STRINGS: Schema = {"type": "array", "items": _STRING}
 _STRING_OR_OBJECT: Schema = {"oneOf": [_STRING, _OBJECT]}
-_MESSAGE: Schema = {"type": "object", "required": ["role"], "properties": {"role": _STRING}}
+_CONTENT: Schema = {"oneOf": [_STRING, {"type": "array", "items": _OBJECT}]}
+
+
+def _messages(roles: list[str]) -> Schema:
+    """A conversation: at least one message, each with a role deepseek-recipe knows and content."""
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"type": "string", "enum": roles}, "content": _CONTENT}}
+    return {"type": "array", "minItems": 1, "items": message}
+
+
+_CHAT_ROLES = ["system", "user", "assistant", "tool", "latest_reminder"]
+_MESSAGES_ROLES = ["user", "assistant"]
+_POSITIVE: Schema = {"type": "integer", "minimum": 1}
 
 # The JSON type of every field FIELDS names; deep shapes (messages, tools) stay loose, as
 # deepseek-recipe checks them and answers a 400.
 FIELD_TYPES: dict[str, Schema] = {
-    "model": _STRING, "stream": _BOOL, "temperature": _NUMBER, "top_p": _NUMBER,
+    "model": _STRING, "stream": _BOOL, "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "tools": {"type": "array", "items": _OBJECT}, "tool_choice": _STRING_OR_OBJECT, "metadata": _OBJECT,
     "ignore_eos": _BOOL, "min_tokens": {"type": "integer", "minimum": 0},
-    "messages": {"type": "array", "items": _MESSAGE},
-    "max_tokens": _INT, "max_completion_tokens": _INT, "max_output_tokens": _INT,
+    "messages": _messages(_CHAT_ROLES),  # Anthropic's roles: _PROTOCOL_TYPES
+    "max_tokens": _POSITIVE, "max_completion_tokens": _POSITIVE, "max_output_tokens": _POSITIVE,
     "stop": {"oneOf": [_STRING, _STRINGS]}, "stop_sequences": _STRINGS, "seed": _INT,
     "logprobs": _BOOL, "top_logprobs": _INT, "response_format": _OBJECT, "n": _INT, "user": _STRING,
-    "stream_options": _OBJECT, "thinking": _OBJECT, "reasoning_effort": _STRING, "top_k": _INT,
+    "stream_options": _OBJECT, "thinking": _OBJECT, "reasoning_effort": _STRING,
+    "top_k": {"type": "integer", "minimum": -1},
     "safety_identifier": _STRING, "prompt_cache_key": _STRING, "parallel_tool_calls": _BOOL,
     "service_tier": _STRING, "store": _BOOL, "modalities": _STRINGS, "audio": _OBJECT, "prediction": _OBJECT,
     "web_search_options": _OBJECT, "verbosity": _STRING, "functions": {"type": "array", "items": _OBJECT},
@@ -60,6 +74,11 @@ FIELD_TYPES: dict[str, Schema] = {
     "system": {"oneOf": [_STRING, {"type": "array", "items": _OBJECT}]},
     "container": _STRING_OR_OBJECT, "mcp_servers": {"type": "array", "items": _OBJECT},
     "context_management": _OBJECT,
+}
+
+# Per protocol, where a field's shape differs from FIELD_TYPES.
+_PROTOCOL_TYPES: dict[ApiProtocol, dict[str, Schema]] = {
+    ApiProtocol.MESSAGES: {"messages": _messages(_MESSAGES_ROLES)},
 }
 
 _REQUIRED: dict[ApiProtocol, list[str]] = {
@@ -76,7 +95,8 @@ def body_schema(protocol: ApiProtocol, models: tuple[str, ...] = ()) -> Schema:
         schema = CompletionRequest.model_json_schema(ref_template=REF)
     else:
         schema = {"type": "object", "additionalProperties": False, "required": _REQUIRED[protocol],
-                  "properties": {name: FIELD_TYPES[name] for name in FIELDS[protocol]}}
+                  "properties": {name: _PROTOCOL_TYPES.get(protocol, {}).get(name, FIELD_TYPES[name])
+                                 for name in FIELDS[protocol]}}
     if models:
         schema["properties"]["model"] = {"type": "string", "enum": list(models)}
     return schema
