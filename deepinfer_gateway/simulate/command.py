@@ -12,8 +12,9 @@ from deepinfer_gateway.router.policy_config import PolicyVariant, parse_policy
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True,
-                        help="trace file (Mooncake .jsonl[.gz], Azure .csv) or synthetic:chat|agent[:k=v,...] "
-                             "(required)")
+                        help="trace file (Mooncake .jsonl[.gz], Azure .csv, a session trace: TraceLab CSV/JSONL, "
+                             "Dynamo agentic JSONL) or synthetic:chat|agent[:k=v,...] (synthetic:agent:loop=closed,"
+                             "...: closed-loop sessions) (required)")
     parser.add_argument("--cluster", required=True, type=Path, help="cluster TOML, see bench/clusters/ (required)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write results.jsonl and summary.json here (default: summary on stdout only)")
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time-per-output-token goal for goodput, seconds (default: none)")
     parser.add_argument("--gpu-hour-usd", type=float, default=None,
                         help="price of a GPU hour for cost per million tokens (default: no cost)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="session workloads: N live sessions, a new one as one ends (default: the sessions' "
+                             "arrival times)")
     parser.add_argument("--no-header-offset", action="store_true",
                         help="trace block 0 at prompt position 0 (default: after the chat template's 28 tokens)")
 
@@ -60,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         _, summary = run_simulation(config, args.trace, speedup=args.speedup, max_requests=args.max_requests,
                                     slo=slo, gpu_hour_usd=args.gpu_hour_usd,
-                                    header_offset=not args.no_header_offset, out=args.out)
+                                    header_offset=not args.no_header_offset, out=args.out,
+                                    concurrency=args.concurrency)
     except (TraceFormatError, ValueError) as exc:
         raise SystemExit(f"simulate: {exc}") from None
     sys.stdout.write(json.dumps(summary, separators=(",", ":")) + "\n")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_gateway.kvcache.factory import create_prefix_index
-from deepinfer_gateway.kvcache.hashing import PrefixHasher
+from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
@@ -46,7 +46,7 @@ class RequestState:
 
     trace: TraceRequest
     record: RequestRecord
-    tokens: PromptIds  # built only where read
+    tokens: PromptIds | list[int]  # a trace request's built only where read; a session round's given
     output: list[int]
     hashes: dict[str, list[int]] = field(default_factory=dict)
     plan: Plan | None = None
@@ -82,17 +82,24 @@ class SimGateway:
         self.index = index
         self.requests: dict[str, RequestState] = {}
         self.active = 0  # requests arrived and not finished
+        self.on_end: Callable[[RequestState], None] | None = None  # told of every finish and failure
 
-    def arrive(self, trace: TraceRequest, record: RequestRecord) -> SimWorker | None:
-        """Route a new request and start its first leg; the worker to kick, None if it failed."""
+    def arrive(self, trace: TraceRequest, record: RequestRecord, tokens: list[int] | None = None) -> SimWorker | None:
+        """Route a new request and start its first leg; the worker to kick, None if it failed.
+        `tokens`: its prompt ids when given (a session round's), else the trace's synthesis."""
         rid = str(trace.index)
-        req = RequestState(trace, record, self.prompts.ids(trace), self.prompts.output(trace))
+        if tokens is None:
+            req = RequestState(trace, record, self.prompts.ids(trace), self.prompts.output(trace))
+            packed = self.prompts.packed(trace)
+        else:
+            req = RequestState(trace, record, tokens, self.prompts.output(trace))
+            packed = pack_tokens(tokens)
         self.requests[rid] = req
         self.active += 1
         record.prompt_tokens = len(req.tokens)
         views = self.current_views()
         # One view per KV format says what the salts need (every view of a format has one model).
-        req.hashes = hashes = prompt_hashes(req.tokens, self._format_views, self.hasher, self.prompts.packed(trace))
+        req.hashes = hashes = prompt_hashes(req.tokens, self._format_views, self.hasher, packed)
         overlap = self.index.lookup_now(hashes, self.formats)
         try:
             plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap)
@@ -181,3 +188,5 @@ class SimGateway:
         req.record.ttft_s = req.record.e2e_s = None
         self.requests.pop(str(req.trace.index), None)
         self.active -= 1
+        if self.on_end is not None:
+            self.on_end(req)

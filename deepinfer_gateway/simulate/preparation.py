@@ -18,37 +18,47 @@ class PreparationLanes:
         # The event loop's preparation busy periods (serial, relay_waits): [start, end) each.
         self._busy_starts: list[float] = []
         self._busy_ends: list[float] = []
+        self._free = [0.0, 0.0]
+        self._rng: random.Random | None = None
+        self.reset()
 
     def route_times(self, requests: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> list[float]:
         """When each request is routed: arrival + the gateway's preparation cost (config.GatewayCost),
         queued behind the previous request's in its lane when the gateway is serial: the event
         loop's, or, for prompts of `offload_tokens` or more, the preparation thread's. Records
-        the busy periods of the loop lane (for `relay_waits`)."""
+        the busy periods of the loop lane (for `relay_waits`). Starts the lanes afresh."""
+        self.reset()
+        route = self.route_at
+        return [route(record.arrival_s, request.input_length)
+                for request, record in zip(requests, records, strict=True)]
+
+    def reset(self) -> None:
+        self._busy_starts.clear()
+        self._busy_ends.clear()
+        self._free = [0.0, 0.0]  # loop lane, thread lane
+        self._rng = random.Random(self.cost.seed) if self.cost.jitter else None
+
+    def route_at(self, arrival_s: float, input_tokens: int) -> float:
+        """When a request arriving at `arrival_s` (no earlier than the previous call's) with
+        `input_tokens` before the template is routed, as `route_times` does one by one."""
         gw = self.cost
-        extra = self.template_tokens
-        rng = random.Random(gw.seed) if gw.jitter else None
-        starts, ends = self._busy_starts, self._busy_ends
-        starts.clear()
-        ends.clear()
-        free = [0.0, 0.0]  # loop lane, thread lane
-        out = []
-        for request, record in zip(requests, records, strict=True):
-            tokens = request.input_length + extra
-            cost = gw.request_overhead_s + gw.per_prompt_token_s * tokens
-            if rng is not None:
-                cost *= rng.lognormvariate(0.0, gw.jitter)
-            lane = 1 if gw.offload_tokens is not None and tokens >= gw.offload_tokens else 0
-            start = max(record.arrival_s, free[lane]) if gw.serial else record.arrival_s
-            at = start + cost
-            if gw.serial and gw.relay_waits and lane == 0 and cost > 0.0:
-                if ends and start <= ends[-1]:
-                    ends[-1] = at
-                else:
-                    starts.append(start)
-                    ends.append(at)
-            free[lane] = at
-            out.append(at)
-        return out
+        tokens = input_tokens + self.template_tokens
+        cost = gw.request_overhead_s + gw.per_prompt_token_s * tokens
+        if self._rng is not None:
+            cost *= self._rng.lognormvariate(0.0, gw.jitter)
+        free = self._free
+        lane = 1 if gw.offload_tokens is not None and tokens >= gw.offload_tokens else 0
+        start = max(arrival_s, free[lane]) if gw.serial else arrival_s
+        at = start + cost
+        if gw.serial and gw.relay_waits and lane == 0 and cost > 0.0:
+            ends = self._busy_ends
+            if ends and start <= ends[-1]:
+                ends[-1] = at
+            else:
+                self._busy_starts.append(start)
+                ends.append(at)
+        free[lane] = at
+        return at
 
     def relayed(self, t: float) -> float:
         """When a token the engine produced at t reaches the client: at the end of the gateway's

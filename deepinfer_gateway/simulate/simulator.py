@@ -39,7 +39,7 @@ from deepinfer_gateway.workload.types import RequestRecord, TraceRequest
 
 __all__ = ["CRUISE_MIN_STEPS", "SimStats", "Simulator"]
 
-_ARRIVE, _STEP, _HANDOFF, _LOAD, _FEED, _CRUISE = range(6)
+_ARRIVE, _STEP, _HANDOFF, _LOAD, _FEED, _CRUISE, _PREPARE = range(7)
 CRUISE_MIN_STEPS = 4  # shorter steady stretches are stepped one by one
 
 
@@ -63,6 +63,7 @@ class Simulator:
         self._seq = 0
         self._dirty_load: set[SimWorker] = set()
         self._dirty_feed: set[SimWorker] = set(self.workers)
+        self._pending = 0  # arrivals pushed, not yet routed
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -76,11 +77,23 @@ class Simulator:
         records = [RequestRecord(index=r.index, arrival_s=r.arrival_s / self.speedup, send_lag_s=0.0,
                                  expected_input_tokens=r.input_length, expected_output_tokens=r.output_length)
                    for r in ordered]
-        pending = len(ordered)
-        started = time.perf_counter()
+        self._pending = len(ordered)
         route_times = self.preparation.route_times(ordered, records)
-        for pair, at in zip(zip(ordered, records, strict=True), route_times, strict=True):
-            self._push(at, _ARRIVE, pair)
+        for (request, record), at in zip(zip(ordered, records, strict=True), route_times, strict=True):
+            self._push(at, _ARRIVE, (request, record, None))
+        self.run_events(len(ordered), progress)
+        return sorted(records, key=lambda r: r.index)
+
+    def arrive_at(self, t: float, request: TraceRequest, record: RequestRecord, tokens: list[int]) -> None:
+        """A request (a session round) arriving at virtual time t with these prompt ids; it is
+        routed after the gateway's preparation, lanes taken in arrival order. Call before
+        `run_events` or from an event (`SimGateway.on_end`)."""
+        self._pending += 1
+        self._push(t, _PREPARE, (request, record, tokens))
+
+    def run_events(self, total: int, progress: Callable[[int, int], None] | None = None) -> None:
+        """Run the event loop until nothing is pending or in flight (`total`: for `progress`)."""
+        started = time.perf_counter()
         self._push(0.0, _LOAD, None)
         self._push(0.0, _FEED, None)
         # The loop makes no reference cycles but builds millions of long-lived objects (KV
@@ -91,7 +104,7 @@ class Simulator:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            events, other = self._loop(pending, len(ordered), progress)
+            events, other = self._loop(total, progress)
         finally:
             gc.freeze()
             gc.unfreeze()
@@ -101,10 +114,10 @@ class Simulator:
         self.stats.other_events += other
         self.stats.wall_s += time.perf_counter() - started
         self.stats.sim_s = self.now
-        return sorted(records, key=lambda r: r.index)
 
-    def _loop(self, pending: int, total: int, progress: Callable[[int, int], None] | None) -> tuple[int, int]:
-        """Run the events; (events popped, arrivals + hand-offs + ticks)."""
+    def _loop(self, total: int, progress: Callable[[int, int], None] | None) -> tuple[int, int]:
+        """Run the events; (events popped, arrivals + hand-offs + ticks). `_pending` counts the
+        arrivals pushed and not yet routed: ticks go on while it or the requests in flight do."""
         heap, pop = self._heap, heapq.heappop
         gateway = self.gateway
         events = other = done = 0
@@ -118,9 +131,8 @@ class Simulator:
                 self._step_done(payload, t)
             elif kind == _ARRIVE:
                 other += 1
-                pending -= 1
-                request, record = payload
-                worker = gateway.arrive(request, record)
+                self._pending -= 1
+                worker = gateway.arrive(*payload)
                 if worker is not None:
                     self._kick(worker, t)
                 if progress is not None:
@@ -138,12 +150,15 @@ class Simulator:
             elif kind == _FEED:
                 other += 1
                 self._feed()
-                if pending or gateway.active:
+                if self._pending or gateway.active:
                     self._push(t + feed_every, _FEED, None)
+            elif kind == _PREPARE:
+                request, _, _ = payload
+                self._push(self.preparation.route_at(t, request.input_length), _ARRIVE, payload)
             else:
                 other += 1
                 self._load_tick()
-                if pending or gateway.active:
+                if self._pending or gateway.active:
                     self._push(t + load_every, _LOAD, None)
         return events, other
 
@@ -242,6 +257,8 @@ class Simulator:
         record.output_tokens = req.emitted
         del self._requests[update.request_id]
         self.gateway.active -= 1
+        if self.gateway.on_end is not None:
+            self.gateway.on_end(req)
 
     # --- ticks --------------------------------------------------------------------------
 

@@ -67,6 +67,13 @@ class PromptTokens:
                 self._blocks.popitem(last=False)
         return ids
 
+    def blocks(self, numbers: Sequence[int], tokens: int) -> list[int]:
+        """The first `tokens` ids of the blocks `numbers` laid end to end."""
+        out: list[int] = []
+        for number in numbers:
+            out += self._block(number)
+        return out[:tokens]
+
     def _numbers(self, request: TraceRequest) -> list[int]:
         n_blocks = -(-request.input_length // self.block_size)
         ids = list(request.hash_ids or ())[:n_blocks]
