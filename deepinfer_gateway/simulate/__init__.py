@@ -7,6 +7,7 @@ Modules: config (the cluster TOML), tokens (synthetic token ids per trace block)
 cluster (a simulated worker: SchedulerCore + the gateway's view of it), simulator (the
 discrete-event loop and the engine side), gateway (routing on arrival and at the hand-off),
 preparation (the gateway's per-request preparation time), stats (what a run counts),
+sessions (closed-loop session rounds released as their dependencies finish),
 run (trace -> records + summary.json), command (the CLI).
 Design and validation: docs/simulate.md.
 """
