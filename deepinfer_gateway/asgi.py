@@ -26,7 +26,7 @@ from typing import Any, cast
 import uvicorn
 
 # Idle keep-alive connections are held longer by servers than by the gateway's client pool
-# (worker_client.POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
+# (upstream_http.POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
 # worker is closing (the "Server disconnected" race of uvicorn's 5 s default).
 KEEP_ALIVE_S = 75
 

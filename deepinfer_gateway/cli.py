@@ -25,15 +25,15 @@ from deepinfer_gateway.cli_commands import (
     cmd_simulate,
     cmd_warm_cache,
     cmd_worker,
-    configure_logging,
 )
+from deepinfer_gateway.gateway_process import configure_logging
 
 
 def worker_url(text: str) -> dict[str, str]:
     """`ROLE:HARDWARE@URL`, `ROLE@URL` or `URL` -> a `workers` entry (argparse type)."""
     from pydantic import ValidationError
 
-    from deepinfer_gateway.config import WorkerSpec
+    from deepinfer_gateway.config import parse_worker_spec
 
     spec, at, url = text.partition("@")
     if not at or "://" in spec:  # no ROLE:HARDWARE prefix; an @ is the URL's own
@@ -41,10 +41,11 @@ def worker_url(text: str) -> dict[str, str]:
     role, _, hardware = spec.partition(":")
     entry = {"url": url, **({"role": role} if role else {}), **({"hardware": hardware} if hardware else {})}
     try:
-        WorkerSpec.model_validate(entry)
+        parse_worker_spec(entry)
     except ValidationError as e:
         first = e.errors()[0]
-        raise argparse.ArgumentTypeError(f"{text!r}: {first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}"
+        where = ".".join(str(part) for part in first["loc"][1:]) or "worker"  # loc[0]: the engine tag
+        raise argparse.ArgumentTypeError(f"{text!r}: {where}: {first['msg'].removeprefix('Value error, ')}"
                                          " (expected ROLE:HARDWARE@URL, e.g. prefill:sm100@http://10.0.0.5:8100)"
                                          ) from None
     return entry

@@ -14,7 +14,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,40 +22,10 @@ if TYPE_CHECKING:
     from deepinfer_gateway.worker_auth import SecretTokens
 
 
-def configure_logging(level: str, fmt: str) -> None:
-    """Root logging set-up; imported here, not at the top, because it loads the gateway package."""
-    from deepinfer_gateway.gateway.logs import configure_logging as configure
-
-    configure(level, fmt)
-
-
-def gateway_app(settings: GatewaySettings) -> tuple[Any, threading.Event]:
-    """The gateway as served (app, server spans, request context) and the event that turns
-    its `/ready` to 503: set by the stop signal."""
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.gateway.app import create_app
-    from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
-
-    shutting_down = threading.Event()
-    spans = tracing.ServerSpans(create_app(settings, shutting_down=shutting_down),
-                                request_id=lambda _scope: current_request_id())
-    return RequestContext(spans, access=settings.access_log), shutting_down
-
-
-def serve_gateway(app: Any, shutting_down: threading.Event, settings: GatewaySettings, log_level: str,
-                  **options: Any) -> bool:
-    """Serve until a stop signal, draining as the settings say; True if the app started.
-    `options`: asgi.serve_until_signal's (a supervisor's shared `sock`, `headers`, `signals`)."""
-    from deepinfer_gateway.asgi import run_until_signal
-
-    return run_until_signal(app, settings.host, settings.port, log_level=log_level,
-                            graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
-                            on_signal=shutting_down.set, **options)
-
-
 def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> int:
     """One gateway process, or `settings.processes` of them under a supervisor; the exit status."""
     from deepinfer_gateway import tracing
+    from deepinfer_gateway.gateway_process import gateway_app, serve_gateway
     from deepinfer_gateway.supervisor import Supervisor, resolve_processes
 
     processes = resolve_processes(settings.processes)
@@ -84,6 +53,7 @@ def _check_worker_token(settings: GatewaySettings) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
     from deepinfer_gateway.gateway.auth import hash_key
+    from deepinfer_gateway.gateway_process import configure_logging
 
     api_keys = None
     if args.api_key:
@@ -116,7 +86,7 @@ def parse_worker_list(text: str) -> list[tuple[str, str]]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.config import GatewaySettings, WorkerSpec
+    from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings
     from deepinfer_gateway.protocol import DEFAULT_MODEL
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
@@ -136,7 +106,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
 
-    workers = tuple(WorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)
+    workers = tuple(DgwWorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)
                     for (role, hardware), port in zip(specs, ports, strict=True))
     settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url,
                                processes=demo_processes(args.processes, args.redis_url), worker_token=token)

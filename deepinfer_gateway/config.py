@@ -33,22 +33,28 @@ from pydantic_settings import (
 from deepinfer_gateway.config_models import (
     DEFAULT_HARDWARE_COSTS,
     ApiKey,
+    DgwWorkerSpec,
     DiscoverySpec,
     GatewaySettings,
     HardwareCost,
     HealthSettings,
     ImageSettings,
+    OpenAIWorkerSpec,
     RouterSettings,
     TracingSettings,
+    VllmWorkerSpec,
     WorkerEngine,
     WorkerSpec,
+    WorkerSpecVariant,
+    parse_worker_spec,
 )
 from deepinfer_gateway.router.policy_config import POLICIES
 
 __all__ = [
     "DEFAULT_HARDWARE_COSTS", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "PROCESS_ENV", "SECRETS_DIR_ENV",
     "ApiKey", "ConfigError", "DiscoverySpec", "GatewaySettings", "HardwareCost", "HealthSettings", "ImageSettings",
-    "RouterSettings", "TracingSettings", "WorkerEngine", "WorkerSpec",
+    "RouterSettings", "TracingSettings", "WorkerEngine", "WorkerSpec", "WorkerSpecVariant", "DgwWorkerSpec",
+    "VllmWorkerSpec", "OpenAIWorkerSpec", "parse_worker_spec",
     "env_name", "load_settings", "unknown_environment",
 ]
 
@@ -181,13 +187,18 @@ def _problem(error: Any) -> tuple[str, str]:
 
 def _without_policy_tag(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     """pydantic puts a policy table's variant name in the error location
-    (router.policy.estimated_ttft.stick_ratio); the TOML key has none."""
+    (router.policy.estimated_ttft.stick_ratio), and a worker entry's engine (workers.0.vllm.url);
+    the TOML key has none."""
     out: list[Any] = []
     for part in loc:
         in_policy = out[-1:] in (["policy"], ["decode_policy"]) or out[-2:-1] == ["pool_policies"]
-        if not (part in POLICIES and in_policy and out[:1] == ["router"]):
+        in_worker = out[:1] == ["workers"] and len(out) == 2 and isinstance(out[1], int)
+        if not (part in POLICIES and in_policy and out[:1] == ["router"]) and not (in_worker and part in _ENGINES):
             out.append(part)
     return tuple(out)
+
+
+_ENGINES = frozenset(str(engine) for engine in WorkerEngine)
 
 
 def _upper_environ() -> set[str]:

@@ -6,10 +6,12 @@ every field, generated from these models, is docs/config.md.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
 from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
@@ -51,25 +53,19 @@ class WorkerEngine(StrEnum):
     OPENAI = "openai"  # any OpenAI-compatible server, text in and out (docs/real-engines.md)
 
 
-class WorkerSpec(_Frozen):
+class _WorkerSpecBase(_Frozen):
+    """What every worker entry has, whatever its engine."""
+
     url: str = Field(description="Worker base URL, http:// or https://.")
-    engine: WorkerEngine = Field(
-        WorkerEngine.DGW,
-        description="dgw: worker protocol v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
-                    "sent token ids; openai: any OpenAI-compatible server, sent text (docs/real-engines.md).")
-    model: str = Field("", description="vllm, openai: the served model name to request; empty: the first of its "
-                                       "/v1/models.")
-    kv_events_endpoint: str = Field(
-        "", description="vllm: its KV events publisher (ZMQ) as this gateway reaches it, e.g. tcp://10.0.0.5:5557; "
-                        "empty: no KV events, no prefix-aware routing to it.")
-    kv_events_replay_endpoint: str = Field(
-        "", description="vllm: its KV events replay socket (ZMQ ROUTER); empty: a gap clears its index entries.")
-    kv_events_topic: str = Field("", description="vllm: the topic its KV events publisher uses.")
     role: Role = Field(Role.UNIFIED, description="unified, prefill or decode.")
     hardware: Hardware = Field(Hardware.SM100, description="sm100 or ascend950: the router's cost model.")
     kv_format: str = Field("", description="KV cache format; empty: learned from the worker's info endpoint.")
     pool: str = Field("", description="Pool name; empty: the role's default pool.")
     id: str = Field("", description="Worker id in metrics and logs; empty: host:port of the URL.")
+
+    # The planner pairs prefill and decode workers by KV format alone: a vLLM worker's KV must
+    # never look compatible with another engine's, nor the other way round.
+    _VLLM_KV: ClassVar[bool] = False
 
     @field_validator("url")
     @classmethod
@@ -79,17 +75,8 @@ class WorkerSpec(_Frozen):
         return v.rstrip("/")
 
     @model_validator(mode="after")
-    def _engine_fields(self) -> WorkerSpec:
-        if self.engine is WorkerEngine.OPENAI and self.role is not Role.UNIFIED:
-            raise ValueError("an openai worker serves whole requests: role must be unified")
-        if self.engine is WorkerEngine.DGW and self.model:
-            raise ValueError("model applies to vllm and openai workers only")
-        if self.engine is not WorkerEngine.VLLM and (self.kv_events_endpoint or self.kv_events_replay_endpoint
-                                                     or self.kv_events_topic):
-            raise ValueError("kv_events_* apply to vllm workers only")
-        # The planner pairs prefill and decode workers by KV format alone: a vLLM worker's KV
-        # must never look compatible with a sim/DeepInfer worker's, nor the other way round.
-        if self.kv_format and (self.engine is WorkerEngine.VLLM) != self.kv_format.startswith("vllm:"):
+    def _kv_format_family(self) -> _WorkerSpecBase:
+        if self.kv_format and self._VLLM_KV != self.kv_format.startswith("vllm:"):
             raise ValueError('kv_format "vllm:..." belongs to vllm workers, and a vllm worker\'s kv_format must '
                              'start with "vllm:"')
         return self
@@ -97,6 +84,79 @@ class WorkerSpec(_Frozen):
     @property
     def worker_id(self) -> str:
         return self.id or self.url.split("://", 1)[1]
+
+
+_ENGINE_DOC = ("dgw (the default): worker protocol v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
+               "sent token ids; openai: any OpenAI-compatible server, sent text (docs/real-engines.md).")
+_MODEL_DOC = "vllm, openai: the served model name to request; empty: the first of its /v1/models."
+
+
+class DgwWorkerSpec(_WorkerSpecBase):
+    """A worker speaking worker protocol v1 (docs/worker-protocol.md): sim and DeepInfer workers."""
+
+    engine: Literal[WorkerEngine.DGW] = Field(WorkerEngine.DGW, description=_ENGINE_DOC)
+
+
+class VllmWorkerSpec(_WorkerSpecBase):
+    """A vLLM OpenAI server, sent token ids (docs/real-engines.md)."""
+
+    _VLLM_KV: ClassVar[bool] = True
+    engine: Literal[WorkerEngine.VLLM] = Field(description=_ENGINE_DOC)
+    model: str = Field("", description=_MODEL_DOC)
+    kv_events_endpoint: str = Field(
+        "", description="vllm: its KV events publisher (ZMQ) as this gateway reaches it, e.g. tcp://10.0.0.5:5557; "
+                        "empty: no KV events, no prefix-aware routing to it.")
+    kv_events_replay_endpoint: str = Field(
+        "", description="vllm: its KV events replay socket (ZMQ ROUTER); empty: a gap clears its index entries.")
+    kv_events_topic: str = Field("", description="vllm: the topic its KV events publisher uses.")
+
+
+class OpenAIWorkerSpec(_WorkerSpecBase):
+    """Any OpenAI-compatible server, sent text: whole requests only (docs/real-engines.md)."""
+
+    engine: Literal[WorkerEngine.OPENAI] = Field(description=_ENGINE_DOC)
+    model: str = Field("", description=_MODEL_DOC)
+
+    @model_validator(mode="after")
+    def _whole_requests(self) -> OpenAIWorkerSpec:
+        if self.role is not Role.UNIFIED:
+            raise ValueError("an openai worker serves whole requests: role must be unified")
+        return self
+
+
+WorkerSpecVariant = DgwWorkerSpec | VllmWorkerSpec | OpenAIWorkerSpec
+
+
+def _engine_or_dgw(value: Any) -> Any:
+    """An entry without `engine` is a worker-protocol worker. Entries written before the
+    variants (admin records in Redis) carry every engine's keys: those its engine has not
+    are dropped when empty (set, they are refused as unknown)."""
+    if not isinstance(value, Mapping):
+        return value
+    engine = value.get("engine", WorkerEngine.DGW)
+    known = _variant_keys().get(str(engine))
+    return {**{k: v for k, v in value.items() if known is None or k in known or v != ""}, "engine": engine}
+
+
+@functools.cache
+def _variant_keys() -> dict[str, frozenset[str]]:
+    """Each engine tag -> its variant's keys."""
+    return {str(get_args(v.model_fields["engine"].annotation)[0]): frozenset(v.model_fields)
+            for v in get_args(WorkerSpecVariant)}
+
+
+# A worker entry: one variant per engine kind, told apart by `engine` (as routing policies by
+# `name`, router/policy_config.py). A variant holds only its engine's fields.
+WorkerSpec = Annotated[WorkerSpecVariant, Field(discriminator="engine"), BeforeValidator(_engine_or_dgw)]
+_WORKER_SPEC: TypeAdapter[WorkerSpecVariant] = TypeAdapter(WorkerSpec)
+
+
+def parse_worker_spec(value: Any) -> WorkerSpecVariant:
+    """A worker entry (a mapping, or JSON text/bytes) -> its validated variant; ValidationError if invalid."""
+    if isinstance(value, str | bytes):
+        return _WORKER_SPEC.validate_json(value)
+    return _WORKER_SPEC.validate_python(value)
+
 
 
 class DiscoverySpec(_Frozen):

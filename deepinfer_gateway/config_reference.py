@@ -125,7 +125,7 @@ def type_name(annotation: Any) -> str:
         return "table of policies" if _variants(args[1]) else f"table of {type_name(args[1])}s"
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return "one of " + ", ".join(f"`{m.value}`" for m in annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if _entry_models(annotation):
         return "table"
     return {str: "string", int: "integer", float: "number", bool: "boolean"}.get(annotation, str(annotation))
 
@@ -139,13 +139,24 @@ def _type_cell(field: FieldInfo) -> str:
     return kind
 
 
-def _record_model(annotation: Any) -> type[BaseModel] | None:
-    """The model of a list's or table's entries (workers, api_keys, router.hardware, ...)."""
+def _entry_models(annotation: Any) -> tuple[type[BaseModel], ...]:
+    """The models of one entry: a model, or the variants of a union told apart by `engine` (workers)."""
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return (annotation,)
+    if get_origin(annotation) in (Union, types.UnionType):
+        models = get_args(annotation)
+        if all(isinstance(m, type) and issubclass(m, BaseModel) and "engine" in m.model_fields for m in models):
+            return models
+    return ()
+
+
+def _record_model(annotation: Any) -> tuple[type[BaseModel], ...]:
+    """The model(s) of a list's or table's entries (workers, api_keys, router.hardware, ...)."""
     if get_origin(annotation) in (tuple, dict):
-        entry = get_args(annotation)[-1 if get_origin(annotation) is dict else 0]
-        if isinstance(entry, type) and issubclass(entry, BaseModel):
-            return entry
-    return None
+        return _entry_models(get_args(annotation)[-1 if get_origin(annotation) is dict else 0])
+    return ()
 
 
 def _default(field: FieldInfo) -> str:
@@ -201,11 +212,11 @@ def _sections(model: type[BaseModel], path: tuple[str, ...]) -> Iterator[str]:
     for models, keys in variants.items():
         yield from _variant_sections(models, keys)
     for key, field in nested:
-        record = _record_model(field.annotation)
-        if record is None:
+        records = _record_model(field.annotation)
+        if not records:
             yield from _sections(field.annotation, path + (key,))  # type: ignore[arg-type]
         else:
-            yield from _records(record, path + (key,), field)
+            yield from _records(records, path + (key,), field)
 
 
 def _variant_sections(models: tuple[type[BaseModel], ...], keys: list[str]) -> Iterator[str]:
@@ -245,7 +256,13 @@ def _variant_sections(models: tuple[type[BaseModel], ...], keys: list[str]) -> I
         yield ""
 
 
-def _records(record: type[BaseModel], path: tuple[str, ...], field: FieldInfo) -> Iterator[str]:
+def _engine(model: type[BaseModel]) -> str:
+    """A worker variant's `engine` tag (its Literal)."""
+    return str(get_args(model.model_fields["engine"].annotation)[0])
+
+
+def _records(records: tuple[type[BaseModel], ...], path: tuple[str, ...], field: FieldInfo) -> Iterator[str]:
+    """The entries' keys; with variants (one per `engine`), each key says the engines that have it."""
     title = ".".join(path)
     listed = get_origin(field.annotation) is tuple
     yield f"### `[[{title}]]` entries" if listed else f"### `[{title}.<name>]` entries"
@@ -255,8 +272,16 @@ def _records(record: type[BaseModel], path: tuple[str, ...], field: FieldInfo) -
            f"{'list' if listed else 'table'} as JSON in `{env_name(*path)}`.")
     yield ""
     yield from RECORD_HEAD
-    for key, entry in record.model_fields.items():
-        row = _row(key, entry, "", f"{title} entries").split(" | ")
+    keys: dict[str, list[type[BaseModel]]] = {}
+    for record in records:
+        for key in record.model_fields:
+            keys.setdefault(key, []).append(record)
+    for key, owners in keys.items():
+        row = _row(key, owners[0].model_fields[key], "", f"{title} entries").split(" | ")
+        if key == "engine" and len(records) > 1:
+            row[1] = "one of " + ", ".join(f"`{_engine(m)}`" for m in records)
+        elif len(owners) < len(records):
+            row[1] += " (engine " + ", ".join(f"`{_engine(m)}`" for m in owners) + " only)"
         yield " | ".join(row[:3] + row[4:])  # no environment column: entries come with their list
     default = field.get_default(call_default_factory=True)
     if isinstance(default, dict) and default:

@@ -1,7 +1,7 @@
 """Several gateway processes behind one port on one host: `serve --processes N`.
 
 The supervisor binds the listening sockets and hands them to N child processes, each a
-whole gateway (cli_commands.serve_gateway) accepting from its slot's socket. Children are
+whole gateway (gateway_process.serve_gateway) accepting from its slot's socket. Children are
 started with multiprocessing's spawn context: a fresh interpreter each, nothing forked
 from a process that holds threads or an event loop.
 
@@ -71,11 +71,12 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
+from deepinfer_gateway import headers
 from deepinfer_gateway.config import ConfigError, GatewaySettings
 
 log = logging.getLogger(__name__)
 
-PROCESS_HEADER = "x-dgw-process"  # on every response of a supervised process: its pid
+PROCESS_HEADER = headers.PROCESS
 STARTUP_FAILURE = 3  # a child's exit status when its app never started (uvicorn's value)
 STABLE_AFTER_S = 30.0  # a child that lived this long resets its slot's restart backoff
 MAX_RESTART_DELAY_S = 30.0
@@ -383,7 +384,7 @@ def child_main(settings: GatewaySettings, log_level: str, log_format: str, sock:
     """One supervised gateway process: the app on the shared socket until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards a Ctrl-C as SIGTERM
     from deepinfer_gateway import tracing
-    from deepinfer_gateway.cli_commands import configure_logging, gateway_app, serve_gateway
+    from deepinfer_gateway.gateway_process import configure_logging, gateway_app, serve_gateway
 
     configure_logging(log_level, log_format)
     _drain_when_orphaned()

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from deepinfer_gateway import headers
 from deepinfer_gateway.config import TracingSettings
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class _NoopSpan:
 NOOP_SPAN = _NoopSpan()
 _tracer: Any = None  # opentelemetry Tracer when enabled
 _provider: Any = None
+_WORKER_HEADER = headers.WORKER.encode()
 
 
 def enabled() -> bool:
@@ -203,7 +205,7 @@ class ServerSpans:
                 if message["type"] == "http.response.start":
                     root.set_attribute("http.response.status_code", message["status"])
                     for key, value in message.get("headers", ()):
-                        if key == b"x-dgw-worker":
+                        if key == _WORKER_HEADER:
                             root.set_attribute("dgw.worker", value.decode("latin-1"))
                     if message["status"] >= 500:
                         from opentelemetry.trace import Status, StatusCode

@@ -16,10 +16,10 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
-from deepinfer_gateway.config import GatewaySettings, WorkerSpec
-from deepinfer_gateway.errors import Forbidden, GatewayError, Unauthorized
-from deepinfer_gateway.gateway.auth import presented_key
-from deepinfer_gateway.gateway.routes import gateway_state
+from deepinfer_gateway.config import GatewaySettings, parse_worker_spec
+from deepinfer_gateway.errors import Forbidden, GatewayError
+from deepinfer_gateway.gateway.routes import authenticate
+from deepinfer_gateway.gateway.state import gateway_state
 
 
 class RoutingUpdate(BaseModel):
@@ -33,9 +33,7 @@ class RoutingUpdate(BaseModel):
 
 def admin_router(settings: GatewaySettings) -> APIRouter:
     async def require_admin(request: Request) -> None:
-        key = await gateway_state(request).keys.lookup(presented_key(request.headers))
-        if key is None:
-            raise Unauthorized("Missing or invalid API key.")
+        key = await authenticate(request)
         if not key.admin and settings.admin_keys_required:
             raise Forbidden("This endpoint needs an API key with admin rights.")
 
@@ -57,7 +55,7 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
     async def add_worker(request: Request) -> Response:
         state = gateway_state(request)
         try:
-            spec = WorkerSpec.model_validate_json(await request.body())
+            spec = parse_worker_spec(await request.body())
         except ValueError as exc:
             raise GatewayError(f"Invalid worker: {exc}", status_code=400) from None
         worker = await state.admin.add_worker(spec)
@@ -73,11 +71,11 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
 
     @router.get("/index")
     async def index_stats(request: Request) -> Response:
-        return JSONResponse(await gateway_state(request).server.index.stats())
+        return JSONResponse(await gateway_state(request).index.stats())
 
     @router.get("/routing")
     async def get_routing(request: Request) -> Response:
-        return JSONResponse(gateway_state(request).server.planner.describe())
+        return JSONResponse(gateway_state(request).planner.describe())
 
     @router.put("/routing")
     async def set_routing(request: Request) -> Response:
@@ -88,6 +86,6 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
             await state.admin.set_routing(update.model_dump(exclude_none=True))
         except ValueError as exc:
             raise GatewayError(f"Invalid routing update: {exc}", status_code=400) from None
-        return JSONResponse(state.server.planner.describe())
+        return JSONResponse(state.planner.describe())
 
     return router

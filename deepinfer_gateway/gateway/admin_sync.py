@@ -198,7 +198,8 @@ class AdminSync:
             await self._feeder.remove_worker(worker_id)
             log.info("worker %s removed", worker_id)
         for spec in new:
-            self._feeder.add(self._registry.add(spec).spec)
+            worker = self._registry.add(spec)
+            self._feeder.add(worker.worker_id, worker.upstream.kv_source())
             log.info("worker %s added", spec.worker_id)
         if new:
             await self._registry.check_all()  # routable now, not at the next health round

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -44,7 +43,9 @@ from deepinfer_gateway.gateway.response_store import MemoryResponseStore, RedisR
 from deepinfer_gateway.gateway.responses_api import ResponsesState
 from deepinfer_gateway.gateway.routes import MODELS, ClientRoutes, Endpoint
 from deepinfer_gateway.gateway.serving import RequestServer
-from deepinfer_gateway.gateway.worker_client import Timeouts, WorkerClient
+from deepinfer_gateway.gateway.state import GatewayState
+from deepinfer_gateway.gateway.upstream import Timeouts
+from deepinfer_gateway.gateway.upstreams import Upstreams
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
@@ -57,20 +58,6 @@ from deepinfer_gateway.router.planner import RoutePlanner
 from deepinfer_gateway.worker_auth import tokens_from
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GatewayState:
-    """What the lifespan builds and the routes read (`request.app.state.gateway`)."""
-
-    registry: WorkerRegistry
-    server: RequestServer
-    keys: KeyStore
-    limiter: MemoryRateLimiter | RedisRateLimiter
-    feeder: KvEventFeeder
-    started_at: int
-    admin: AdminSync
-    responses: ResponsesState
 
 
 class GatewayApp(FastAPI):
@@ -131,11 +118,10 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = WorkerClient(Timeouts(connect_s=settings.connect_timeout_s,
-                                       first_event_s=settings.first_event_timeout_s,
-                                       between_events_s=settings.between_events_timeout_s),
-                              tokenizer=bundle,
-                              tokens=tokens_from(settings.worker_token, settings.worker_token_file))
+        client = Upstreams(bundle, Timeouts(connect_s=settings.connect_timeout_s,
+                                            first_event_s=settings.first_event_timeout_s,
+                                            between_events_s=settings.between_events_timeout_s),
+                           tokens=tokens_from(settings.worker_token, settings.worker_token_file))
         await client.start()
         redis = None
         if settings.redis_url:
@@ -149,15 +135,14 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                                     redis_password=settings.redis_password,
                                     redis_password_file=settings.redis_password_file,
                                     registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
-        feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s,
-                               vllm_salt=client.vllm_kv_salt)
+        feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
         inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)
                     if redis else MemoryInflight())
         registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
         for worker in registry.workers.values():
-            feeder.add(worker.spec)
+            feeder.add(worker.worker_id, worker.upstream.kv_source())
         await registry.start()
-        server = RequestServer(registry, client, RoutePlanner(settings.router), index, inflight, bundle, metrics,
+        server = RequestServer(registry, RoutePlanner(settings.router), index, inflight, bundle, metrics,
                                settings)
         admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, server.planner, settings.workers,
                           metrics.redis_errors.labels("admin").inc)

@@ -15,14 +15,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway import tracing
-from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.config import OpenAIWorkerSpec, VllmWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.worker_client import LineStream, Timeouts
+from deepinfer_gateway.gateway.upstream_http import HttpPool, LineStream, Response
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
@@ -52,6 +50,16 @@ def fit_to_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> t
     return min(max_tokens, room), None
 
 
+def provisional_cached(predicted: int, prompt_tokens: int, block_size: int) -> int:
+    """`ready`'s cached count before the server reports its own: the router's predicted overlap
+    (with KV events, vLLM's cached full blocks), cut as vLLM cuts a hit (whole blocks, at least
+    the last prompt token computed; `block_size` 0: not known)."""
+    limit = prompt_tokens - 1
+    if block_size > 0:
+        limit = limit // block_size * block_size
+    return max(0, min(predicted, limit))
+
+
 def finish_reason(finish: str) -> wp.FinishReason:
     return (wp.FinishReason.STOP if finish == "stop"
             else wp.FinishReason.ABORT if finish == "abort" else wp.FinishReason.LENGTH)
@@ -72,20 +80,9 @@ def status_error(url: str, status: int, raw: bytes) -> UpstreamError:
                          retryable=status >= 500 or status == 429, status=status, detail=message)
 
 
-async def post_completion(session: aiohttp.ClientSession, url: str, request_id: str,
-                          body: dict[str, Any]) -> aiohttp.ClientResponse:
+async def post_completion(http: HttpPool, url: str, request_id: str, body: dict[str, Any]) -> Response:
     """POST `body` to the server's `/v1/completions`; a 200 response, else an UpstreamError."""
-    try:
-        response = await session.post(
-            url + COMPLETIONS_PATH, data=orjson.dumps(body),
-            headers=tracing.inject({"content-type": "application/json", wp.REQUEST_ID_HEADER: request_id}),
-        )
-    except TimeoutError:
-        raise UpstreamError(UpstreamKind.TIMEOUT, f"connect to {url} timed out") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamError(UpstreamKind.CONNECT, f"cannot reach {url}: {exc}") from None
-    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-        raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {url} broke: {exc}") from None
+    response = await http.post(url, COMPLETIONS_PATH, body, request_id)
     if response.status != 200:
         raw = await response.read()
         response.release()
@@ -161,10 +158,10 @@ class CompletionStream:
         self._events.append(refused)
         self._done = True
 
-    async def start(self, session: aiohttp.ClientSession, request_id: str, body: dict[str, Any],
-                    timeouts: Timeouts) -> None:
+    async def start(self, http: HttpPool, request_id: str, body: dict[str, Any]) -> None:
         """Send the call; its chunks are read as `next_event` asks."""
-        response = await post_completion(session, self._url, request_id, body)
+        response = await post_completion(http, self._url, request_id, body)
+        timeouts = http.timeouts
         self._chunks = ChunkReader(LineStream(response, timeouts.first_event_s, timeouts.between_events_s), self._url)
 
     async def next_event(self) -> dict[str, Any] | None:
@@ -270,28 +267,21 @@ class ServerFacts:
         return self.gauges.get("vllm:kv_cache_usage_perc", 0.0)
 
 
-async def probe_server(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: float, *,
+async def probe_server(http: HttpPool, spec: VllmWorkerSpec | OpenAIWorkerSpec, *,
                        metrics_required: bool) -> ServerFacts:
     """Read `/v1/models` (the spec's model, else the first) and `/metrics` (an error only when
     `metrics_required`); any failure is an UpstreamError."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    status, raw = await http.get(spec.url, MODELS_PATH)
+    if status != 200:
+        raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{MODELS_PATH} answered {status}", status=status)
     try:
-        async with session.get(spec.url + MODELS_PATH, timeout=timeout) as r:
-            if r.status != 200:
-                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{MODELS_PATH} answered {r.status}",
-                                    status=r.status)
-            models = orjson.loads(await r.read())["data"]
-        async with session.get(spec.url + METRICS_PATH, timeout=timeout) as r:
-            if r.status != 200 and metrics_required:
-                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{METRICS_PATH} answered {r.status}",
-                                    status=r.status)
-            metrics = (await r.read()).decode(errors="replace") if r.status == 200 else ""
-    except TimeoutError:
-        raise UpstreamError(UpstreamKind.TIMEOUT, f"{spec.url} timed out") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamError(UpstreamKind.CONNECT, f"{spec.url}: {exc}") from None
+        models = orjson.loads(raw)["data"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url}{MODELS_PATH} returned no model list") from None
+    status, raw = await http.get(spec.url, METRICS_PATH)
+    if status != 200 and metrics_required:
+        raise UpstreamError(UpstreamKind.HTTP_STATUS, f"{spec.url}{METRICS_PATH} answered {status}", status=status)
+    metrics = raw.decode(errors="replace") if status == 200 else ""
     model = next((m for m in models if isinstance(m, dict) and (not spec.model or m.get("id") == spec.model)), None)
     if model is None or not isinstance(model.get("id"), str):
         raise UpstreamError(UpstreamKind.PROTOCOL, f"{spec.url} does not serve model {spec.model or '(any)'}")

@@ -1,7 +1,7 @@
 """Workers found by DNS: each `[[discovery]]` name (a headless Service, a compose service) is
 re-resolved every `interval_s`, so scaling a pool is one change, its replica count.
 
-- A new address is probed at `/v1/worker/info` through the gateway's `WorkerClient` (with
+- A new address is probed at `/v1/worker/info` through the gateway's upstream pool (`upstream_http.HttpPool`, with
   whatever credentials it sends) for its role and hardware (a vLLM or OpenAI pool takes
   them from the config, its health checks probe `/v1/models`); a probe that fails is retried
   at the next resolution, so a pod that is not serving yet joins once it does.
@@ -35,10 +35,10 @@ import dns.nameserver
 import dns.resolver
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import DiscoverySpec, WorkerEngine, WorkerSpec
+from deepinfer_gateway.config import DiscoverySpec, WorkerEngine, WorkerSpec, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError
 from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.worker_client import WorkerClient
+from deepinfer_gateway.gateway.upstream_http import HttpPool
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ def worker_spec(found: DiscoverySpec, endpoint: Endpoint, info: wp.WorkerInfo | 
     hardware = found.hardware or (info.hardware if info else None)
     assert hardware is not None, "DiscoverySpec requires hardware for pools that report none"
     kv_events = Endpoint(endpoint.host, found.kv_events_port).url("tcp") if found.kv_events_port else ""
-    return WorkerSpec(url=endpoint.url(found.scheme), engine=found.engine, model=found.model, role=role,
-                      hardware=hardware, pool=found.pool, kv_events_endpoint=kv_events)
+    # Keys an engine's variant has not are dropped when empty (config_models._engine_or_dgw).
+    return parse_worker_spec({"url": endpoint.url(found.scheme), "engine": found.engine, "model": found.model,
+                              "role": role, "hardware": hardware, "pool": found.pool, "kv_events_endpoint": kv_events})
 
 
 def nameserver(address: str) -> dns.nameserver.Do53Nameserver:
@@ -136,7 +137,7 @@ class _Followed:
 
 
 class WorkerDiscovery:
-    def __init__(self, entries: tuple[DiscoverySpec, ...], client: WorkerClient, registry: WorkerRegistry,
+    def __init__(self, entries: tuple[DiscoverySpec, ...], client: HttpPool, registry: WorkerRegistry,
                  apply: ApplyDiscovered, lookup: Lookup = DnsLookup):
         self._client = client
         self._registry = registry

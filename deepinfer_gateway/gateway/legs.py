@@ -1,12 +1,13 @@
 """Upstream legs: open a worker call, retry it elsewhere, continue on a decode worker.
 
-Retry rule: a failure before a leg's first token (connect error, 5xx, timeout, a retryable
-engine error) is retried on another worker, up to `max_attempts` per leg; a non-retryable
-one is the worker's verdict on the request and answers the client (`WorkerRefused`).
-A PD prefill leg ends with a KV hand-off and `decode` continues on a decode worker of the
-same KV format and engine: after the prefill's first token (sim, DeepInfer: relay.py follows
-the hand-off), or before any token when the prefill hands off without one (vLLM,
-gateway/vllm_pd.py: `first` opens the decode leg itself, so the client's response starts
+Retry rule (`_open_any`, the one skeleton of every leg): a failure before a leg's first
+token (connect error, 5xx, timeout, a retryable engine error) is retried on another worker,
+up to `max_attempts` per leg; a non-retryable one is the worker's verdict on the request and
+answers the client (`WorkerRefused`).
+A PD prefill leg ends with a KV hand-off and `hand_off` continues on a decode worker of the
+same KV format and hand-off family (upstream.py): after the prefill's first token (sim,
+DeepInfer: relay.py follows the hand-off), or before any token when the prefill hands off
+without one (vLLM, gateway/vllm_pd.py: `first` follows it, so the client's response starts
 with the decode worker's first token).
 
 Each open leg holds a `Lease`: the worker's in-flight count, the process gauge, the
@@ -16,14 +17,15 @@ is idempotent, so whoever owns the leg releases it in one `finally`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
-from deepinfer_gateway.config_models import WorkerEngine
 from deepinfer_gateway.errors import (
     HEALTH_FAILURES,
     NoHealthyWorker,
@@ -35,11 +37,10 @@ from deepinfer_gateway.errors import (
 from deepinfer_gateway.gateway.background import run_in_background
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
-from deepinfer_gateway.gateway.route_inputs import LEG_ROLE, RouteInputs
-from deepinfer_gateway.gateway.vllm_upstream import PREDICTED_CACHED
-from deepinfer_gateway.gateway.worker_client import EventStream, WorkerClient
+from deepinfer_gateway.gateway.route_inputs import RouteInputs
+from deepinfer_gateway.gateway.upstream import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
-from deepinfer_gateway.router.planner import NoCandidate, Plan
+from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,12 @@ log = logging.getLogger(__name__)
 class Lease:
     """One upstream leg's hold on a worker, taken when the call starts."""
 
-    __slots__ = ("worker", "request_id", "_metrics", "_client", "stream", "ready_at", "released")
+    __slots__ = ("worker", "request_id", "_metrics", "stream", "ready_at", "released")
 
-    def __init__(self, worker: WorkerState, request_id: str, metrics: GatewayMetrics, client: WorkerClient):
+    def __init__(self, worker: WorkerState, request_id: str, metrics: GatewayMetrics):
         self.worker = worker
         self.request_id = request_id
         self._metrics = metrics
-        self._client = client
         self.stream: EventStream | None = None
         self.ready_at = 0.0  # perf_counter when the leg's `ready` event arrived
         self.released = False
@@ -72,7 +72,7 @@ class Lease:
         if self.stream is not None:
             self.stream.close()
             if abort:
-                run_in_background(self._client.abort(self.worker.url, self.request_id))
+                run_in_background(self.worker.upstream.abort(self.request_id))
 
     async def next_event(self) -> dict[str, Any] | None:
         assert self.stream is not None
@@ -93,110 +93,129 @@ def raise_if_error(finish: dict[str, Any]) -> None:
         raise UpstreamError(UpstreamKind.WORKER_ERROR, "the worker aborted the request", retryable=True, status=503)
 
 
+class _Exhausted(Exception):
+    """Every attempt of a leg failed, or no candidate was left."""
+
+    def __init__(self, attempts: int, last: UpstreamError | None):
+        super().__init__(str(last))
+        self.attempts = attempts
+        self.last = last
+
+
+# Chooses the next worker (its id) for a leg, none of `tried` (NoCandidate when none is left),
+# and the leg as that worker gets it.
+Chooser = Callable[[frozenset[str]], tuple[str, LegRequest]]
+
+
 class Legs:
-    def __init__(self, registry: WorkerRegistry, client: WorkerClient, routing: RouteInputs,
-                 metrics: GatewayMetrics, settings: GatewaySettings):
+    def __init__(self, registry: WorkerRegistry, routing: RouteInputs, metrics: GatewayMetrics,
+                 settings: GatewaySettings):
         self.registry = registry
-        self.client = client
         self.routing = routing
         self.metrics = metrics
         self.settings = settings
 
-    async def first(self, prepared: PreparedRequest, body: dict[str, Any], request_id: str,
+    async def first(self, prepared: PreparedRequest, leg: LegRequest,
                     session_key: str | None) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any]]:
         """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event)."""
         views, hashes, overlap = await self.routing.candidates(prepared)
         planner = self.routing.planner
-        tried: set[str] = set()
-        last_error: UpstreamError | None = None
-        for _ in range(self.settings.max_attempts):
-            try:
-                plan = planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session_key,
-                                          frozenset(tried))
-            except NoCandidate:
-                break
-            if not tried:
-                self.routing.admit(plan, views)
-            self.routing.record(plan, request_id)
-            tried.add(plan.worker.worker_id)
-            worker = self._routable(plan.worker.worker_id)
-            if worker is None:  # removed or draining since `views` was read (a retry plans from it)
-                continue
-            leg_body = {**body, "role": LEG_ROLE[plan.mode]}
-            if worker.spec.engine is not WorkerEngine.DGW:  # in-process adapters only: not a wire field
-                leg_body[PREDICTED_CACHED] = plan.decision.predicted_memory_tokens  # `ready`'s provisional count
-            since = self.registry.loop_lag.now()
-            try:
-                with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
-                                  role=leg_body["role"]):
-                    lease, ready, first = await self._open(worker, leg_body, request_id,
-                                                           reserve=prepared.prompt_tokens)
-            except UpstreamError as exc:
-                last_error = exc
-                self._failed(worker, exc, request_id, since)
-                continue
-            if plan.mode == "pd" and first["event"] == "finish" and "kv_handoff" in first:
-                lease, first = await self._decode_first(lease, body, first["kv_handoff"], request_id)
-            return lease, plan, ready, first
-        if last_error is None:
-            raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
-        raise UpstreamFailed(f"All {len(tried)} attempted workers failed: {last_error}")
+        plans: list[Plan] = []
 
-    async def _decode_first(self, prefill: Lease, body: dict[str, Any], handoff: dict[str, Any],
-                            request_id: str) -> tuple[Lease, dict[str, Any]]:
-        """A prefill leg that handed off before any token (vLLM's PD, gateway/vllm_pd.py: the
-        decode worker samples the first token): the decode leg opens now, so the first token,
-        TTFT and a failure to hand off all come before the client's response starts."""
-        prefill.release(abort=False)  # the prefill finished: its worker keeps the KV for the decode
+        def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
+            plan = planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session_key, tried)
+            if not plans:
+                self.routing.admit(plan, views)
+            self.routing.record(plan, leg.request_id)
+            plans.append(plan)
+            return (plan.worker.worker_id,
+                    dataclasses.replace(leg, role=plan.mode.first_role,
+                                        predicted_cached=plan.decision.predicted_memory_tokens))
+
         try:
-            lease, first = await self.decode({**body, "role": "decode", "kv_handoff": handoff},
-                                             handoff["kv_format"], request_id)
-        except UpstreamError as exc:
-            raise UpstreamFailed(f"The prefill on {prefill.worker.worker_id} finished but {exc}") from None
-        lease.ready_at = prefill.ready_at  # queue time: until the prefill worker started
+            lease, ready, first = await self._open_any(choose, leg.request_id, reserve=prepared.prompt_tokens)
+        except _Exhausted as exc:
+            if exc.last is None:
+                raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.") from None
+            raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last}") from None
+        plan = plans[-1]
+        if plan.mode is Mode.PD and first["event"] == "finish" and "kv_handoff" in first:
+            # Handed off before any token (vLLM's PD, gateway/vllm_pd.py: the decode worker samples
+            # the first token): the decode leg opens now, so the first token, TTFT and a failure
+            # to hand off all come before the client's response starts.
+            prefill = lease
+            try:
+                lease, first = await self.hand_off(prefill, leg, first["kv_handoff"])
+            except UpstreamError as exc:
+                raise UpstreamFailed(f"The prefill on {prefill.worker.worker_id} finished but {exc}") from None
+            lease.ready_at = prefill.ready_at  # queue time: until the prefill worker started
+        return lease, plan, ready, first
+
+    async def hand_off(self, prefill: Lease, leg: LegRequest, handoff: dict[str, Any],
+                       output_ids: list[int] | None = None) -> tuple[Lease, dict[str, Any]]:
+        """The one place a PD hand-off continues: the prefill leg is done (its worker keeps the KV
+        for the decode), and the decode leg opens with `handoff` and the prompt plus the
+        prefill's tokens (`output_ids`: none when it handed off before any)."""
+        prefill.release(abort=False)
+        token_ids = leg.token_ids + output_ids if output_ids else None
+        return await self.decode(leg.decode(handoff, token_ids), handoff["kv_format"])
+
+    async def decode(self, leg: LegRequest, kv_format: str) -> tuple[Lease, dict[str, Any]]:
+        """A decode leg continuing a KV hand-off: (its lease, its first event). Only workers of the
+        prefill worker's hand-off family are candidates: a KV format names a layout, not the
+        hand-off's wire (a vLLM connector's `kv_transfer_params` mean nothing to a DeepInfer worker)."""
+        assert leg.kv_handoff is not None
+        views = await self.routing.views()
+        foreign = self._other_families(leg.kv_handoff["source_worker"])
+
+        def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
+            view, decision = self.routing.planner.plan_decode(views, kv_format, len(leg.token_ids), tried | foreign)
+            self.metrics.routing_decisions.labels(view.pool, view.hardware, str(decision.reason)).inc()
+            return view.worker_id, leg
+
+        try:
+            lease, _ready, first = await self._open_any(choose, leg.request_id)
+        except _Exhausted as exc:
+            raise UpstreamError(UpstreamKind.WORKER_ERROR,
+                                f"no decode worker took the hand-off: {exc.last or 'none compatible'}",
+                                retryable=False) from None
         return lease, first
 
-    async def decode(self, body: dict[str, Any], kv_format: str, request_id: str) -> tuple[Lease, dict[str, Any]]:
-        """A decode leg continuing a KV hand-off: (its lease, its first event). Only workers of the
-        prefill worker's engine are candidates: a KV format names a layout, not the hand-off's
-        wire (a vLLM connector's `kv_transfer_params` mean nothing to a DeepInfer worker)."""
-        views = await self.routing.views()
+    async def _open_any(self, choose: Chooser, request_id: str,
+                        reserve: int = 0) -> tuple[Lease, dict[str, Any], dict[str, Any]]:
+        """Open the leg on the workers `choose` names, one after another, until one reaches its first
+        token; `_Exhausted` after `max_attempts` failures or when no candidate is left."""
         tried: set[str] = set()
-        foreign = self._other_engines(body["kv_handoff"]["source_worker"])
         last_error: UpstreamError | None = None
         for _ in range(self.settings.max_attempts):
             try:
-                view, decision = self.routing.planner.plan_decode(views, kv_format, len(body["token_ids"]),
-                                                                  frozenset(tried | foreign))
+                worker_id, leg = choose(frozenset(tried))
             except NoCandidate:
                 break
-            self.metrics.routing_decisions.labels(view.pool, view.hardware, str(decision.reason)).inc()
-            tried.add(view.worker_id)
-            worker = self._routable(view.worker_id)
-            if worker is None:
+            tried.add(worker_id)
+            worker = self._routable(worker_id)
+            if worker is None:  # removed or draining since the views were read (a retry plans from them)
                 continue
             since = self.registry.loop_lag.now()
             try:
                 with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
-                                  role="decode"):
-                    lease, _ready, first = await self._open(worker, body, request_id)
+                                  role=str(leg.role)):
+                    return await self._open(worker, leg, reserve)
             except UpstreamError as exc:
                 last_error = exc
                 self._failed(worker, exc, request_id, since)
-                continue
-            return lease, first
-        raise UpstreamError(UpstreamKind.WORKER_ERROR,
-                            f"no decode worker took the hand-off: {last_error or 'none compatible'}", retryable=False)
+        raise _Exhausted(len(tried), last_error)
 
-    async def _open(self, worker: WorkerState, body: dict[str, Any], request_id: str,
+    async def _open(self, worker: WorkerState, leg: LegRequest,
                     reserve: int = 0) -> tuple[Lease, dict[str, Any], dict[str, Any]]:
-        """Send `body` to `worker`; return once its `ready` and first token (or finish) arrived.
+        """Open `leg` on `worker`; return once its `ready` and first token (or finish) arrived.
         On any failure, cancellation included, the lease is released before this returns."""
-        lease = Lease(worker, request_id, self.metrics, self.client)
+        request_id = leg.request_id
+        lease = Lease(worker, request_id, self.metrics)
         try:
             if reserve:  # inside the try: a Redis round trip is a point where a cancel can land
                 await self.routing.inflight.reserve(worker.worker_id, request_id, reserve)
-            lease.stream = await self.client.generate(worker.url, body, request_id)
+            lease.stream = await worker.upstream.generate(leg)
             ready = await lease.next_event()
             lease.ready_at = time.perf_counter()
             if ready is not None and ready["event"] == "finish":
@@ -224,13 +243,13 @@ class Legs:
         worker = self.registry.workers.get(worker_id)
         return None if worker is None or worker.draining else worker
 
-    def _other_engines(self, source_worker: str) -> set[str]:
-        """Workers whose engine differs from `source_worker`'s (none known if it is gone)."""
+    def _other_families(self, source_worker: str) -> frozenset[str]:
+        """Workers that cannot continue `source_worker`'s hand-offs (none known if it is gone)."""
         source = self.registry.workers.get(source_worker)
         if source is None:
-            return set()
-        engine = source.spec.engine
-        return {w.worker_id for w in self.registry.workers.values() if w.spec.engine is not engine}
+            return frozenset()
+        family = source.upstream.handoff_family
+        return frozenset(w.worker_id for w in self.registry.workers.values() if w.upstream.handoff_family != family)
 
     def _failed(self, worker: WorkerState, exc: UpstreamError, request_id: str, since: float | None = None) -> None:
         """Count a failed attempt (begun at `since`, on the registry's loop clock); raise the

@@ -34,9 +34,11 @@ from typing import Any, TypeGuard
 
 import orjson
 
-REQUEST_ID_HEADER = "x-request-id"
+from deepinfer_gateway import headers
+
+REQUEST_ID_HEADER = headers.REQUEST_ID
 _HEADER_BYTES = REQUEST_ID_HEADER.encode()
-_WORKER_HEADER = b"x-dgw-worker"
+_WORKER_HEADER = headers.WORKER.encode()
 LOG_FORMATS = ("text", "json")
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("dgw_request_id", default=None)

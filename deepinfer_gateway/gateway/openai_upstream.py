@@ -17,7 +17,7 @@ put these workers in a pool routed by `prefix_approx` (the gateway's own routing
 
 Counts: the cached count arrives only with the final usage (as on vLLM). A request is ONE
 streamed call: `ready` goes out with the first chunk, with the gateway's prompt count and a
-provisional cached count (the router's predicted overlap, vllm_upstream.provisional_cached;
+provisional cached count (the router's predicted overlap, completions_api.provisional_cached;
 such servers publish no KV events: it is the routing history's guess, or 0), and the server's real
 count rides on `finish` (`cached_tokens`); the response path corrects every usage reported at
 the end. A server that reports no cached count leaves the provisional figure standing.
@@ -32,16 +32,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.config import OpenAIWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.completions_api import CompletionStream, fit_to_context, probe_server, refusal
+from deepinfer_gateway.gateway.completions_api import (
+    CompletionStream,
+    fit_to_context,
+    probe_server,
+    provisional_cached,
+    refusal,
+)
 from deepinfer_gateway.gateway.text_tokens import TextTokens
-from deepinfer_gateway.gateway.vllm_upstream import provisional_cached
-from deepinfer_gateway.gateway.worker_client import Timeouts
+from deepinfer_gateway.gateway.upstream import LegRequest, Probe
+from deepinfer_gateway.gateway.upstream_http import HttpPool
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
@@ -62,12 +67,12 @@ class OpenAIFacts:
     kv_usage: float
     started_at: str  # "" when the server exports no process start time
 
-    def info(self, spec: WorkerSpec) -> wp.WorkerInfo:
+    def info(self, spec: OpenAIWorkerSpec) -> wp.WorkerInfo:
         return wp.WorkerInfo(worker_id=spec.worker_id, engine="openai", role=spec.role, hardware=spec.hardware,
                              kv_format=spec.kv_format or openai_kv_format(self.model), model=self.model,
                              block_tokens=wp.KV_BLOCK_TOKENS, epoch=self.started_at)
 
-    def load(self, spec: WorkerSpec) -> wp.LoadReport:
+    def load(self, spec: OpenAIWorkerSpec) -> wp.LoadReport:
         return wp.LoadReport(worker_id=spec.worker_id, role=spec.role, hardware=spec.hardware,
                              kv_format=spec.kv_format or openai_kv_format(self.model),
                              running=self.running, waiting=self.waiting, queued_prefill_tokens=0,
@@ -75,9 +80,9 @@ class OpenAIFacts:
                              epoch=self.started_at)
 
 
-async def probe(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: float) -> OpenAIFacts:
+async def probe(http: HttpPool, spec: OpenAIWorkerSpec) -> OpenAIFacts:
     """`/v1/models` (required) and `/metrics` (optional); a failure of the former is an UpstreamError."""
-    server = await probe_server(session, spec, timeout_s, metrics_required=False)
+    server = await probe_server(http, spec, metrics_required=False)
     start = server.gauges.get("process_start_time_seconds")
     return OpenAIFacts(
         model=server.model, max_model_len=server.max_model_len, running=server.running, waiting=server.waiting,
@@ -130,39 +135,49 @@ class OpenAIStream(CompletionStream):
 
 
 class OpenAIUpstream:
-    """One OpenAI-compatible worker: its last probed facts, and requests on it."""
+    """One OpenAI-compatible worker: its last probed facts, and requests on it. Whole requests
+    only (no PD), and no KV events."""
 
-    def __init__(self, spec: WorkerSpec, bundle: TokenizerBundle):
+    handoff_family = "openai"
+
+    def __init__(self, spec: OpenAIWorkerSpec, http: HttpPool, bundle: TokenizerBundle):
         self.spec = spec
         self.facts: OpenAIFacts | None = None
+        self._http = http
         self._bundle = bundle
         self._text = token_bytes(bundle.json_text)
 
-    async def probe(self, session: aiohttp.ClientSession, timeout_s: float) -> OpenAIFacts:
-        self.facts = await probe(session, self.spec, timeout_s)
-        return self.facts
+    async def probe(self, known: wp.WorkerInfo | None = None) -> Probe:
+        """One probe gives both reports."""
+        self.facts = facts = await probe(self._http, self.spec)
+        return Probe(facts.info(self.spec), facts.load(self.spec))
 
-    async def generate(self, session: aiohttp.ClientSession, body: dict[str, Any], request_id: str,
-                       timeouts: Timeouts) -> OpenAIStream:
+    async def abort(self, request_id: str) -> None:
+        """The dropped connection is the abort (no such endpoint in the API)."""
+
+    def kv_source(self) -> None:
+        return None
+
+    async def generate(self, leg: LegRequest) -> OpenAIStream:
         facts = self.facts
         if facts is None:
             raise UpstreamError(UpstreamKind.CONNECT, f"{self.spec.url} not probed yet")
-        sampling = body.get("sampling") or {}
-        token_ids = body["token_ids"]
+        sampling = leg.sampling
+        token_ids = leg.token_ids
         max_tokens, refused = fit_to_context(len(token_ids), sampling.get("max_tokens", 16), facts.max_model_len)
-        if body.get("role", "unified") != "unified" or body.get("kv_handoff"):
+        if leg.role != wp.Role.UNIFIED or leg.kv_handoff:
             refused = refusal(wp.ErrorKind.INVALID_REQUEST, "an openai worker serves whole requests only")
-        elif body.get("images"):
+        elif leg.images:
             refused = refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to openai workers", retryable=True)
         elif sampling.get("logprobs"):  # the server's are per its text pieces, not per the gateway's ids
             refused = refusal(wp.ErrorKind.INVALID_REQUEST, "openai workers give no token-id logprobs",
                                retryable=True)
         stop = [self._text.text_of(t) for t in sampling.get("stop_token_ids") or ()]
         stream = OpenAIStream(self.spec.url, len(token_ids), TextTokens(self._bundle),
-                              provisional_cached=provisional_cached(body, len(token_ids), 0))
+                              provisional_cached=provisional_cached(leg.predicted_cached, len(token_ids), 0))
         if refused is not None:
             stream.refuse(refused)
         else:
-            await stream.start(session, request_id, completion_body(facts.model, self._text.decode(token_ids),
-                                                                    sampling, max_tokens, stop), timeouts)
+            await stream.start(self._http, leg.request_id,
+                               completion_body(facts.model, self._text.decode(token_ids), sampling, max_tokens, stop))
         return stream

@@ -1,7 +1,9 @@
 """Worker registry: who the workers are, whether they are healthy, and their last load report.
 
-Active health checks poll each worker's info and load endpoints every `interval_s` (a vLLM
-worker: its /v1/models and Prometheus /metrics, read as the same reports);
+Each worker is reached through its `Upstream` (upstream.py), built on `add` by the worker's
+engine kind (upstreams.py); the registry never asks which engine a worker runs. Active health
+checks probe each worker every `interval_s` (its info and load reports, as its adapter reads
+them);
 `failures_to_eject` consecutive failures eject a worker, `successes_to_readmit` readmit
 it. Request failures count as health failures too (passive checks), so a dead worker
 is ejected at the first failed request rather than at the next poll.
@@ -23,11 +25,11 @@ import logging
 from dataclasses import dataclass
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import HealthSettings, WorkerEngine, WorkerSpec
+from deepinfer_gateway.config import HealthSettings, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.loop_lag import LoopLag
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.worker_client import WorkerClient
+from deepinfer_gateway.gateway.upstream import Upstream, UpstreamFactory
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerState:
     spec: WorkerSpec
+    upstream: Upstream
     healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -61,12 +64,12 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self, specs: tuple[WorkerSpec, ...], client: WorkerClient, settings: HealthSettings,
+    def __init__(self, specs: tuple[WorkerSpec, ...], upstreams: UpstreamFactory, settings: HealthSettings,
                  metrics: GatewayMetrics, loop_lag: LoopLag | None = None):
+        self._upstreams = upstreams
         self.workers: dict[str, WorkerState] = {}
         # A timeout during this process's own stall is not the worker's failure (loop_lag.py).
         self.loop_lag = loop_lag or LoopLag(histogram=metrics.loop_lag)
-        self._client = client
         self._settings = settings
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
@@ -86,10 +89,10 @@ class WorkerRegistry:
         return state
 
     def add(self, spec: WorkerSpec) -> WorkerState:
-        state = self.workers.setdefault(spec.worker_id, WorkerState(spec))
-        if state.spec is spec:
-            if spec.engine is not WorkerEngine.DGW:
-                self._client.register(spec)
+        """The worker `spec` names (a known id keeps its state)."""
+        state = self.workers.get(spec.worker_id)
+        if state is None:
+            state = self.workers[spec.worker_id] = WorkerState(spec, self._upstreams.upstream(spec))
             self._metrics.admit_worker(spec.worker_id, state.pool)
             self._count_pool(state.pool)
         return state
@@ -99,8 +102,6 @@ class WorkerRegistry:
         if state is not None:
             self._metrics.forget_worker(worker_id)
             self._count_pool(state.pool)
-            if state.spec.engine is not WorkerEngine.DGW:
-                self._client.unregister(state.url)
         return state is not None
 
     def registered(self, worker: WorkerState) -> bool:
@@ -136,14 +137,8 @@ class WorkerRegistry:
     async def _check(self, worker: WorkerState) -> None:
         since = self.loop_lag.now()
         try:
-            if worker.spec.engine in (WorkerEngine.VLLM, WorkerEngine.OPENAI):
-                facts = await self._client.probe_vllm(worker.url)  # one probe gives both reports
-                load, worker.info = facts.load(worker.spec), facts.info(worker.spec)
-            else:
-                load = wp.LoadReport.model_validate(await self._client.get_json(worker.url, wp.LOAD_PATH))
-                # (Re)read the info on admission and when the worker restarted (new epoch).
-                if worker.info is None or not worker.healthy or (load.epoch and load.epoch != worker.info.epoch):
-                    worker.info = wp.WorkerInfo.model_validate(await self._client.get_json(worker.url, wp.INFO_PATH))
+            # The info is read afresh on admission (and, by the adapter, when the worker restarted).
+            worker.info, load = await worker.upstream.probe(worker.info if worker.healthy else None)
         except (UpstreamError, ValueError) as exc:
             self.record_failure(worker, f"health check: {exc}",
                                 since=since if isinstance(exc, UpstreamError) and exc.kind is UpstreamKind.TIMEOUT

@@ -32,9 +32,10 @@ from deepinfer_gateway.errors import GatewayError, UpstreamError, UpstreamFailed
 from deepinfer_gateway.gateway.error_json import stream_error_frame
 from deepinfer_gateway.gateway.legs import Lease, Legs, raise_if_error
 from deepinfer_gateway.gateway.metrics import GatewayMetrics, RequestSeries
+from deepinfer_gateway.gateway.upstream import LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import ResponseStream
-from deepinfer_gateway.router.planner import Plan
+from deepinfer_gateway.router.planner import Mode, Plan
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Upstream:
     arrival: float  # perf_counter at arrival: TTFT, queue time and duration start here
     lease: Lease  # the current leg's
     plan: Plan
-    body: dict[str, Any]  # the worker request body (a decode leg continues it)
+    leg: LegRequest  # the request as its legs get it (a decode leg continues it)
     ready: dict[str, Any]  # the first leg's `ready`; its cached count the final one once `finish` brings it
     response: ResponseStream
     first_series: RequestSeries  # the first leg's (model, pool, hardware): TTFT, queue time, prompt length
@@ -116,7 +117,7 @@ class Relay:
         in between: it runs once per relayed token."""
         response = upstream.response
         pending = upstream.pending
-        keep_ids = upstream.plan.mode == "pd"  # only a decode leg continues from them
+        keep_ids = upstream.plan.mode is Mode.PD  # only a decode leg continues from them
         while True:
             event: dict[str, Any] | None
             if pending:
@@ -158,10 +159,7 @@ class Relay:
 
     async def _hand_off(self, upstream: Upstream, handoff: dict[str, Any]) -> None:
         """Prefill finished with a KV hand-off: continue on a compatible decode worker."""
-        upstream.lease.release(abort=False)
-        body = {**upstream.body, "role": "decode", "kv_handoff": handoff,
-                "token_ids": upstream.body["token_ids"] + upstream.output_ids}
-        lease, first = await self.legs.decode(body, handoff["kv_format"], upstream.request_id)
+        lease, first = await self.legs.hand_off(upstream.lease, upstream.leg, handoff, upstream.output_ids)
         upstream.lease = lease
         upstream.series = self.metrics.request_series(upstream.first_series.model, lease.worker.pool,
                                                       lease.worker.spec.hardware)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from deepinfer_gateway import headers
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import ApiKey, GatewaySettings
 from deepinfer_gateway.errors import (
@@ -39,12 +40,12 @@ from deepinfer_gateway.gateway.background import run_in_background
 from deepinfer_gateway.gateway.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.logs import random_id
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from deepinfer_gateway.gateway.app import GatewayState
     from deepinfer_gateway.gateway.responses_api import ResponsesState
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ GENERATION_ROUTES: dict[str, ApiProtocol] = {
 }
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 # A session's id for affinity: SGLang/our clients send x-session-id, AIPerf and Dynamo x-correlation-id.
-SESSION_HEADERS = ("x-session-id", "x-correlation-id")
+SESSION_HEADERS = (headers.SESSION, "x-correlation-id")
 # dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
 MODELS = "models"
 COUNT_TOKENS = "count_tokens"
@@ -69,12 +70,6 @@ STORED_RESPONSES = "stored_responses"  # GET/DELETE /v1/responses/{id}[/input_it
 def session_key(request: Request) -> str | None:
     headers = request.headers
     return next((value for name in SESSION_HEADERS if (value := headers.get(name))), None)
-
-
-def gateway_state(request: Request) -> GatewayState:
-    """What the lifespan built (app.create_app)."""
-    state: GatewayState = request.app.state.gateway
-    return state
 
 
 async def authenticate(request: Request) -> ApiKey:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from starlette.responses import Response
 
-from deepinfer_gateway import protocol as wp
+from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.gateway.decision_log import DecisionLog, decision_record
 from deepinfer_gateway.gateway.legs import Legs
@@ -27,7 +27,7 @@ from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.relay import Relay, RelayResponse, Upstream
 from deepinfer_gateway.gateway.route_inputs import RouteInputs
-from deepinfer_gateway.gateway.worker_client import WorkerClient
+from deepinfer_gateway.gateway.upstream import LegRequest
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, ResponseStream
@@ -36,17 +36,16 @@ from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-WORKER_HEADER = "x-dgw-worker"
 
 
 class RequestServer:
     """Serves a prepared request on the workers and answers it in the client's protocol."""
 
-    def __init__(self, registry: WorkerRegistry, client: WorkerClient, planner: RoutePlanner, index: PrefixIndex,
+    def __init__(self, registry: WorkerRegistry, planner: RoutePlanner, index: PrefixIndex,
                  inflight: MemoryInflight | RedisInflight, bundle: TokenizerBundle, metrics: GatewayMetrics,
                  settings: GatewaySettings):
         self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings)
-        self.legs = Legs(registry, client, self.routing, metrics, settings)
+        self.legs = Legs(registry, self.routing, metrics, settings)
         self.relay = Relay(self.legs, metrics)
         self.bundle = bundle
         self.metrics = metrics
@@ -67,15 +66,11 @@ class RequestServer:
                     on_done: Callable[[int], None] | None = None, session_key: str | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends, if it
         reached a worker."""
-        body = {
-            "request_id": request_id,
-            "token_ids": prepared.token_ids,
-            "sampling": prepared.sampling.model_dump(by_alias=True, exclude_defaults=True),
-            "workload_class": workload_class,
-            **prepared.worker_fields(),  # images
-        }
+        leg = LegRequest(request_id, prepared.token_ids,
+                         prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
+                         images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment)
         response = ResponseStream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
-        lease, plan, ready, first = await self.legs.first(prepared, body, request_id, session_key or prepared.user)
+        lease, plan, ready, first = await self.legs.first(prepared, leg, session_key or prepared.user)
         worker = lease.worker  # the decode worker already when a prefill handed off before any token (vLLM)
         if self.decisions is not None:
             now = time.perf_counter()
@@ -85,7 +80,7 @@ class RequestServer:
         first_series = self.metrics.request_series(prepared.model, plan.worker.pool, plan.worker.hardware)
         series = (first_series if worker.worker_id == plan.worker.worker_id
                   else self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware))
-        upstream = Upstream(prepared, request_id, arrival, lease, plan, body, ready, response, first_series, series,
+        upstream = Upstream(prepared, request_id, arrival, lease, plan, leg, ready, response, first_series, series,
                             on_done)
         streaming = False
         try:
@@ -94,7 +89,7 @@ class RequestServer:
             first_series.queue.observe(lease.ready_at - arrival)
             first_series.prompt_len.observe(ready["prompt_tokens"])
             upstream.pending.append(first)
-            headers = {**(headers or {}), wp.REQUEST_ID_HEADER: request_id, WORKER_HEADER: plan.worker.worker_id}
+            headers = {**(headers or {}), names.REQUEST_ID: request_id, names.WORKER: plan.worker.worker_id}
             if prepared.stream:
                 streaming = True  # from here on RelayResponse owns the end
                 return RelayResponse(self.relay.stream(upstream), on_close=lambda: self.relay.close_stream(upstream),

@@ -9,7 +9,7 @@ events (`ready`, `tokens`, `finish`), so legs and relay do not know which engine
 Counts: vLLM reports `prompt_tokens_details.cached_tokens` only in its final usage chunk.
 A request is ONE streamed call: `ready` goes out with the first chunk (the first token) with
 the prompt's length and a provisional cached count, the router's predicted overlap for this
-worker (`provisional_cached`: with KV events the index holds vLLM's cached blocks, so it is
+worker (`LegRequest.predicted_cached`: with KV events the index holds vLLM's cached blocks, so it is
 usually exact); vLLM's real count rides on `finish` (`cached_tokens`, docs/worker-protocol.md)
 and the response path corrects every usage it reports at the end (recipe_bridge/stream.py).
 A server started without `--enable-prompt-tokens-details` reports none: the provisional
@@ -28,16 +28,14 @@ as the epoch) become the registry's `WorkerInfo` and `LoadReport`.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.config import VllmWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway import vllm_pd
 from deepinfer_gateway.gateway.completions_api import (
@@ -45,13 +43,14 @@ from deepinfer_gateway.gateway.completions_api import (
     fit_to_context,
     post_completion,
     probe_server,
+    provisional_cached,
     refusal,
 )
-from deepinfer_gateway.gateway.worker_client import EventStream, Timeouts
+from deepinfer_gateway.gateway.upstream import EventStream, LegRequest, Probe
+from deepinfer_gateway.gateway.upstream_http import HttpPool, read_body
+from deepinfer_gateway.kvcache.events import ZmqKvPublisher
+from deepinfer_gateway.kvcache.hashing import kv_salt
 
-# The router's predicted cached prompt tokens, added by legs.py to the body of in-process
-# adapters only (this and openai_upstream.py): the wire protocol's request has no such field.
-PREDICTED_CACHED = "predicted_cached_tokens"
 _TOKEN_ID = re.compile(r"token_id:(-?\d+)")
 
 
@@ -72,12 +71,12 @@ class VllmFacts:
     kv_usage: float
     started_at: str  # process start time: a new value means a new process (empty cache)
 
-    def info(self, spec: WorkerSpec) -> wp.WorkerInfo:
+    def info(self, spec: VllmWorkerSpec) -> wp.WorkerInfo:
         return wp.WorkerInfo(worker_id=spec.worker_id, engine="vllm", role=spec.role, hardware=spec.hardware,
                              kv_format=spec.kv_format or vllm_kv_format(self.model, self.block_size),
                              model=self.model, block_tokens=self.block_size, epoch=self.started_at)
 
-    def load(self, spec: WorkerSpec) -> wp.LoadReport:
+    def load(self, spec: VllmWorkerSpec) -> wp.LoadReport:
         return wp.LoadReport(worker_id=spec.worker_id, role=spec.role, hardware=spec.hardware,
                              kv_format=spec.kv_format or vllm_kv_format(self.model, self.block_size),
                              running=self.running, waiting=self.waiting,
@@ -86,9 +85,9 @@ class VllmFacts:
                              epoch=self.started_at)
 
 
-async def probe(session: aiohttp.ClientSession, spec: WorkerSpec, timeout_s: float) -> VllmFacts:
+async def probe(http: HttpPool, spec: VllmWorkerSpec) -> VllmFacts:
     """Read a vLLM server's model list and metrics; any failure is an UpstreamError."""
-    server = await probe_server(session, spec, timeout_s, metrics_required=True)
+    server = await probe_server(http, spec, metrics_required=True)
     return VllmFacts(
         model=server.model, max_model_len=server.max_model_len, block_size=server.block_size,
         running=server.running, waiting=server.waiting, kv_usage=server.kv_usage,
@@ -150,17 +149,6 @@ def _logprobs(choice: dict[str, Any]) -> list[Any] | None:
     return out
 
 
-def provisional_cached(body: dict[str, Any], prompt_tokens: int, block_size: int) -> int:
-    """`ready`'s cached count before vLLM reports its own: the router's predicted overlap
-    (`body[PREDICTED_CACHED]`; with KV events, vLLM's cached full blocks), cut as vLLM cuts a
-    hit (whole blocks, at least the last prompt token computed)."""
-    predicted = int(body.get(PREDICTED_CACHED) or 0)
-    limit = prompt_tokens - 1
-    if block_size > 0:
-        limit = limit // block_size * block_size
-    return max(0, min(predicted, limit))
-
-
 class VllmStream(CompletionStream):
     """One worker-protocol request on vLLM: one streamed completion call (see the module doc).
     A PD decode leg (vllm_pd.py) sends the prefill's kv_transfer_params, and its `ready` needs
@@ -170,12 +158,11 @@ class VllmStream(CompletionStream):
         super().__init__(url, prompt_tokens, provisional_cached)
         self._decode = decode
 
-    async def start(self, session: aiohttp.ClientSession, request_id: str, body: dict[str, Any],
-                    timeouts: Timeouts) -> None:
+    async def start(self, http: HttpPool, request_id: str, body: dict[str, Any]) -> None:
         if self._decode:
             self._events.append(wp.ready_event(self._prompt_tokens, 0, 0))
             self._ready = True
-        await super().start(session, request_id, body, timeouts)
+        await super().start(http, request_id, body)
 
     def _choice(self, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids") or []
@@ -187,20 +174,10 @@ class VllmStream(CompletionStream):
         return None if self._decode else super()._final_cached(usage)
 
 
-async def read_answer(response: aiohttp.ClientResponse, url: str, timeout_s: float) -> Any:
-    """A non-streamed answer's JSON; the connection is dropped (vLLM aborts) if the wait is cut short."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            raw = await response.read()
-    except TimeoutError:
-        response.close()
-        raise UpstreamError(UpstreamKind.TIMEOUT, f"vLLM {url} sent no answer within {timeout_s:.0f} s") from None
-    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-        response.close()
-        raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {url} broke: {exc}") from None
-    except BaseException:  # cancelled: the client went away
-        response.close()
-        raise
+async def read_answer(http: HttpPool, url: str, request_id: str, body: dict[str, Any]) -> Any:
+    """A non-streamed call's JSON answer; the connection is dropped (vLLM aborts) if the wait is cut short."""
+    response = await post_completion(http, url, request_id, body)
+    raw = await read_body(response, f"vLLM {url}", http.timeouts.first_event_s)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -208,55 +185,73 @@ async def read_answer(response: aiohttp.ClientResponse, url: str, timeout_s: flo
 
 
 class VllmUpstream:
-    """One vLLM worker: its last probed facts, and requests on it."""
+    """One vLLM worker: its last probed facts, and requests on it. PD hand-offs run between
+    vLLM workers only (vllm_pd.py: vLLM's `kv_transfer_params`)."""
 
-    def __init__(self, spec: WorkerSpec):
+    handoff_family = "vllm"
+
+    def __init__(self, spec: VllmWorkerSpec, http: HttpPool):
         self.spec = spec
         self.facts: VllmFacts | None = None
+        self._http = http
 
-    async def probe(self, session: aiohttp.ClientSession, timeout_s: float) -> VllmFacts:
-        self.facts = await probe(session, self.spec, timeout_s)
-        return self.facts
+    async def probe(self, known: wp.WorkerInfo | None = None) -> Probe:
+        """One probe gives both reports."""
+        self.facts = facts = await probe(self._http, self.spec)
+        return Probe(facts.info(self.spec), facts.load(self.spec))
 
-    async def generate(self, session: aiohttp.ClientSession, body: dict[str, Any], request_id: str,
-                       timeouts: Timeouts) -> EventStream:
+    async def abort(self, request_id: str) -> None:
+        """vLLM has no abort endpoint: the dropped connection is its abort."""
+
+    def kv_source(self) -> ZmqKvPublisher | None:
+        spec = self.spec
+        if not spec.kv_events_endpoint:
+            return None
+        return ZmqKvPublisher(spec.kv_events_endpoint, spec.kv_events_replay_endpoint, spec.kv_events_topic,
+                              self.kv_salt)
+
+    async def kv_salt(self) -> bytes:
+        """The salt of its block hashes, as the router computes it from its info."""
+        info = (await probe(self._http, self.spec)).info(self.spec)
+        return kv_salt(info.model, info.kv_format)
+
+    async def generate(self, leg: LegRequest) -> EventStream:
         facts = self.facts
         if facts is None:
             raise UpstreamError(UpstreamKind.CONNECT, f"vLLM {self.spec.url} not probed yet")
-        sampling = body.get("sampling") or {}
-        token_ids = body["token_ids"]
+        sampling = leg.sampling
+        token_ids = leg.token_ids
         max_tokens, refused = fit_to_context(len(token_ids), sampling.get("max_tokens", 16), facts.max_model_len)
-        role, handoff = body.get("role", "unified"), body.get("kv_handoff")
+        role, handoff = leg.role, leg.kv_handoff
         transfer = None
-        if body.get("images"):
+        if leg.images:
             refused = refusal(wp.ErrorKind.INVALID_REQUEST, "images are not sent to vLLM workers", retryable=True)
-        elif role == "decode" and handoff:
+        elif role == wp.Role.DECODE and handoff:
             try:
                 transfer = vllm_pd.transfer_of(handoff)
             except ValueError as exc:
                 refused = refusal(wp.ErrorKind.INVALID_REQUEST, str(exc))
-        elif role not in ("unified", "prefill") or handoff:
+        elif role not in (wp.Role.UNIFIED, wp.Role.PREFILL) or handoff:
             refused = refusal(wp.ErrorKind.INVALID_REQUEST, "a vLLM decode leg needs a KV hand-off")
-        if role == "prefill":
-            return vllm_pd.HeldEvents([refused]) if refused else await self._prefill(session, facts, token_ids,
-                                                                                       sampling, request_id, timeouts)
-        stream = VllmStream(self.spec.url, len(token_ids), decode=role == "decode",
-                            provisional_cached=provisional_cached(body, len(token_ids), facts.block_size))
+        if role == wp.Role.PREFILL:
+            return vllm_pd.HeldEvents([refused]) if refused else await self._prefill(facts, leg)
+        stream = VllmStream(self.spec.url, len(token_ids), decode=role == wp.Role.DECODE,
+                            provisional_cached=provisional_cached(leg.predicted_cached, len(token_ids),
+                                                                  facts.block_size))
         if refused is not None:
             stream.refuse(refused)
             return stream
         request = completion_body(facts.model, token_ids, sampling, max_tokens)
-        if role == "decode":
+        if role == wp.Role.DECODE:
             request = vllm_pd.decode_body(request, transfer)
-        await stream.start(session, request_id, request, timeouts)
+        await stream.start(self._http, leg.request_id, request)
         return stream
 
-    async def _prefill(self, session: aiohttp.ClientSession, facts: VllmFacts, token_ids: list[int],
-                       sampling: dict[str, Any], request_id: str, timeouts: Timeouts) -> EventStream:
+    async def _prefill(self, facts: VllmFacts, leg: LegRequest) -> EventStream:
         """A PD prefill leg (vllm_pd.py): one non-streamed call, its events held."""
         url = self.spec.url
-        body = vllm_pd.prefill_body(completion_body(facts.model, token_ids, sampling, 1))
-        answer = await read_answer(await post_completion(session, url, request_id, body), url, timeouts.first_event_s)
+        body = vllm_pd.prefill_body(completion_body(facts.model, leg.token_ids, leg.sampling, 1))
+        answer = await read_answer(self._http, url, leg.request_id, body)
         try:
             events = vllm_pd.prefill_events(answer, self.spec.worker_id, facts.info(self.spec).kv_format)
         except ValueError as exc:

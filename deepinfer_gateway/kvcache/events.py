@@ -28,10 +28,12 @@ pass their own) and never closed here. A held request keeps one pooled connectio
 per worker; the gateway's connector has no connection limit, so it never starves the
 generate requests.
 
-A vLLM worker (`add(spec)` with `engine = "vllm"` and a `kv_events_endpoint`) is followed
-by a `VllmKvSubscriber` on its ZMQ events instead (vllm_events.py). Its hashes are salted by
-the model and KV format the worker reports, so its task first asks `vllm_salt(spec)` (the
-app's probe of the worker), retrying with backoff while the worker is unreachable.
+`add(worker_id, source)` follows a worker by the KV event source its upstream adapter offers
+(gateway/upstream.py; the feeder never asks which engine a worker runs): a `PolledKvLog` is
+long-polled as above; a `ZmqKvPublisher` (vLLM's) is followed by a `VllmKvSubscriber` on its
+ZMQ events instead (vllm_events.py). Its hashes are salted by the model and KV format the
+worker reports, so its task first asks the source's `salt()` (a probe of the worker),
+retrying with backoff while the worker is unreachable.
 """
 
 from __future__ import annotations
@@ -45,13 +47,31 @@ from dataclasses import dataclass, field
 import aiohttp
 from pydantic import ValidationError
 
-from deepinfer_gateway.config import WorkerEngine, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
 from deepinfer_gateway.protocol import KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS, KvEventBatch
 
-VllmSalt = Callable[[WorkerSpec], Awaitable[bytes]]
+
+@dataclass(frozen=True)
+class PolledKvLog:
+    """A worker-protocol worker's KV event log, long-polled at `url` + KV_EVENTS_PATH."""
+
+    url: str
+
+
+@dataclass(frozen=True)
+class ZmqKvPublisher:
+    """A vLLM worker's KV events publisher (ZMQ PUB, optional ROUTER replay); `salt` learns its
+    hashes' salt from the worker (an UpstreamError while it is unreachable)."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    salt: Callable[[], Awaitable[bytes]]
+
+
+KvSource = PolledKvLog | ZmqKvPublisher
 
 # The longest `wait_ms` a worker grants (docs/worker-protocol.md, KV events); asking for
 # more gets a 400, which would stall the feed.
@@ -80,12 +100,10 @@ class KvEventFeeder:
         limit: int = 2000,
         timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
-        vllm_salt: VllmSalt | None = None,
     ) -> None:
         if not 0 <= wait_s <= MAX_WAIT_S:
             raise ValueError(f"wait_s must be within 0..{MAX_WAIT_S:g} s, got {wait_s}")
         self.index = index
-        self._vllm_salt = vllm_salt
         self._session = session
         self.interval_s = interval_s
         self.wait_s = wait_s
@@ -105,17 +123,17 @@ class KvEventFeeder:
         worker.task = asyncio.get_running_loop().create_task(self._run(worker), name=f"kv-events:{worker_id}")
         self._workers[worker_id] = worker
 
-    def add(self, spec: WorkerSpec) -> None:
-        """Start feeding from a configured worker, as its engine publishes KV events."""
-        if spec.engine is WorkerEngine.DGW:
-            self.add_worker(spec.worker_id, spec.url)
-        elif spec.engine is WorkerEngine.VLLM and spec.kv_events_endpoint:
-            if spec.worker_id in self._workers:
+    def add(self, worker_id: str, source: KvSource | None) -> None:
+        """Start feeding from a worker by the KV event source it offers (None: nothing to follow)."""
+        if isinstance(source, PolledKvLog):
+            self.add_worker(worker_id, source.url)
+        elif isinstance(source, ZmqKvPublisher):
+            if worker_id in self._workers:
                 return
-            worker = _Worker(spec.worker_id, spec.url)
-            worker.task = asyncio.get_running_loop().create_task(self._follow_vllm(worker, spec),
-                                                                 name=f"kv-events:{spec.worker_id}")
-            self._workers[spec.worker_id] = worker
+            worker = _Worker(worker_id, "")
+            worker.task = asyncio.get_running_loop().create_task(self._follow_zmq(worker, source),
+                                                                 name=f"kv-events:{worker_id}")
+            self._workers[worker_id] = worker
 
     async def remove_worker(self, worker_id: str, *, forget: bool = True) -> None:
         """Stop feeding; with `forget`, also drop the worker from the index."""
@@ -152,23 +170,20 @@ class KvEventFeeder:
         if worker.vllm is not None:
             await worker.vllm.aclose()
 
-    async def _follow_vllm(self, worker: _Worker, spec: WorkerSpec) -> None:
+    async def _follow_zmq(self, worker: _Worker, source: ZmqKvPublisher) -> None:
         """Learn the worker's salt (retrying while it is unreachable), then subscribe."""
-        if self._vllm_salt is None:
-            log.warning("kv events: no way to learn %s's KV salt; its events are not followed", spec.worker_id)
-            return
         failures = 0
         while True:
             try:
-                salt = await self._vllm_salt(spec)
+                salt = await source.salt()
                 break
             except (UpstreamError, aiohttp.ClientError, TimeoutError) as exc:
                 failures += 1
                 if failures == 1:
-                    log.warning("kv events: %s not reachable yet (%s); retrying with backoff", spec.worker_id, exc)
+                    log.warning("kv events: %s not reachable yet (%s); retrying with backoff", worker.worker_id, exc)
                 await asyncio.sleep(min(self.max_backoff_s, self.interval_s * 2**failures))
-        subscriber = VllmKvSubscriber(self.index, spec.worker_id, spec.kv_events_endpoint,
-                                      spec.kv_events_replay_endpoint or None, salt, topic=spec.kv_events_topic)
+        subscriber = VllmKvSubscriber(self.index, worker.worker_id, source.endpoint,
+                                      source.replay_endpoint or None, salt, topic=source.topic)
         worker.vllm = subscriber
         await subscriber.start()
 

@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_gateway.headers import WORKER as WORKER_HEADER
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
-WORKER_HEADER = "x-dgw-worker"
 SESSION_HEADERS = ("X-Session-ID", "X-Correlation-ID")
 PROTOCOLS = ("chat", "responses", "messages")
 

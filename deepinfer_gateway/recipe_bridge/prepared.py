@@ -63,12 +63,6 @@ class PreparedRequest:
         """What the engine will prefill: token ids plus the image token adjustment (routing, limits)."""
         return len(self.token_ids) + self.image_token_adjustment
 
-    def worker_fields(self) -> dict[str, object]:
-        """Extra GenerateRequest fields for the worker body (images), empty without images."""
-        if not self.images:
-            return {}
-        return {"images": self.images, "image_token_adjustment": self.image_token_adjustment}
-
 
 class TokenCount(NamedTuple):
     model: str  # served name

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from itertools import compress, repeat
 from operator import attrgetter, is_not
 from typing import Any
@@ -53,9 +54,22 @@ class WorkerView:
     prefills: bool = True  # a decode worker that can take a PD bypass
 
 
+class Mode(StrEnum):
+    """How a plan serves a request (module doc)."""
+
+    UNIFIED = "unified"
+    PD = "pd"
+    BYPASS = "bypass"
+
+    @property
+    def first_role(self) -> Role:
+        """The role its first leg's worker plays: a PD plan's prefills, the others serve it whole."""
+        return Role.PREFILL if self is Mode.PD else Role.UNIFIED
+
+
 @dataclass(frozen=True)
 class Plan:
-    mode: str  # unified | pd | bypass
+    mode: Mode
     worker: WorkerView  # first leg: the unified, prefill or (bypass) decode worker
     decision: Decision
     view: RoutingView
@@ -471,17 +485,17 @@ class RoutePlanner:
                 chosen, decision, view = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
                 decision = Decision(decision.worker_id, Reason.BYPASS, decision.costs,
                                     *self._predicted(chosen, prompt_tokens, overlap))
-                return Plan("bypass", chosen, decision, view)
+                return Plan(Mode.BYPASS, chosen, decision, view)
             prefill = split.group(Role.PREFILL, decode_formats)  # those a decode worker can continue
             if prefill.indices:
                 chosen, decision, view = self._choose_in(prefill, live, Role.PREFILL, prompt_tokens, hashes, overlap,
                                                          session_key)
-                return Plan("pd", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+                return Plan(Mode.PD, chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
         unified = split.group(Role.UNIFIED)
         if unified.indices:
             chosen, decision, view = self._choose_in(unified, live, Role.UNIFIED, prompt_tokens, hashes, overlap,
                                                      session_key)
-            return Plan("unified", chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+            return Plan(Mode.UNIFIED, chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
         raise NoCandidate("no healthy worker can serve this request")
 
     def plan_decode(self, workers: Sequence[WorkerView], kv_format: str, prompt_tokens: int,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.gateway.admin_store import KEPT_KEY, ROUTING_KEY, WORKERS_KEY, WorkerEntry
 from deepinfer_gateway.gateway.admin_sync import RECONCILE_INTERVAL_S
 from deepinfer_gateway.launch import Gateway, SimCluster
@@ -144,7 +144,7 @@ def test_a_replica_that_missed_the_announcement_converges(cluster: SimCluster, s
     gw = _replica(tmp_path, cluster, _toml(url, is_cluster))
     client: Any = redis.RedisCluster.from_url(url) if is_cluster else redis.Redis.from_url(url)
     try:
-        spec = WorkerSpec(url=cluster.urls[1])
+        spec = DgwWorkerSpec(url=cluster.urls[1])
         client.hset(WORKERS_KEY, spec.worker_id, WorkerEntry(spec=spec).model_dump_json())
         _within(RECONCILE_INTERVAL_S + 3, lambda: _worker_ids(gw).get(spec.worker_id) is True)
         static = _id(cluster.urls[0])

@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from deepinfer_gateway.errors import UpstreamError
-from deepinfer_gateway.gateway.worker_client import Timeouts, WorkerStream
+from deepinfer_gateway.gateway.dgw_upstream import WorkerStream
+from deepinfer_gateway.gateway.upstream import Timeouts
 
 GAP_S, TIMEOUT_S = 0.1, 0.25
 

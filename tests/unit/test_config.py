@@ -257,6 +257,11 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
      'kv_format "vllm:..." belongs to vllm workers'),
     ('[[workers]]\nurl = "http://a:1"\nkv_format = "vllm:m:128"\n', "workers[0]",
      'kv_format "vllm:..." belongs to vllm workers'),
+    # one variant per engine: a key of another engine is unknown
+    ('[[workers]]\nurl = "http://a:1"\nmodel = "m"\n', "workers[0].model", "unknown setting"),
+    ('[[workers]]\nurl = "http://a:1"\nengine = "openai"\nkv_events_topic = "t"\n', "workers[0].kv_events_topic",
+     "unknown setting"),
+    ('[[workers]]\nurl = "http://a:1"\nengine = "sglang"\n', "workers[0]", "Input tag 'sglang' found using"),
 ])
 def test_bad_settings_name_the_field(tmp_path: Path, text: str, where: str, reason: str) -> None:
     with pytest.raises(ConfigError) as e:

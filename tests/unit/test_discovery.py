@@ -13,8 +13,9 @@ import pytest
 from pydantic import ValidationError
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import DiscoverySpec, HealthSettings, WorkerEngine, WorkerSpec
+from deepinfer_gateway.config import DgwWorkerSpec, DiscoverySpec, HealthSettings, WorkerEngine, WorkerSpec
 from deepinfer_gateway.gateway.admin_store import WorkerEntry, desired_workers
+from deepinfer_gateway.gateway.dgw_upstream import DgwUpstream
 from deepinfer_gateway.gateway.discovery import Endpoint, LookupFailed, WorkerDiscovery, nameserver, worker_spec
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
@@ -62,8 +63,8 @@ def test_nameservers_with_and_without_port() -> None:
 
 
 def test_configured_workers_win_over_discovered_ones_and_tombstones_remove_both() -> None:
-    static = WorkerSpec(url="http://10.0.0.1:8100", role=wp.Role.PREFILL)
-    found = {f"10.0.0.{i}:8100": WorkerSpec(url=f"http://10.0.0.{i}:8100") for i in (1, 2)}
+    static = DgwWorkerSpec(url="http://10.0.0.1:8100", role=wp.Role.PREFILL)
+    found = {f"10.0.0.{i}:8100": DgwWorkerSpec(url=f"http://10.0.0.{i}:8100") for i in (1, 2)}
     want = desired_workers([static], {}, found)
     assert want["10.0.0.1:8100"] is static and set(want) == {"10.0.0.1:8100", "10.0.0.2:8100"}
     assert set(desired_workers([static], {"10.0.0.2:8100": WorkerEntry()}, found)) == {"10.0.0.1:8100"}
@@ -83,7 +84,8 @@ class ScriptedLookup:
 
 
 class InfoClient:
-    """Answers /v1/worker/info and /v1/worker/load for every address (stands in for WorkerClient)."""
+    """Answers /v1/worker/info and /v1/worker/load for every address (stands in for the HttpPool),
+    and builds the worker protocol's adapter on itself."""
 
     async def get_json(self, url: str, path: str) -> dict[str, Any]:
         if path == wp.INFO_PATH:
@@ -91,6 +93,10 @@ class InfoClient:
         return wp.LoadReport(worker_id="w", role=wp.Role.DECODE, hardware=wp.Hardware.ASCEND950, kv_format="fp8",
                              running=0, waiting=0, queued_prefill_tokens=0, kv_usage=0.0, memory_capacity_blocks=1,
                              dp_ranks=[], epoch="e1").model_dump(mode="json")
+
+    def upstream(self, spec: Any) -> DgwUpstream:
+        pool: Any = self
+        return DgwUpstream(spec, pool)
 
 
 class Rig:

@@ -1,9 +1,9 @@
 """RequestServer on scripted worker calls: retries, refusals, the stream/drain outcomes, and
 that every leg's lease is released whichever way the request ends.
 
-`ScriptedClient` stands in for the aiohttp seam (gateway/worker_client.py): each worker URL
-has a list of event scripts, one per generate call; an exception in a script is raised
-from that read. Everything else (registry, planner, in-memory index and reservations,
+`ScriptedClient` stands in for the upstream seam (gateway/upstream.py): each worker URL has
+a list of event scripts, one per generate call; an exception in a script is raised from that
+read. Everything else (registry, planner, in-memory index and reservations,
 tokenizer, response building, metrics) is the real thing.
 """
 
@@ -17,12 +17,13 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import GatewaySettings, HealthSettings, WorkerSpec
+from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings, HealthSettings
 from deepinfer_gateway.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.relay import RelayResponse
 from deepinfer_gateway.gateway.serving import RequestServer
+from deepinfer_gateway.gateway.upstream import LegRequest
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, PreparedRequest, RequestPreparer
@@ -57,13 +58,31 @@ class ScriptedStream:
         self.closed = True
 
 
+class ScriptedUpstream:
+    """One worker's `Upstream` (gateway/upstream.py) on its client's scripts."""
+
+    def __init__(self, client: ScriptedClient, spec: Any):
+        self.spec = spec
+        self.handoff_family = str(spec.engine)
+        self._client = client
+
+    async def generate(self, leg: LegRequest) -> ScriptedStream:
+        return await self._client.generate(self.spec.url, leg)
+
+    async def abort(self, request_id: str) -> None:
+        self._client.aborted.append((self.spec.url, request_id))
+
+
 class ScriptedClient:
     def __init__(self, scripts: dict[str, list[Script]]):
         self.scripts = scripts
         self.streams: list[ScriptedStream] = []
         self.aborted: list[tuple[str, str]] = []
 
-    async def generate(self, url: str, body: dict[str, Any], request_id: str) -> ScriptedStream:
+    def upstream(self, spec: Any) -> Any:
+        return ScriptedUpstream(self, spec)
+
+    async def generate(self, url: str, leg: LegRequest) -> ScriptedStream:
         await asyncio.sleep(0)
         script = self.scripts[url].pop(0)
         if isinstance(script, UpstreamError):
@@ -71,9 +90,6 @@ class ScriptedClient:
         stream = ScriptedStream(script)
         self.streams.append(stream)
         return stream
-
-    async def abort(self, url: str, request_id: str) -> None:
-        self.aborted.append((url, request_id))
 
 
 URLS = ("http://w1.test", "http://w2.test")
@@ -94,15 +110,14 @@ class Rig:
         self.settings = GatewaySettings(max_attempts=max_attempts)
         self.metrics = GatewayMetrics()
         self.client = ScriptedClient(scripts)
-        specs = tuple(WorkerSpec(url=u) for u in scripts)
-        client: Any = self.client  # stands in for WorkerClient
-        self.registry = WorkerRegistry(specs, client, HealthSettings(), self.metrics)
+        specs = tuple(DgwWorkerSpec(url=u) for u in scripts)
+        self.registry = WorkerRegistry(specs, self.client, HealthSettings(), self.metrics)
         for w in self.registry.workers.values():
             w.healthy = True
             w.info = wp.WorkerInfo(worker_id=w.worker_id, engine="sim", role=wp.Role.UNIFIED,
                                    hardware=wp.Hardware.SM100, kv_format="fp8", model=MODEL, epoch="e1")
         self.done: list[int] = []
-        self.server = RequestServer(self.registry, client, RoutePlanner(self.settings.router),
+        self.server = RequestServer(self.registry, RoutePlanner(self.settings.router),
                                     create_prefix_index(None), MemoryInflight(), load_tokenizer(None), self.metrics,
                                     self.settings)
 

@@ -11,12 +11,13 @@ import orjson
 import pytest
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import GatewaySettings, HealthSettings, WorkerSpec
+from deepinfer_gateway.config import GatewaySettings, HealthSettings, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError, UpstreamFailed, UpstreamKind
 from deepinfer_gateway.gateway import vllm_pd
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving import RequestServer
+from deepinfer_gateway.gateway.upstream import LegRequest
 from deepinfer_gateway.gateway.vllm_upstream import completion_body
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
@@ -97,17 +98,11 @@ class RecordingClient(ScriptedClient):
 
     def __init__(self, scripts: dict[str, list[Script]]):
         super().__init__(scripts)
-        self.bodies: list[tuple[str, dict[str, Any]]] = []
+        self.bodies: list[tuple[str, LegRequest]] = []
 
-    async def generate(self, url: str, body: dict[str, Any], request_id: str) -> Any:
-        self.bodies.append((url, body))
-        return await super().generate(url, body, request_id)
-
-    def register(self, spec: WorkerSpec) -> None:
-        pass
-
-    def unregister(self, url: str) -> None:
-        pass
+    async def generate(self, url: str, leg: LegRequest) -> Any:
+        self.bodies.append((url, leg))
+        return await super().generate(url, leg)
 
 
 PREFILL, DECODE, SIM_DECODE = "http://vllm-p.test", "http://vllm-d.test", "http://sim-d.test"
@@ -121,16 +116,15 @@ class PdRig:
         self.settings = GatewaySettings.model_validate({"max_attempts": 2, "router": {"pd_bypass_tokens": 0}})
         self.metrics = GatewayMetrics()
         self.client = RecordingClient(scripts)
-        specs = tuple(WorkerSpec(url=u, role=wp.Role.PREFILL if u == PREFILL else wp.Role.DECODE, engine=engines[u])
-                      for u in scripts)
-        client: Any = self.client
-        self.registry = WorkerRegistry(specs, client, HealthSettings(), self.metrics)
+        specs = tuple(parse_worker_spec({"url": u, "role": wp.Role.PREFILL if u == PREFILL else wp.Role.DECODE,
+                                        "engine": engines[u]}) for u in scripts)
+        self.registry = WorkerRegistry(specs, self.client, HealthSettings(), self.metrics)
         for w in self.registry.workers.values():
             w.healthy = True
             w.info = wp.WorkerInfo(worker_id=w.worker_id, engine="vllm" if engines[w.url] == "vllm" else "sim",
                                    role=w.spec.role, hardware=wp.Hardware.SM100, kv_format=FORMAT, model=MODEL,
                                    epoch="e1")
-        self.server = RequestServer(self.registry, client, RoutePlanner(self.settings.router),
+        self.server = RequestServer(self.registry, RoutePlanner(self.settings.router),
                                     create_prefix_index(None), MemoryInflight(), load_tokenizer(None), self.metrics,
                                     self.settings)
 
@@ -170,11 +164,11 @@ async def test_a_prefill_handing_off_before_a_token_answers_with_the_decode_work
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
     assert reply["usage"]["completion_tokens"] == 3  # the decode's tokens, the prefill's discarded
     assert response.headers["x-dgw-worker"] == rig.worker(PREFILL).worker_id  # the plan's first leg, as for sim PD
-    (p_url, p_body), (d_url, d_body) = rig.client.bodies
-    assert (p_url, p_body["role"]) == (PREFILL, "prefill")
-    assert (d_url, d_body["role"]) == (DECODE, "decode")
-    assert d_body["token_ids"] == prepared.token_ids  # the prefill's prompt, unchanged
-    assert vllm_pd.transfer_of(d_body["kv_handoff"]) == NIXL_PARAMS
+    (p_url, p_leg), (d_url, d_leg) = rig.client.bodies
+    assert (p_url, p_leg.role) == (PREFILL, "prefill")
+    assert (d_url, d_leg.role) == (DECODE, "decode")
+    assert d_leg.token_ids == prepared.token_ids  # the prefill's prompt, unchanged
+    assert d_leg.kv_handoff is not None and vllm_pd.transfer_of(d_leg.kv_handoff) == NIXL_PARAMS
     # TTFT and queue time on the prefill pool; duration and output length on the decode pool
     assert rig.samples(rig.metrics.ttft, "prefill") == 1 and rig.samples(rig.metrics.ttft, "decode") == 0
     assert rig.samples(rig.metrics.queue_time, "prefill") == 1

@@ -1,6 +1,7 @@
 """WorkerRegistry on a scripted worker client: admission, ejection after failed checks or at
 once on a refused request, readmission, a restarted worker's info re-read, and removal taking
-the worker's metric series. The client stands in for the aiohttp seam (worker_client.py)."""
+the worker's metric series. The worker protocol's adapter (dgw_upstream.py) runs on a scripted
+pool standing in for the HTTP library (upstream_http.HttpPool)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 import pytest
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.config import HealthSettings, WorkerSpec
+from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.gateway.dgw_upstream import DgwUpstream
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
 
@@ -29,7 +31,8 @@ def load(queued: int, epoch: str) -> dict[str, Any]:
 
 
 class FakeWorker:
-    """Answers get_json like a worker: its load and info reports, or an error while `down`."""
+    """Answers get_json like a worker: its load and info reports, or an error while `down`;
+    builds the worker protocol's adapter on itself."""
 
     def __init__(self) -> None:
         self.epoch, self.queued, self.down = "e1", 0, False
@@ -44,12 +47,15 @@ class FakeWorker:
         assert path == wp.LOAD_PATH, path
         return load(self.queued, self.epoch)
 
+    def upstream(self, spec: Any) -> DgwUpstream:
+        pool: Any = self  # stands in for HttpPool
+        return DgwUpstream(spec, pool)
+
 
 @pytest.fixture
 def rig() -> tuple[WorkerRegistry, FakeWorker, GatewayMetrics]:
     worker, metrics = FakeWorker(), GatewayMetrics()
-    client: Any = worker  # stands in for WorkerClient
-    registry = WorkerRegistry((WorkerSpec(url=URL),), client, HealthSettings(failures_to_eject=2), metrics)
+    registry = WorkerRegistry((DgwWorkerSpec(url=URL),), worker, HealthSettings(failures_to_eject=2), metrics)
     return registry, worker, metrics
 
 
@@ -121,7 +127,7 @@ async def test_a_workers_counters_and_its_pool_exist_at_zero_from_joining_to_lea
         rig: tuple[WorkerRegistry, FakeWorker, GatewayMetrics]) -> None:
     registry, _, metrics = rig
     (configured,) = registry.workers
-    added = registry.add(WorkerSpec(url="http://w2.test", pool="big")).worker_id  # as the admin API and discovery do
+    added = registry.add(DgwWorkerSpec(url="http://w2.test", pool="big")).worker_id  # as the admin API and discovery do
     for worker_id in (configured, added):
         for kind in UpstreamKind:
             assert metrics.registry.get_sample_value("dgw_upstream_errors_total",

@@ -1,0 +1,109 @@
+"""The upstream seam: one worker as the gateway uses it, whatever engine serves it.
+
+In the spirit of httpx's transports: the registry and the request path hold an `Upstream`
+per worker and never ask which engine it runs. An `Upstream`
+- `probe(known)`: the worker's info and load report (`Probe`), as the registry's health
+  check reads them;
+- `generate(leg)`: opens one leg (`LegRequest`) and returns an `EventStream` of worker-protocol
+  events (`ready`, `tokens`, `finish`: docs/worker-protocol.md), whatever the engine's wire;
+- `abort(request_id)`: best effort (the dropped connection is the abort everywhere);
+- `kv_source()`: how the prefix index follows its KV cache (kvcache/events.py), or None;
+- `handoff_family`: workers of one family can continue each other's PD hand-offs (a KV
+  format names a layout, not the hand-off's wire).
+
+One adapter module per engine kind implements it (dgw_upstream.py: worker protocol v1;
+vllm_upstream.py; openai_upstream.py), built from upstreams.ADAPTERS by the worker's
+`engine`. Pure types: no HTTP library here (upstream_http.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.kvcache.events import KvSource
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 2.0
+    first_event_s: float = 30.0  # ready event: queue wait is the engine's business, but not forever
+    between_events_s: float = 120.0  # a long prefill may sit between ready and the first token
+    control_s: float = 2.0  # abort, health, load, kv events
+
+
+class EventStream(Protocol):
+    """An open generate call as the request path reads it: worker-protocol events, then None."""
+
+    async def next_event(self) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LegRequest:
+    """One leg of a request, as the request path asks a worker for it (the worker protocol's
+    `GenerateRequest`, plus what the router knows of it)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: dict[str, Any]  # the wire's: non-default fields only
+    workload_class: str = "chat"
+    role: wp.Role = wp.Role.UNIFIED
+    kv_handoff: dict[str, Any] | None = None  # a decode leg's: the prefill leg's `finish` carried it
+    images: list[str] | None = None
+    image_token_adjustment: int = 0
+    # The router's predicted cached prompt tokens on the chosen worker. Engines that report
+    # their cached count only at the end (vLLM, OpenAI servers) give it as `ready`'s
+    # provisional count; not a wire field.
+    predicted_cached: int = 0
+
+    def wire(self) -> dict[str, Any]:
+        """The worker protocol's generate body."""
+        body: dict[str, Any] = {"request_id": self.request_id, "token_ids": self.token_ids,
+                                "sampling": self.sampling, "workload_class": self.workload_class,
+                                "role": str(self.role)}
+        if self.kv_handoff is not None:
+            body["kv_handoff"] = self.kv_handoff
+        if self.images:
+            body["images"] = self.images
+            body["image_token_adjustment"] = self.image_token_adjustment
+        return body
+
+    def decode(self, handoff: dict[str, Any], token_ids: list[int] | None = None) -> LegRequest:
+        """The decode leg continuing this request from `handoff` (`token_ids`: prompt + the
+        prefill's tokens, when it sampled any)."""
+        return dataclasses.replace(self, role=wp.Role.DECODE, kv_handoff=handoff, predicted_cached=0,
+                                   token_ids=self.token_ids if token_ids is None else token_ids)
+
+
+class Probe(NamedTuple):
+    """One health check's reports."""
+
+    info: wp.WorkerInfo
+    load: wp.LoadReport
+
+
+class Upstream(Protocol):
+    """One worker, whatever its engine (module doc)."""
+
+    handoff_family: str
+
+    async def probe(self, known: wp.WorkerInfo | None) -> Probe:
+        """Its reports; `known`: the info read before, which an adapter may keep (None: read it)."""
+        ...
+
+    async def generate(self, leg: LegRequest) -> EventStream: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def kv_source(self) -> KvSource | None: ...
+
+
+class UpstreamFactory(Protocol):
+    """Builds a worker's `Upstream` from its spec (upstreams.Upstreams: by engine kind)."""
+
+    def upstream(self, spec: WorkerSpec) -> Upstream: ...

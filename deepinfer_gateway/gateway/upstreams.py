@@ -1,0 +1,43 @@
+"""The adapter table: a worker's `Upstream` (upstream.py) built by its engine kind.
+
+`ADAPTERS` maps `WorkerSpec.engine` to its adapter module's class; `Upstreams` owns the
+pooled connections (upstream_http.HttpPool) and builds one adapter per worker for the
+registry. A new engine kind is an adapter module, its `WorkerSpec` variant and its line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from deepinfer_gateway.config import WorkerEngine, WorkerSpec
+from deepinfer_gateway.gateway.dgw_upstream import DgwUpstream
+from deepinfer_gateway.gateway.openai_upstream import OpenAIUpstream
+from deepinfer_gateway.gateway.upstream import Timeouts, Upstream
+from deepinfer_gateway.gateway.upstream_http import HttpPool
+from deepinfer_gateway.gateway.vllm_upstream import VllmUpstream
+from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
+from deepinfer_gateway.worker_auth import SecretTokens
+
+# Each takes its engine's `WorkerSpec` variant: the union's `engine` tag is the table's key.
+Adapter = Callable[[Any, HttpPool, TokenizerBundle], Upstream]
+
+ADAPTERS: dict[WorkerEngine, Adapter] = {
+    WorkerEngine.DGW: lambda spec, http, _bundle: DgwUpstream(spec, http),
+    WorkerEngine.VLLM: lambda spec, http, _bundle: VllmUpstream(spec, http),
+    WorkerEngine.OPENAI: OpenAIUpstream,  # re-tokenizes the server's text with the gateway's tokenizer
+}
+
+
+class Upstreams(HttpPool):
+    """The connection pool, and each worker's adapter built on it."""
+
+    def __init__(self, tokenizer: TokenizerBundle, timeouts: Timeouts = Timeouts(),
+                 session: aiohttp.ClientSession | None = None, tokens: SecretTokens | None = None):
+        super().__init__(timeouts, session, tokens)
+        self._tokenizer = tokenizer
+
+    def upstream(self, spec: WorkerSpec) -> Upstream:
+        return ADAPTERS[spec.engine](spec, self, self._tokenizer)
