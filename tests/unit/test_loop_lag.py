@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
-from deepinfer_gateway.config import HealthSettings, WorkerSpec
+from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
 from deepinfer_gateway.gateway.loop_lag import LoopLag
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry
@@ -37,8 +38,8 @@ async def test_a_blocked_loop_is_seen_late_and_blamed_on_itself() -> None:
 
 async def test_timeouts_during_the_gateways_own_stall_do_not_eject_a_worker() -> None:
     metrics = GatewayMetrics()
-    client: Any = object()  # no health checks run here
-    registry = WorkerRegistry((WorkerSpec(url="http://w1.test"),), client, HealthSettings(failures_to_eject=2),
+    client: Any = SimpleNamespace(upstream=lambda spec: None)  # no health checks run here
+    registry = WorkerRegistry((DgwWorkerSpec(url="http://w1.test"),), client, HealthSettings(failures_to_eject=2),
                               metrics, loop_lag=LoopLag(interval_s=0.02, histogram=metrics.loop_lag))
     registry.loop_lag.start()
     try:
