@@ -7,10 +7,8 @@ protocol error event, never silently.
 
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
 error, the client going away): it releases the current leg's lease, runs the request's
-`on_done` (rate-limit debit), observes its end and records its outcome and its prompt
-and cached tokens (at the end: an engine that reports its cached count only then, vLLM,
-brings it on `finish`, and `ResponseStream.finish` corrects the final usage with it). It is
-idempotent: its owner calls it in one `finally`.
+`on_done` (rate-limit debit) and ends its `RequestOutcome` (outcome.py: every metric of
+the request, recorded there). It is idempotent: its owner calls it in one `finally`.
 """
 
 from __future__ import annotations
@@ -31,35 +29,31 @@ from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import GatewayError, UpstreamError, UpstreamFailed, UpstreamKind
 from deepinfer_gateway.gateway.error_json import stream_error_frame
 from deepinfer_gateway.gateway.legs import Lease, Legs, raise_if_error
-from deepinfer_gateway.gateway.metrics import GatewayMetrics, RequestSeries
+from deepinfer_gateway.gateway.outcome import RequestOutcome
+from deepinfer_gateway.gateway.registry import WorkerRegistry
 from deepinfer_gateway.gateway.upstream import LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
-from deepinfer_gateway.recipe_bridge.stream import ResponseStream
-from deepinfer_gateway.router.planner import Mode, Plan
+from deepinfer_gateway.recipe_bridge.stream import AnyResponseStream
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Upstream:
-    """A request past its first token: the current leg and the response being built."""
+@dataclass(eq=False)
+class Exchange:
+    """A request past its first token: its leg request, the current leg, the response being
+    built and its outcome (every metric). Built by keyword (serving.py)."""
 
     prepared: PreparedRequest
-    request_id: str
-    arrival: float  # perf_counter at arrival: TTFT, queue time and duration start here
-    lease: Lease  # the current leg's
-    plan: Plan
     leg: LegRequest  # the request as its legs get it (a decode leg continues it)
-    ready: dict[str, Any]  # the first leg's `ready`; its cached count the final one once `finish` brings it
-    response: ResponseStream
-    first_series: RequestSeries  # the first leg's (model, pool, hardware): TTFT, queue time, prompt length
-    series: RequestSeries  # the current leg's: ITL, duration, output length
+    lease: Lease  # the current leg's
+    response: AnyResponseStream
+    outcome: RequestOutcome
+    keep_ids: bool  # a PD plan: a decode leg continues from the tokens so far
     on_done: Callable[[int], None] | None = None  # runs once at the end with the completion tokens
     head: bytes = b""  # protocol bytes produced so far (ready + first tokens), not yet sent
     pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
     output_ids: list[int] = field(default_factory=list)  # tokens so far (PD plans: the decode leg continues them)
     finished: bool = False  # the worker finished the request: nothing to abort
-    status: str | None = None  # the outcome once known: 200, 502 (streams; 499: the client left first)
     closed: bool = False
 
 
@@ -70,74 +64,74 @@ def final_cached(finish: dict[str, Any]) -> int | None:
 
 
 class Relay:
-    def __init__(self, legs: Legs, metrics: GatewayMetrics):
+    def __init__(self, legs: Legs, registry: WorkerRegistry):
         self.legs = legs
-        self.metrics = metrics
+        self.registry = registry
 
-    def stream(self, upstream: Upstream) -> Callable[[Send], Awaitable[None]]:
+    def stream(self, exchange: Exchange) -> Callable[[Send], Awaitable[None]]:
         """The SSE body, as what `RelayResponse` runs with the ASGI `send`. Its end is recorded
         by `RelayResponse`, which runs however the response ends, even when the client leaves
         before the body starts."""
-        return functools.partial(self._stream, upstream)
+        return functools.partial(self._stream, exchange)
 
-    async def _stream(self, upstream: Upstream, send: Send) -> None:
-        response = upstream.response
-        with tracing.span("stream.relay", worker=upstream.lease.worker.worker_id) as span:
+    async def _stream(self, exchange: Exchange, send: Send) -> None:
+        response, outcome = exchange.response, exchange.outcome
+        with tracing.span("stream.relay", worker=exchange.lease.worker.worker_id) as span:
             try:
-                await send({"type": "http.response.body", "body": upstream.head, "more_body": True})
+                await send({"type": "http.response.body", "body": exchange.head, "more_body": True})
                 last = time.perf_counter()
-                upstream.first_series.ttft.observe(last - upstream.arrival)
-                await self._relay(upstream, send, last)
-                upstream.status = "200"
+                outcome.first_token(last)
+                await self._relay(exchange, send, last)
+                outcome.status = "200"
             except (UpstreamError, GatewayError) as exc:
-                upstream.status = "502"
-                self.legs.registry.count_error(upstream.lease.worker,
-                                               exc.kind if isinstance(exc, UpstreamError) else UpstreamKind.ENGINE)
-                log.warning("request %s: stream from %s failed after the first token: %s", upstream.request_id,
-                            upstream.lease.worker.worker_id, exc)
-                frame = stream_error_frame(upstream.prepared.protocol, f"The worker failed mid-stream: {exc}")
+                outcome.status = "502"
+                self.registry.count_error(exchange.lease.worker,
+                                          exc.kind if isinstance(exc, UpstreamError) else UpstreamKind.ENGINE)
+                log.warning("request %s: stream from %s failed after the first token: %s", exchange.leg.request_id,
+                            exchange.lease.worker.worker_id, exc)
+                frame = stream_error_frame(exchange.prepared.protocol, f"The worker failed mid-stream: {exc}")
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
             span.set_attribute("completion_tokens", response.completion_tokens)
-            span.set_attribute("status", upstream.status or "499")
+            span.set_attribute("status", outcome.status or "499")
 
-    async def drain(self, upstream: Upstream) -> None:
+    async def drain(self, exchange: Exchange) -> None:
         """Non-streaming: accumulate the whole answer. A failure raises UpstreamFailed, which the
         app renders and counts."""
         try:
-            await self._relay(upstream, None)
+            await self._relay(exchange, None)
         except UpstreamError as exc:
             raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
-        upstream.status = "200"
+        exchange.outcome.status = "200"
 
-    async def _relay(self, upstream: Upstream, send: Send | None, last: float = 0.0) -> None:
+    async def _relay(self, exchange: Exchange, send: Send | None, last: float = 0.0) -> None:
         """Turn the request's events, across its legs (a PD hand-off is followed here), into
-        `upstream.response`. With `send` (streaming), each protocol chunk is sent as it is
+        `exchange.response`. With `send` (streaming), each protocol chunk is sent as it is
         produced and the gap between token messages observed (ITL, the first one from `last`);
         without it (drain), the response only accumulates. One loop for both and no generator
         in between: it runs once per relayed token."""
-        response = upstream.response
-        pending = upstream.pending
-        keep_ids = upstream.plan.mode is Mode.PD  # only a decode leg continues from them
+        response, outcome = exchange.response, exchange.outcome
+        pending = exchange.pending
+        keep_ids = exchange.keep_ids
         while True:
             event: dict[str, Any] | None
             if pending:
                 event = pending.pop(0)
             else:
-                stream = upstream.lease.stream  # set once a leg is open; read per event: a hand-off swaps it
+                stream = exchange.lease.stream  # set once a leg is open; read per event: a hand-off swaps it
                 assert stream is not None
                 event = await stream.next_event()
             if event is None:
                 raise UpstreamError(UpstreamKind.PROTOCOL,
-                                    f"worker {upstream.lease.worker.worker_id} ended the stream early")
+                                    f"worker {exchange.lease.worker.worker_id} ended the stream early")
             kind = event["event"]
             if kind == "tokens":
                 token_ids = event["token_ids"]
                 if keep_ids:
-                    upstream.output_ids.extend(token_ids)
+                    exchange.output_ids.extend(token_ids)
                 out = response.tokens(token_ids, event.get("logprobs"))
                 if send is not None:
                     now = time.perf_counter()
-                    upstream.series.itl.observe(now - last)
+                    outcome.series.itl.observe(now - last)
                     last = now
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -146,49 +140,40 @@ class Relay:
             elif kind == "finish":
                 handoff = event.get("kv_handoff")
                 if handoff is None or not keep_ids:
-                    upstream.finished = True
+                    exchange.finished = True
                     if "cached_tokens" in event:  # the real count where `ready`'s was provisional (vLLM)
-                        upstream.ready = {**upstream.ready, "cached_tokens": event["cached_tokens"]}
+                        outcome.final_cached(event["cached_tokens"])
                     raise_if_error(event)
                     out = response.finish(event["reason"], final_cached(event))
                     if send is not None:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                     return
-                await self._hand_off(upstream, handoff)
+                await self._hand_off(exchange, handoff)
             # a decode leg's own `ready` carries no prompt usage of interest: skip it
 
-    async def _hand_off(self, upstream: Upstream, handoff: dict[str, Any]) -> None:
+    async def _hand_off(self, exchange: Exchange, handoff: dict[str, Any]) -> None:
         """Prefill finished with a KV hand-off: continue on a compatible decode worker."""
-        lease, first = await self.legs.hand_off(upstream.lease, upstream.leg, handoff, upstream.output_ids)
-        upstream.lease = lease
-        upstream.series = self.metrics.request_series(upstream.first_series.model, lease.worker.pool,
-                                                      lease.worker.spec.hardware)
-        upstream.pending.append(first)
+        lease, first = await self.legs.hand_off(exchange.lease, exchange.leg, handoff, exchange.output_ids)
+        exchange.lease = lease
+        exchange.outcome.decode_leg(lease.worker)
+        exchange.pending.append(first)
 
-    def close(self, upstream: Upstream) -> None:
-        """The end of a request that reached a worker; only the first call acts. A status left
-        unset is an error the app answers and counts itself."""
-        if upstream.closed:
+    def close(self, exchange: Exchange) -> None:
+        """The end of a request that reached a worker; only the first call acts. An outcome
+        status left unset is an error the app answers and counts itself."""
+        if exchange.closed:
             return
-        upstream.closed = True
+        exchange.closed = True
         try:
-            upstream.lease.release(abort=not upstream.finished)
-            if upstream.on_done is not None:
-                upstream.on_done(upstream.response.completion_tokens)
+            exchange.lease.release(abort=not exchange.finished)
+            if exchange.on_done is not None:
+                exchange.on_done(exchange.response.completion_tokens)
         finally:
-            tokens = upstream.response.completion_tokens
-            self.metrics.generation_tokens.inc(tokens)
-            upstream.series.output_len.observe(tokens)
-            upstream.series.duration.observe(time.perf_counter() - upstream.arrival)
-            if upstream.status is not None:
-                self.metrics.count_request(str(upstream.prepared.protocol), upstream.prepared.model, upstream.status)
-            self.legs.routing.count_prompt(upstream.plan, upstream.ready)  # at the end: the final cached count
+            exchange.outcome.end(exchange.response.completion_tokens)
 
-    def close_stream(self, upstream: Upstream) -> None:
-        if upstream.status is None:  # the client left before the end
-            upstream.status = "499"
-            self.metrics.client_disconnects.inc()
-        self.close(upstream)
+    def close_stream(self, exchange: Exchange) -> None:
+        exchange.outcome.client_left()  # unless the stream reached its end
+        self.close(exchange)
 
 
 class RelayResponse(Response):

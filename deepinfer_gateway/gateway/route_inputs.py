@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.errors import NoHealthyWorker, Overloaded
-from deepinfer_gateway.gateway.metrics import CACHE_TIERS, GatewayMetrics
+from deepinfer_gateway.gateway.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
@@ -97,17 +96,3 @@ class RouteInputs:
             log.debug("route %s mode=%s worker=%s reason=%s predicted=%d/%d costs=%s", request_id, plan.mode,
                       w.worker_id, plan.decision.reason, plan.decision.predicted_memory_tokens,
                       plan.decision.predicted_store_tokens, plan.decision.costs)
-
-    def count_prompt(self, plan: Plan, ready: dict[str, Any]) -> None:
-        """Prompt and cached tokens as the worker reported them, against what routing predicted."""
-        prompt = ready["prompt_tokens"]
-        reported = ready["cached_tokens"]
-        predicted = {"memory": plan.decision.predicted_memory_tokens, "store": plan.decision.predicted_store_tokens}
-        self.metrics.prompt_tokens.inc(prompt)
-        for tier in CACHE_TIERS:
-            if reported.get(tier):
-                self.metrics.cached_tokens.labels(tier).inc(reported[tier])
-            if predicted[tier]:
-                self.metrics.predicted_cached_tokens.labels(tier).inc(predicted[tier])
-        error = (predicted["memory"] + predicted["store"] - reported["memory"] - reported["store"]) / max(prompt, 1)
-        self.metrics.prediction_error.observe(error)

@@ -24,16 +24,17 @@ from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.gateway.decision_log import DecisionLog, decision_record
 from deepinfer_gateway.gateway.legs import Legs
 from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.outcome import RequestOutcome
 from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.relay import Relay, RelayResponse, Upstream
+from deepinfer_gateway.gateway.relay import Exchange, Relay, RelayResponse
 from deepinfer_gateway.gateway.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.upstream import LegRequest
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
-from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, ResponseStream
+from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, response_stream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
-from deepinfer_gateway.router.planner import RoutePlanner
+from deepinfer_gateway.router.planner import Mode, RoutePlanner
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -46,7 +47,7 @@ class RequestServer:
                  settings: GatewaySettings):
         self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings)
         self.legs = Legs(registry, self.routing, metrics, settings)
-        self.relay = Relay(self.legs, metrics)
+        self.relay = Relay(self.legs, registry)
         self.bundle = bundle
         self.metrics = metrics
         self.loop_lag = registry.loop_lag
@@ -69,34 +70,31 @@ class RequestServer:
         leg = LegRequest(request_id, prepared.token_ids,
                          prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
                          images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment)
-        response = ResponseStream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
+        response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
         lease, plan, ready, first = await self.legs.first(prepared, leg, session_key or prepared.user)
-        worker = lease.worker  # the decode worker already when a prefill handed off before any token (vLLM)
         if self.decisions is not None:
             now = time.perf_counter()
             stall = self.loop_lag.own_stall_s(self.loop_lag.now() - (now - arrival))
             self.decisions.write(decision_record(plan, request_id, ready, arrival=arrival, ready_at=lease.ready_at,
                                                  first_at=now, loop_stall_s=stall))
-        first_series = self.metrics.request_series(prepared.model, plan.worker.pool, plan.worker.hardware)
-        series = (first_series if worker.worker_id == plan.worker.worker_id
-                  else self.metrics.request_series(prepared.model, worker.pool, worker.spec.hardware))
-        upstream = Upstream(prepared, request_id, arrival, lease, plan, leg, ready, response, first_series, series,
-                            on_done)
+        # `lease.worker`: already the decode worker when a prefill handed off before any token (vLLM)
+        outcome = RequestOutcome(self.metrics, prepared, plan, arrival, ready, lease.worker)
+        exchange = Exchange(prepared=prepared, leg=leg, lease=lease, response=response, outcome=outcome,
+                            keep_ids=plan.mode is Mode.PD, on_done=on_done)
         streaming = False
         try:
             cached = ready["cached_tokens"]
-            upstream.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
-            first_series.queue.observe(lease.ready_at - arrival)
-            first_series.prompt_len.observe(ready["prompt_tokens"])
-            upstream.pending.append(first)
+            exchange.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
+            outcome.started(lease.ready_at)
+            exchange.pending.append(first)
             headers = {**(headers or {}), names.REQUEST_ID: request_id, names.WORKER: plan.worker.worker_id}
             if prepared.stream:
                 streaming = True  # from here on RelayResponse owns the end
-                return RelayResponse(self.relay.stream(upstream), on_close=lambda: self.relay.close_stream(upstream),
+                return RelayResponse(self.relay.stream(exchange), on_close=lambda: self.relay.close_stream(exchange),
                                      media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-            first_series.ttft.observe(time.perf_counter() - arrival)
-            await self.relay.drain(upstream)
+            outcome.first_token(time.perf_counter())
+            await self.relay.drain(exchange)
             return Response(response.body(), media_type="application/json", headers=headers)
         finally:
             if not streaming:
-                self.relay.close(upstream)
+                self.relay.close(exchange)

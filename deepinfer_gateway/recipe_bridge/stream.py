@@ -57,32 +57,23 @@ def _generator(prepared: PreparedRequest, response_id: str) -> Any:
     return dr.MessagesRequest.chunk_generator(conv, response_id, prepared.requested_model)
 
 
-class ResponseStream:
-    """One request's output path. Feed it worker events in order; it returns bytes to send.
+class _Framing:
+    """What both response streams share: SSE framing (or the accumulated body), `[DONE]`,
+    the counts, and the final usage's correction when `finish` brings the worker's real
+    cached count (vLLM). Feed worker events in order; each call returns bytes to send.
 
     Streaming mode returns SSE frames from every call; non-streaming mode returns b""
-    until `body()` is asked for the accumulated JSON response. Legacy completions use
-    completion_stream.py's processor and response in place of deepseek-recipe's.
-    """
+    until `body()` is asked for the accumulated JSON response."""
 
-    def __init__(self, prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str):
+    _split_usage = False  # chat's include_usage: usage in its own final chunk
+    _corrects_json = True  # the final usage is corrected in the protocol's JSON (corrected_json)
+
+    def __init__(self, prepared: PreparedRequest, response_id: str):
         self.prepared = prepared
         self.response_id = response_id
         self._response_type = _RESPONSE_TYPES[prepared.protocol]
-        self._legacy: TextCompletionProcessor | None = None
-        if prepared.protocol is ApiProtocol.COMPLETIONS:
-            self._legacy = TextCompletionProcessor(token_bytes(bundle.json_text), prepared.legacy or LegacyOptions(),
-                                                   response_id, prepared.requested_model, prepared.created,
-                                                   prepared.include_usage)
-            self._processor: Any = self._legacy
-        else:
-            assert prepared.conversation is not None
-            self._processor = dr.StreamProcessor(
-                _generator(prepared, response_id), prepared.conversation.parsing_options, bundle.tokenizer
-            )
         self._accumulator: Any = None
         self._stream = prepared.stream
-        self._split_usage = prepared.protocol is ApiProtocol.CHAT and prepared.include_usage
         # Chat and legacy completions frame every chunk as a bare `data:` line (no SSE event names).
         self._named = prepared.protocol in (ApiProtocol.RESPONSES, ApiProtocol.MESSAGES)
         self.completion_tokens = 0
@@ -91,14 +82,88 @@ class ResponseStream:
         self._correct_usage = False  # `finish` brought a different cached count: final frames get it
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
 
-    def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+    def _start(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         if not self._stream:
             self._accumulator = self._response_type(
                 self.response_id, self.prepared.requested_model, self.prepared.created, prompt_tokens, cached_tokens
             )
-        if self._legacy is not None:
-            return self._emit(self._legacy.ready(prompt_tokens, cached_tokens))
+
+    def _final_cached(self, cached_tokens: int | None) -> None:
+        if cached_tokens is not None and cached_tokens != self.cached_tokens:
+            self.cached_tokens = cached_tokens
+            self._correct_usage = True
+
+    def _processor_finished(self) -> bool:
+        return False
+
+    def _done(self) -> bytes:
+        self.done = True
+        if self._stream:
+            done: str | None = self._response_type.sse_done_data()
+            if done is not None:
+                return b"data: " + done.encode() + b"\n\n"
+        return b""
+
+    def body(self) -> bytes:
+        text: str = self._accumulator.to_json()
+        if self._correct_usage and self._corrects_json:
+            text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
+        return text.encode()
+
+    def _emit(self, chunks: list[Any], final: bool = False) -> bytes:
+        if not chunks:
+            return b""
+        if not self._stream:
+            for chunk in chunks:
+                self._accumulator.accumulate(chunk)
+            return b""
+        split = self._split_usage and (final or self._processor_finished())
+        if len(chunks) == 1 and not self._named and not split and not (final and self._correct_usage):
+            frame: str = chunks[0].to_json()
+            return b"data: " + frame.encode() + b"\n\n"  # the usual token chunk
+        parts: list[bytes] = []
+        name_of = self._response_type.sse_event_name
+        for chunk in chunks:
+            data = chunk.to_json()
+            if split and '"usage":' in data:
+                parts.extend(self._chat_usage_frames(data, final))
+                continue
+            if final and self._correct_usage and self._corrects_json:
+                data = corrected_json(self.prepared.protocol, data, self.prompt_tokens, self.cached_tokens)
+            name = name_of(chunk)
+            if name:
+                parts.append(b"event: " + name.encode() + b"\n")
+            parts.append(b"data: " + data.encode() + b"\n\n")
+        return b"".join(parts)
+
+    def _chat_usage_frames(self, data: str, final: bool) -> list[bytes]:
+        """OpenAI `include_usage`: usage goes in its own final chunk with empty `choices`."""
+        chunk = orjson.loads(data)
+        usage = chunk.pop("usage")
+        if final and self._correct_usage and isinstance(usage, dict):
+            set_cached(self.prepared.protocol, usage, self.prompt_tokens, self.cached_tokens)
+        usage_chunk = {**chunk, "choices": [], "usage": usage}
+        return [b"data: " + orjson.dumps(chunk) + b"\n\n", b"data: " + orjson.dumps(usage_chunk) + b"\n\n"]
+
+
+class ResponseStream(_Framing):
+    """One Chat, Responses or Messages request's output path, through deepseek-recipe's
+    StreamProcessor (module doc)."""
+
+    def __init__(self, prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str):
+        super().__init__(prepared, response_id)
+        assert prepared.conversation is not None
+        self._processor = dr.StreamProcessor(
+            _generator(prepared, response_id), prepared.conversation.parsing_options, bundle.tokenizer
+        )
+        self._split_usage = prepared.protocol is ApiProtocol.CHAT and prepared.include_usage
+
+    def _processor_finished(self) -> bool:
+        return bool(self._processor.finished)
+
+    def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        self._start(prompt_tokens, cached_tokens)
         usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
 
@@ -106,9 +171,6 @@ class ResponseStream:
         if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
             return b""
         self.completion_tokens += len(token_ids)
-        if self._legacy is not None:
-            out = self._emit(self._legacy.tokens(token_ids, logprobs))
-            return out + self._done() if self._legacy.finished else out
         if logprobs is not None:
             pairs = [(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs]
             chunk = dr.InferenceChunk.tokens(token_ids, pairs)
@@ -125,62 +187,51 @@ class ResponseStream:
         usage reported from here on (and a non-streaming body's) carries it."""
         if self.done:
             return b""
-        if cached_tokens is not None and cached_tokens != self.cached_tokens:
-            self.cached_tokens = cached_tokens
-            self._correct_usage = True
-        if self._legacy is not None:
-            self._legacy.cached_tokens = self.cached_tokens  # its usage is built at the end from this
-            return self._emit(self._legacy.finish(reason), final=True) + self._done()
+        self._final_cached(cached_tokens)
         finish = dr.InferenceChunk.finish(_FINISH.get(reason, _FINISH["stop"]))
         out = self._emit(self._processor.push(finish), final=True)
         out += self._emit(self._processor.finish(), final=True)
         return out + self._done()
 
-    def _done(self) -> bytes:
-        self.done = True
-        if self._stream:
-            done: str | None = self._response_type.sse_done_data()
-            if done is not None:
-                return b"data: " + done.encode() + b"\n\n"
-        return b""
 
-    def body(self) -> bytes:
-        text: str = self._accumulator.to_json()
-        if self._correct_usage and self._legacy is None:
-            text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
-        return text.encode()
+class LegacyCompletionStream(_Framing):
+    """One legacy Completions request's output path: completion_stream.py's processor and
+    response in place of deepseek-recipe's; its usage is built at the end from the final
+    cached count, so no JSON is corrected."""
 
-    def _emit(self, chunks: list[Any], final: bool = False) -> bytes:
-        if not chunks:
+    _corrects_json = False
+
+    def __init__(self, prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str):
+        super().__init__(prepared, response_id)
+        self._processor = TextCompletionProcessor(token_bytes(bundle.json_text), prepared.legacy or LegacyOptions(),
+                                                  response_id, prepared.requested_model, prepared.created,
+                                                  prepared.include_usage)
+
+    def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        self._start(prompt_tokens, cached_tokens)
+        return self._emit(self._processor.ready(prompt_tokens, cached_tokens))
+
+    def tokens(self, token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
+        if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
             return b""
-        if not self._stream:
-            for chunk in chunks:
-                self._accumulator.accumulate(chunk)
-            return b""
-        if (len(chunks) == 1 and not self._named and not (self._split_usage and (final or self._processor.finished))
-                and not (final and self._correct_usage)):
-            frame: str = chunks[0].to_json()
-            return b"data: " + frame.encode() + b"\n\n"  # the usual token chunk
-        parts: list[bytes] = []
-        name_of = self._response_type.sse_event_name
-        for chunk in chunks:
-            data = chunk.to_json()
-            if self._split_usage and (final or self._processor.finished) and '"usage":' in data:
-                parts.extend(self._chat_usage_frames(data, final))
-                continue
-            if final and self._correct_usage and self._legacy is None:
-                data = corrected_json(self.prepared.protocol, data, self.prompt_tokens, self.cached_tokens)
-            name = name_of(chunk)
-            if name:
-                parts.append(b"event: " + name.encode() + b"\n")
-            parts.append(b"data: " + data.encode() + b"\n\n")
-        return b"".join(parts)
+        self.completion_tokens += len(token_ids)
+        out = self._emit(self._processor.tokens(token_ids, logprobs))
+        return out + self._done() if self._processor.finished else out
 
-    def _chat_usage_frames(self, data: str, final: bool) -> list[bytes]:
-        """OpenAI `include_usage`: usage goes in its own final chunk with empty `choices`."""
-        chunk = orjson.loads(data)
-        usage = chunk.pop("usage")
-        if final and self._correct_usage and isinstance(usage, dict):
-            set_cached(self.prepared.protocol, usage, self.prompt_tokens, self.cached_tokens)
-        usage_chunk = {**chunk, "choices": [], "usage": usage}
-        return [b"data: " + orjson.dumps(chunk) + b"\n\n", b"data: " + orjson.dumps(usage_chunk) + b"\n\n"]
+    def finish(self, reason: str, cached_tokens: int | None = None) -> bytes:
+        """As ResponseStream.finish."""
+        if self.done:
+            return b""
+        self._final_cached(cached_tokens)
+        self._processor.cached_tokens = self.cached_tokens  # its usage is built at the end from this
+        return self._emit(self._processor.finish(reason), final=True) + self._done()
+
+
+AnyResponseStream = ResponseStream | LegacyCompletionStream
+
+
+def response_stream(prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str) -> AnyResponseStream:
+    """The output path of `prepared`'s protocol."""
+    if prepared.protocol is ApiProtocol.COMPLETIONS:
+        return LegacyCompletionStream(prepared, bundle, response_id)
+    return ResponseStream(prepared, bundle, response_id)

@@ -21,23 +21,16 @@ from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
-from deepinfer_gateway.router.planner import (
-    NoCandidate,
-    Plan,
-    RoutePlanner,
-    ViewList,
-    prompt_hashes,
-)
+from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.stats import SimStats
 from deepinfer_gateway.simulate.tokens import PromptIds, PromptTokens
+from deepinfer_gateway.simulate.views import ViewList
 from deepinfer_gateway.workers.sim.core import AdmissionError, SimRequest
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.step_model import kv_load_seconds
 from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
-
-_LEG_ROLE = {"unified": False, "pd": True, "bypass": False}  # stop after the first token?
 
 
 @dataclass(slots=True)
@@ -109,10 +102,11 @@ class SimGateway:
         if not self._admit(plan, views, req):
             return None
         req.plan = plan
-        self.stats.modes[plan.mode] = self.stats.modes.get(plan.mode, 0) + 1
+        mode = str(plan.mode)
+        self.stats.modes[mode] = self.stats.modes.get(mode, 0) + 1
         worker = self.by_id[plan.worker.worker_id]
         record.worker = worker.worker_id
-        sim = SimRequest(rid, req.tokens, req.output, FinishReason.LENGTH, stop_after_first=_LEG_ROLE[plan.mode])
+        sim = SimRequest(rid, req.tokens, req.output, FinishReason.LENGTH, stop_after_first=plan.mode is Mode.PD)
         try:
             worker.core.add_request(sim, hashes[worker.kv_format])
         except AdmissionError as exc:

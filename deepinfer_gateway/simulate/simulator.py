@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from deepinfer_gateway.router.planner import Mode
 from deepinfer_gateway.simulate.cluster import SimWorker, build_workers
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.gateway import SimGateway
@@ -250,7 +251,7 @@ class Simulator:
             return
         worker.inflight -= 1
         worker.changed()
-        if update.handoff and req.plan is not None and req.plan.mode == "pd":
+        if update.handoff and req.plan is not None and req.plan.mode is Mode.PD:
             self._push(t + self.config.gateway.handoff_overhead_s, _HANDOFF, req)
             return
         record.e2e_s = t - record.arrival_s

@@ -11,7 +11,7 @@ import pytest
 
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
-from deepinfer_gateway.recipe_bridge.stream import ResponseStream
+from deepinfer_gateway.recipe_bridge.stream import response_stream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, load_tokenizer
 
 PROMPT = 300
@@ -41,7 +41,7 @@ def run(preparer: RequestPreparer, bundle: TokenizerBundle, protocol: ApiProtoco
     body = {**BODIES[protocol], "stream": stream}
     if stream and include_usage and protocol in (ApiProtocol.CHAT, ApiProtocol.COMPLETIONS):
         body["stream_options"] = {"include_usage": True}
-    response = ResponseStream(preparer.prepare(protocol, orjson.dumps(body)), bundle, "id-1")
+    response = response_stream(preparer.prepare(protocol, orjson.dumps(body)), bundle, "id-1")
     out = response.ready(PROMPT, ready_cached)
     out += response.tokens(bundle.tokenizer.encode("Hello there, friend."))
     out += response.finish("stop", final)

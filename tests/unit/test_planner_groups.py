@@ -12,7 +12,8 @@ import pytest
 from deepinfer_gateway.config import RouterSettings
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import Role
-from deepinfer_gateway.router.planner import RoutePlanner, ViewList, WorkerView
+from deepinfer_gateway.router.planner import RoutePlanner, WorkerView
+from deepinfer_gateway.simulate.views import ViewList
 
 
 def _fleet(n: int) -> list[WorkerView]:

@@ -1,0 +1,22 @@
+"""`WorkerView`: one worker as the planner sees it (the gateway builds it from the registry and
+load reports, gateway/route_inputs.py; the simulator from its workers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer_gateway.protocol import Role
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    role: Role
+    pool: str
+    hardware: str
+    kv_format: str
+    model: str
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    dp_ranks: int = 1
+    prefills: bool = True  # a decode worker that can take a PD bypass
