@@ -71,7 +71,7 @@ def test_the_leg_request_on_the_wire_is_a_generate_request_without_the_predictio
 @pytest.mark.parametrize(("raised", "kind"), [
     (TimeoutError(), UpstreamKind.TIMEOUT),
     (aiohttp.ServerTimeoutError(), UpstreamKind.TIMEOUT),
-    (aiohttp.ClientConnectorError(SimpleNamespace(host="w", port=1, ssl=None), OSError(111, "refused")),  # type: ignore[arg-type]
+    (aiohttp.ClientConnectorError(SimpleNamespace(host="w", port=1, ssl=None), OSError(111, "refused")),
      UpstreamKind.CONNECT),
     (aiohttp.ServerDisconnectedError(), UpstreamKind.DISCONNECT),
     (ConnectionResetError(), UpstreamKind.DISCONNECT),
