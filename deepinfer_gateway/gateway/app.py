@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import TypeAdapter
 from redis import asyncio as aioredis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -195,7 +196,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            admin_bodies = {("/admin/workers", "post"): WorkerSpec.model_json_schema(ref_template=REF),
+            admin_bodies = {("/admin/workers", "post"): TypeAdapter(WorkerSpec).json_schema(ref_template=REF),
                             ("/admin/routing", "put"): RoutingUpdate.model_json_schema(ref_template=REF)}
             models = tuple(name for name, _ in preparer.catalog.visible(lambda _: True))
             app.openapi_schema = document(FastAPI.openapi(app), admin_bodies, models)

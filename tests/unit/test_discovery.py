@@ -170,7 +170,7 @@ async def test_a_failed_lookup_changes_nothing_an_empty_answer_removes_all() -> 
 
 
 async def test_a_configured_worker_that_dns_also_names_is_never_drained_by_it() -> None:
-    static = WorkerSpec(url="http://10.0.0.1:8100", role=wp.Role.PREFILL, hardware=wp.Hardware.SM100)
+    static = DgwWorkerSpec(url="http://10.0.0.1:8100", role=wp.Role.PREFILL, hardware=wp.Hardware.SM100)
     rig = Rig((static,))
     await rig.round("10.0.0.1", "10.0.0.2")
     await rig.round("10.0.0.2")
