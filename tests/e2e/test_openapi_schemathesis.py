@@ -8,22 +8,38 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from deepinfer_gateway.launch import Gateway
+import pytest
+
+from deepinfer_gateway.gateway.auth import hash_key
+from deepinfer_gateway.launch import Gateway, SimCluster
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
           "response_schema_conformance,response_headers_conformance")
 MAX_EXAMPLES = 10
+ADMIN_KEY = "schemathesis-admin"
 
 
-def test_the_live_schema_holds_for_generated_requests(sim_gateway: Gateway, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def gateway(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway of its own: the run adds and removes workers and switches routing policies."""
+    roles = [spec.split(":") for spec in sim_cluster.specs]
+    gw = Gateway(tmp_path_factory.mktemp("gw"),
+                 [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)],
+                 extra_toml=f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{hash_key(ADMIN_KEY)}"\nadmin = true\n')
+    gw.wait_ready(len(roles))
+    yield gw
+    gw.stop()
+
+
+def test_the_live_schema_holds_for_generated_requests(gateway: Gateway, tmp_path: Path) -> None:
     st = Path(sys.executable).with_name("st")
-    command = [str(st), "run", sim_gateway.url + "/openapi.json", "--checks", CHECKS,
-               "--max-examples", str(MAX_EXAMPLES), "--phases", "examples,fuzzing", "--seed", "23",
-               "--request-timeout", "30", "--no-color", "--generation-database", "none",
-               # The admin routes change the shared test gateway's workers and policies.
-               "--exclude-path-regex", "^/admin/",
+    command = [str(st), "run", gateway.url + "/openapi.json", "--checks", CHECKS,
+               "--max-examples", str(MAX_EXAMPLES), "--phases", "examples,coverage,fuzzing", "--seed", "23",
+               "--request-timeout", "30", "-H", f"Authorization: Bearer {ADMIN_KEY}",
+               "--no-color", "--generation-database", "none",
                "--report", "junit", "--report-dir", str(tmp_path)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
@@ -31,6 +47,8 @@ def test_the_live_schema_holds_for_generated_requests(sim_gateway: Gateway, tmp_
     summary = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
     assert summary is not None, run.stdout[-6000:]
     generated, passed = map(int, summary.groups())
-    assert generated >= 50 and passed == generated, run.stdout[-6000:]
-    assert "✅ Fuzzing" in run.stdout, run.stdout[-3000:]
+    assert generated >= 500 and passed == generated, run.stdout[-6000:]
+    assert "✅ Fuzzing" in run.stdout and "✅ Coverage" in run.stdout, run.stdout[-3000:]
+    assert "Selected: 19/19" in run.stdout, run.stdout[-3000:]
+    assert "Authentication failed" not in run.stdout, run.stdout[-3000:]  # every route reached, admin too
     print(run.stdout[-2500:])  # the figures, under pytest -s
