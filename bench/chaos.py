@@ -79,7 +79,7 @@ from _chaos_load import LoadRun, run_load
 from _chaos_workload import SessionLoad, SessionTrace, session_trace
 from _netns import Lab, netns_usable, run_name, sweep_stale
 
-from deepinfer_gateway.gateway.admin_store import ROUTING_KEY
+from deepinfer_gateway.gateway.fleet.admin_store import ROUTING_KEY
 from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, LOAD_PATH
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 
@@ -87,7 +87,7 @@ GATEWAYS = ("gw1", "gw2")
 WORKERS = ("w1", "w2", "w3", "w4")
 SPARE = "w5"
 HOSTS = ("client", "redis", "dns", *GATEWAYS, *WORKERS, SPARE)
-KEY_CACHE_S = 10.0  # gateway/auth.py KeyStore's cache_ttl_s: a key is read from Redis again after it
+KEY_CACHE_S = 10.0  # gateway/serving/auth.py KeyStore's cache_ttl_s: a key is read from Redis again after it
 ROUTING_CHANGE = {"policy": {"name": "estimated_ttft", "stick_ratio": 1.75}, "decode_policy": "power_of_two"}
 
 

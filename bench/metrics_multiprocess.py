@@ -31,7 +31,7 @@ def measure(number: int) -> dict[str, float]:
     """In this interpreter, as its environment set prometheus-client up."""
     from prometheus_client import generate_latest
 
-    from deepinfer_gateway.gateway.metrics import GatewayMetrics
+    from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
     series = metrics.request_series("DeepSeek-V4.1-Flash", "unified", "sm100")

@@ -66,7 +66,7 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
     failed). `sock`: a listening socket bound by the caller (a supervisor shares one between
     its processes), else uvicorn binds `host`:`port`. `headers` go on every response."""
     # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
-    # (gateway/logs.py), so `--log-format json` covers uvicorn's lines too.
+    # (gateway/telemetry/logs.py), so `--log-format json` covers uvicorn's lines too.
     # uvicorn hints timeout_graceful_shutdown as int, but hands it to asyncio.timeout: seconds as float.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=cast(int, graceful_s), lifespan="on", log_config=None,

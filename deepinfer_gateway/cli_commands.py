@@ -52,7 +52,7 @@ def _check_worker_token(settings: GatewaySettings) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
-    from deepinfer_gateway.gateway.auth import hash_key
+    from deepinfer_gateway.gateway.serving.auth import hash_key
     from deepinfer_gateway.gateway_process import configure_logging
 
     api_keys = None

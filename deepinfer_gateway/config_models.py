@@ -160,7 +160,7 @@ def parse_worker_spec(value: Any) -> WorkerSpecVariant:
 
 
 class DiscoverySpec(_Frozen):
-    """Workers found by DNS (gateway/discovery.py): every address of `name`, re-resolved every `interval_s`."""
+    """Workers found by DNS (gateway/fleet/discovery.py): every address of `name`, re-resolved every `interval_s`."""
 
     name: str = Field(
         min_length=1,
@@ -268,8 +268,8 @@ class RouterSettings(_Frozen):
     kv_events_interval_s: float = Field(0.05, gt=0, description="Seconds between polls of each worker's KV events.")
     decision_log: str = Field(
         "", description="A file that gets one JSON line per routed request: candidates, predictions, what the "
-                        "worker reported, timings (gateway/decision_log.py; bench/peers.py --decision-trace). "
-                        "Empty: off.")
+                        "worker reported, timings (gateway/telemetry/decision_log.py; bench/peers.py "
+                        "--decision-trace). Empty: off.")
 
     def with_policies(self, policy: PolicyInput | None = None,
                       decode_policy: PolicyInput | None = None) -> RouterSettings:

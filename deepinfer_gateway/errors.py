@@ -15,11 +15,11 @@
     │   ├── UpstreamFailed           502 every attempt failed before the first token, or mid-answer
     │   ├── NoHealthyWorker          503 no worker can take the request
     │   └── WorkerRefused            the worker's own verdict on the request (its status: 400, 503 ...)
-    └── UpstreamError                a failed worker call (gateway/upstream_http.py maps every aiohttp
+    └── UpstreamError                a failed worker call (gateway/upstream/http.py maps every aiohttp
                                      failure to one); `kind` is an UpstreamKind. Never shown as is:
                                      the request path retries it or raises one of the GatewayErrors
 
-Translation to protocol JSON happens in one place, gateway/error_json.py (the app's error
+Translation to protocol JSON happens in one place, gateway/serving/error_json.py (the app's error
 handler and the stream error frame).
 """
 

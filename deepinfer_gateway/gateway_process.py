@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def configure_logging(level: str, fmt: str) -> None:
     """Root logging set-up; imported here, not at the top, because it loads the gateway package."""
-    from deepinfer_gateway.gateway.logs import configure_logging as configure
+    from deepinfer_gateway.gateway.telemetry.logs import configure_logging as configure
 
     configure(level, fmt)
 
@@ -25,7 +25,7 @@ def gateway_app(settings: GatewaySettings) -> tuple[Any, threading.Event]:
     its `/ready` to 503: set by the stop signal."""
     from deepinfer_gateway import tracing
     from deepinfer_gateway.gateway.app import create_app
-    from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
+    from deepinfer_gateway.gateway.telemetry.logs import RequestContext, current_request_id
 
     shutting_down = threading.Event()
     spans = tracing.ServerSpans(create_app(settings, shutting_down=shutting_down),

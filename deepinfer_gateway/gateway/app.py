@@ -30,23 +30,23 @@ from starlette.responses import JSONResponse, Response
 from deepinfer_gateway.config import GatewaySettings, WorkerSpec
 from deepinfer_gateway.config_models import ResponsesSettings
 from deepinfer_gateway.errors import GatewayError, InternalError
-from deepinfer_gateway.gateway.admin import RoutingUpdate, admin_router
-from deepinfer_gateway.gateway.admin_store import AdminStore
-from deepinfer_gateway.gateway.admin_sync import AdminSync
-from deepinfer_gateway.gateway.auth import KeyStore
-from deepinfer_gateway.gateway.discovery import WorkerDiscovery
-from deepinfer_gateway.gateway.error_json import client_protocol, error_response
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.openapi_doc import REF, document
-from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
-from deepinfer_gateway.gateway.responses_api import ResponsesState
-from deepinfer_gateway.gateway.routes import MODELS, ClientRoutes, Endpoint
-from deepinfer_gateway.gateway.serving import RequestServer
+from deepinfer_gateway.gateway.fleet.admin_store import AdminStore
+from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
+from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.http.admin import RoutingUpdate, admin_router
+from deepinfer_gateway.gateway.http.openapi_doc import REF, document
+from deepinfer_gateway.gateway.http.routes import MODELS, ClientRoutes, Endpoint
+from deepinfer_gateway.gateway.serving.auth import KeyStore
+from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
+from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter
+from deepinfer_gateway.gateway.serving.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
+from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
+from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.gateway.state import GatewayState
-from deepinfer_gateway.gateway.upstream import Timeouts
-from deepinfer_gateway.gateway.upstreams import Upstreams
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.base import Timeouts
+from deepinfer_gateway.gateway.upstream.table import Upstreams
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from deepinfer_gateway.gateway.admin_sync import AdminSync
-from deepinfer_gateway.gateway.auth import KeyStore
-from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.responses_api import ResponsesState
-from deepinfer_gateway.gateway.serving import RequestServer
+from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.auth import KeyStore
+from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter
+from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
+from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.router.planner import RoutePlanner

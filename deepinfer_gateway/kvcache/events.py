@@ -29,7 +29,7 @@ per worker; the gateway's connector has no connection limit, so it never starves
 generate requests.
 
 `add(worker_id, source)` follows a worker by the KV event source its upstream adapter offers
-(gateway/upstream.py; the feeder never asks which engine a worker runs): a `PolledKvLog` is
+(gateway/upstream/base.py; the feeder never asks which engine a worker runs): a `PolledKvLog` is
 long-polled as above; a `ZmqKvPublisher` (vLLM's) is followed by a `VllmKvSubscriber` on its
 ZMQ events instead (vllm_events.py). Its hashes are salted by the model and KV format the
 worker reports, so its task first asks the source's `salt()` (a probe of the worker),

@@ -83,7 +83,7 @@ FIELDS: dict[ApiProtocol, Mapping[str, Refuse | None]] = {
         "input": HONOURED, "instructions": HONOURED, "max_output_tokens": HONOURED, "text": HONOURED,
         "reasoning": HONOURED, "top_logprobs": HONOURED, "user": HONOURED, "safety_identifier": HONOURED,
         "prompt_cache_key": HONOURED,
-        # Stored Responses (gateway/responses_api.py) answers or refuses these.
+        # Stored Responses (gateway/serving/responses_api.py) answers or refuses these.
         "store": HONOURED, "previous_response_id": HONOURED, "background": HONOURED, "conversation": HONOURED,
         "parallel_tool_calls": _PARALLEL,
         "service_tier": _TIER,

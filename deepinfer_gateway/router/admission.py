@@ -1,4 +1,4 @@
-"""Admission control as a pure function: the live gateway (gateway/route_inputs.py) and the
+"""Admission control as a pure function: the live gateway (gateway/serving/route_inputs.py) and the
 simulator (simulate/gateway.py) refuse a request by the same rule."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`WorkerView`: one worker as the planner sees it (the gateway builds it from the registry and
-load reports, gateway/route_inputs.py; the simulator from its workers)."""
+load reports, gateway/serving/route_inputs.py; the simulator from its workers)."""
 
 from __future__ import annotations
 

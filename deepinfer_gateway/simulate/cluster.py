@@ -2,7 +2,7 @@
 
 Each `SimWorker` holds the same scheduler the real-time sim worker runs (workers/sim/
 core.py) with its own `SimKvEventLog`, and the gateway-side state the live gateway keeps
-per worker (gateway/registry.py, gateway/route_inputs.py): the last load report, the
+per worker (gateway/fleet/registry.py, gateway/serving/route_inputs.py): the last load report, the
 in-flight reservations and open legs, and the KV event feed cursor. `view()` builds the
 same `WorkerView` the live gateway's `route_inputs.worker_view` builds:
 

@@ -1,7 +1,7 @@
 """The gateway's side of a simulated request: routing on arrival and at the hand-off.
 
 Mirrors the live request path: on arrival, views (load report + reservations, as
-`RouteInputs.views` in gateway/route_inputs.py), hashes per KV format, one index lookup,
+`RouteInputs.views` in gateway/serving/route_inputs.py), hashes per KV format, one index lookup,
 `plan_first`, admission control, then `add_request` on the chosen worker with the leg's
 role (`pd` -> prefill, stop after the first token; `unified`/`bypass` -> unified),
 reserving the prompt tokens until the first token comes back. At a prefill's hand-off:

@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from deepinfer_gateway.config import DgwWorkerSpec
-from deepinfer_gateway.gateway.admin_store import KEPT_KEY, ROUTING_KEY, WORKERS_KEY, WorkerEntry
-from deepinfer_gateway.gateway.admin_sync import RECONCILE_INTERVAL_S
+from deepinfer_gateway.gateway.fleet.admin_store import KEPT_KEY, ROUTING_KEY, WORKERS_KEY, WorkerEntry
+from deepinfer_gateway.gateway.fleet.admin_sync import RECONCILE_INTERVAL_S
 from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
 from tests.conftest import redis_backend_url

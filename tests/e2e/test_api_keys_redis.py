@@ -12,7 +12,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from deepinfer_gateway.gateway.auth import KeyStore, KeysUnavailable
+from deepinfer_gateway.gateway.serving.auth import KeyStore, KeysUnavailable
 from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import RedisServer
 

@@ -23,8 +23,8 @@ import yaml
 
 from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
-from deepinfer_gateway.gateway.auth import KeyStore
-from deepinfer_gateway.gateway.metrics_reference import exposed_names
+from deepinfer_gateway.gateway.serving.auth import KeyStore
+from deepinfer_gateway.gateway.telemetry.metrics_reference import exposed_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import redis
 
-from deepinfer_gateway.gateway.admin_store import KEPT_KEY, WORKERS_KEY
+from deepinfer_gateway.gateway.fleet.admin_store import KEPT_KEY, WORKERS_KEY
 from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
 from tests.conftest import _require_redis_server

@@ -2,7 +2,7 @@
 CPU or a long synchronous step does to its event loop) must not eject the healthy workers:
 on resume, uvloop fires the expired connect and health-check timeouts before it reads the
 connections that completed meanwhile. Those timeouts are the gateway's own stall
-(gateway/loop_lag.py), counted in dgw_stall_timeouts_total, not worker failures."""
+(gateway/telemetry/loop_lag.py), counted in dgw_stall_timeouts_total, not worker failures."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.gateway.logs import (
+from deepinfer_gateway.gateway.telemetry.logs import (
     JsonFormatter,
     bound_request_id,
     configure_logging,

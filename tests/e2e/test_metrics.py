@@ -20,9 +20,15 @@ import pytest
 from openai.types import CompletionUsage
 from prometheus_client.metrics import MetricWrapperBase
 
-from deepinfer_gateway.gateway import metrics_reference
-from deepinfer_gateway.gateway.metrics import REQUEST_LABELS, WORKER_LABEL, GatewayMetrics
-from deepinfer_gateway.gateway.metrics_reference import LABELS, exposed_names, metric_docs, reference_registry, render
+from deepinfer_gateway.gateway.telemetry import metrics_reference
+from deepinfer_gateway.gateway.telemetry.metrics import REQUEST_LABELS, WORKER_LABEL, GatewayMetrics
+from deepinfer_gateway.gateway.telemetry.metrics_reference import (
+    LABELS,
+    exposed_names,
+    metric_docs,
+    reference_registry,
+    render,
+)
 from deepinfer_gateway.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, scrape_until, total
 
@@ -217,7 +223,7 @@ def test_docs_metrics_md_is_generated_from_the_registry() -> None:
     committed = (ROOT / "docs" / "metrics.md").read_text()
     assert committed == render(), (
         "docs/metrics.md drifted from the registry: "
-        "python -m deepinfer_gateway.gateway.metrics_reference > docs/metrics.md")
+        "python -m deepinfer_gateway.gateway.telemetry.metrics_reference > docs/metrics.md")
 
 
 def test_reference_lists_every_metric_a_live_gateway_exports(one_worker_gateway: Gateway,

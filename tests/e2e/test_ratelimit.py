@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from deepinfer_gateway.gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
+from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
 from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import redis_backend_url
 

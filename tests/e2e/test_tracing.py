@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings, TracingSettings
-from deepinfer_gateway.gateway.logs import RequestContext, current_request_id
+from deepinfer_gateway.gateway.telemetry.logs import RequestContext, current_request_id
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_gateway.gateway.vllm_upstream import vllm_kv_format
+from deepinfer_gateway.gateway.upstream.vllm import vllm_kv_format
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import PrefixIndex

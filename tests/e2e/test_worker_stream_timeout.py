@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 
 from deepinfer_gateway.errors import UpstreamError
-from deepinfer_gateway.gateway.dgw_upstream import WorkerStream
-from deepinfer_gateway.gateway.upstream import Timeouts
+from deepinfer_gateway.gateway.upstream.base import Timeouts
+from deepinfer_gateway.gateway.upstream.dgw import WorkerStream
 
 GAP_S, TIMEOUT_S = 0.1, 0.25
 

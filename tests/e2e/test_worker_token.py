@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deepinfer_gateway.gateway.upstream_http import TOKEN_REFRESH_S
+from deepinfer_gateway.gateway.upstream.http import TOKEN_REFRESH_S
 from deepinfer_gateway.launch import Gateway, SimCluster, free_port
 from deepinfer_gateway.protocol import GENERATE_PATH, HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_gateway.config import DgwWorkerSpec
-from deepinfer_gateway.gateway.admin_store import WorkerEntry, desired_workers, routing_inputs
+from deepinfer_gateway.gateway.fleet.admin_store import WorkerEntry, desired_workers, routing_inputs
 
 A, B, C = (DgwWorkerSpec(url=f"http://127.0.0.1:{port}") for port in (9001, 9002, 9003))
 
@@ -31,7 +31,7 @@ def test_entries_round_trip_and_routing_fields_decode() -> None:
 
 
 def test_a_snapshot_is_lost_only_without_its_marker_and_without_data() -> None:
-    from deepinfer_gateway.gateway.admin_store import AdminSnapshot
+    from deepinfer_gateway.gateway.fleet.admin_store import AdminSnapshot
 
     assert AdminSnapshot({}, {}, kept=False).lost
     assert not AdminSnapshot({}, {}, kept=True).lost  # changes were made and all undone: nothing to restore

@@ -13,8 +13,8 @@ from fastapi.routing import APIRoute
 
 from deepinfer_gateway.config import ApiKey, GatewaySettings
 from deepinfer_gateway.gateway.app import GatewayApp, create_app
-from deepinfer_gateway.gateway.auth import hash_key
-from deepinfer_gateway.gateway.routes import COUNT_TOKENS_PATH, GENERATION_ROUTES
+from deepinfer_gateway.gateway.http.routes import COUNT_TOKENS_PATH, GENERATION_ROUTES
+from deepinfer_gateway.gateway.serving.auth import hash_key
 
 USER, ADMIN = "user-key", "admin-key"
 SETTINGS = GatewaySettings(api_keys=(ApiKey(name="user", key_sha256=hash_key(USER)),

@@ -7,7 +7,7 @@ import asyncio
 import gc
 import weakref
 
-from deepinfer_gateway.gateway import background
+from deepinfer_gateway.gateway.serving import background
 
 
 async def wait_forever(started: list[bool]) -> None:

@@ -14,11 +14,11 @@ from pydantic import ValidationError
 
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, DiscoverySpec, HealthSettings, WorkerEngine, WorkerSpec
-from deepinfer_gateway.gateway.admin_store import WorkerEntry, desired_workers
-from deepinfer_gateway.gateway.dgw_upstream import DgwUpstream
-from deepinfer_gateway.gateway.discovery import Endpoint, LookupFailed, WorkerDiscovery, nameserver, worker_spec
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry
+from deepinfer_gateway.gateway.fleet.admin_store import WorkerEntry, desired_workers
+from deepinfer_gateway.gateway.fleet.discovery import Endpoint, LookupFailed, WorkerDiscovery, nameserver, worker_spec
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
 
 FOUND = DiscoverySpec(name="pool.dgw.test", port=8100, drain_timeout_s=5)
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from deepinfer_gateway import errors
-from deepinfer_gateway.gateway.error_json import client_protocol, error_response, stream_error_frame
+from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response, stream_error_frame
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 
 CASES = [  # (error, status, OpenAI type, Anthropic type)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
-from deepinfer_gateway.gateway.loop_lag import LoopLag
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.telemetry.loop_lag import LoopLag
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 
 
 async def test_a_blocked_loop_is_seen_late_and_blamed_on_itself() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.metrics_host import (
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.telemetry.metrics_host import (
     MULTIPROC_ENV,
     cpu_seconds,
     live_pids,

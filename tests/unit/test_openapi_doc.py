@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.gateway.app import create_app
-from deepinfer_gateway.gateway.openapi_doc import ANTHROPIC_ERROR, FIELD_TYPES, OPENAI_ERROR, body_schema
-from deepinfer_gateway.gateway.routes import GENERATION_ROUTES
+from deepinfer_gateway.gateway.http.openapi_doc import ANTHROPIC_ERROR, FIELD_TYPES, OPENAI_ERROR, body_schema
+from deepinfer_gateway.gateway.http.routes import GENERATION_ROUTES
 from deepinfer_gateway.recipe_bridge.completions import CompletionRequest
 from deepinfer_gateway.recipe_bridge.fields import FIELDS
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol

@@ -11,7 +11,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from deepinfer_gateway.gateway.relay import RelayResponse
+from deepinfer_gateway.gateway.serving.relay import RelayResponse
 
 SPEC_23 = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
 SPEC_24 = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/"}

@@ -1,7 +1,7 @@
 """RequestServer on scripted worker calls: retries, refusals, the stream/drain outcomes, and
 that every leg's lease is released whichever way the request ends.
 
-`ScriptedClient` stands in for the upstream seam (gateway/upstream.py): each worker URL has
+`ScriptedClient` stands in for the upstream seam (gateway/upstream/base.py): each worker URL has
 a list of event scripts, one per generate call; an exception in a script is raised from that
 read. Everything else (registry, planner, in-memory index and reservations,
 tokenizer, response building, metrics) is the real thing.
@@ -19,11 +19,11 @@ from starlette.requests import ClientDisconnect
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings, HealthSettings
 from deepinfer_gateway.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.relay import RelayResponse
-from deepinfer_gateway.gateway.serving import RequestServer
-from deepinfer_gateway.gateway.upstream import LegRequest
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.relay import RelayResponse
+from deepinfer_gateway.gateway.serving.server import RequestServer
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.base import LegRequest
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, PreparedRequest, RequestPreparer
@@ -59,7 +59,7 @@ class ScriptedStream:
 
 
 class ScriptedUpstream:
-    """One worker's `Upstream` (gateway/upstream.py) on its client's scripts."""
+    """One worker's `Upstream` (gateway/upstream/base.py) on its client's scripts."""
 
     def __init__(self, client: ScriptedClient, spec: Any):
         self.spec = spec

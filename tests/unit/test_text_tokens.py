@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepinfer_gateway.gateway.text_tokens import TextTokens, text_encoder
+from deepinfer_gateway.gateway.upstream.text_tokens import TextTokens, text_encoder
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import FastokensPlain, plain_tokenizer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer

@@ -1,4 +1,4 @@
-"""The upstream seam (gateway/upstream.py): one adapter per engine kind from one table, the leg
+"""The upstream seam (gateway/upstream/base.py): one adapter per engine kind from one table, the leg
 request as the wire carries it, the HTTP library's errors mapped in one place, and no module
 outside the adapters asking which engine a worker runs."""
 
@@ -16,14 +16,14 @@ import pytest
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import WorkerEngine, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway import upstream as seam
-from deepinfer_gateway.gateway.upstream import LegRequest
-from deepinfer_gateway.gateway.upstream_http import http_errors
-from deepinfer_gateway.gateway.upstreams import ADAPTERS, Upstreams
+from deepinfer_gateway.gateway.upstream import base as seam
+from deepinfer_gateway.gateway.upstream.base import LegRequest
+from deepinfer_gateway.gateway.upstream.http import http_errors
+from deepinfer_gateway.gateway.upstream.table import ADAPTERS, Upstreams
 from deepinfer_gateway.kvcache.events import PolledKvLog, ZmqKvPublisher
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 
-PACKAGE = Path(seam.__file__).resolve().parents[1]
+PACKAGE = Path(seam.__file__).resolve().parents[2]
 
 
 def test_every_engine_kind_has_one_adapter_satisfying_the_protocol() -> None:
@@ -100,7 +100,7 @@ def _engine_tests(path: Path) -> list[str]:
 def test_the_registry_feeder_and_request_path_never_ask_for_the_engine_kind() -> None:
     modules = [PACKAGE / "kvcache" / "events.py"] + [
         p for p in (PACKAGE / "gateway").rglob("*.py")
-        if p.stem in {"registry", "legs", "relay", "serving", "route_inputs", "app", "admin_sync", "routes"}]
+        if p.stem in {"registry", "legs", "relay", "server", "route_inputs", "app", "admin_sync", "routes"}]
     assert len(modules) == 9
     offenders: list[Any] = [hit for path in modules for hit in _engine_tests(path)]
     assert offenders == []

@@ -1,5 +1,5 @@
 """PD on vLLM workers without a vLLM: the prefill/decode bodies and the hand-off handle
-(gateway/vllm_pd.py), and the request path on scripted worker calls (legs.py opening the
+(gateway/upstream/vllm_pd.py), and the request path on scripted worker calls (legs.py opening the
 decode leg before any token, engine pairing, a failed hand-off). The real servers run in
 tests/e2e/test_vllm_pd.py."""
 
@@ -13,12 +13,12 @@ import pytest
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import GatewaySettings, HealthSettings, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError, UpstreamFailed, UpstreamKind
-from deepinfer_gateway.gateway import vllm_pd
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.serving import RequestServer
-from deepinfer_gateway.gateway.upstream import LegRequest
-from deepinfer_gateway.gateway.vllm_upstream import completion_body
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.server import RequestServer
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream import vllm_pd
+from deepinfer_gateway.gateway.upstream.base import LegRequest
+from deepinfer_gateway.gateway.upstream.vllm import completion_body
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import BridgeConfig, RequestPreparer

@@ -12,9 +12,9 @@ import pytest
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.dgw_upstream import DgwUpstream
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
 
 URL = "http://w1.test"
 

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from deepinfer_gateway.config import WorkerSpec
 from deepinfer_gateway.errors import GatewayError
-from deepinfer_gateway.gateway.admin_store import (
+from deepinfer_gateway.gateway.fleet.admin_store import (
     CHANNEL,
     AdminSnapshot,
     AdminStore,
@@ -38,7 +38,7 @@ from deepinfer_gateway.gateway.admin_store import (
     desired_workers,
     routing_inputs,
 )
-from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.router.planner import RoutePlanner
 

@@ -37,8 +37,8 @@ import dns.resolver
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DiscoverySpec, WorkerEngine, WorkerSpec, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.upstream_http import HttpPool
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.upstream.http import HttpPool
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import HealthSettings, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.loop_lag import LoopLag
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.upstream import Upstream, UpstreamFactory
+from deepinfer_gateway.gateway.telemetry.loop_lag import LoopLag
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.base import Upstream, UpstreamFactory
 
 log = logging.getLogger(__name__)
 

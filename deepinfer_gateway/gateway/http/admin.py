@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.config import GatewaySettings, parse_worker_spec
 from deepinfer_gateway.errors import Forbidden, GatewayError
-from deepinfer_gateway.gateway.routes import authenticate
+from deepinfer_gateway.gateway.http.routes import authenticate
 from deepinfer_gateway.gateway.state import gateway_state
 
 

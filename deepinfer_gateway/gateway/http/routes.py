@@ -35,18 +35,18 @@ from deepinfer_gateway.errors import (
     RateLimited,
     Unauthorized,
 )
-from deepinfer_gateway.gateway.auth import presented_key
-from deepinfer_gateway.gateway.background import run_in_background
-from deepinfer_gateway.gateway.error_json import client_protocol, error_response
-from deepinfer_gateway.gateway.logs import random_id
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.serving.auth import presented_key
+from deepinfer_gateway.gateway.serving.background import run_in_background
+from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.state import GatewayState, gateway_state
+from deepinfer_gateway.gateway.telemetry.logs import random_id
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from deepinfer_gateway.gateway.responses_api import ResponsesState
+    from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
 
 log = logging.getLogger(__name__)
 

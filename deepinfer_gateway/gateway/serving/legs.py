@@ -7,7 +7,7 @@ answers the client (`WorkerRefused`).
 A PD prefill leg ends with a KV hand-off and `hand_off` continues on a decode worker of the
 same KV format and hand-off family (upstream.py): after the prefill's first token (sim,
 DeepInfer: relay.py follows the hand-off), or before any token when the prefill hands off
-without one (vLLM, gateway/vllm_pd.py: `first` follows it, so the client's response starts
+without one (vLLM, gateway/upstream/vllm_pd.py: `first` follows it, so the client's response starts
 with the decode worker's first token).
 
 Each open leg holds a `Lease`: the worker's in-flight count, the process gauge, the
@@ -34,11 +34,11 @@ from deepinfer_gateway.errors import (
     UpstreamKind,
     WorkerRefused,
 )
-from deepinfer_gateway.gateway.background import run_in_background
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
-from deepinfer_gateway.gateway.route_inputs import RouteInputs
-from deepinfer_gateway.gateway.upstream import EventStream, LegRequest
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.serving.background import run_in_background
+from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan
 
@@ -140,7 +140,7 @@ class Legs:
             raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last}") from None
         plan = plans[-1]
         if plan.mode is Mode.PD and first["event"] == "finish" and "kv_handoff" in first:
-            # Handed off before any token (vLLM's PD, gateway/vllm_pd.py: the decode worker samples
+            # Handed off before any token (vLLM's PD, gateway/upstream/vllm_pd.py: the decode worker samples
             # the first token): the decode leg opens now, so the first token, TTFT and a failure
             # to hand off all come before the client's response starts.
             prefill = lease

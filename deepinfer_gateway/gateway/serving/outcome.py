@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerState
+from deepinfer_gateway.gateway.fleet.registry import WorkerState
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.planner import Plan
 

@@ -27,11 +27,11 @@ from starlette.types import Receive, Send
 
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import GatewayError, UpstreamError, UpstreamFailed, UpstreamKind
-from deepinfer_gateway.gateway.error_json import stream_error_frame
-from deepinfer_gateway.gateway.legs import Lease, Legs, raise_if_error
-from deepinfer_gateway.gateway.outcome import RequestOutcome
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.upstream import LegRequest
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.error_json import stream_error_frame
+from deepinfer_gateway.gateway.serving.legs import Lease, Legs, raise_if_error
+from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
+from deepinfer_gateway.gateway.upstream.base import LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import AnyResponseStream
 

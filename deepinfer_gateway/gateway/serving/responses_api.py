@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.errors import GatewayError
-from deepinfer_gateway.gateway.response_store import ResponseStore, StoredResponse
+from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 

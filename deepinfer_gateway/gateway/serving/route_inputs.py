@@ -15,8 +15,8 @@ import time
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.errors import NoHealthyWorker, Overloaded
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest

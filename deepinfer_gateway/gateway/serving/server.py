@@ -21,14 +21,14 @@ from starlette.responses import Response
 
 from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
-from deepinfer_gateway.gateway.decision_log import DecisionLog, decision_record
-from deepinfer_gateway.gateway.legs import Legs
-from deepinfer_gateway.gateway.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.outcome import RequestOutcome
-from deepinfer_gateway.gateway.registry import WorkerRegistry
-from deepinfer_gateway.gateway.relay import Exchange, Relay, RelayResponse
-from deepinfer_gateway.gateway.route_inputs import RouteInputs
-from deepinfer_gateway.gateway.upstream import LegRequest
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.legs import Legs
+from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
+from deepinfer_gateway.gateway.serving.relay import Exchange, Relay, RelayResponse
+from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
+from deepinfer_gateway.gateway.telemetry.decision_log import DecisionLog, decision_record
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.base import LegRequest
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, response_stream

@@ -1,7 +1,7 @@
 """Prometheus metrics of one gateway process, in a registry it owns.
 
 Names are a contract (docs/metrics.md, generated from this registry by
-`python -m deepinfer_gateway.gateway.metrics_reference`; the Grafana dashboard, the alert
+`python -m deepinfer_gateway.gateway.telemetry.metrics_reference`; the Grafana dashboard, the alert
 rules and the benchmarks read them): prefix `dgw_`, counters end in `_total`, durations
 in `_seconds`, labels bounded (protocol, model from the configured list, status code,
 pool, hardware, reason enum, worker id from config).
@@ -33,8 +33,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from deepinfer_gateway.errors import UpstreamKind
-from deepinfer_gateway.gateway.loop_lag import LAG_BUCKETS
-from deepinfer_gateway.gateway.metrics_host import HostCollector, ProcessCpuCollector, live_processes, multiprocess_dir
+from deepinfer_gateway.gateway.telemetry.loop_lag import LAG_BUCKETS
+from deepinfer_gateway.gateway.telemetry.metrics_host import (
+    HostCollector,
+    ProcessCpuCollector,
+    live_processes,
+    multiprocess_dir,
+)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)

@@ -20,7 +20,7 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import OpenAIWorkerSpec, VllmWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream_http import HttpPool, LineStream, Response
+from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"

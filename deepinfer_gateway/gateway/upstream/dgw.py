@@ -15,8 +15,8 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream import LegRequest, Probe, Timeouts
-from deepinfer_gateway.gateway.upstream_http import HttpPool, LineStream, Response, http_errors
+from deepinfer_gateway.gateway.upstream.base import LegRequest, Probe, Timeouts
+from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response, http_errors
 from deepinfer_gateway.kvcache.events import PolledKvLog
 
 

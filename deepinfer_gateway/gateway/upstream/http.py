@@ -26,7 +26,7 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream import Timeouts
+from deepinfer_gateway.gateway.upstream.base import Timeouts
 from deepinfer_gateway.worker_auth import SecretTokens, bearer
 
 TOKEN_REFRESH_S = 1.0

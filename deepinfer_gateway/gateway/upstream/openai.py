@@ -37,16 +37,16 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import OpenAIWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.completions_api import (
+from deepinfer_gateway.gateway.upstream.base import LegRequest, Probe
+from deepinfer_gateway.gateway.upstream.completions_api import (
     CompletionStream,
     fit_to_context,
     probe_server,
     provisional_cached,
     refusal,
 )
-from deepinfer_gateway.gateway.text_tokens import TextTokens
-from deepinfer_gateway.gateway.upstream import LegRequest, Probe
-from deepinfer_gateway.gateway.upstream_http import HttpPool
+from deepinfer_gateway.gateway.upstream.http import HttpPool
+from deepinfer_gateway.gateway.upstream.text_tokens import TextTokens
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 

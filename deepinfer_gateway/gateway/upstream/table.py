@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 
 from deepinfer_gateway.config import WorkerEngine, WorkerSpec
-from deepinfer_gateway.gateway.dgw_upstream import DgwUpstream
-from deepinfer_gateway.gateway.openai_upstream import OpenAIUpstream
-from deepinfer_gateway.gateway.upstream import Timeouts, Upstream
-from deepinfer_gateway.gateway.upstream_http import HttpPool
-from deepinfer_gateway.gateway.vllm_upstream import VllmUpstream
+from deepinfer_gateway.gateway.upstream.base import Timeouts, Upstream
+from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
+from deepinfer_gateway.gateway.upstream.http import HttpPool
+from deepinfer_gateway.gateway.upstream.openai import OpenAIUpstream
+from deepinfer_gateway.gateway.upstream.vllm import VllmUpstream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.worker_auth import SecretTokens
 

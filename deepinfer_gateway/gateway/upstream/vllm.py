@@ -37,8 +37,9 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import VllmWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway import vllm_pd
-from deepinfer_gateway.gateway.completions_api import (
+from deepinfer_gateway.gateway.upstream import vllm_pd
+from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, Probe
+from deepinfer_gateway.gateway.upstream.completions_api import (
     CompletionStream,
     fit_to_context,
     post_completion,
@@ -46,8 +47,7 @@ from deepinfer_gateway.gateway.completions_api import (
     provisional_cached,
     refusal,
 )
-from deepinfer_gateway.gateway.upstream import EventStream, LegRequest, Probe
-from deepinfer_gateway.gateway.upstream_http import HttpPool, read_body
+from deepinfer_gateway.gateway.upstream.http import HttpPool, read_body
 from deepinfer_gateway.kvcache.events import ZmqKvPublisher
 from deepinfer_gateway.kvcache.hashing import kv_salt
 
