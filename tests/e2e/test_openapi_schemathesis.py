@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.gateway.auth import hash_key
+from deepinfer_gateway.gateway.serving.auth import hash_key
 from deepinfer_gateway.launch import Gateway, SimCluster
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
