@@ -107,9 +107,19 @@ FIELDS: dict[ApiProtocol, Mapping[str, Refuse | None]] = {
 }
 
 
-def check_fields(protocol: ApiProtocol, body: Mapping[str, Any]) -> None:
-    """400 for the first field `protocol` does not honour (unknown, or refused at that value)."""
-    rules = FIELDS[protocol]
+# Anthropic's `count_tokens` takes the prompt's fields of a Messages body only (as Anthropic:
+# `max_tokens`, `stream` and the sampling fields are refused as unknown there).
+COUNT_TOKENS_FIELDS: Mapping[str, Refuse | None] = {
+    name: FIELDS[ApiProtocol.MESSAGES][name]
+    for name in ("model", "messages", "system", "tools", "tool_choice", "thinking", "mcp_servers", "context_management")
+}
+
+
+def check_fields(protocol: ApiProtocol, body: Mapping[str, Any],
+                 rules: Mapping[str, Refuse | None] | None = None) -> None:
+    """400 for the first field `protocol` does not honour (unknown, or refused at that value);
+    `rules`: another table than FIELDS[protocol] (COUNT_TOKENS_FIELDS)."""
+    rules = FIELDS[protocol] if rules is None else rules
     for name, value in body.items():
         if name not in rules:
             raise BridgeError(400, f"Unrecognized request argument supplied: {name}", param=name)

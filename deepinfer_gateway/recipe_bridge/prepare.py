@@ -32,7 +32,7 @@ from deepinfer_gateway.recipe_bridge.conversion import (
     sampling_of,
 )
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
-from deepinfer_gateway.recipe_bridge.fields import check_fields, session_of, top_k_of
+from deepinfer_gateway.recipe_bridge.fields import COUNT_TOKENS_FIELDS, check_fields, session_of, top_k_of
 from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
 from deepinfer_gateway.recipe_bridge.offload import OFFLOAD_BODY_BYTES, OFFLOAD_ENV, PrepareOffload, parse_offload
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, BridgeConfig, PreparedRequest, TokenCount
@@ -113,8 +113,10 @@ class RequestPreparer:
 
     def count_tokens(self, body: bytes) -> TokenCount:
         """Anthropic `count_tokens`: the prompt tokens the engine would prefill for this
-        Messages body (`max_tokens` is not needed)."""
-        requested, target, conv, _, _ = convert(ApiProtocol.MESSAGES, RawBody(body), self.catalog, self._options)
+        Messages body's prompt fields (COUNT_TOKENS_FIELDS; `max_tokens` is not needed)."""
+        raw = RawBody(body)
+        check_fields(ApiProtocol.MESSAGES, raw.parsed, COUNT_TOKENS_FIELDS)
+        requested, target, conv, _, _ = convert(ApiProtocol.MESSAGES, raw, self.catalog, self._options)
         with RefusalsOf(target.served):
             images = self._images(conv.conversation)
             token_ids, _ = self._encode(conv)

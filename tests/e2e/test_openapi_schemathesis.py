@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deepinfer_gateway.gateway.serving.auth import hash_key
@@ -52,3 +53,15 @@ def test_the_live_schema_holds_for_generated_requests(gateway: Gateway, tmp_path
     assert "Selected: 19/19" in run.stdout, run.stdout[-3000:]
     assert "Authentication failed" not in run.stdout, run.stdout[-3000:]  # every route reached, admin too
     print(run.stdout[-2500:])  # the figures, under pytest -s
+
+
+def test_count_tokens_refuses_what_its_schema_does_not_list(gateway: Gateway) -> None:
+    """The schema says additionalProperties: false; the route used to count and ignore such a field."""
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "hi"}], "bogus": 1}
+    response = httpx.post(gateway.url + "/v1/messages/count_tokens", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert response.status_code == 400
+    assert response.json()["type"] == "error" and "bogus" in response.json()["error"]["message"]
+    del body["bogus"]
+    assert httpx.post(gateway.url + "/v1/messages/count_tokens", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["input_tokens"] > 0

@@ -13,7 +13,7 @@ from deepinfer_gateway.gateway.app import create_app
 from deepinfer_gateway.gateway.http.openapi_doc import ANTHROPIC_ERROR, FIELD_TYPES, OPENAI_ERROR, body_schema
 from deepinfer_gateway.gateway.http.routes import GENERATION_ROUTES
 from deepinfer_gateway.recipe_bridge.completions import CompletionRequest
-from deepinfer_gateway.recipe_bridge.fields import FIELDS
+from deepinfer_gateway.recipe_bridge.fields import COUNT_TOKENS_FIELDS, FIELDS
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 
 
@@ -47,7 +47,9 @@ def test_the_live_document_carries_each_generation_body(spec: dict[str, Any]) ->
         assert schema["additionalProperties"] is False
     assert body_of(spec, "/v1/messages")["required"] == ["model", "messages", "max_tokens"]
     assert body_of(spec, "/v1/completions")["required"] == ["model", "prompt"]
-    assert body_of(spec, "/v1/messages/count_tokens")["required"] == ["model", "messages"]
+    count_tokens = body_of(spec, "/v1/messages/count_tokens")
+    assert count_tokens["required"] == ["model", "messages"]
+    assert set(count_tokens["properties"]) == set(COUNT_TOKENS_FIELDS) and count_tokens["additionalProperties"] is False
     assert "WorkerSpec" in str(spec["paths"]["/admin/workers"]["post"]["requestBody"])
     assert "RoutingUpdate" in str(spec["paths"]["/admin/routing"]["put"]["requestBody"])
 

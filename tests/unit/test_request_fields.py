@@ -85,3 +85,12 @@ def test_the_session_comes_from_user_prompt_cache_key_or_anthropic_metadata(prep
     assert session_of(ApiProtocol.CHAT, {"metadata": {"user_id": "a"}}) is None
     prepared = preparer.prepare(ApiProtocol.CHAT, orjson.dumps({**BASE[ApiProtocol.CHAT], "prompt_cache_key": "k"}))
     assert prepared.user == "k"
+
+
+@pytest.mark.parametrize("name", ["frobnicate", "max_tokens", "stream", "temperature"])
+def test_count_tokens_refuses_a_field_it_does_not_read(preparer: RequestPreparer, name: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert preparer.count_tokens(orjson.dumps(body)).input_tokens > 0
+    with pytest.raises(BridgeError) as refused:
+        preparer.count_tokens(orjson.dumps({**body, name: 1}))
+    assert refused.value.status_code == 400 and refused.value.param == name

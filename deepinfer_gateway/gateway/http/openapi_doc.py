@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer_gateway.recipe_bridge.completions import CompletionRequest
-from deepinfer_gateway.recipe_bridge.fields import FIELDS
+from deepinfer_gateway.recipe_bridge.fields import COUNT_TOKENS_FIELDS, FIELDS
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 
 JSON = "application/json"
@@ -103,8 +103,9 @@ def body_schema(protocol: ApiProtocol, models: tuple[str, ...] = ()) -> Schema:
 
 
 def count_tokens_schema(models: tuple[str, ...] = ()) -> Schema:
-    """`/v1/messages/count_tokens`: a Messages body; `max_tokens` is not needed."""
+    """`/v1/messages/count_tokens`: a Messages body's prompt fields; `max_tokens` is not needed."""
     schema = body_schema(ApiProtocol.MESSAGES, models)
+    schema["properties"] = {name: schema["properties"][name] for name in COUNT_TOKENS_FIELDS}
     schema["required"] = ["model", "messages"]
     return schema
 
