@@ -160,15 +160,20 @@ def _provenance(spec: str) -> dict[str, Any] | None:
     return {"url": source.url(), "sha256": source.sha256, "git_blob": source.git_blob, "license": source.license}
 
 
-def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None) -> dict[str, Any]:
-    if is_session_spec(config.trace):
-        return _run_sessions(config, before_run)
-    trace = load_trace(config.trace).head(config.max_requests)
+def _start(config: BenchConfig, before_run: Callable[[], None] | None) -> tuple[str, str]:
+    """(the model to send, the start time) once the output directory exists and `before_run` ran."""
     model = config.model or detect_model(config.url, config.api_key)
     config.out.mkdir(parents=True, exist_ok=True)
     if before_run is not None:
         before_run()
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    return model, dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None) -> dict[str, Any]:
+    if is_session_spec(config.trace):
+        return _run_sessions(config, before_run)
+    trace = load_trace(config.trace).head(config.max_requests)
+    model, started = _start(config, before_run)
     result, tiers = _run_loop(_replay(config, trace, model))
     sent = {r.index for r in result.records}
     oracle = oracle_hit_rate([r for r in trace.requests if r.index in sent], trace.block_size)
@@ -198,11 +203,7 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
 
 def _run_sessions(config: BenchConfig, before_run: Callable[[], None] | None) -> dict[str, Any]:
     trace = load_sessions(config.trace).head(config.max_requests)
-    model = config.model or detect_model(config.url, config.api_key)
-    config.out.mkdir(parents=True, exist_ok=True)
-    if before_run is not None:
-        before_run()
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    model, started = _start(config, before_run)
     result, tiers = _run_loop(_replay_sessions(config, trace, model))
     replay_cfg = config.replay
     meta = {

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from deepinfer_gateway.loadgen.client import Turn
 from deepinfer_gateway.loadgen.replay import Progress, ReplayResult
-from deepinfer_gateway.workload.sessions import Round, Session, SessionTrace
+from deepinfer_gateway.workload.sessions import Round, Session, SessionTiming, SessionTrace
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 
@@ -36,14 +36,6 @@ class SessionReplayConfig:
     duration_s: float | None = None  # no round is sent after it
     drain_timeout_s: float = 60.0
     progress: bool = True
-
-
-@dataclass(frozen=True)
-class SessionTiming:
-    session_id: str
-    rounds: int
-    makespan_s: float
-    service_s: float  # makespan without the waits on the path to the last answer
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from deepinfer_gateway.simulate.gateway import RequestState
 from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.simulate.tokens import VOCAB, PromptTokens
-from deepinfer_gateway.workload.sessions import Round, Session, SessionTrace
+from deepinfer_gateway.workload.sessions import Round, Session, SessionTiming, SessionTrace
 from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
 
 TURN_TOKENS = 2  # end of the assistant turn, start of the next user turn
@@ -43,14 +43,6 @@ def system_ids(prompts: PromptTokens, kind: int, tokens: int) -> list[int]:
     """The system prompt of agent type `kind`: the same ids in every session of that type."""
     count = -(-tokens // prompts.block_size)
     return prompts.blocks([2 * (kind * _SYSTEM_STRIDE + b) for b in range(count)], tokens)
-
-
-@dataclass(frozen=True)
-class SessionTiming:
-    session_id: str
-    rounds: int
-    makespan_s: float
-    service_s: float  # makespan without the waits on the path to the last answer
 
 
 @dataclass

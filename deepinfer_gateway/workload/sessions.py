@@ -64,6 +64,17 @@ class Session:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionTiming:
+    """One replayed session's times (bench or simulate): first send to last answer, and the same
+    without the waits on the path to that answer (what the serving stack cost the agent)."""
+
+    session_id: str
+    rounds: int
+    makespan_s: float
+    service_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class SessionTrace:
     name: str
     sessions: tuple[Session, ...]  # by arrival
