@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Send
 
 from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 _FINAL_EVENTS = (b"event: response.completed", b"event: response.incomplete")
 _INPUT_ROLE_TEXT = {"user": "input_text", "system": "input_text", "developer": "input_text",
                     "assistant": "output_text"}
@@ -121,17 +122,17 @@ class ResponsesState:
         """Store the answer before its last part reaches the client (an error answer is not stored)."""
         if response.status_code != 200:
             return response
-        writer = getattr(response, "body_writer", None)
-        if writer is None:  # one JSON body
+        if not isinstance(response, RelayResponse):  # one JSON body
             await self._keep(pending, orjson.loads(response.body))
             return response
-        setattr(response, "body_writer", lambda send: writer(self._teeing(pending, send)))  # noqa: B010
+        writer = response.body_writer
+        response.body_writer = lambda send: writer(self._teeing(pending, send))
         return response
 
     def _teeing(self, pending: Pending, send: Send) -> Send:
         kept = False
 
-        async def tee(message: dict[str, Any]) -> None:
+        async def tee(message: Message) -> None:
             nonlocal kept
             body = message.get("body", b"")
             if not kept and message["type"] == "http.response.body" and any(e in body for e in _FINAL_EVENTS):
