@@ -23,7 +23,7 @@ lint: $(BIN)/.installed
 	$(BIN)/lint-imports
 
 check: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit -n auto tests/unit
 
 # Lint first: a failure stops before the suite runs.
 test: lint
