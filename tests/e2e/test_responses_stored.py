@@ -47,8 +47,8 @@ def test_a_stored_response_is_retrieved_listed_continued_and_deleted(sim_gateway
     assert [i.role for i in listed.data] == ["user", "assistant", "user"]
     assert listed.data[1].content[0].text == first.output_text
 
-    deleted = client.responses.delete(first.id)  # type: ignore[func-returns-value]
-    assert deleted is None or getattr(deleted, "deleted", True)
+    deleted = client.responses.with_raw_response.delete(first.id)
+    assert deleted.http_response.json() == {"id": first.id, "object": "response.deleted", "deleted": True}
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError) as unknown:

@@ -69,12 +69,26 @@ def input_items(value: Any) -> list[dict[str, Any]]:
     return items
 
 
+# A body naming none of these is a plain new conversation to store: it is not parsed here (the
+# preparer parses it, off the event loop when large); its input items are read once it is answered.
+# A `\u` escape could spell one of them: such a body is parsed.
+_STATE_KEYS = (b'"previous_response_id"', b'"background"', b'"conversation"', b'"store"', b"\\u")
+
+
 @dataclass(frozen=True, slots=True)
 class Pending:
-    """What `capture` stores with the answer: its owner and the whole input it answers."""
+    """What `capture` stores with the answer: its owner and the whole input it answers (the
+    expanded items, or the body they are read from)."""
 
     owner: str
-    items: list[dict[str, Any]]
+    items: list[dict[str, Any]] | None = None
+    body: bytes = b""
+
+    def input_items(self) -> list[dict[str, Any]]:
+        if self.items is not None:
+            return self.items
+        obj = orjson.loads(self.body)
+        return input_items(obj.get("input", []) if isinstance(obj, dict) else [])
 
 
 class ResponsesState:
@@ -84,6 +98,11 @@ class ResponsesState:
 
     async def prepare(self, owner: str, body: bytes) -> tuple[bytes, Pending | None]:
         """The body the preparer gets, and what to store with its answer (None: not stored)."""
+        if not any(key in body for key in _STATE_KEYS):
+            if self.store is None:
+                return body, None
+            await self.store.check_room(owner)
+            return body, Pending(owner, body=body)
         try:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -116,7 +135,7 @@ class ResponsesState:
         if not store or self.store is None:
             return body, None
         await self.store.check_room(owner)
-        return body, Pending(owner, items)
+        return body, Pending(owner, items=items)
 
     async def capture(self, pending: Pending, response: Response) -> Response:
         """Store the answer before its last part reaches the client (an error answer is not stored)."""
@@ -146,7 +165,8 @@ class ResponsesState:
     async def _keep(self, pending: Pending, response: dict[str, Any]) -> None:
         assert self.store is not None
         try:
-            await self.store.put(pending.owner, str(response["id"]), StoredResponse(response, pending.items))
+            stored = StoredResponse(response, pending.input_items())
+            await self.store.put(pending.owner, str(response["id"]), stored)
         except GatewayError as exc:
             log.warning("response %s not stored: %s", response.get("id"), exc.message)
         except Exception:  # a store outage must not fail an answered response
