@@ -8,3 +8,5 @@ REQUEST_ID = "x-request-id"
 WORKER = "x-dgw-worker"  # the worker of the request's first leg (a PD request: its prefill worker)
 PROCESS = "x-dgw-process"  # on every response of a supervised process: its pid
 SESSION = "x-session-id"  # request header: the routing session when the body names no `user`
+CORRELATION = "x-correlation-id"  # the same, as AIPerf and Dynamo's clients pin sessions
+SESSIONS = (SESSION, CORRELATION)  # read in this order

@@ -59,8 +59,6 @@ GENERATION_ROUTES: dict[str, ApiProtocol] = {
     "/v1/messages": ApiProtocol.MESSAGES,
 }
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-# A session's id for affinity: SGLang/our clients send x-session-id, AIPerf and Dynamo x-correlation-id.
-SESSION_HEADERS = (headers.SESSION, "x-correlation-id")
 # dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
 MODELS = "models"
 COUNT_TOKENS = "count_tokens"
@@ -68,8 +66,8 @@ STORED_RESPONSES = "stored_responses"  # GET/DELETE /v1/responses/{id}[/input_it
 
 
 def session_key(request: Request) -> str | None:
-    headers = request.headers
-    return next((value for name in SESSION_HEADERS if (value := headers.get(name))), None)
+    sent = request.headers
+    return next((value for name in headers.SESSIONS if (value := sent.get(name))), None)
 
 
 async def authenticate(request: Request) -> ApiKey:
