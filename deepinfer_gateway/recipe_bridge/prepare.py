@@ -16,6 +16,8 @@ preparation runs), prepared.py (`PreparedRequest` and the other types, re-export
 
 from __future__ import annotations
 
+from typing import Any
+
 import deepseek_recipe as dr
 import orjson
 
@@ -74,9 +76,7 @@ class RequestPreparer:
         raw = RawBody(body)
         parsed = raw.parsed  # every field is checked (fields.py): nothing accepted and ignored
         check_fields(protocol, parsed)
-        if protocol is ApiProtocol.CHAT and parsed.get("max_tokens") is None and "max_completion_tokens" in parsed:
-            # deepseek-recipe 0.2 reads only the deprecated `max_tokens`; the newer name means the same.
-            parsed["max_tokens"] = parsed.pop("max_completion_tokens")
+        if protocol is ApiProtocol.CHAT and _newer_chat_spellings(parsed):
             raw = RawBody(orjson.dumps(parsed))
         requested, target, conv, echo, namespace_map = convert(protocol, raw, self.catalog, self._options)
         with RefusalsOf(target.served):
@@ -186,3 +186,20 @@ class RequestPreparer:
         if not token_ids:
             raise legacy.CompletionRefused("`prompt` must not be empty.", "prompt")
         return token_ids, legacy.resolve_max_tokens(request.max_tokens, len(token_ids), self.config.context_limit)
+
+
+def _newer_chat_spellings(parsed: dict[str, Any]) -> bool:
+    """Rewrite, in place, what newer OpenAI clients send and deepseek-recipe 0.2 reads under an
+    older name: `max_completion_tokens` (for the deprecated `max_tokens`) and the `developer`
+    role (OpenAI's name for system instructions since its reasoning models). True if changed."""
+    changed = False
+    if parsed.get("max_tokens") is None and "max_completion_tokens" in parsed:
+        parsed["max_tokens"] = parsed.pop("max_completion_tokens")
+        changed = True
+    messages = parsed.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict) and message.get("role") == "developer":
+                message["role"] = "system"
+                changed = True
+    return changed

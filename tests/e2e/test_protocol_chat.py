@@ -143,6 +143,20 @@ def test_max_tokens_cuts_with_length(openai_client: openai.OpenAI, param: str) -
     assert out.usage.completion_tokens == 5
 
 
+def test_developer_role_is_the_system_prompt(openai_client: openai.OpenAI) -> None:
+    # Newer OpenAI clients send their instructions as `developer`: the engine sees the same prompt as for `system`.
+    def prompt_tokens(role: str) -> int:
+        out = openai_client.chat.completions.create(
+            model=MODEL, max_tokens=1, extra_body=THINKING[False],
+            messages=[{"role": role, "content": "Answer in French."},  # type: ignore[misc]
+                      {"role": "user", "content": "Hi"}])
+        return int(out.usage.prompt_tokens)
+    assert prompt_tokens("developer") == prompt_tokens("system")
+    without = openai_client.chat.completions.create(model=MODEL, max_tokens=1, extra_body=THINKING[False],
+                                                    messages=[{"role": "user", "content": "Hi"}])
+    assert prompt_tokens("developer") > without.usage.prompt_tokens
+
+
 def test_logprobs_non_streaming_and_streaming(openai_client: openai.OpenAI) -> None:
     out = _ask(openai_client, "Hi", thinking=False, logprobs=True, top_logprobs=3)
     content = out.choices[0].logprobs.content
