@@ -20,6 +20,7 @@ from deepinfer_gateway.cli_commands import (
     DEMO_TOPOLOGIES,
     cmd_bench,
     cmd_demo,
+    cmd_epp,
     cmd_serve,
     cmd_sim_cluster,
     cmd_simulate,
@@ -185,6 +186,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="directory of files named after settings, e.g. api_keys holding a JSON list of key "
                             "records (default: $DGW_SECRETS_DIR, else none)")
     serve.set_defaults(func=cmd_serve)
+
+    epp = command("epp", "the router as an Envoy ext_proc Endpoint Picker (Gateway API Inference Extension)",
+                  "The gateway's routing (same settings, prefix index, KV event feeders, planner, policies as "
+                  "serve) behind an Envoy ext_proc gRPC server: Envoy (or any Gateway API Inference Extension "
+                  "data plane) asks it which endpoint serves each request. Unified pools only. Every port binds "
+                  "--grpc-host / --metrics-host, loopback unless told otherwise.")
+    epp.add_argument("--config", metavar="FILE", default=None, help="TOML settings file, as serve's (default: none)")
+    epp.add_argument("--redis-url", default=None, help="Redis shared with gateways and other EPP replicas "
+                                                       "(default: the settings', else this process's memory)")
+    epp.add_argument("--worker-url", metavar="ROLE:HARDWARE@URL", type=worker_url, action="append", default=None,
+                     help="a worker, repeatable, as serve's; its URL's host:port is the endpoint the data plane "
+                          "dials, so an IP address (default: the settings' workers)")
+    epp.add_argument("--policy", metavar="NAME", choices=sorted(POLICIES), default=None,
+                     help="routing policy (default: the settings', else estimated_ttft)")
+    epp.add_argument("--grpc-host", default="127.0.0.1", help="ext_proc and health listen address")
+    epp.add_argument("--grpc-port", type=int, default=9002, help="ext_proc port")
+    epp.add_argument("--health-port", type=int, default=9003, help="gRPC health port (liveness, readiness)")
+    epp.add_argument("--metrics-host", default="127.0.0.1", help="/metrics listen address")
+    epp.add_argument("--metrics-port", type=int, default=9090, help="/metrics port")
+    epp.add_argument("--fallbacks", type=int, default=2,
+                     help="endpoints listed after the pick, for the data plane's retries (0: only the pick, "
+                          "which Envoy's ORIGINAL_DST cluster needs)")
+    epp.add_argument("--secrets-dir", metavar="DIR", default=None,
+                     help="directory of files named after settings, as serve's (default: $DGW_SECRETS_DIR, else none)")
+    epp.set_defaults(func=cmd_epp)
 
     worker = command("worker", "one engine worker speaking worker protocol v1")
     worker.add_argument("--engine", choices=["sim", "deepinfer"], default="sim",

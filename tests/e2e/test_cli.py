@@ -50,7 +50,7 @@ def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
 def test_top_level_help_is_written_for_users() -> None:
     out = run_cli("--help")
     assert out.returncode == 0, out.stderr
-    for command in ("demo", "serve", "worker", "sim-cluster", "bench", "simulate", "warm-cache"):
+    for command in ("demo", "serve", "epp", "worker", "sim-cluster", "bench", "simulate", "warm-cache"):
         assert f"\n    {command} " in out.stdout, command
     assert "examples:\n  deepinfer-gateway demo" in out.stdout
     assert "docs/config.md" in out.stdout
@@ -71,7 +71,7 @@ def test_every_flag_of_every_command_has_help_and_its_default() -> None:
     assert missing == []
 
 
-@pytest.mark.parametrize("command", ["demo", "serve", "worker", "sim-cluster", "bench", "simulate", "warm-cache"])
+@pytest.mark.parametrize("command", ["demo", "serve", "epp", "worker", "sim-cluster", "bench", "simulate", "warm-cache"])
 def test_each_command_prints_its_help(command: str) -> None:
     out = run_cli(command, "--help")
     assert out.returncode == 0 and "--log-level" in out.stdout and "(default:" in out.stdout, out.stderr

