@@ -71,7 +71,8 @@ def test_every_flag_of_every_command_has_help_and_its_default() -> None:
     assert missing == []
 
 
-@pytest.mark.parametrize("command", ["demo", "serve", "epp", "worker", "sim-cluster", "bench", "simulate", "warm-cache"])
+@pytest.mark.parametrize("command",
+                         ["demo", "serve", "epp", "worker", "sim-cluster", "bench", "simulate", "warm-cache"])
 def test_each_command_prints_its_help(command: str) -> None:
     out = run_cli(command, "--help")
     assert out.returncode == 0 and "--log-level" in out.stdout and "(default:" in out.stdout, out.stderr
