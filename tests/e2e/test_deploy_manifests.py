@@ -32,6 +32,9 @@ K8S = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 UNIFIED_OVERRIDE = DEPLOY / "docker-compose.unified.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "deepinfer-gateway.json"
+# The Endpoint Picker's files: its TOML is read by `epp`, which serves no HTTP API (no port, no
+# keys: the Gateway in front authenticates); tests/e2e/test_k8s_epp.py checks them.
+K8S_EPP = K8S / "epp"
 
 GATEWAY_PORT = 8000
 WORKER_PORT = 8100
@@ -133,7 +136,7 @@ DEPLOYED_REDIS = {"redis_url": "redis://redis:6379/0"}
 def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in GatewaySettings.model_fields:
         monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
-    configs = sorted(DEPLOY.rglob("*.toml"))
+    configs = sorted(p for p in DEPLOY.rglob("*.toml") if not p.is_relative_to(K8S_EPP))
     simulated = {DEPLOY / "gateway" / "compose.toml", K8S / "gateway.toml"}
     unified = DEPLOY / "gateway" / "compose-unified.toml"
     assert simulated <= set(configs)
@@ -252,7 +255,7 @@ def shipped_gateways() -> list[ShippedGateway]:
     run = _compose_gateways([COMPOSE_FILE]) + _compose_gateways([COMPOSE_FILE, UNIFIED_OVERRIDE]) + _k8s_gateways()
     used = {g.source for g in run}
     alone = [ShippedGateway(str(p.relative_to(ROOT)), p.read_text(), {}, p.resolve())
-             for p in sorted(DEPLOY.rglob("*.toml")) if p.resolve() not in used]
+             for p in sorted(DEPLOY.rglob("*.toml")) if p.resolve() not in used and not p.is_relative_to(K8S_EPP)]
     return run + alone
 
 
