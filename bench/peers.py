@@ -13,6 +13,11 @@ Targets
   cache_aware`, talking to the workers' OpenAI/SGLang-compatible endpoints.
 - `vllm-router`: vllm-router 0.1.17, `vllm-router --policy cache_aware` (it renders each
   chat request on the workers' `/v1/chat/completions/render` before routing).
+- `round-robin`: the same sglang-router with `--policy round_robin` (no cache awareness,
+  no load view): the baseline any cache-aware router must beat.
+- `gateway-base` (with `--baseline-tree DIR`): the gateway process run from another source
+  tree (e.g. `git archive <commit>` unpacked; PYTHONPATH=DIR), against the same sim cluster
+  and client: a change's before/after in one interleaved run.
 The peer routers are installed from PyPI once into cached venvs (bench/peer_venvs.py). Every
 router runs with warning-level logs (per-request info lines would cost them CPU) and its
 other settings at their defaults.
@@ -123,7 +128,8 @@ from tests.vllm_venv import ensure_vllm_venv
 
 DEFAULT_TRACE = "mooncake:conversation"
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:ascend950"
-TARGETS = ("gateway", "sglang-router", "vllm-router")
+TARGETS = ("gateway", "sglang-router", "vllm-router", "round-robin", "gateway-base")
+GATEWAYS = ("gateway", "gateway-base")
 GATEWAY_HEALTH_INTERVAL_S = 1.0  # the gateway's default ([health] interval_s), not launch.Gateway's test value
 IDLE_PROBE_S = 5.0
 
@@ -195,10 +201,10 @@ class SimWorkers:
         self._cluster = SimCluster(spec.workers, time_scale=spec.time_scale, extra=extra)
         self.urls = self._cluster.urls
 
-    def gateway(self, tmp: Path, extra_toml: str = "") -> Gateway:
+    def gateway(self, tmp: Path, extra_toml: str = "", env: dict[str, str] | None = None) -> Gateway:
         roles = [spec.split(":") for spec in self._cluster.specs]
         workers = [(url, role, hardware) for url, (role, hardware) in zip(self.urls, roles, strict=True)]
-        return Gateway(tmp, workers, extra_toml=extra_toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
+        return Gateway(tmp, workers, extra_toml=extra_toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S, env=env)
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self._cluster.proc.proc.pid)
@@ -253,13 +259,13 @@ class VllmWorkers:
             with urllib.request.urlopen(request, timeout=30) as response:
                 assert response.status == 200, f"{server.url}/reset_prefix_cache answered {response.status}"
 
-    def gateway(self, tmp: Path, extra_toml: str = "") -> Gateway:
+    def gateway(self, tmp: Path, extra_toml: str = "", env: dict[str, str] | None = None) -> Gateway:
         toml = extra_toml + "".join(
             f'[[workers]]\nurl = "{s.url}"\nengine = "vllm"\nid = "vllm-{i}"\nhardware = "sm100"\n'
             f'kv_events_endpoint = "{s.kv_endpoint}"\nkv_events_replay_endpoint = "{s.kv_replay_endpoint}"\n'
             f'kv_events_topic = "{KV_TOPIC}"\n'
             for i, s in enumerate(self.servers))
-        return Gateway(tmp, [], extra_toml=toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S)
+        return Gateway(tmp, [], extra_toml=toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S, env=env)
 
     def cpu_s(self) -> float:
         return sum(tree_cpu_s(s.process.pid) for s in self.servers if s.process is not None)
@@ -312,23 +318,34 @@ class Router:
     stop: Any  # () -> None
 
 
+# Targets served by a peer router: which router, with which policy.
+PEER_TARGETS = {"sglang-router": ("sglang-router", "cache_aware"), "vllm-router": ("vllm-router", "cache_aware"),
+                "round-robin": ("sglang-router", "round_robin")}
+
+
 def _peer_command(target: str, venv: Path, port: int, workers: list[str]) -> list[str]:
     # A metrics port of its own: the default (29000) is one per machine, so a second router running
     # meanwhile (another bench) would panic at start.
-    common = ["--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
+    router, policy = PEER_TARGETS[target]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers,
               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    if target == "sglang-router":
+    if router == "sglang-router":
         return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
     return [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"]
 
 
-def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | None = None) -> Router:
-    if target == "gateway":
+def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | None = None,
+                 baseline_tree: str | None = None) -> Router:
+    if target in GATEWAYS:
+        env = None
+        if target == "gateway-base":
+            assert baseline_tree, "gateway-base needs --baseline-tree"
+            env = {"PYTHONPATH": os.pathsep.join(p for p in (baseline_tree, os.environ.get("PYTHONPATH")) if p)}
         gateway = workers.gateway(tmp, f"[router]\ndecision_log = {json.dumps(str(decision_log))}\n"
-                                  if decision_log else "")
+                                  if decision_log else "", env)
         gateway.wait_ready(len(workers.urls), timeout=60)
         return Router(gateway.url, gateway.proc.proc.pid, gateway.stop)
-    venv = ensure_venv(PEER_ROUTERS[target])
+    venv = ensure_venv(PEER_ROUTERS[PEER_TARGETS[target][0]])
     port = free_port()
     log = (tmp / f"{target}.log").open("wb")
     proc = subprocess.Popen(_peer_command(target, venv, port, workers.urls), stdout=log, stderr=subprocess.STDOUT,
@@ -396,6 +413,7 @@ class RunSpec:
     lean_client: bool = True
     decision_trace: bool = False
     sessions: int = 0  # closed-loop agent sessions: this many live (0: the trace open loop)
+    baseline_tree: str | None = None  # the `gateway-base` target's source tree
 
 
 def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
@@ -408,11 +426,11 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
     nice_applied = None
     try:
         decision_log = None
-        if spec.decision_trace and target == "gateway":
+        if spec.decision_trace and target in GATEWAYS:
             (spec.out / target).mkdir(parents=True, exist_ok=True)
             decision_log = spec.out / target / "decisions.jsonl"
             decision_log.unlink(missing_ok=True)
-        router = start_router(target, workers, tmp, decision_log)
+        router = start_router(target, workers, tmp, decision_log, spec.baseline_tree)
         if spec.autogroup_nice:
             nice_applied = set_autogroup_nice(router.pid, spec.autogroup_nice)
             if isinstance(workers, SimWorkers):
@@ -427,7 +445,7 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
             replay=ReplayConfig(mode="closed" if spec.sessions else "open", concurrency=spec.sessions or 16,
                                 speedup=spec.speedup * T, progress=False, drain_timeout_s=600.0))
         tokens0 = workers.tokens()
-        retries0 = gateway_retries(router.url) if target == "gateway" else None
+        retries0 = gateway_retries(router.url) if target in GATEWAYS else None
         router_cpu0, workers_cpu0 = tree_cpu_s(router.pid), workers.cpu_s()
         own_cpu0, busy0, wall0 = time.process_time(), busy_cpu_s(), time.monotonic()
         summary = run_bench(bench)
@@ -437,7 +455,7 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         others_cpu = busy_cpu_s() - busy0 - router_cpu - workers_cpu - own_cpu
         replay_wall = time.monotonic() - wall0
         tokens1 = workers.tokens()
-        retries = gateway_retries(router.url) if target == "gateway" else None
+        retries = gateway_retries(router.url) if target in GATEWAYS else None
     finally:
         if router is not None:
             router.stop()
@@ -557,6 +575,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=0, metavar="N",
                         help="closed-loop agent sessions, N live (--trace a session trace: TraceLab, Dynamo "
                              "agentic, synthetic:agent:loop=closed); waits on the trace clock / --speedup")
+    parser.add_argument("--baseline-tree", default=None, metavar="DIR",
+                        help="source tree the gateway-base target's gateway runs from (module doc)")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
     parser.add_argument("--vllm", type=int, default=0, metavar="N",
                         help="N real vLLM-CPU servers instead of the sim cluster (module doc)")
@@ -567,6 +587,8 @@ def main() -> None:
     unknown = set(targets) - set(TARGETS)
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {list(TARGETS)}")
+    if ("gateway-base" in targets) != bool(args.baseline_tree):
+        parser.error("the gateway-base target and --baseline-tree go together")
     if args.repeats < 1 or args.slices < 1:
         parser.error("--repeats and --slices must be at least 1")
     if args.vllm and args.slices > 1:
@@ -574,8 +596,8 @@ def main() -> None:
     if args.sessions and (args.slices > 1 or args.vllm or not is_session_spec(args.trace)):
         parser.error("--sessions needs a session --trace, on the sim cluster, one slice")
     for target in targets:
-        if target in PEER_ROUTERS:
-            ensure_venv(PEER_ROUTERS[target])  # installs before any cluster starts
+        if target in PEER_TARGETS:
+            ensure_venv(PEER_ROUTERS[PEER_TARGETS[target][0]])  # installs before any cluster starts
     self_nice = set_autogroup_nice(os.getpid(), args.autogroup_nice) if args.autogroup_nice else None
     out = Path(args.out or tempfile.mkdtemp(prefix="dgw-peers-"))
     rows: list[dict[str, Any]] = []
@@ -598,7 +620,7 @@ def main() -> None:
                         spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
                                        memory_blocks_for(args.memory_blocks, args.speedup), run_out,
                                        args.autogroup_nice, not args.sdk_client, args.decision_trace,
-                                       args.sessions)
+                                       args.sessions, args.baseline_tree)
                         print(f"--- slice {k} rep {rep} {target}: cold {'vLLM caches' if vllm else 'cluster'}, "
                               f"{args.requests} requests", file=sys.stderr, flush=True)
                         row = {"slice": k, "repeat": rep, **run_target(target, spec, Path(tmp), vllm)}

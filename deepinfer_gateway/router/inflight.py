@@ -20,9 +20,17 @@ replicas' reservations to the reported queue when it routes.
   direction, a busy worker looks a little busier). Redis errors degrade to the local view
   (counted, logged once), at once for every request while Redis is failing (outage.py).
 
-Reservations and load reports overlap for the time a request sits both in the worker's
-queue and in a reservation (until its first token); the overlap makes the router
-slightly conservative about busy workers, which is the safe direction.
+What a request books (`Booking`) follows what the worker's load reports already say of it,
+so that the sum "reported queue + bookings" is the prefill work the worker has ahead:
+- sent, not yet in a load report: its uncached part (prompt - predicted cached tokens), the
+  prefill it will add;
+- in a load report, still waiting in the worker's queue: minus its predicted cached tokens,
+  since engines report a waiting request's whole prompt (docs/worker-protocol.md) though
+  they will compute only its uncached part;
+- in a load report and scheduled (`ready`): nothing, the report counts its remaining prefill.
+Booking the whole prompt until the first token counted a follow-up turn's cached prefix up
+to twice (in the reservation and in the report): the workers holding conversations looked
+busier than they were, and the router left them for shorter-looking queues.
 """
 
 from __future__ import annotations
@@ -33,6 +41,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deepinfer_gateway.outage import Outage
+
+
+class Booking:
+    """What one request adds to its worker's reported queue, as its life goes on (module doc)."""
+
+    __slots__ = ("prompt", "cached", "reported", "ready", "released")
+
+    def __init__(self, prompt: int, cached: int) -> None:
+        self.prompt = prompt
+        self.cached = min(cached, prompt)
+        self.reported = False  # a load report taken after the worker accepted it has arrived
+        self.ready = False  # the worker scheduled it (its `ready` event)
+        self.released = False  # nothing booked any more (set by whoever released it)
+
+    def amount(self) -> int | None:
+        """Tokens to add to the worker's reported queue; None: nothing (release)."""
+        if not self.reported:
+            return self.prompt - self.cached
+        return None if self.ready else -self.cached
 
 
 class MemoryInflight:
@@ -108,6 +135,8 @@ class RedisInflight:
         # None for a release.
         self._queued: dict[tuple[str, str], int | None] = {}
         self._unsent: dict[str, dict[str, int]] = {}  # reservations not yet known to land: worker -> request -> tokens
+        self._sent: set[tuple[str, str]] = set()  # (worker, request) with a reservation sent to Redis
+        self._written: dict[tuple[str, str], int] = {}  # (worker, request) -> tokens Redis acknowledged
         self._writer: asyncio.Task[None] | None = None
 
     async def totals(self, workers: Sequence[str]) -> dict[str, int]:
@@ -122,8 +151,10 @@ class RedisInflight:
             self._outage.failed(exc)
             return await self._local.totals(workers)
         self._outage.ok()
-        unsent = self._unsent
-        return {w: int(s) + (sum(unsent[w].values()) if w in unsent else 0) for w, s in zip(workers, sums, strict=True)}
+        unsent, written = self._unsent, self._written
+        # A re-booking not yet landed replaces what Redis holds for the request.
+        return {w: int(s) + (sum(t - written.get((w, r), 0) for r, t in unsent[w].items()) if w in unsent else 0)
+                for w, s in zip(workers, sums, strict=True)}
 
     async def reserve(self, worker: str, request_id: str, tokens: int) -> None:
         await self._local.reserve(worker, request_id, tokens)
@@ -134,8 +165,8 @@ class RedisInflight:
         await self._local.release(worker, request_id)
         self._landed(worker, request_id)
         key = (worker, request_id)
-        if self._queued.get(key, 0):  # reserved and released before the writer ran: nothing to send
-            del self._queued[key]
+        if self._queued.get(key) is not None and key not in self._sent:
+            del self._queued[key]  # reserved and released before the writer ran: nothing to send
             return
         self._queue(worker, request_id, None)
 
@@ -156,9 +187,14 @@ class RedisInflight:
                 writes, self._queued = self._queued, {}
                 keys: list[str] = []
                 args: list[Any] = [time.time() + self._lease_s]
+                sent, written = self._sent, self._written
                 for (worker, request_id), tokens in writes.items():
                     keys += _keys(worker)
                     args += [request_id, "" if tokens is None else tokens]
+                    if tokens is None:
+                        sent.discard((worker, request_id))
+                    else:
+                        sent.add((worker, request_id))
                 try:
                     await self._write(keys=keys, args=args)
                 except Exception as exc:  # the leases expire; the local view carries on
@@ -166,13 +202,19 @@ class RedisInflight:
                 else:
                     self._outage.ok()
                 for (worker, request_id), tokens in writes.items():
-                    if tokens is not None:
-                        self._landed(worker, request_id)
+                    if tokens is None:
+                        written.pop((worker, request_id), None)
+                    else:
+                        written[worker, request_id] = tokens
+                        self._landed(worker, request_id, tokens)
         finally:
             self._writer = None
 
-    def _landed(self, worker: str, request_id: str) -> None:
-        """`totals()` stops adding this reservation from the local view (written, failed or released)."""
+    def _landed(self, worker: str, request_id: str, tokens: int | None = None) -> None:
+        """`totals()` stops adding this reservation from the local view (written, failed or
+        released); `tokens`: the amount written, kept in the local view when it changed meanwhile."""
         unsent = self._unsent.get(worker)
-        if unsent is not None and unsent.pop(request_id, None) is not None and not unsent:
+        if unsent is None or (tokens is not None and unsent.get(request_id, tokens) != tokens):
+            return
+        if unsent.pop(request_id, None) is not None and not unsent:
             del self._unsent[worker]

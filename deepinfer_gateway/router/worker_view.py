@@ -16,7 +16,9 @@ class WorkerView:
     hardware: str
     kv_format: str
     model: str
-    queued_prefill_tokens: int = 0
+    queued_prefill_tokens: int = 0  # reported + booked, at least 0
+    booked_tokens: int = 0  # of which the gateway's bookings (router/inflight.py `Booking`)
+    load_age_s: float = 0.0  # how old the load report is (since its probe began); the decision log reads it
     running: int = 0
     dp_ranks: int = 1
     prefills: bool = True  # a decode worker that can take a PD bypass

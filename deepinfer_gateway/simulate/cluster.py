@@ -3,10 +3,11 @@
 Each `SimWorker` holds the same scheduler the real-time sim worker runs (workers/sim/
 core.py) with its own `SimKvEventLog`, and the gateway-side state the live gateway keeps
 per worker (gateway/fleet/registry.py, gateway/serving/route_inputs.py): the last load report, the
-in-flight reservations and open legs, and the KV event feed cursor. `view()` builds the
+in-flight bookings and open legs, and the KV event feed cursor. `view()` builds the
 same `WorkerView` the live gateway's `route_inputs.worker_view` builds:
 
-    queued_prefill_tokens = last load report's queued prefill + in-flight reservations
+    queued_prefill_tokens = last load report's queued prefill + in-flight bookings (at least 0;
+                            router/inflight.py `Booking`: what the report does not yet say)
     running               = last load report's running + this gateway's open legs
     dp_ranks              = DP ranks in the last load report
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.router.inflight import Booking
 from deepinfer_gateway.router.planner import WorkerView
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.cruise import CruisingCore
@@ -28,6 +30,7 @@ from deepinfer_gateway.workers.sim.profiles import HardwareProfile, load_profile
 class SimWorker:
     __slots__ = (
         "_view",
+        "bookings",
         "busy",
         "core",
         "cruise",
@@ -60,7 +63,8 @@ class SimWorker:
         self.report_queued = 0  # the gateway's last load report of this worker
         self.report_running = 0
         self.report_ranks = profile.dp_ranks
-        self.reserved = 0  # in-flight reservations: prompt tokens sent, first token not back yet
+        self.reserved = 0  # in-flight bookings' sum (router/inflight.py `Booking`)
+        self.bookings: dict[str, Booking] = {}  # by request id, until its first token
         self.inflight = 0  # open legs on this worker
         self.busy = False  # a step is under way (its end is on the event heap)
         self.pending: list[RequestUpdate] | None = None  # what the step under way produces
@@ -75,10 +79,44 @@ class SimWorker:
         return self.profile.kv_format
 
     def report(self) -> None:
-        """Take a load report now (what the gateway's health check reads)."""
+        """Take a load report now (what the gateway's health check reads): it counts every
+        request sent so far (they reach the core at once), as a live report probed after the
+        worker accepted them does."""
         self.report_queued, self.report_running = self.core.load_totals()
         self.report_ranks = self.profile.dp_ranks  # len(rank_loads()), which has one per rank
+        for request_id, booking in list(self.bookings.items()):
+            if not booking.reported:
+                self._rebook(request_id, booking, reported=True)
         self.changed()
+
+    def book(self, request_id: str, prompt: int, cached: int) -> None:
+        """A request sent here (the live gateway's `Legs._open`)."""
+        booking = self.bookings[request_id] = Booking(prompt, cached)
+        self.reserved += booking.amount() or 0
+        self.changed()
+
+    def ready(self, request_id: str) -> None:
+        """The request's `ready` arrived: the worker scheduled it."""
+        booking = self.bookings.get(request_id)
+        if booking is not None and not booking.ready:
+            self._rebook(request_id, booking, ready=True)
+            self.changed()
+
+    def unbook(self, request_id: str) -> None:
+        """Its first token arrived (or it ended): nothing booked any more."""
+        booking = self.bookings.pop(request_id, None)
+        if booking is not None:
+            self.reserved -= booking.amount() or 0
+            self.changed()
+
+    def _rebook(self, request_id: str, booking: Booking, *, reported: bool = False, ready: bool = False) -> None:
+        before = booking.amount() or 0
+        booking.reported |= reported
+        booking.ready |= ready
+        after = booking.amount()
+        self.reserved += (after or 0) - before
+        if after is None:
+            del self.bookings[request_id]
 
     def changed(self) -> None:
         self._view = None
@@ -90,7 +128,7 @@ class SimWorker:
             view = self._view = WorkerView(
                 worker_id=self.worker_id, role=self.role, pool=self.pool, hardware=str(self.profile.hardware),
                 kv_format=self.profile.kv_format, model=self.model,
-                queued_prefill_tokens=self.report_queued + self.reserved,
+                queued_prefill_tokens=max(0, self.report_queued + self.reserved), booked_tokens=self.reserved,
                 running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
             )
         return view

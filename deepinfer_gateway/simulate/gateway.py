@@ -1,10 +1,11 @@
 """The gateway's side of a simulated request: routing on arrival and at the hand-off.
 
-Mirrors the live request path: on arrival, views (load report + reservations, as
+Mirrors the live request path: on arrival, views (load report + bookings, as
 `RouteInputs.views` in gateway/serving/route_inputs.py), hashes per KV format, one index lookup,
 `plan_first`, admission control, then `add_request` on the chosen worker with the leg's
 role (`pd` -> prefill, stop after the first token; `unified`/`bypass` -> unified),
-reserving the prompt tokens until the first token comes back. At a prefill's hand-off:
+booking the request on its worker until the first token comes back (router/inflight.py
+`Booking`). At a prefill's hand-off:
 `plan_decode` on fresh views, and the decode worker gets prompt + first token with the KV
 load cost the sim engine's `_decode_request` charges (store read bandwidth when there is a
 store, else the direct transfer bandwidth). `SimGateway` also holds the requests in flight.
@@ -114,8 +115,7 @@ class SimGateway:
             return None
         req.worker = worker
         worker.inflight += 1
-        worker.reserved += len(req.tokens)
-        worker.changed()
+        worker.book(rid, len(req.tokens), plan.decision.predicted_memory_tokens)
         return worker
 
     def current_views(self) -> ViewList:

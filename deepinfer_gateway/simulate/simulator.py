@@ -233,6 +233,7 @@ class Simulator:
             return
         record = req.record
         if update.ready is not None and req.emitted == 0:  # the first leg's ready: cached tokens
+            worker.ready(update.request_id)
             mem, store = update.ready
             record.cached_tokens = mem + store
             self.stats.memory_tokens += mem
@@ -241,8 +242,7 @@ class Simulator:
         if update.token_ids:
             if req.emitted == 0:
                 record.ttft_s = self.preparation.relayed(t) - record.arrival_s
-                worker.reserved -= len(req.tokens)  # the first token releases the reservation
-                worker.changed()
+                worker.unbook(update.request_id)  # the first token ends the booking
             else:
                 record.itl_s.append(t - req.last_token_t)
             req.last_token_t = t

@@ -48,6 +48,9 @@ def test_each_request_leaves_its_decision_and_the_report_reads_them(traced_gatew
         assert {c["worker"] for c in line["candidates"]} >= {worker} and len(line["candidates"]) == 3
         assert all(c["estimate_s"] is not None and c["estimate_s"] > 0 for c in line["candidates"])  # estimated_ttft
         assert 0 < line["queue_s"] <= line["first_token_s"] and line["loop_stall_s"] >= 0
+        for c in line["candidates"]:  # one request at a time: nothing booked, the queue is the report's
+            assert c["booked_tokens"] == 0 and c["reported_tokens"] == c["queued_tokens"]
+            assert 0 <= c["load_age_s"] < 10
     assert lines[2]["predicted"]["memory"] > 0 and lines[2]["reported"]["memory"] > 0  # the shared prefix
     out = subprocess.run([sys.executable, str(REPORT), str(log), "--time-scale", "20"], capture_output=True,
                          text=True, check=True).stdout

@@ -1,4 +1,4 @@
-"""In-flight reservations: what one replica reserves, the others see; leases expire."""
+"""In-flight reservations (bookings): what one replica reserves, the others see; leases expire."""
 
 from __future__ import annotations
 
@@ -110,6 +110,26 @@ async def test_own_reservation_counts_once_before_and_after_it_lands(redis_url: 
     await inflight.release("w7", "r")
     await inflight.flush()
     assert await inflight.totals(["w7"]) == {"w7": 0}
+    await client.aclose()
+
+
+async def test_a_rebooking_replaces_the_landed_one_and_its_release_is_sent(redis_url: str) -> None:
+    """A booking changes while its request waits (router/inflight.py `Booking`): the new amount
+    replaces the one Redis holds, and a release queued right after a re-booking still reaches
+    Redis (the landed amount would otherwise stay until its lease expired)."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.delete("{dgw:inflight}:w8:tok", "{dgw:inflight}:w8:exp")
+    inflight, other = RedisInflight(client), RedisInflight(client)
+    await inflight.reserve("w8", "r", 900)
+    await inflight.flush()
+    await inflight.reserve("w8", "r", -600)  # now in a load report: minus its cached part
+    assert await inflight.totals(["w8"]) == {"w8": -600}  # not landed yet: replaces 900, not added to it
+    await inflight.flush()
+    assert await other.totals(["w8"]) == {"w8": -600}
+    await inflight.reserve("w8", "r", -100)
+    await inflight.release("w8", "r")  # before the writer ran
+    await inflight.flush()
+    assert await other.totals(["w8"]) == {"w8": 0}
     await client.aclose()
 
 

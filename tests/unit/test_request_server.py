@@ -64,6 +64,7 @@ class ScriptedUpstream:
     def __init__(self, client: ScriptedClient, spec: Any):
         self.spec = spec
         self.handoff_family = str(spec.engine)
+        self.reports_queue = False
         self._client = client
 
     async def generate(self, leg: LegRequest) -> ScriptedStream:

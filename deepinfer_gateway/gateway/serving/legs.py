@@ -40,7 +40,8 @@ from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
-from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan
+from deepinfer_gateway.router.inflight import Booking
+from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,9 @@ class Legs:
         self.settings = settings
 
     async def first(self, prepared: PreparedRequest, leg: LegRequest,
-                    session_key: str | None) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any]]:
-        """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event)."""
+                    session_key: str | None) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
+        """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event,
+        the views it was planned on)."""
         views, hashes, overlap = await self.routing.candidates(prepared)
         planner = self.routing.planner
         plans: list[Plan] = []
@@ -149,7 +151,7 @@ class Legs:
             except UpstreamError as exc:
                 raise UpstreamFailed(f"The prefill on {prefill.worker.worker_id} finished but {exc}") from None
             lease.ready_at = prefill.ready_at  # queue time: until the prefill worker started
-        return lease, plan, ready, first
+        return lease, plan, ready, first, views
 
     async def hand_off(self, prefill: Lease, leg: LegRequest, handoff: dict[str, Any],
                        output_ids: list[int] | None = None) -> tuple[Lease, dict[str, Any]]:
@@ -212,12 +214,20 @@ class Legs:
         On any failure, cancellation included, the lease is released before this returns."""
         request_id = leg.request_id
         lease = Lease(worker, request_id, self.metrics)
+        booking = Booking(reserve, leg.predicted_cached) if reserve else None
         try:
-            if reserve:  # inside the try: a Redis round trip is a point where a cancel can land
-                await self.routing.inflight.reserve(worker.worker_id, request_id, reserve)
+            if booking is not None:  # inside the try: a Redis round trip is a point where a cancel can land
+                await self._book(worker, request_id, booking)
             lease.stream = await worker.upstream.generate(leg)
+            if booking is not None and worker.upstream.reports_queue:
+                # The worker holds the request now: a report probed from here on counts it.
+                self.registry.after_report(worker, self.registry.loop_lag.now(),
+                                           lambda: self._reported(worker, request_id, booking))
             ready = await lease.next_event()
             lease.ready_at = time.perf_counter()
+            if booking is not None and not booking.ready:
+                booking.ready = True
+                await self._rebook(worker, request_id, booking)
             if ready is not None and ready["event"] == "finish":
                 raise_if_error(ready)  # refused before scheduling: finish without ready
             if ready is None or ready["event"] != "ready":
@@ -235,8 +245,29 @@ class Legs:
             lease.release(abort=False)  # the closed connection is the abort
             raise
         finally:
-            if reserve:
+            if booking is not None and not booking.released:
+                booking.released = True
                 await self.routing.inflight.release(worker.worker_id, request_id)
+
+    async def _book(self, worker: WorkerState, request_id: str, booking: Booking) -> None:
+        amount = booking.amount()
+        assert amount is not None
+        await self.routing.inflight.reserve(worker.worker_id, request_id, amount)
+
+    async def _reported(self, worker: WorkerState, request_id: str, booking: Booking) -> None:
+        booking.reported = True
+        await self._rebook(worker, request_id, booking)
+
+    async def _rebook(self, worker: WorkerState, request_id: str, booking: Booking) -> None:
+        """The booking after a change of what the worker's reports say of the request."""
+        if booking.released:  # first token or failure: gone already
+            return
+        amount = booking.amount()
+        if amount is None:
+            booking.released = True
+            await self.routing.inflight.release(worker.worker_id, request_id)
+        else:
+            await self.routing.inflight.reserve(worker.worker_id, request_id, amount)
 
     def _routable(self, worker_id: str) -> WorkerState | None:
         """The worker, if it may still take a new request (not removed, not draining)."""

@@ -1,8 +1,8 @@
 """What the planner sees for one request, and the admission check on its choice.
 
 Candidates are the healthy workers with an info report, as `WorkerView`s: the last load
-report plus what this gateway knows since (its own open calls, in-flight reservations
-shared through Redis across replicas). The prompt's block hashes (one chain per KV format)
+report plus what this gateway knows since (its own open calls, in-flight bookings shared
+through Redis across replicas: router/inflight.py). The prompt's block hashes (one chain per KV format)
 are looked up in the prefix index in one call. The admission rule is router/admission.py's
 `retry_after`, which the simulator applies too.
 """
@@ -30,15 +30,16 @@ log = logging.getLogger(__name__)
 LEG_ROLE = {"unified": "unified", "pd": "prefill", "bypass": "unified"}
 
 
-def worker_view(worker: WorkerState, reserved: int) -> WorkerView | None:
-    """A worker as the planner sees it; None before its first info report."""
+def worker_view(worker: WorkerState, booked: int, now: float = 0.0) -> WorkerView | None:
+    """A worker as the planner sees it (`now`: loop time); None before its first info report."""
     if worker.info is None:
         return None
     load = worker.load
     return WorkerView(
         worker_id=worker.worker_id, role=worker.spec.role, pool=worker.pool, hardware=str(worker.spec.hardware),
         kv_format=worker.kv_format, model=worker.info.model,
-        queued_prefill_tokens=(load.queued_prefill_tokens if load else 0) + reserved,
+        queued_prefill_tokens=max(0, (load.queued_prefill_tokens if load else 0) + booked),
+        booked_tokens=booked, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
         dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size,
         prefills=worker.info.prefills,
@@ -60,8 +61,9 @@ class RouteInputs:
 
     async def views(self) -> list[WorkerView]:
         workers = self.registry.healthy()
-        reserved = await self.inflight.totals([w.worker_id for w in workers])
-        return [v for w in workers if (v := worker_view(w, reserved.get(w.worker_id, 0))) is not None]
+        booked = await self.inflight.totals([w.worker_id for w in workers])
+        now = self.registry.loop_lag.now()
+        return [v for w in workers if (v := worker_view(w, booked.get(w.worker_id, 0), now)) is not None]
 
     async def candidates(self, prepared: PreparedRequest) -> tuple[list[WorkerView], dict[str, list[int]], Overlap]:
         """The views, the prompt's hashes per KV format and their overlap with each worker's cache."""

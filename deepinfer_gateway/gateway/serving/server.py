@@ -71,12 +71,12 @@ class RequestServer:
                          prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
                          images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment)
         response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
-        lease, plan, ready, first = await self.legs.first(prepared, leg, session_key or prepared.user)
+        lease, plan, ready, first, views = await self.legs.first(prepared, leg, session_key or prepared.user)
         if self.decisions is not None:
             now = time.perf_counter()
             stall = self.loop_lag.own_stall_s(self.loop_lag.now() - (now - arrival))
             self.decisions.write(decision_record(plan, request_id, ready, arrival=arrival, ready_at=lease.ready_at,
-                                                 first_at=now, loop_stall_s=stall))
+                                                 first_at=now, loop_stall_s=stall, views=views))
         # `lease.worker`: already the decode worker when a prefill handed off before any token (vLLM)
         outcome = RequestOutcome(self.metrics, prepared, plan, arrival, ready, lease.worker)
         exchange = Exchange(prepared=prepared, leg=leg, lease=lease, response=response, outcome=outcome,

@@ -3,7 +3,8 @@
 Each line says what the router saw and chose and what then happened, so a benchmark's slow
 tail can be traced to its decisions (bench/decision_report.py): the chosen worker and the
 policy's reason; per candidate its predicted memory-tier hit (tokens), queued prefill tokens
-and running sequences at decision time, and the policy's estimated seconds where it has
+and running sequences at decision time (the queue's parts: the load report's figure, the
+report's age, this gateway's bookings), and the policy's estimated seconds where it has
 them; the index's prediction against the cached tokens the worker reported in `ready`; and
 the request's own timings (arrival to the worker's `ready`, to the first token), plus how far
 this process's event loop was held up meanwhile. Off by default: a line costs ~20 us.
@@ -12,20 +13,23 @@ this process's event loop was held up meanwhile. Off by default: a line costs ~2
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import IO, Any
 
 import orjson
 
-from deepinfer_gateway.router.planner import Plan
+from deepinfer_gateway.router.planner import Plan, WorkerView
 
 
 def decision_record(plan: Plan, request_id: str, ready: dict[str, Any], *, arrival: float, ready_at: float,
-                    first_at: float, loop_stall_s: float) -> dict[str, Any]:
-    """The trace line of one request (times: `time.perf_counter` values, reported relative to arrival)."""
+                    first_at: float, loop_stall_s: float, views: Sequence[WorkerView] = ()) -> dict[str, Any]:
+    """The trace line of one request (times: `time.perf_counter` values, reported relative to arrival;
+    `views`: what the plan was made from, for each candidate's queue parts)."""
     view, decision = plan.view, plan.decision
     costs = decision.costs
     block = view.block_tokens
     cached = ready.get("cached_tokens") or {}
+    parts = {v.worker_id: v for v in views}
     return {
         "t": round(time.time(), 3),
         "request_id": request_id,
@@ -42,9 +46,19 @@ def decision_record(plan: Plan, request_id: str, ready: dict[str, Any], *, arriv
             {"worker": c.worker_id, "hardware": c.hardware, "hit_tokens": min(c.memory_hit_blocks * block,
                                                                                view.prompt_tokens),
              "queued_tokens": c.queued_prefill_tokens, "running": c.running,
-             "estimate_s": costs.get(c.worker_id) if costs else None}
+             "estimate_s": costs.get(c.worker_id) if costs else None, **_queue_parts(parts.get(c.worker_id))}
             for c in view.candidates],
     }
+
+
+def _queue_parts(view: WorkerView | None) -> dict[str, Any]:
+    """Where a candidate's queue came from: the load report (and its age) and the bookings
+    (`reported_tokens` None where their sum was below 0 and the queue taken as 0)."""
+    if view is None:
+        return {}
+    queued, booked = view.queued_prefill_tokens, view.booked_tokens
+    return {"reported_tokens": queued - booked if queued or booked >= 0 else None, "booked_tokens": booked,
+            "load_age_s": view.load_age_s}
 
 
 class DecisionLog:

@@ -9,7 +9,9 @@ per worker and never ask which engine it runs. An `Upstream`
 - `abort(request_id)`: best effort (the dropped connection is the abort everywhere);
 - `kv_source()`: how the prefix index follows its KV cache (kvcache/events.py), or None;
 - `handoff_family`: workers of one family can continue each other's PD hand-offs (a KV
-  format names a layout, not the hand-off's wire).
+  format names a layout, not the hand-off's wire);
+- `reports_queue`: its load reports count the prompts waiting in its queue (the worker
+  protocol's `queued_prefill_tokens`); False where the engine exports none (reported 0).
 
 One adapter module per engine kind implements it (dgw_upstream.py: worker protocol v1;
 vllm_upstream.py; openai_upstream.py), built from upstreams.ADAPTERS by the worker's
@@ -91,6 +93,7 @@ class Upstream(Protocol):
     """One worker, whatever its engine (module doc)."""
 
     handoff_family: str
+    reports_queue: bool
 
     async def probe(self, known: wp.WorkerInfo | None) -> Probe:
         """Its reports; `known`: the info read before, which an adapter may keep (None: read it)."""

@@ -44,6 +44,8 @@ class DgwUpstream:
 
     handoff_family = "dgw"
 
+    reports_queue = True
+
     def __init__(self, spec: DgwWorkerSpec, http: HttpPool):
         self.spec = spec
         self._http = http

@@ -140,6 +140,8 @@ class OpenAIUpstream:
 
     handoff_family = "openai"
 
+    reports_queue = False
+
     def __init__(self, spec: OpenAIWorkerSpec, http: HttpPool, bundle: TokenizerBundle):
         self.spec = spec
         self.facts: OpenAIFacts | None = None

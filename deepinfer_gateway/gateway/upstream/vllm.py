@@ -190,6 +190,8 @@ class VllmUpstream:
 
     handoff_family = "vllm"
 
+    reports_queue = False  # vLLM exports no queued prompt-token count
+
     def __init__(self, spec: VllmWorkerSpec, http: HttpPool):
         self.spec = spec
         self.facts: VllmFacts | None = None

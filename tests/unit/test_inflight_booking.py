@@ -1,0 +1,66 @@
+"""A request's booking follows what its worker's load reports say of it, so that a worker's
+queue as the router sees it (report + bookings) is the prefill it has ahead, its cached
+prefixes not counted (router/inflight.py `Booking`), live and in the simulator alike."""
+
+from __future__ import annotations
+
+from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason, Role
+from deepinfer_gateway.router.inflight import Booking
+from deepinfer_gateway.simulate.cluster import SimWorker
+from deepinfer_gateway.workers.sim.core import SimRequest
+from deepinfer_gateway.workers.sim.profiles import load_profile
+
+
+def test_booking_amount_through_a_requests_life() -> None:
+    booking = Booking(prompt=10_000, cached=8_000)
+    assert booking.amount() == 2_000  # sent: the prefill it adds
+    booking.reported = True
+    assert booking.amount() == -8_000  # waiting, reported at its whole prompt: minus what is cached
+    booking.ready = True
+    assert booking.amount() is None  # scheduled: the report counts its remaining prefill
+
+
+def test_ready_before_any_report_keeps_the_uncached_part() -> None:
+    booking = Booking(prompt=5_000, cached=9_999)  # a prediction past the prompt counts as the prompt
+    booking.ready = True
+    assert booking.amount() == 0
+    booking = Booking(prompt=5_000, cached=1_000)
+    booking.ready = True
+    assert booking.amount() == 4_000  # the report in hand predates it: it still adds its prefill
+
+
+def _worker() -> SimWorker:
+    return SimWorker("w", Role.UNIFIED, "unified", load_profile("sm100"), "m", None, 1.0)
+
+
+def test_a_follow_up_turn_counts_its_uncached_part_once() -> None:
+    """A conversation's holder gets its next turn, 16 cached blocks + 4 new ones: the router's
+    view of its queue is the 4 new blocks (plus the other request's prompt) before the next
+    load report, with it and once the worker scheduled the turn."""
+    worker = _worker()
+    core = worker.core
+    first = list(range(16 * KV_BLOCK_TOKENS))
+    core.add_request(SimRequest("t1", first, [1], FinishReason.LENGTH))
+    while core.has_work():
+        core.step(0.0)  # the first turn ran: its blocks are cached
+    worker.report()
+    assert worker.view().queued_prefill_tokens == 0
+    blocker = [7] * (3 * KV_BLOCK_TOKENS)  # keeps the turn waiting behind it
+    core.add_request(SimRequest("other", blocker, [1], FinishReason.LENGTH))
+    worker.book("other", len(blocker), 0)
+    turn = first + list(range(10**5, 10**5 + 4 * KV_BLOCK_TOKENS))
+    core.add_request(SimRequest("t2", turn, [1], FinishReason.LENGTH))
+    worker.book("t2", len(turn), 16 * KV_BLOCK_TOKENS)
+    ahead = len(blocker) + 4 * KV_BLOCK_TOKENS
+    assert worker.view().queued_prefill_tokens == ahead  # not in a report yet: the bookings
+    worker.report()  # the worker reports both prompts whole while they wait
+    assert core.load_totals()[0] == len(blocker) + len(turn)
+    assert worker.view().queued_prefill_tokens == ahead
+    assert worker.view().booked_tokens == -16 * KV_BLOCK_TOKENS
+    _, updates = core.step(0.0)  # both scheduled
+    for update in updates:
+        if update.ready is not None:
+            worker.ready(update.request_id)
+    assert worker.bookings == {}
+    worker.report()
+    assert worker.view().queued_prefill_tokens == core.load_totals()[0]
