@@ -7,7 +7,9 @@ Reads the JSON lines the gateway writes with `router.decision_log` (bench/peers.
 policy's estimates are simulated seconds, so `--time-scale` (peers.py's, default 0.25)
 converts wall to simulated. Prints:
 - per worker: requests, reasons, predicted vs reported cached tokens (the index against the
-  engine), median and p99 time to the first token, estimated vs actual for the chosen worker;
+  engine), median and p99 time to the first token, estimated vs actual for the chosen worker,
+  and the queue it was chosen with: the load report's part, the gateway's bookings, the
+  report's age (medians; traces that carry them);
 - the slowest `--tail` share of requests: when, where, why, the queue the router saw on each
   candidate, the model's own best candidate (lowest estimate) when it differs from the chosen
   one (stickiness or the load guard overrode it), and the gateway's loop stall meanwhile;
@@ -38,10 +40,17 @@ def per_worker(records: list[dict[str, Any]], time_scale: float) -> dict[str, di
         mine = [r for r in records if r["worker"] == worker]
         first = [r["first_token_s"] * time_scale for r in mine]
         errors = []
+        booked, reported, ages = [], [], []
         for r in mine:
-            est = next((c["estimate_s"] for c in r["candidates"] if c["worker"] == worker), None)
+            chosen: dict[str, Any] = next((c for c in r["candidates"] if c["worker"] == worker), {})
+            est = chosen.get("estimate_s")
             if est is not None:
                 errors.append(r["first_token_s"] * time_scale - est)
+            if "booked_tokens" in chosen:  # traces of older gateways lack the queue's parts
+                booked.append(chosen["booked_tokens"])
+                ages.append(chosen["load_age_s"] * time_scale)
+                if chosen["reported_tokens"] is not None:
+                    reported.append(chosen["reported_tokens"])
         out[worker] = {
             "requests": len(mine),
             "reasons": dict(Counter(r["reason"] for r in mine)),
@@ -51,6 +60,10 @@ def per_worker(records: list[dict[str, Any]], time_scale: float) -> dict[str, di
             "first_token_p50_s": _round(statistics.median(first)),
             "first_token_p99_s": _round(_pct(first, 0.99)),
             "actual_minus_estimate_median_s": _round(statistics.median(errors)) if errors else None,
+            # the chosen worker's queue at decision time: the load report's part, the bookings', the report's age
+            "reported_queue_median_tokens": statistics.median(reported) if reported else None,
+            "booked_queue_median_tokens": statistics.median(booked) if booked else None,
+            "load_age_median_s": _round(statistics.median(ages)) if ages else None,
         }
     return out
 
@@ -88,7 +101,8 @@ def main() -> None:
         hit = w["reported_cached_tokens"] / max(1, w["prompt_tokens"])
         print(f"{worker:22s}{w['requests']:6d}{w['predicted_cached_tokens']:13d}{w['reported_cached_tokens']:11d}"
               f"{hit:7.3f}{w['first_token_p50_s']!s:>8s}{w['first_token_p99_s']!s:>8s}"
-              f"{w['actual_minus_estimate_median_s']!s:>9s}  {w['reasons']}")
+              f"{w['actual_minus_estimate_median_s']!s:>9s}  {w['reasons']}  queue reported/booked "
+              f"{w['reported_queue_median_tokens']}/{w['booked_queue_median_tokens']} age {w['load_age_median_s']}")
     slow = tail(records, args.tail)
     print(f"\nslowest {len(slow)}: arrival (s since the first), worker, reason, prompt, predicted/reported cached, "
           f"queue, first token, gateway loop stall; candidates: worker hit/queued tokens/estimate")
