@@ -38,17 +38,23 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
+import os
 import random
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import deepseek_recipe as dr
 import orjson
 
-from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
+from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt, pack_tokens
 from deepinfer_gateway.protocol import DEFAULT_MODEL as MODEL
 from deepinfer_gateway.protocol import encode_line, tokens_event
 from deepinfer_gateway.recipe_bridge.encoder import (
@@ -328,6 +334,135 @@ def relay(bundle: TokenizerBundle, total_tokens: int, per_message: int, response
     return responses * len(ids) / max(wall, cpu)  # max: never credit a second core
 
 
+# --- This tree against another source tree, each in its own process (--baseline) ------------
+
+
+def _turns(target_tokens: int) -> tuple[bytes, bytes]:
+    """The first turn and follow-up bodies `preprocess` times (same seed, same texts)."""
+    rng = random.Random(7)
+    messages = conversation(rng, max(1, round(target_tokens / 2530)), 1400)
+    follow = [*messages, {"role": "assistant", "content": _text(rng, 290), "reasoning_content": ""},
+              {"role": "user", "content": _text(rng, 290)}]
+    return body(messages), body(follow)
+
+
+def child(mode: str, target_tokens: int) -> None:
+    """One tree's side: build the encoder (start-up, timed), then time `first`/`follow`
+    commands read from stdin, one JSON line per answer."""
+    import deepinfer_gateway  # the tree on this process's PYTHONPATH
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    bundle = load_tokenizer()
+    encoder = PromptEncoder(bundle)
+    build_cpu, build_wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    ready = {"package": deepinfer_gateway.__file__, "build_cpu_ms": build_cpu * 1000,
+             "build_wall_ms": build_wall * 1000, "process_cpu_ms": time.process_time() * 1000,
+             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if mode == "startup":
+        print(json.dumps(ready), flush=True)
+        return
+    preparer = RequestPreparer(encoder, BridgeConfig())
+    first, follow = _turns(target_tokens)
+    digests = [hashlib.sha256(pack_tokens(preparer.prepare(ApiProtocol.CHAT, b).token_ids)).hexdigest()
+               for b in (first, follow)]
+    print(json.dumps({**ready, "digests": digests, "plain": encoder.plain.name}), flush=True)
+    gc.collect()
+    for line in sys.stdin:
+        cpu: list[float] = []
+        encoder.cache.clear()
+        if line.strip() == "first":
+            wall = _ms(_pipeline(preparer, first, PrefixHasher()), cpu)
+        else:
+            hasher = PrefixHasher()
+            _pipeline(preparer, first, hasher)()  # the caches hold exactly the previous turn
+            wall = _ms(_pipeline(preparer, follow, hasher), cpu)
+        print(json.dumps({"wall": wall, "cpu": cpu[0]}), flush=True)
+
+
+def _spawn(tree: str, mode: str, target_tokens: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": tree}
+    return subprocess.Popen([sys.executable, __file__, "--child", mode, "--target-tokens", str(target_tokens)],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _ask(proc: subprocess.Popen[str], command: str | None = None) -> dict[str, Any]:
+    assert proc.stdin is not None and proc.stdout is not None
+    if command is not None:
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"child exited ({proc.wait()})")
+    answer: dict[str, Any] = json.loads(line)
+    return answer
+
+
+def versus(baseline: str, rounds: int, repeats: int, startups: int, target_tokens: int) -> dict[str, Any]:
+    """Both trees' first turn and follow-up, samples alternating between the trees (the
+    first tree of each sample alternates too), then `startups` fresh processes per tree
+    alternating; CPU time is the headline (the box is shared), wall beside it."""
+    trees = {"": str(Path(__file__).resolve().parent.parent), "baseline_": str(Path(baseline).resolve())}
+    procs = {prefix: _spawn(tree, "serve", target_tokens) for prefix, tree in trees.items()}
+    ready = {prefix: _ask(proc) for prefix, proc in procs.items()}
+    for prefix, tree in trees.items():  # each child imported its own tree
+        assert ready[prefix]["package"].startswith(tree + "/"), (ready[prefix]["package"], tree)
+    assert ready[""]["digests"] == ready["baseline_"]["digests"], "the trees' token ids differ"
+    samples: dict[str, list[float]] = {f"{p}{k}": [] for p in trees for k in ("first_cpu", "first_wall",
+                                                                            "follow_cpu", "follow_wall")}
+    round_medians: dict[str, list[float]] = {f"{p}{k}": [] for p in trees for k in ("first_cpu", "follow_cpu")}
+    n = 0
+    for _ in range(rounds):
+        start = {k: len(v) for k, v in samples.items()}
+        for _ in range(repeats):
+            order = list(trees) if n % 2 == 0 else list(trees)[::-1]
+            n += 1
+            for turn in ("first", "follow"):
+                for prefix in order:
+                    answer = _ask(procs[prefix], turn)
+                    samples[f"{prefix}{turn}_cpu"].append(answer["cpu"])
+                    samples[f"{prefix}{turn}_wall"].append(answer["wall"])
+        for key in round_medians:
+            round_medians[key].append(round(statistics.median(samples[key][start[key]:]), 2))
+    for proc in procs.values():
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+    boot: dict[str, list[float]] = {f"{p}{k}": [] for p in trees for k in ("build_cpu", "process_cpu", "rss")}
+    for i in range(startups):
+        for prefix in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
+            proc = _spawn(trees[prefix], "startup", target_tokens)
+            answer = _ask(proc)
+            proc.wait()
+            boot[f"{prefix}build_cpu"].append(answer["build_cpu_ms"])
+            boot[f"{prefix}process_cpu"].append(answer["process_cpu_ms"])
+            boot[f"{prefix}rss"].append(answer["rss_mib"])
+    med = {k: statistics.median(v) for k, v in {**samples, **boot}.items() if v}
+    result: dict[str, Any] = {"baseline_tree": trees["baseline_"], "exact": True,
+                              "first_turn_tokens": target_tokens, "rounds": rounds, "repeats_per_round": repeats}
+    for prefix in trees:
+        result.update({
+            f"{prefix}first_turn_cpu_ms": round(med[f"{prefix}first_cpu"], 2),
+            f"{prefix}first_turn_ms": round(med[f"{prefix}first_wall"], 2),
+            f"{prefix}follow_up_cpu_ms": round(med[f"{prefix}follow_cpu"], 2),
+            f"{prefix}follow_up_ms": round(med[f"{prefix}follow_wall"], 2),
+            f"{prefix}first_turn_cpu_spread": _spread(samples[f"{prefix}first_cpu"]),
+            f"{prefix}follow_up_cpu_spread": _spread(samples[f"{prefix}follow_cpu"]),
+            f"{prefix}first_turn_cpu_round_medians": round_medians[f"{prefix}first_cpu"],
+            f"{prefix}follow_up_cpu_round_medians": round_medians[f"{prefix}follow_cpu"],
+            f"{prefix}plain_tokenizer": ready[prefix]["plain"],
+        })
+        if startups:
+            result.update({
+                f"{prefix}encoder_build_cpu_ms": round(med[f"{prefix}build_cpu"], 1),
+                f"{prefix}encoder_build_cpu_spread": _spread(boot[f"{prefix}build_cpu"]),
+                f"{prefix}process_cpu_at_ready_ms": round(med[f"{prefix}process_cpu"], 1),
+                f"{prefix}peak_rss_at_ready_mib": round(med[f"{prefix}rss"], 1),
+                f"{prefix}peak_rss_at_ready_spread": _spread(boot[f"{prefix}rss"]),
+            })
+    result["first_turn_cpu_over_baseline"] = round(med["first_cpu"] / med["baseline_first_cpu"], 3)
+    result["follow_up_cpu_over_baseline"] = round(med["follow_cpu"] / med["baseline_follow_cpu"], 3)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
@@ -336,7 +471,23 @@ def main() -> None:
     parser.add_argument("--digest-min-chars", type=int, default=DEFAULT_DIGEST_MIN_CHARS,
                         help="key segments this long by SHA-256 (default: every segment by its text)")
     parser.add_argument("--no-relay", action="store_true", help="skip the relay throughput part")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="instead: this tree against the source tree DIR (e.g. a `git worktree` of the "
+                             "pre-change commit), each in its own process, samples alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds of --repeats samples")
+    parser.add_argument("--startups", type=int, default=5,
+                        help="with --baseline: fresh processes per tree timing the encoder's start-up")
+    parser.add_argument("--child", choices=("serve", "startup"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        child(args.child, args.target_tokens)
+        return
+    if args.baseline:
+        result = versus(args.baseline, args.rounds, args.repeats, args.startups, args.target_tokens)
+        for key, value in result.items():
+            print(f"{key:40s} {value}")
+        print(json.dumps(result))
+        return
     bundle = load_tokenizer()
     result = preprocess(bundle, args.repeats, args.target_tokens, args.digest_min_chars)
     for key, value in result.items():

@@ -31,15 +31,16 @@ appending, a trace's shared prefix blocks) re-tokenizes only from the piece wher
 differ. Text without such spaces (CJK, long symbol runs) stays one segment.
 
 Cost per call: render + reading `special_ranges` (~1.7 ms for a 520k-character prompt:
-the library converts byte to code-point offsets) + O(prompt length) slicing/keying and
-list assembly (~1 ms) + tokenizing the misses only, all of them in one call (fastokens'
-batch encode straight to packed uint32 words, ~25 ns/token) + interning the new ids
-(~35 ns/token). Measured by bench/preprocess.py (2-core dev box under heavy shared load,
-CPU-time medians of 3 runs x 7 repeats, 128.7k-token conversation, whole gateway path
-incl. convert and block hashing): first turn, cold cache 20.9 ms vs 61.7 ms for the
-tiktoken encoder (pre-change tree, alternating runs); follow-up adding 505 tokens 7.5 ms,
-as before. Without the segment cache the follow-up costs ~17 ms (it still pays there;
-the first turn costs the same with or without it).
+the library converts byte to code-point offsets) + O(prompt length) slicing/keying
+(~1 ms) + tokenizing the misses only, all of them in one call (fastokens' batch encode
+straight to packed uint32 words, ~20 ns/token) + the id list. The list holds one shared
+int object per vocabulary id (interned: cached lists cost a pointer per token), gathered
+in C from a numpy object array (`intern_table`). A prompt that is mostly new (a first
+turn) is gathered whole from its packed words, and its new segments are cached as slices
+of that list; a prompt that is mostly cached (a follow-up) gathers only its new ids and
+joins the cached lists (cheaper than a gather, which touches each int's refcount at a
+random address). Figures: bench/preprocess.py (`--baseline` runs the pre-change tree
+side by side); see docs/deploy.md.
 Memory: the cache is bounded by `cache_bytes` (default 256 MiB, ~13 B per cached token
 with text keys; see segment_cache.py) plus one interned int per vocabulary id (~4.6 MB).
 
@@ -53,12 +54,11 @@ is tested against (tests/unit/test_encoder.py) and benchmarked against (bench/pr
 from __future__ import annotations
 
 import re
-import sys
-from array import array
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import deepseek_recipe as dr
+import numpy as np
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge.segment_cache import (
@@ -93,31 +93,38 @@ def pieces(text: str, piece_chars: int) -> Iterator[str]:
     yield text[start:]
 
 
-# Interning maps ids in chunks: one `list(map(...))` over 80k ids is a single ~5 ms C call
-# that holds the GIL throughout, stalling the gateway's event loop while a large prompt is
-# prepared in a thread; between chunks the interpreter can hand the GIL over.
-_INTERN_CHUNK = 4096
+# Interning gathers ids in chunks: one gather over a 1M-token prompt holds the GIL for
+# ~7 ms, stalling the gateway's event loop while a large prompt is prepared in a thread;
+# between chunks the interpreter can hand the GIL over.
+_INTERN_CHUNK = 32768
 
 
-def _interned(packed: bytes, ints: list[int]) -> list[int]:
-    """The ids of little-endian uint32 words, as the shared int objects of `ints`."""
-    words: memoryview | array[int]
-    if _BIG_ENDIAN:
-        words = array("I", packed)
-        words.byteswap()
-    else:
-        words = memoryview(packed).cast("I")
-    get = ints.__getitem__
+def intern_table(vocab_size: int) -> np.ndarray[Any, np.dtype[np.object_]]:
+    """One shared int object per id, as a numpy object array: `table[ids]` gathers them in C."""
+    table = np.empty(vocab_size, dtype=object)
+    table[:] = range(vocab_size)
+    return table
+
+
+def _interned(packed: bytes, table: np.ndarray[Any, np.dtype[np.object_]]) -> list[int]:
+    """The ids of little-endian uint32 words, as the shared int objects of `table`
+    (~7 ns/token: a numpy gather + `tolist`, where mapping `list.__getitem__` took ~35)."""
+    words = np.frombuffer(packed, dtype="<u4")
     ids: list[int] = []
     for start in range(0, len(words), _INTERN_CHUNK):
-        ids += map(get, words[start:start + _INTERN_CHUNK])
+        ids += table[words[start:start + _INTERN_CHUNK]].tolist()
     return ids
 
 
-_BIG_ENDIAN = sys.byteorder == "big"
-
-
 _PENDING = Segment([], b"")  # a miss's place until the misses are tokenized
+_NO_IDS: list[int] = []  # a new segment's ids before interning (never read)
+
+
+def _joined(segments: list[Segment], packed: bytes | None = None) -> EncodedPrompt:
+    ids: list[int] = []
+    for segment in segments:
+        ids += segment.ids
+    return EncodedPrompt(ids, b"".join([segment.packed for segment in segments]) if packed is None else packed)
 
 
 class _Work(NamedTuple):
@@ -165,7 +172,7 @@ class PromptEncoder:
         self._special = {
             content: Segment([token_id], pack_tokens([token_id])) for content, token_id in bundle.added_tokens.items()
         }
-        self._ints = list(range(bundle.vocab_size))  # interned: cached lists share these objects
+        self._ints = intern_table(bundle.vocab_size)  # cached lists share these int objects
         self.cache = SegmentCache(cache_bytes, digest_min_chars=digest_min_chars)
         # 0 (asked, or a tokenizer whose pre-tokenizer may merge across a word space): never cut
         self._piece_chars = piece_chars if self.plain.cuts_at_word_spaces else 0
@@ -191,17 +198,38 @@ class PromptEncoder:
         if pos < len(prompt):
             self._add_text(work, prompt[pos:])
         segments = work.segments
-        if work.misses:  # tokenized in one call
-            made: dict[SegmentKey, Segment] = {}
-            for key, packed in zip(work.misses, self.plain.encode_packed(list(work.misses.values())), strict=True):
-                made[key] = segment = Segment(_interned(packed, self._ints), packed)
+        if not work.misses:
+            return _joined(segments)
+        packs = self.plain.encode_packed(list(work.misses.values()))  # all misses in one call
+        made = dict(zip(work.misses, packs, strict=True))
+        new_bytes = sum(map(len, packs))
+        for index, key in work.pending:
+            segments[index] = Segment(_NO_IDS, made[key])
+        packed = b"".join([segment.packed for segment in segments])
+        if 2 * new_bytes < len(packed):
+            # Mostly cached (a follow-up turn): intern only the new ids; joining the cached
+            # lists is cheaper than gathering the whole prompt.
+            new_ids = _interned(b"".join(packs), self._ints)
+            start = 0
+            new: dict[SegmentKey, Segment] = {}
+            for key, piece in made.items():
+                end = start + len(piece) // 4
+                new[key] = segment = Segment(new_ids[start:end], piece)
                 self.cache.put(key, segment)
+                start = end
             for index, key in work.pending:
-                segments[index] = made[key]
-        ids: list[int] = []
+                segments[index] = new[key]
+            return _joined(segments, packed)
+        # Mostly new (a first turn): one gather over the whole prompt; the new segments'
+        # cached lists are slices of it.
+        ids = _interned(packed, self._ints)
+        offsets = [0]
         for segment in segments:
-            ids += segment.ids
-        return EncodedPrompt(ids, b"".join([segment.packed for segment in segments]))
+            offsets.append(offsets[-1] + len(segment.packed) // 4)
+        for index, key in work.pending:
+            if key in made:  # a text repeated within the prompt is cached once
+                self.cache.put(key, Segment(ids[offsets[index]:offsets[index + 1]], made.pop(key)))
+        return EncodedPrompt(ids, packed)
 
     def _add_text(self, work: _Work, text: str) -> None:
         if self._piece_chars and len(text) > self._piece_chars:

@@ -294,6 +294,34 @@ def test_follow_up_turn_tokenizes_only_new_segments(bundle: TokenizerBundle, ref
     assert after.misses - before.misses <= 3  # the answer, the new question, the thinking tail
 
 
+def test_first_turn_and_follow_up_fill_the_cache_exactly(fastokens_encoder: PromptEncoder,
+                                                         reference: ReferencePromptEncoder) -> None:
+    """A cold prompt (mostly new: one gather over the whole prompt, its new segments cached as
+    slices of it, a text repeated within the prompt cached once) and a follow-up (mostly cached:
+    only its new ids interned) both match the reference; what they cached serves a warm encode."""
+    encoder = fastokens_encoder
+    document = "the same long paragraph about caches " * 300
+    history = [{"role": "user", "content": document}, {"role": "assistant", "content": "an answer " * 300},
+               {"role": "user", "content": document}]
+    turns = [history, [*history, {"role": "assistant", "content": "short"}, {"role": "user", "content": "again"}]]
+    encoder.cache.clear()
+    for messages in turns:
+        conv = _convert(dr.ChatCompletionRequest, {"model": MODEL, "messages": messages})
+        expected = reference.encode(conv)
+        before = encoder.cache_stats()
+        encoded = encoder.encode_packed(conv)
+        assert encoded.token_ids == expected and encoded.packed == pack_tokens(expected)
+        assert encoder.cache_stats().hits > before.hits or messages is history
+        warm = encoder.cache_stats()
+        assert encoder.encode(conv) == expected
+        assert encoder.cache_stats().misses == warm.misses  # every segment was cached
+        assert encoder.cache_stats().entries == warm.entries
+    for key in list(encoder.cache._entries):
+        segment = encoder.cache.get(key)
+        assert segment is not None and segment.packed == pack_tokens(segment.ids)
+        assert all(token is encoder._ints[token] for token in segment.ids)  # shared int objects
+
+
 def test_unknown_special_token_fails_like_reference(fastokens_encoder: PromptEncoder) -> None:
     broken = json.loads(fastokens_encoder.bundle.json_text)
     broken["added_tokens"] = [t for t in broken["added_tokens"] if t["content"] != "<｜System｜>"]

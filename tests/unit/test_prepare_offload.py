@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
-from deepinfer_gateway.recipe_bridge.encoder import _INTERN_CHUNK, PromptEncoder, _interned
+from deepinfer_gateway.recipe_bridge.encoder import _INTERN_CHUNK, PromptEncoder, _interned, intern_table
 from deepinfer_gateway.recipe_bridge.prepare import (
     OFFLOAD_BODY_BYTES,
     OFFLOAD_ENV,
@@ -133,7 +133,7 @@ def test_offload_spec() -> None:
 
 
 def test_interning_in_chunks_is_exact_and_shares_ints() -> None:
-    ints = list(range(300_000))
+    ints = intern_table(300_000)
     for n in (0, 5, _INTERN_CHUNK, _INTERN_CHUNK + 1, 3 * _INTERN_CHUNK + 17):
         raw = [(i * 7919) % 300_000 for i in range(n)]
         out = _interned(pack_tokens(raw), ints)
