@@ -340,7 +340,9 @@ def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | 
         env = None
         if target == "gateway-base":
             assert baseline_tree, "gateway-base needs --baseline-tree"
-            env = {"PYTHONPATH": os.pathsep.join(p for p in (baseline_tree, os.environ.get("PYTHONPATH")) if p)}
+            # PYTHONSAFEPATH: `python -m` would put the working directory (perhaps this tree) first.
+            env = {"PYTHONPATH": os.pathsep.join(p for p in (baseline_tree, os.environ.get("PYTHONPATH")) if p),
+                   "PYTHONSAFEPATH": "1"}
         gateway = workers.gateway(tmp, f"[router]\ndecision_log = {json.dumps(str(decision_log))}\n"
                                   if decision_log else "", env)
         gateway.wait_ready(len(workers.urls), timeout=60)
