@@ -8,8 +8,14 @@ prepares it (recipe_bridge, as the front end does), picks, and answers in order:
 value as dynamic metadata under `envoy.lb`), the body as it came, in chunks, and the
 trailers. A request it cannot serve ends in an `ImmediateResponse` in the client protocol's
 error JSON: 400 for a bad body, 413 for one over the limit, 503 when no endpoint is
-eligible, 429 when admission sheds it. The response phases end the request's booked load:
-the response headers (its prompt no longer queued; the served endpoint, where the data
+eligible, 429 when admission sheds it.
+
+With `request_body_mode: BUFFERED` instead (what a fail-open data plane needs: Envoy 1.40
+fails a FULL_DUPLEX_STREAMED request closed when the EPP is unreachable after its body went
+out), the headers are answered at once and the route goes with the answer to the whole
+body, which Envoy holds the headers for.
+
+The response phases end the request's booked load: the response headers (its prompt no longer queued; the served endpoint, where the data
 plane reports it, takes the load), each body chunk (read for the engine's cached-token
 figure, passed on unchanged), and the last chunk, trailers or the stream's close, whichever
 comes first (a client that leaves resets the stream).
@@ -25,6 +31,7 @@ from typing import Any
 
 import orjson
 from envoy.config.core.v3 import base_pb2 as core
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -49,6 +56,7 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 BODY_CHUNK = 64 * 1024  # bytes per streamed body answer: well under gRPC's 4 MiB message limit
 _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 def _header(key: str, value: str) -> core.HeaderValueOption:
@@ -87,15 +95,17 @@ def subset_hint(metadata: core.Metadata, headers: Mapping[str, str]) -> frozense
     return frozenset(e.strip() for e in listed if e.strip())
 
 
-def route_answer(pick: Pick) -> pb.ProcessingResponse:
+def route_answer(pick: Pick, *, in_body: bool = False) -> pb.ProcessingResponse:
+    """The pick as header and `envoy.lb` metadata: the headers' answer, or (`in_body`: a buffered
+    body) the body's, whose header mutation applies to the headers Envoy still holds."""
     value = pick.header
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: value}})
-    mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION, value)])
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation,
-                                                                      clear_route_cache=True)),
-        dynamic_metadata=metadata)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[_header(DESTINATION, value)]),
+                               clear_route_cache=True)
+    if in_body:
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
 
 
 def body_answers(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
@@ -138,6 +148,7 @@ class RequestStream:
         self.scanner = UsageScanner()
         self.first_chunk_at: float | None = None
         self.finished = False
+        self.duplex = True  # FULL_DUPLEX_STREAMED request body; False: BUFFERED
 
     @property
     def model(self) -> str:
@@ -177,9 +188,13 @@ class RequestStream:
         self.protocol = path_protocol(self.path)
         self.request_id = self.headers.get(names.REQUEST_ID) or uuid.uuid4().hex
         self.subset = subset_hint(message.metadata_context, self.headers)
+        if message.HasField("protocol_config"):
+            self.duplex = message.protocol_config.request_body_mode == _DUPLEX
         if message.request_headers.end_of_stream:
             self.protocol = None  # no body to read
             return await self._route(end_of_stream=None)
+        if not self.duplex:  # Envoy sends the buffered body once the headers are answered
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
         return []
 
     async def _request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -189,7 +204,7 @@ class RequestStream:
             limit = self.service.settings.max_body_bytes
             if self.body_bytes > limit:
                 raise GatewayError(f"Request body larger than {limit} bytes.", status_code=413)
-        if body.end_of_stream:
+        if body.end_of_stream or not self.duplex:  # a buffered body comes whole, in one message
             return await self._route(end_of_stream=True)
         return []
 
@@ -203,6 +218,8 @@ class RequestStream:
         if session is None and self.prepared is not None:
             session = self.prepared.user
         self.pick = await service.picker.pick(self.prepared, self.subset, self.request_id, session)
+        if end_of_stream is not None and not self.duplex:
+            return [route_answer(self.pick, in_body=True)]
         answers = [route_answer(self.pick)]
         if end_of_stream is not None:
             answers += body_answers(body, end_of_stream)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import grpc
 import httpx
 import openai
@@ -80,6 +81,22 @@ def test_openai_sdk_through_envoy_streamed_and_not(stack: Stack) -> None:
                                                               stream_options={"include_usage": True})))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.model_extra) for c in chunks)
+
+
+def test_anthropic_sdk_through_envoy_streamed_and_not(stack: Stack) -> None:
+    client = anthropic.Anthropic(base_url=stack.envoy.url, api_key="unused", max_retries=0, timeout=30)
+    raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=8,
+                                                   messages=[{"role": "user", "content": "Hi there"}])
+    message = raw.parse()
+    assert message.type == "message" and message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+    assert raw.headers["x-dgw-worker"] in stack.endpoints
+    with client.messages.stream(model=MODEL, max_tokens=8,
+                                messages=[{"role": "user", "content": "Hi again"}]) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert final.usage.output_tokens > 0
 
 
 def test_shared_prefix_goes_back_to_its_holder_and_matches_the_prediction(stack: Stack) -> None:
@@ -161,7 +178,55 @@ def test_fail_close_answers_5xx_quickly_without_the_epp(tmp_path: Path, stack: S
 def test_fail_open_still_serves_without_the_epp(tmp_path: Path, stack: Stack) -> None:
     envoy = Envoy(tmp_path, "epp-fail-open.yaml", free_port(), stack.endpoints)
     try:
-        r = httpx.post(envoy.url + "/v1/chat/completions", json=chat("Hello?"), timeout=10)
-        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        for _ in range(5):  # the body racing the failed ext_proc call must not matter
+            r = httpx.post(envoy.url + "/v1/chat/completions", json=chat("Hello?"), timeout=10)
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
     finally:
         envoy.stop()
+
+
+def test_client_disconnect_releases_the_booked_load(stack: Stack) -> None:
+    left = stack.metric("dgw_client_disconnects_total")
+    assert stack.metric("dgw_inflight_requests") == 0
+    body = chat("Write a very long story.", max_tokens=60000, ignore_eos=True, stream=True)
+    with httpx.stream("POST", stack.envoy.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        chunks = r.iter_bytes()  # held: a dropped iterator closes the response
+        next(chunks)  # the stream is under way: its load is booked
+        time.sleep(0.5)
+        assert stack.metric("dgw_inflight_requests") == 1
+        assert stack.metric("dgw_client_disconnects_total") == left
+    deadline = time.monotonic() + 5
+    while stack.metric("dgw_inflight_requests") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.metric("dgw_inflight_requests") == 0
+    assert stack.metric("dgw_client_disconnects_total") == left + 1
+
+
+def test_endpoint_gone_between_pick_and_dispatch_is_retried_on_the_next_listed(tmp_path: Path) -> None:
+    """The EPP lists the prefix's holder first, then fallbacks; the holder dies before Envoy dials it
+    (the EPP's next health check is far off): Envoy's retry goes to the next endpoint listed."""
+    holder, other = SimCluster("unified:sm100", time_scale=50), SimCluster("unified:sm100", time_scale=50)
+    epp = envoy = None
+    try:
+        urls = holder.urls + other.urls
+        endpoints = [u.split("//", 1)[1] for u in urls]
+        epp = Epp(tmp_path, [(u, "unified", "sm100") for u in urls], health_interval_s=60, fallbacks=2)
+        envoy = Envoy(tmp_path, "epp-fail-open.yaml", epp.grpc_port, endpoints)
+        wait_ready(epp)
+        prefix = "A long shared system prompt about retries. " * 120
+        r = httpx.post(envoy.url + "/v1/chat/completions", json=chat(prefix + "One?"), timeout=30,
+                       headers={DESTINATION_SUBSET: endpoints[0]})
+        assert r.status_code == 200 and r.headers["x-dgw-worker"] == endpoints[0]
+        time.sleep(0.5)  # its KV events reach the EPP: the holder is now the first choice for the prefix
+        holder.stop()
+        r = httpx.post(envoy.url + "/v1/chat/completions", json=chat(prefix + "Two?"), timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-dgw-worker"] == endpoints[1]  # the served endpoint took the booked load
+        stats = httpx.get(f"http://127.0.0.1:{envoy.admin_port}/stats?filter=^cluster.pool.upstream_rq_retry$").text
+        assert stats.strip() == "cluster.pool.upstream_rq_retry: 1"  # the holder was listed first, and dialled
+        assert total(scrape(epp.url), "dgw_inflight_requests") == 0
+    finally:
+        for proc in (envoy, epp, holder, other):
+            if proc is not None:
+                proc.stop()

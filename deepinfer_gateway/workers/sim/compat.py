@@ -5,8 +5,10 @@ Chat requests go through deepseek-recipe directly (convert, StreamProcessor for 
 output) and the gateway's segment-cached V4.1 prompt encoder, then through the same
 engine, prefix cache and KV store as worker-protocol requests;
 `usage.prompt_tokens_details.cached_tokens` is the engine's memory + store hit.
-Text completions and SGLang `/generate` take a prompt string (plain tokenizer encoding)
-or token ids, and return text from the sim's detokenizer. Not a full OpenAI
+Anthropic Messages (`/v1/messages`) go through the gateway's own bridge (recipe_bridge's
+`RequestPreparer` and `ResponseStream`), so an Envoy + EPP in front of sim workers serves the
+Anthropic SDK as the gateway does. Text completions and SGLang `/generate` take a prompt
+string (plain tokenizer encoding) or token ids, and return text from the sim's detokenizer. Not a full OpenAI
 implementation: n=1, no logprobs, no stop strings.
 
 Peer routers render or tokenize every request, on every worker, before sending it (vLLM's
@@ -44,9 +46,13 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from deepinfer_gateway.errors import GatewayError
 from deepinfer_gateway.protocol import GenerateRequest, Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
+from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
+from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, BridgeConfig, PreparedRequest
+from deepinfer_gateway.recipe_bridge.stream import ResponseStream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle, write_tokenizer_dir
 from deepinfer_gateway.workers.server import json_response
 from deepinfer_gateway.workers.sim.engine import SimEngine
@@ -106,6 +112,11 @@ class CompatLayer:
     def encoder(self) -> PromptEncoder:
         return shared_encoder(self.bundle)
 
+    @cached_property
+    def preparer(self) -> RequestPreparer:
+        return RequestPreparer(self.encoder, BridgeConfig(model_names=(self.model,),
+                                                          context_limit=self.engine.profile.max_model_len))
+
     def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False) -> Sampling:
         opts = conv.inference_options
         constraint = opts.output_constraint
@@ -140,6 +151,23 @@ class CompatLayer:
                 yield event
         finally:
             await events.aclose()
+
+    async def frames(self, prepared: PreparedRequest) -> AsyncIterator[bytes]:
+        """A prepared request's answer in its protocol's framing (SSE events, or the parts of one body)."""
+        out = ResponseStream(prepared, self.bundle, "msg_" + uuid.uuid4().hex)
+        async for event in self.events(prepared.token_ids, prepared.sampling):
+            kind = event["event"]
+            if kind == "ready":
+                cached = event["cached_tokens"]
+                yield out.ready(event["prompt_tokens"], cached["memory"] + cached["store"])
+            elif kind == "tokens":
+                yield out.tokens(event["token_ids"])
+            elif event["reason"] in _RECIPE_FINISH:
+                yield out.finish(event["reason"])
+            else:
+                raise RuntimeError(event.get("error", {}).get("message", event["reason"]))
+        if not prepared.stream:
+            yield out.body()
 
     async def chat_chunks(self, conv: ConversationRequest, prompt: list[int], rid: str,
                           ignore_eos: bool = False) -> AsyncIterator[Any]:
@@ -212,6 +240,20 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
             return _error(503, str(err), "server_error")
         assert response is not None
         return Response(response.to_json(), media_type="application/json")
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            prepared = layer.preparer.prepare(ApiProtocol.MESSAGES, await request.body())
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE)
+        except GatewayError as err:
+            body = {"type": "error", "error": {"type": "invalid_request_error", "message": err.message}}
+            return Response(orjson.dumps(body), status_code=err.status_code, media_type="application/json")
+        if prepared.stream:
+            return StreamingResponse(layer.frames(prepared), media_type=SSE)
+        parts = [part async for part in layer.frames(prepared)]
+        return Response(parts[-1], media_type="application/json")
 
     async def complete(token_ids: list[int], sampling: Sampling) -> dict[str, Any]:
         out: list[int] = []
