@@ -15,10 +15,11 @@ fails a FULL_DUPLEX_STREAMED request closed when the EPP is unreachable after it
 out), the headers are answered at once and the route goes with the answer to the whole
 body, which Envoy holds the headers for.
 
-The response phases end the request's booked load: the response headers (its prompt no longer queued; the served endpoint, where the data
-plane reports it, takes the load), each body chunk (read for the engine's cached-token
-figure, passed on unchanged), and the last chunk, trailers or the stream's close, whichever
-comes first (a client that leaves resets the stream).
+The response phases end the request's booked load: the response headers (its prompt no
+longer queued; the served endpoint, where the data plane reports it, takes the load), each
+body chunk (read for the engine's cached-token figure, passed on unchanged), and the last
+chunk, trailers or the stream's close, whichever comes first (a client that leaves resets
+the stream).
 """
 
 from __future__ import annotations
