@@ -4,6 +4,17 @@ Wraps deepseek-recipe's StreamProcessor, which decodes token ids and parses reas
 answer text and DSML tool calls for each protocol. This module only frames what the
 library emits (SSE event names and the final `[DONE]` come from the library too).
 
+One worker `tokens` event (one engine step: several ids with speculative decoding) is
+pushed whole and comes out as one protocol chunk carrying all its text, and its logprobs
+as a list (every protocol that has logprobs takes several tokens' worth per chunk: Chat's
+`logprobs.content`, legacy Completions' parallel arrays; Responses refuses them at the
+request and Messages has none). Several chunks come out of one event only where the
+protocol's own structure changes inside it (reasoning ends, a tool call opens).
+
+Stop sequences are the exception: the client's usage must count the tokens up to the one
+that completed the match, not the step's later ones. `StopGuard` sees the step's raw bytes
+first; when a stop sequence may complete inside them, the step is pushed token by token.
+
 Cost: ~2.5 us per relayed token at 4 tokens per worker message, i.e. ~350-400k tokens/s
 on one core (bench/preprocess.py, `relay_tokens_per_s_per_core`).
 """
@@ -20,7 +31,7 @@ from deepinfer_gateway.recipe_bridge.completion_stream import (
     TextCompletionResponse,
 )
 from deepinfer_gateway.recipe_bridge.completions import LegacyOptions
-from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
+from deepinfer_gateway.recipe_bridge.detokenizer import TokenBytes, token_bytes
 from deepinfer_gateway.recipe_bridge.final_usage import corrected_json, set_cached
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
@@ -57,6 +68,24 @@ def _generator(prepared: PreparedRequest, response_id: str) -> Any:
     return dr.MessagesRequest.chunk_generator(conv, response_id, prepared.requested_model)
 
 
+class StopGuard:
+    """Says whether a stop sequence may complete inside a step's tokens, from their raw bytes
+    and the end of the output before them. A superset of the real matches (raw bytes include
+    reasoning and markup the parsers match nothing in), so a step it passes cannot end the
+    answer and can be pushed whole."""
+
+    def __init__(self, table: TokenBytes, stops: list[str]):
+        self._bytes_of = table.bytes_of
+        self._stops = [s.encode() for s in stops if s]
+        self._keep = max(map(len, self._stops), default=1) - 1  # a match may start this far back
+        self._tail = b""
+
+    def may_stop(self, token_ids: list[int]) -> bool:
+        raw = self._tail + self._bytes_of(token_ids)
+        self._tail = raw[len(raw) - self._keep:] if self._keep else b""
+        return any(stop in raw for stop in self._stops)
+
+
 class _Framing:
     """What both response streams share: SSE framing (or the accumulated body), `[DONE]`,
     the counts, and the final usage's correction when `finish` brings the worker's real
@@ -81,6 +110,7 @@ class _Framing:
         self.cached_tokens = 0  # `ready`'s, then the worker's final count if `finish` brought one
         self._correct_usage = False  # `finish` brought a different cached count: final frames get it
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
+        self._stop_guard: StopGuard | None = None  # set by a subclass when the request has stop sequences
 
     def _start(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
@@ -96,6 +126,24 @@ class _Framing:
 
     def _processor_finished(self) -> bool:
         return False
+
+    def tokens(self, token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
+        """One worker `tokens` event (one engine step): its protocol bytes, one chunk for the
+        whole step unless a stop sequence may complete inside it (module doc)."""
+        if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
+            return b""
+        guard = self._stop_guard
+        if guard is None or not guard.may_stop(token_ids) or len(token_ids) == 1:
+            return self._push(token_ids, logprobs)
+        parts: list[bytes] = []
+        for i, token in enumerate(token_ids):
+            parts.append(self._push([token], None if logprobs is None else logprobs[i:i + 1]))
+            if self.done:
+                break
+        return b"".join(parts)
+
+    def _push(self, token_ids: list[int], logprobs: list[Any] | None) -> bytes:
+        raise NotImplementedError
 
     def _done(self) -> bytes:
         self.done = True
@@ -158,6 +206,9 @@ class ResponseStream(_Framing):
             _generator(prepared, response_id), prepared.conversation.parsing_options, bundle.tokenizer
         )
         self._split_usage = prepared.protocol is ApiProtocol.CHAT and prepared.include_usage
+        stops = list(prepared.conversation.parsing_options.stop_sequences)
+        if stops:
+            self._stop_guard = StopGuard(token_bytes(bundle.json_text), stops)
 
     def _processor_finished(self) -> bool:
         return bool(self._processor.finished)
@@ -167,9 +218,7 @@ class ResponseStream(_Framing):
         usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
 
-    def tokens(self, token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
-        if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
-            return b""
+    def _push(self, token_ids: list[int], logprobs: list[Any] | None) -> bytes:
         self.completion_tokens += len(token_ids)
         if logprobs is not None:
             pairs = [(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs]
@@ -203,17 +252,18 @@ class LegacyCompletionStream(_Framing):
 
     def __init__(self, prepared: PreparedRequest, bundle: TokenizerBundle, response_id: str):
         super().__init__(prepared, response_id)
-        self._processor = TextCompletionProcessor(token_bytes(bundle.json_text), prepared.legacy or LegacyOptions(),
-                                                  response_id, prepared.requested_model, prepared.created,
-                                                  prepared.include_usage)
+        table = token_bytes(bundle.json_text)
+        options = prepared.legacy or LegacyOptions()
+        self._processor = TextCompletionProcessor(table, options, response_id, prepared.requested_model,
+                                                  prepared.created, prepared.include_usage)
+        if options.stop:
+            self._stop_guard = StopGuard(table, list(options.stop))
 
     def ready(self, prompt_tokens: int, cached_tokens: int) -> bytes:
         self._start(prompt_tokens, cached_tokens)
         return self._emit(self._processor.ready(prompt_tokens, cached_tokens))
 
-    def tokens(self, token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
-        if self.done:  # a stop sequence already ended the answer; the engine's later tokens are dropped
-            return b""
+    def _push(self, token_ids: list[int], logprobs: list[Any] | None) -> bytes:
         self.completion_tokens += len(token_ids)
         out = self._emit(self._processor.tokens(token_ids, logprobs))
         return out + self._done() if self._processor.finished else out

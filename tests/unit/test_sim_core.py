@@ -14,7 +14,8 @@ from deepinfer_gateway.workers.sim.profiles import load_profile
 from deepinfer_gateway.workers.sim.step_model import decode_seconds, prefill_seconds
 
 SM100 = load_profile("sm100")
-ONE_RANK = replace(SM100, dp_ranks=1, gpus_per_instance=1)
+# One token per decode step unless a test says otherwise: step-exact expectations.
+ONE_RANK = replace(SM100, dp_ranks=1, gpus_per_instance=1, nextn=0)
 
 
 def core(profile=ONE_RANK, store=None, time_scale=1.0) -> SchedulerCore:
@@ -148,3 +149,50 @@ def test_dp_ranks_share_the_load() -> None:
     for i in range(8):
         c.add_request(req(f"r{i}", [i] * 50))
     assert [r.waiting for r in c.rank_loads()] == [2, 2, 2, 2]
+
+
+def _decode_sizes(profile, rid: str = "s", n_out: int = 400) -> list[int]:
+    """Tokens per decode step of one request (the prefill's single first token left out)."""
+    c = core(profile)
+    c.add_request(SimRequest(rid, list(range(200)), list(range(1000, 1000 + n_out)), FinishReason.LENGTH))
+    _, seen = run(c)
+    ups = [u for u in seen[rid] if u.token_ids]
+    assert [t for u in ups for t in u.token_ids] == list(range(1000, 1000 + n_out))  # in order, none lost
+    assert len(ups[0].token_ids) == 1  # the step that completes prefill samples one token
+    return [len(u.token_ids) for u in ups[1:-1]]  # the last step may be cut by the output's end
+
+
+def test_default_profile_is_dsparks_published_sweep() -> None:
+    assert (SM100.nextn, SM100.acceptance, SM100.decode_tokens_per_step) == (3, 0.75, 3.25)
+
+
+def test_speculative_steps_draw_one_plus_accepted_drafts_per_request() -> None:
+    dspark = replace(ONE_RANK, nextn=3, acceptance=0.75)
+    sizes = _decode_sizes(dspark, n_out=4000)
+    assert set(sizes) <= {1, 2, 3, 4} and len(set(sizes)) == 4  # 0..3 drafts accepted, each outcome seen
+    assert sum(sizes) / len(sizes) == pytest.approx(3.25, abs=0.1)  # 1 + 3 x 0.75 (~1200 draws)
+    assert _decode_sizes(dspark, n_out=4000) == sizes  # seeded: the same request draws the same steps
+    assert _decode_sizes(dspark, "other", n_out=4000) != sizes  # ... by its own request id
+
+
+def test_draws_of_a_request_do_not_depend_on_its_batch() -> None:
+    """Each request draws from its own RNG: a neighbour in the batch changes nothing (the
+    offline simulator's cruising relies on it, simulate/cruise.py)."""
+    dspark = replace(ONE_RANK, nextn=3, acceptance=0.75)
+    alone = _decode_sizes(dspark, "a")
+    c = core(dspark)
+    c.add_request(SimRequest("b", list(range(300, 500)), list(range(7, 300)), FinishReason.LENGTH))
+    c.add_request(SimRequest("a", list(range(200)), list(range(1000, 1400)), FinishReason.LENGTH))
+    _, seen = run(c)
+    assert [len(u.token_ids) for u in seen["a"] if u.token_ids][1:-1] == alone
+
+
+@pytest.mark.parametrize(("nextn", "acceptance", "size"), [(0, 0.75, 1), (3, 1.0, 4), (3, 0.0, 1), (5, 1.0, 6)])
+def test_fixed_step_sizes_without_draws(nextn: int, acceptance: float, size: int) -> None:
+    sizes = _decode_sizes(replace(ONE_RANK, nextn=nextn, acceptance=acceptance), n_out=100)
+    assert sizes and set(sizes) == {size}
+
+
+def test_decode_step_time_keeps_the_mean_per_user_speed() -> None:
+    """The charts' per-user speed includes MTP: a step lasts its mean group's time."""
+    assert decode_seconds(SM100, 8) == pytest.approx(3.25 * decode_seconds(replace(SM100, nextn=0), 8))

@@ -13,9 +13,10 @@ from deepinfer_gateway.protocol import GenerateRequest, Sampling
 from deepinfer_gateway.workers.sim.engine import SimEngine
 from deepinfer_gateway.workers.sim.profiles import load_profile
 
-RATE = 50.0  # tokens/s per stream, any batch: 20 ms steps
+RATE = 50.0  # tokens/s per stream, any batch: 20 ms steps (one token each: no speculative draws)
 TOKENS = 50
-FLAT = replace(load_profile("sm100"), dp_ranks=1, gpus_per_instance=1, decode_points=((1, RATE), (1024, RATE)))
+FLAT = replace(load_profile("sm100"), dp_ranks=1, gpus_per_instance=1, decode_points=((1, RATE), (1024, RATE)),
+               nextn=0)
 
 
 async def _stream(engine: SimEngine, rid: str) -> list[tuple[float, int]]:

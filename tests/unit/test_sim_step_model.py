@@ -26,7 +26,8 @@ def test_prefill_chart_points(batch_per_gpu: int, tok_s_per_gpu: float, step_ms:
     [(8, 325, 2_600), (64, 248, 15_500), (256, 103, 26_000)],
 )
 def test_decode_chart_points(per_rank: int, tok_s_per_user: float, tok_s_per_gpu: float) -> None:
-    seconds = decode_seconds(SM100, per_rank)
+    # A step emits `decode_tokens_per_step` tokens per user on average (speculative decoding).
+    seconds = decode_seconds(SM100, per_rank) / SM100.decode_tokens_per_step
     assert 1 / seconds == pytest.approx(tok_s_per_user, rel=0.10)
     assert per_rank / seconds == pytest.approx(tok_s_per_gpu, rel=0.10)
 
@@ -66,3 +67,12 @@ def test_user_profile_file(tmp_path) -> None:
     assert prefill_seconds(tiny, 500) == pytest.approx(0.5)
     with pytest.raises(KeyError):
         load_profile("nope", path)
+
+
+@pytest.mark.parametrize("bad", ["nextn = -1", "acceptance = 1.5", "acceptance = -0.1"])
+def test_speculative_fields_are_checked(tmp_path, bad: str) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(f'[bad]\nderived_from = "sm100"\n{bad}\n[sm100]\nhardware = "sm100"\nkv_format = "x"\n'
+                    "prefill_points = [[1, 1000]]\ndecode_points = [[1, 10]]\n")
+    with pytest.raises(ValueError, match="nextn must be >= 0 and acceptance within"):
+        load_profile("bad", path)

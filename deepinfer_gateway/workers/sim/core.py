@@ -12,7 +12,11 @@ its slowest rank), like DeepInfer/vLLM with chunked prefill:
    sim knows its output length, so it never needs to preempt). Admission looks the
    prompt up in the memory prefix cache, then in the shared store: memory hits are
    free, store hits cost their KV bytes at the profile's store read bandwidth;
-2. every running request past prefill decodes (`decode_tokens_per_step` tokens);
+2. every running request past prefill decodes: 1 token, plus with speculative decoding
+   (`nextn` > 0) each of `nextn` draft tokens accepted with probability `acceptance`,
+   drawn per step from the request's own RNG (seeded by its request id, so a run is
+   reproducible and a request's draws do not depend on what else runs; cruise.py relies
+   on that);
 3. the rest of the `max_num_batched_tokens` budget prefills waiting prompt tokens in
    chunks, oldest first; a request whose prefill completes emits its first token.
 After prefill the prompt's blocks enter the memory cache and the store; at finish the
@@ -26,6 +30,7 @@ bandwidth is not shared between readers; TTL expiry emits no events (the index h
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,6 +91,7 @@ class _Seq:
     computed: int = 0  # prompt tokens with KV
     emitted: int = 0
     prefilled: bool = False
+    rng: random.Random | None = None  # speculative decoding's acceptance draws (None: no draws)
 
     @property
     def remaining_prefill(self) -> int:
@@ -146,6 +152,8 @@ class SchedulerCore:
             raise AdmissionError(ErrorKind.RESOURCE_EXHAUSTED, f"request needs {blocks} KV blocks, worker has fewer")
         rank = min(range(self.profile.dp_ranks), key=self._rank_pressure)
         seq = _Seq(req, rank, hashes if hashes is not None else self.hashes(req.token_ids), blocks)
+        if self.profile.nextn and 0.0 < self.profile.acceptance < 1.0:
+            seq.rng = random.Random(req.request_id)  # str seeds are hashed with SHA-512: stable across runs
         self._seqs[req.request_id] = seq
         self._waiting[rank].append(seq)
 
@@ -191,12 +199,21 @@ class SchedulerCore:
             if seq.remaining_prefill == 0:
                 completed.append(seq)
         for seq in decoding:
-            self._emit(seq, self.profile.decode_tokens_per_step, now, updates)
+            self._emit(seq, self.step_tokens(seq), now, updates)
         for seq in completed:
             seq.prefilled = True
             self._cache_blocks(seq.hashes, seq.req.workload_class, now)
             self._emit(seq, 1, now, updates)
         return load_s + prefill_seconds(self.profile, chunk) + decode_seconds(self.profile, len(decoding))
+
+    def step_tokens(self, seq: _Seq) -> int:
+        """How many tokens `seq` emits in this decode step: 1 + its accepted draft tokens."""
+        nextn = self.profile.nextn
+        rng = seq.rng
+        if rng is None:  # no drafts, or every draft accepted (acceptance 1) or none (0)
+            return 1 + nextn if self.profile.acceptance >= 1.0 else 1
+        draw, p = rng.random, self.profile.acceptance
+        return 1 + sum(draw() < p for _ in range(nextn))
 
     def _admit(self, rank: int, now: float, updates: dict[str, RequestUpdate]) -> float:
         """Move waiting requests into the batch; returns the KV load time they cost."""

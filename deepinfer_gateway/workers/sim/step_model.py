@@ -41,8 +41,9 @@ def prefill_seconds(profile: HardwareProfile, tokens_per_rank: int) -> float:
 
 def decode_seconds(profile: HardwareProfile, running_per_rank: int) -> float:
     """One decode iteration of a DP rank with `running_per_rank` requests (one token each,
-    or `decode_tokens_per_step` with speculative decoding: the chart speeds already
-    include DeepInfer's MTP, so the step time is per emitted group)."""
+    or `decode_tokens_per_step` on average with speculative decoding: the chart speeds
+    already include DeepInfer's MTP, so a step lasts as long as its mean group takes; the
+    per-user speed is kept on average, whatever a step's draws)."""
     if running_per_rank <= 0:
         return 0.0
     per_user = interpolate_log(profile.decode_points, running_per_rank)
