@@ -20,7 +20,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings, HealthSettings
 from deepinfer_gateway.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
-from deepinfer_gateway.gateway.serving.relay import RelayResponse
+from deepinfer_gateway.gateway.serving.relay import MAX_COALESCED_BYTES, RelayResponse
 from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import LegRequest
@@ -54,6 +54,9 @@ class ScriptedStream:
             raise item
         return dict(item)
 
+    def buffered(self) -> bool:
+        return False  # every chunk is written before the next read (coalescing: test_relay_coalescing.py)
+
     def close(self) -> None:
         self.closed = True
 
@@ -75,8 +78,9 @@ class ScriptedUpstream:
 
 
 class ScriptedClient:
-    def __init__(self, scripts: dict[str, list[Script]]):
+    def __init__(self, scripts: dict[str, list[Script]], stream_type: type[ScriptedStream] = ScriptedStream):
         self.scripts = scripts
+        self.stream_type = stream_type
         self.streams: list[ScriptedStream] = []
         self.aborted: list[tuple[str, str]] = []
 
@@ -88,7 +92,7 @@ class ScriptedClient:
         script = self.scripts[url].pop(0)
         if isinstance(script, UpstreamError):
             raise script
-        stream = ScriptedStream(script)
+        stream = self.stream_type(script)
         self.streams.append(stream)
         return stream
 
@@ -107,10 +111,11 @@ def prepared_chat(preparer: RequestPreparer, *, stream: bool = False) -> Prepare
 
 
 class Rig:
-    def __init__(self, scripts: dict[str, list[Script]], max_attempts: int = 2):
+    def __init__(self, scripts: dict[str, list[Script]], max_attempts: int = 2,
+                 stream_type: type[ScriptedStream] = ScriptedStream):
         self.settings = GatewaySettings(max_attempts=max_attempts)
         self.metrics = GatewayMetrics()
-        self.client = ScriptedClient(scripts)
+        self.client = ScriptedClient(scripts, stream_type)
         specs = tuple(DgwWorkerSpec(url=u) for u in scripts)
         self.registry = WorkerRegistry(specs, self.client, HealthSettings(), self.metrics)
         for w in self.registry.workers.values():
@@ -249,3 +254,93 @@ async def test_a_client_leaving_mid_stream_is_499_and_aborts(preparer: RequestPr
     assert rig.requests("499") == 1 and rig.metrics.client_disconnects._value.get() == 1
     rig.assert_released()
     assert rig.client.aborted == [(URLS[0], "req-1")]
+
+
+class ArrivingStream(ScriptedStream):
+    """A worker whose events arrive over time, as a real connection's would: a read that finds
+    nothing arrived waits for the next one; `arrive(n)` is time passing elsewhere (a slow
+    client's write) while n more arrive. `buffered` is True only for an arrived event."""
+
+    def __init__(self, script: Script):
+        super().__init__(script)
+        self.arrived = 1  # `ready`, read before the relay starts
+        self.read = 0
+
+    def arrive(self, n: int) -> None:
+        self.arrived += n
+
+    async def next_event(self) -> dict[str, Any] | None:
+        if self.read >= self.arrived:
+            self.arrived += 1
+        self.read += 1
+        return await super().next_event()
+
+    def buffered(self) -> bool:
+        return bool(self.script) and self.read < self.arrived
+
+
+def content_of(raw: bytes) -> str:
+    return "".join(orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in raw.split(b"\n") if line.startswith(b"data: {") and b'"choices":[{' in line)
+
+
+def words_script(steps: int) -> Script:
+    """A `ready`, `steps` one-word `tokens` events of answer text, a `finish`."""
+    bundle = load_tokenizer(None)
+    ids = [bundle.tokenizer.encode(f" word{i}") for i in range(steps)]
+    return [wp.ready_event(10, 0, 0), wp.tokens_event(bundle.tokenizer.encode("</think>")),
+            *(wp.tokens_event(step) for step in ids), wp.finish_event(wp.FinishReason.LENGTH)]
+
+
+async def test_a_lagging_client_gets_the_steps_sent_meanwhile_in_one_write(preparer: RequestPreparer) -> None:
+    """While a write waits for a slow client, the events that arrive are coalesced: the next
+    write carries all of them, and the client's answer is the same as a prompt client's."""
+    script = words_script(60)
+    body = {"model": MODEL, "max_tokens": 500, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    runs: dict[str, list[bytes]] = {}
+    for name, lagging in (("prompt", False), ("lagging", True)):
+        rig = Rig({URLS[0]: [list(script)]}, stream_type=ArrivingStream)
+        response = await rig.serve(preparer.prepare(ApiProtocol.CHAT, orjson.dumps(body)))
+        sent: list[bytes] = []
+
+        async def send(message: dict[str, Any], lagging: bool = lagging, sent: list[bytes] = sent,
+                       stream: ScriptedStream = rig.client.streams[-1]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                sent.append(message["body"])
+                if lagging and len(sent) % 10 == 2:  # every tenth write waits for the client...
+                    assert isinstance(stream, ArrivingStream)
+                    stream.arrive(12)  # ...while 12 more steps arrive
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {}
+
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/"},
+                       receive, send)
+        rig.assert_released()
+        runs[name] = sent
+    words = "".join(f" word{i}" for i in range(60))
+    assert content_of(b"".join(runs["prompt"])) == content_of(b"".join(runs["lagging"])) == words
+    # A prompt client gets one write per step (the head carries the first one)...
+    assert [w.count(b'"content":" word') for w in runs["prompt"]] == [0] + [1] * 60 + [0]
+    # ...a lagging one, after each wait, the 12 steps that arrived meanwhile in one write.
+    lagged = [w.count(b'"content":" word') for w in runs["lagging"]]
+    assert lagged == [0, 1] + ([12] + [1] * 9) * 2 + [12] + [1] * 5 + [0]
+
+
+async def test_a_worker_that_stays_ahead_is_still_written_every_16_kib(preparer: RequestPreparer) -> None:
+    """Every event already in hand: coalescing, bounded by MAX_COALESCED_BYTES per write."""
+    script = words_script(400)
+
+    class InHand(ScriptedStream):
+        def buffered(self) -> bool:
+            return bool(self.script)
+
+    rig = Rig({URLS[0]: [script]}, stream_type=InHand)
+    body = {"model": MODEL, "max_tokens": 500, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    response = await rig.serve(preparer.prepare(ApiProtocol.CHAT, orjson.dumps(body)))
+    sent = await _run_stream(response)
+    assert content_of(b"".join(sent)) == "".join(f" word{i}" for i in range(400))
+    body_writes = sent[1:]  # the head (role chunk and first token) goes out on its own
+    assert len(body_writes) >= 3
+    assert all(MAX_COALESCED_BYTES <= len(w) < MAX_COALESCED_BYTES + 1024 for w in body_writes[:-1])

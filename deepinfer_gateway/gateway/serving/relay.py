@@ -5,6 +5,13 @@ non-streamed one is drained into one JSON body by `Relay.drain`; both run one lo
 the worker's events. A failure after a token reached the client ends the stream with a
 protocol error event, never silently.
 
+One worker `tokens` event (one engine step, however many tokens) becomes one protocol
+chunk (recipe_bridge/stream.py). Writes are coalesced: a chunk is sent when the next event
+is not already in hand (`EventStream.buffered`); while one is, its chunk joins the unsent
+ones and they go out in one write. A client that lags (its write waits for the socket to
+drain) therefore gets everything the worker sent meanwhile in one write, not one per
+step; a stream whose worker stays ahead is still written every MAX_COALESCED_BYTES.
+
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
 error, the client going away): it releases the current leg's lease, runs the request's
 `on_done` (rate-limit debit) and ends its `RequestOutcome` (outcome.py: every metric of
@@ -37,6 +44,8 @@ from deepinfer_gateway.recipe_bridge.stream import AnyResponseStream
 
 log = logging.getLogger(__name__)
 
+MAX_COALESCED_BYTES = 16384  # a write at least this often, even while events keep arriving
+
 
 @dataclass(eq=False)
 class Exchange:
@@ -53,6 +62,7 @@ class Exchange:
     head: bytes = b""  # protocol bytes produced so far (ready + first tokens), not yet sent
     pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
     output_ids: list[int] = field(default_factory=list)  # tokens so far (PD plans: the decode leg continues them)
+    unsent: list[bytes] = field(default_factory=list)  # streaming: chunks produced, not yet written (coalescing)
     finished: bool = False  # the worker finished the request: nothing to abort
     closed: bool = False
 
@@ -90,7 +100,8 @@ class Relay:
                 log.warning("request %s: stream from %s failed after the first token: %s", exchange.leg.request_id,
                             exchange.lease.worker.worker_id, exc)
                 frame = stream_error_frame(exchange.prepared.protocol, f"The worker failed mid-stream: {exc}")
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                exchange.unsent.append(frame)  # after what the client was not sent yet
+                await _flush(exchange.unsent, send)
             span.set_attribute("completion_tokens", response.completion_tokens)
             span.set_attribute("status", outcome.status or "499")
 
@@ -105,13 +116,15 @@ class Relay:
 
     async def _relay(self, exchange: Exchange, send: Send | None, last: float = 0.0) -> None:
         """Turn the request's events, across its legs (a PD hand-off is followed here), into
-        `exchange.response`. With `send` (streaming), each protocol chunk is sent as it is
-        produced and the gap between token messages observed (ITL, the first one from `last`);
-        without it (drain), the response only accumulates. One loop for both and no generator
-        in between: it runs once per relayed token."""
+        `exchange.response`. With `send` (streaming), the protocol chunks are written as they
+        are produced, coalesced (module doc), and the gap between token messages observed
+        (ITL, the first one from `last`); without it (drain), the response only accumulates.
+        One loop for both and no generator in between: it runs once per relayed event."""
         response, outcome = exchange.response, exchange.outcome
         pending = exchange.pending
         keep_ids = exchange.keep_ids
+        unsent = exchange.unsent
+        size = 0  # of `unsent`
         while True:
             event: dict[str, Any] | None
             if pending:
@@ -119,6 +132,10 @@ class Relay:
             else:
                 stream = exchange.lease.stream  # set once a leg is open; read per event: a hand-off swaps it
                 assert stream is not None
+                if unsent and (size >= MAX_COALESCED_BYTES or not stream.buffered()):
+                    assert send is not None
+                    size = 0
+                    await _flush(unsent, send)  # the next read may wait: the client gets what there is
                 event = await stream.next_event()
             if event is None:
                 raise UpstreamError(UpstreamKind.PROTOCOL,
@@ -134,8 +151,12 @@ class Relay:
                     outcome.series.itl.observe(now - last)
                     last = now
                     if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        unsent.append(out)
+                        size += len(out)
                 if response.done:  # stop sequence: stop the engine too
+                    if unsent:
+                        assert send is not None
+                        await _flush(unsent, send)
                     return
             elif kind == "finish":
                 handoff = event.get("kv_handoff")
@@ -146,8 +167,13 @@ class Relay:
                     raise_if_error(event)
                     out = response.finish(event["reason"], final_cached(event))
                     if send is not None:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        unsent.append(out)
+                        await _flush(unsent, send)
                     return
+                if unsent:  # opening the decode leg takes a while
+                    assert send is not None
+                    size = 0
+                    await _flush(unsent, send)
                 await self._hand_off(exchange, handoff)
             # a decode leg's own `ready` carries no prompt usage of interest: skip it
 
@@ -174,6 +200,13 @@ class Relay:
     def close_stream(self, exchange: Exchange) -> None:
         exchange.outcome.client_left()  # unless the stream reached its end
         self.close(exchange)
+
+
+async def _flush(unsent: list[bytes], send: Send) -> None:
+    """Write the unsent chunks as one body message, and forget them."""
+    body = unsent[0] if len(unsent) == 1 else b"".join(unsent)
+    unsent.clear()
+    await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
 class RelayResponse(Response):

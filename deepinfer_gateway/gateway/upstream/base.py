@@ -42,6 +42,12 @@ class EventStream(Protocol):
 
     async def next_event(self) -> dict[str, Any] | None: ...
 
+    def buffered(self) -> bool:
+        """True when `next_event` would answer without waiting: an event (or the error that
+        ends the stream) is already received. The relay writes to its client when it is False
+        and coalesces when True, so True must never be said of an event still to come."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -171,6 +171,11 @@ class CompletionStream:
             await self._read_chunk()
         return self._events.popleft()
 
+    def buffered(self) -> bool:
+        """Only events already made from read chunks count: the server's next SSE line may be a
+        separator or a comment that `next_event` would read past and then wait."""
+        return bool(self._events)
+
     def _choice(self, choice: dict[str, Any]) -> None:
         """Queue one streamed choice's output tokens (`_emit`)."""
         raise NotImplementedError

@@ -213,6 +213,20 @@ class LineStream:
         self._buffer = buffer[end + 1:]
         return buffer[:end + 1]
 
+    def buffered(self) -> bool:
+        """A whole line is received (or the read would fail at once): `read_line` will not wait.
+        Takes what the connection holds without waiting (aiohttp's `read_nowait`)."""
+        if b"\n" in self._buffer:
+            return True
+        try:
+            chunk = self._response.content.read_nowait()
+        except Exception:  # the stream's error (a lost connection...): the next read raises it at once
+            return True
+        if not chunk:
+            return False
+        self._buffer = self._buffer + chunk if self._buffer else chunk
+        return b"\n" in chunk
+
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         """The watchdog fired: time out the read in progress if it has waited its whole timeout."""
         self._watchdog = None

@@ -95,5 +95,8 @@ class HeldEvents:
     async def next_event(self) -> dict[str, Any] | None:
         return self._events.popleft() if self._events else None
 
+    def buffered(self) -> bool:
+        return True  # every event is in hand; at the end, None without waiting
+
     def close(self) -> None:
         self._events.clear()
