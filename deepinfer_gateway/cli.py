@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="directory of files named after settings, as serve's (default: $DGW_SECRETS_DIR, else none)")
     epp.set_defaults(func=cmd_epp)
 
-    worker = command("worker", "one engine worker speaking worker protocol v1")
+    worker = command("worker", "one engine worker speaking worker protocols v1 and v2")
     worker.add_argument("--engine", choices=["sim", "deepinfer"], default="sim",
                         help="sim: calibrated simulation; deepinfer: the DeepInfer LLMEngine")
     worker.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",

@@ -48,7 +48,7 @@ class ApiKey(_Frozen):
 class WorkerEngine(StrEnum):
     """The API a worker speaks."""
 
-    DGW = "dgw"  # worker protocol v1 (docs/worker-protocol.md): sim and DeepInfer workers
+    DGW = "dgw"  # worker protocols v1 and v2 (docs/worker-protocol.md): sim and DeepInfer workers
     VLLM = "vllm"  # vLLM's OpenAI server, token ids in and out (docs/real-engines.md)
     OPENAI = "openai"  # any OpenAI-compatible server, text in and out (docs/real-engines.md)
 
@@ -86,13 +86,13 @@ class _WorkerSpecBase(_Frozen):
         return self.id or self.url.split("://", 1)[1]
 
 
-_ENGINE_DOC = ("dgw (the default): worker protocol v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
+_ENGINE_DOC = ("dgw (the default): worker protocol v2 or v1 (sim and DeepInfer workers); vllm: a vLLM OpenAI server, "
                "sent token ids; openai: any OpenAI-compatible server, sent text (docs/real-engines.md).")
 _MODEL_DOC = "vllm, openai: the served model name to request; empty: the first of its /v1/models."
 
 
 class DgwWorkerSpec(_WorkerSpecBase):
-    """A worker speaking worker protocol v1 (docs/worker-protocol.md): sim and DeepInfer workers."""
+    """A worker speaking worker protocol v2 or v1 (docs/worker-protocol.md): sim and DeepInfer workers."""
 
     engine: Literal[WorkerEngine.DGW] = Field(WorkerEngine.DGW, description=_ENGINE_DOC)
 
@@ -373,6 +373,10 @@ class GatewaySettings(_Frozen):
     connect_timeout_s: float = Field(2.0, gt=0, description="Connecting to a worker.")
     first_event_timeout_s: float = Field(30.0, gt=0, description="Waiting for a worker's first stream event.")
     between_events_timeout_s: float = Field(120.0, gt=0, description="Waiting between stream events.")
+    worker_protocol: Literal["auto", "v1"] = Field(
+        "auto",
+        description="Sim and DeepInfer workers: auto: worker protocol v2 (one multiplexed connection per worker) "
+                    "where the worker speaks it, else v1; v1: one HTTP stream per request (docs/worker-protocol.md).")
     shutdown_delay_s: float = Field(
         0.0, ge=0,
         description="SIGTERM: /ready answers 503 and the listener stays open this long (load balancers stop sending).")

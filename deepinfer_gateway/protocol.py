@@ -29,6 +29,10 @@ KV_EVENTS_PATH = "/v1/worker/kv_events"
 MAX_KV_EVENTS_WAIT_MS = 30_000  # the longest a kv_events long poll may be held (`wait_ms`)
 INFO_PATH = "/v1/worker/info"
 HEALTH_PATH = "/health"
+# Worker protocol v2: one WebSocket per gateway and worker carrying every request
+# (docs/worker-protocol.md "v2"). A worker without it answers 404 to the upgrade.
+MUX_PATH = "/v2/worker/mux"
+MUX_VERSION = 2
 
 NDJSON = "application/x-ndjson"
 REQUEST_ID_HEADER = "x-request-id"
@@ -72,6 +76,7 @@ class ErrorKind(StrEnum):
     KV_TRANSFER = "kv_transfer"  # retryable
     ENGINE = "engine"  # retryable
     SHUTTING_DOWN = "shutting_down"  # retryable
+    UNAUTHORIZED = "unauthorized"  # v2: the connection's worker token was revoked
 
 
 RETRYABLE_ERRORS = frozenset(
@@ -251,3 +256,25 @@ def finish_event(
 
 def encode_line(event: dict[str, Any]) -> bytes:
     return orjson.dumps(event) + b"\n"
+
+
+# --- v2 messages (docs/worker-protocol.md "v2") --------------------------------------
+
+
+class AbortOp(_Model):
+    op: Literal["abort"]
+    request_id: str = Field(min_length=1, max_length=256)
+
+
+class GenerateOp(_Model):
+    op: Literal["generate"]
+    request: GenerateRequest
+
+
+def generate_op(request: dict[str, Any]) -> dict[str, Any]:
+    """A v2 `generate` op carrying a `GenerateRequest` body (the gateway's side: plain dicts)."""
+    return {"op": "generate", "request": request}
+
+
+def abort_op(request_id: str) -> dict[str, Any]:
+    return {"op": "abort", "request_id": request_id}

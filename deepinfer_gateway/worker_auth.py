@@ -147,27 +147,42 @@ _UNAUTHORIZED = orjson.dumps({"error": {"kind": "unauthorized",
 
 
 class RequireWorkerToken:
-    """ASGI middleware: every HTTP path but OPEN_PATHS needs `Authorization: Bearer <token>`
-    with a token `tokens` accepts; anything else gets 401 before the app sees the request."""
+    """ASGI middleware: every HTTP path and WebSocket (worker protocol v2) but OPEN_PATHS needs
+    `Authorization: Bearer <token>` with a token `tokens` accepts; anything else gets 401 before
+    the app sees the request (a WebSocket handshake: 401 where the server can send it, else 403)."""
 
     def __init__(self, app: Any, tokens: SecretTokens):
         self.app = app
         self.tokens = tokens
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or scope["path"] in OPEN_PATHS or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        await send({"type": "http.response.start", "status": 401,
+        prefix = "http"
+        if kind == "websocket":  # worker protocol v2's connection: refused at the handshake
+            await receive()  # websocket.connect
+            if "websocket.http.response" not in scope.get("extensions", {}):
+                await send({"type": "websocket.close", "code": 1008})  # the server answers 403
+                return
+            prefix = "websocket.http"
+        await send({"type": f"{prefix}.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+        await send({"type": f"{prefix}.response.body", "body": _UNAUTHORIZED})
 
     def _authorized(self, scope: Any) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, presented = value.partition(b" ")
-                return scheme.lower() == b"bearer" and self.tokens.accepts(presented.strip())
-        return False
+        return presents_token(self.tokens, scope["headers"])
+
+
+def presents_token(tokens: SecretTokens, headers: Any) -> bool:
+    """Whether ASGI `headers` (name, value byte pairs) carry `Authorization: Bearer` with a token
+    `tokens` accepts now."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, presented = value.partition(b" ")
+            return scheme.lower() == b"bearer" and tokens.accepts(presented.strip())
+    return False
 
 
 def bearer(tokens: SecretTokens | None) -> dict[str, str]:

@@ -122,7 +122,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         client = Upstreams(bundle, Timeouts(connect_s=settings.connect_timeout_s,
                                             first_event_s=settings.first_event_timeout_s,
                                             between_events_s=settings.between_events_timeout_s),
-                           tokens=tokens_from(settings.worker_token, settings.worker_token_file))
+                           tokens=tokens_from(settings.worker_token, settings.worker_token_file),
+                           mux=settings.worker_protocol == "auto")
         await client.start()
         redis = None
         if settings.redis_url:

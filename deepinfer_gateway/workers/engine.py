@@ -1,6 +1,6 @@
 """The engine seam: what a worker server needs from an engine (sim or DeepInfer).
 
-A worker server (workers/server.py) exposes any `Engine` over worker protocol v1.
+A worker server (workers/server.py) exposes any `Engine` over worker protocols v1 and v2.
 Events yielded by `generate` are the protocol's dicts (`protocol.ready_event`,
 `tokens_event`, `finish_event`): exactly one `ready` first, any number of `tokens`,
 exactly one `finish` last; a request refused before scheduling yields only a `finish`

@@ -1,4 +1,5 @@
-"""The worker HTTP server: any `Engine` exposed over worker protocol v1.
+"""The worker HTTP server: any `Engine` exposed over worker protocol v1, and v2's
+multiplexed connection (workers/mux.py).
 
 `create_worker_app(engine)` builds the app; its lifespan starts and stops the engine.
 The generate reply is NDJSON (`protocol.encode_line` per event). A client that
@@ -25,7 +26,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -37,14 +38,16 @@ from deepinfer_gateway.protocol import (
     KV_EVENTS_PATH,
     LOAD_PATH,
     MAX_KV_EVENTS_WAIT_MS,
+    MUX_PATH,
     NDJSON,
     AbortRequest,
     ErrorKind,
     GenerateRequest,
     encode_line,
 )
-from deepinfer_gateway.worker_auth import RequireWorkerToken, SecretTokens
+from deepinfer_gateway.worker_auth import RequireWorkerToken, SecretTokens, presents_token
 from deepinfer_gateway.workers.engine import Engine
+from deepinfer_gateway.workers.mux import MuxSession
 
 JSON = "application/json"
 # Longest KV events long poll a worker grants: a wait pins one connection and one task,
@@ -107,8 +110,17 @@ async def ndjson_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[
             await close()  # runs the engine's finally: abort when unfinished
 
 
-def protocol_router(engine: Engine) -> APIRouter:
+def protocol_router(engine: Engine, tokens: SecretTokens | None = None) -> APIRouter:
+    """v1's endpoints and v2's connection (workers/mux.py); `tokens`: v2 re-checks the
+    connection's token at every new request (the handshake itself is checked by
+    RequireWorkerToken)."""
     router = APIRouter()
+
+    @router.websocket(MUX_PATH)
+    async def mux(websocket: WebSocket) -> None:
+        headers = websocket.scope["headers"]
+        authorized = None if tokens is None else (lambda: presents_token(tokens, headers))
+        await MuxSession(engine, websocket, authorized).run()
 
     @router.post(GENERATE_PATH)
     async def generate(request: Request) -> Response:
@@ -168,7 +180,7 @@ def create_worker_app(engine: Engine, extra_routers: Sequence[APIRouter] = (),
             await engine.stop()
 
     app = FastAPI(title=f"DeepInfer worker {engine.info.worker_id}", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.include_router(protocol_router(engine))
+    app.include_router(protocol_router(engine, tokens))
     for router in extra_routers:
         app.include_router(router)
     if tokens is not None:

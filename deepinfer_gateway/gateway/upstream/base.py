@@ -13,7 +13,7 @@ per worker and never ask which engine it runs. An `Upstream`
 - `reports_queue`: its load reports count the prompts waiting in its queue (the worker
   protocol's `queued_prefill_tokens`); False where the engine exports none (reported 0).
 
-One adapter module per engine kind implements it (dgw_upstream.py: worker protocol v1;
+One adapter module per engine kind implements it (dgw_upstream.py: worker protocols v1, v2;
 vllm_upstream.py; openai_upstream.py), built from upstreams.ADAPTERS by the worker's
 `engine`. Pure types: no HTTP library here (upstream_http.py).
 """

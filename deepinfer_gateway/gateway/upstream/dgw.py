@@ -1,13 +1,19 @@
-"""Worker protocol v1 (docs/worker-protocol.md) as an `Upstream`: sim and DeepInfer workers.
+"""Worker protocols v1 and v2 (docs/worker-protocol.md) as an `Upstream`: sim and DeepInfer workers.
 
-The generate call streams the worker's events as JSON lines; health is its info and load
-endpoints; its KV events are a log the feeder long-polls (kvcache/events.py). A PD hand-off
-between two such workers is the worker's own business: the prefill leg's `finish` carries
-it and the decode leg sends it back (relay.py follows it).
+Legs go over v2 (one multiplexed connection per worker, upstream/mux.py) unless the
+gateway is set to v1 (`worker_protocol = "v1"`) or the worker does not speak it: the
+upgrade is the negotiation, and a worker answering it 404 (v1 only) gets v1 generate
+calls until its epoch changes (a restart may bring v2). Over v1 the generate call streams
+the worker's events as JSON lines. Health is its info and load endpoints; its KV events
+are a log the feeder long-polls (kvcache/events.py). A PD hand-off between two such
+workers is the worker's own business: the prefill leg's `finish` carries it and the decode
+leg sends it back (relay.py follows it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import orjson
@@ -15,9 +21,12 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream.base import LegRequest, Probe, Timeouts
+from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, Probe, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response, http_errors
+from deepinfer_gateway.gateway.upstream.mux import MuxConnection, NotSpoken
 from deepinfer_gateway.kvcache.events import PolledKvLog
+
+log = logging.getLogger(__name__)
 
 
 class WorkerStream(LineStream):
@@ -40,7 +49,7 @@ class WorkerStream(LineStream):
 
 
 class DgwUpstream:
-    """One worker speaking worker protocol v1."""
+    """One worker speaking worker protocol v2, or v1 (module doc)."""
 
     handoff_family = "dgw"
 
@@ -49,6 +58,16 @@ class DgwUpstream:
     def __init__(self, spec: DgwWorkerSpec, http: HttpPool):
         self.spec = spec
         self._http = http
+        self._mux: MuxConnection | None = None
+        self._connecting = asyncio.Lock()
+        # The worker's epoch when it answered that it speaks only v1 (None: try v2).
+        self._v1_epoch: str | None = None
+        self._epoch = ""
+
+    @property
+    def protocol(self) -> int:
+        """The protocol its next leg uses, as far as known (2 until the worker refuses it)."""
+        return 2 if self._http.mux and self._v1_epoch is None else 1
 
     async def probe(self, known: wp.WorkerInfo | None) -> Probe:
         """The load report; the info is (re)read when not known and when the worker restarted (new epoch)."""
@@ -56,9 +75,41 @@ class DgwUpstream:
         load = wp.LoadReport.model_validate(await self._http.get_json(url, wp.LOAD_PATH))
         if known is None or (load.epoch and load.epoch != known.epoch):
             known = wp.WorkerInfo.model_validate(await self._http.get_json(url, wp.INFO_PATH))
+        self._epoch = known.epoch
+        if self._v1_epoch is not None and self._v1_epoch != known.epoch:
+            self._v1_epoch = None  # restarted: it may speak v2 now
         return Probe(known, load)
 
-    async def generate(self, leg: LegRequest) -> WorkerStream:
+    async def generate(self, leg: LegRequest) -> EventStream:
+        if self._http.mux and self._v1_epoch is None:
+            conn = await self._connection()
+            if conn is not None:
+                return await conn.submit(leg)
+        return await self._generate_v1(leg)
+
+    async def _connection(self) -> MuxConnection | None:
+        """The open v2 connection, opened (again) when there is none, it closed (the worker
+        restarted) or the worker token changed; None when the worker speaks only v1."""
+        conn = self._mux
+        if conn is not None and not conn.closed and conn.auth == self._http.session.headers.get("Authorization"):
+            return conn
+        async with self._connecting:
+            conn = self._mux
+            auth = self._http.session.headers.get("Authorization")
+            if conn is not None and not conn.closed and conn.auth == auth:
+                return conn
+            try:
+                fresh = await MuxConnection.open(self._http, self.spec.url)
+            except NotSpoken as exc:
+                log.info("worker %s speaks worker protocol v1 only (%s)", self.spec.worker_id, exc)
+                self._v1_epoch = self._epoch
+                return None
+            if conn is not None and not conn.closed:
+                conn.retire()  # the token changed: its legs finish on it, new ones go on the new one
+            self._mux = fresh
+            return fresh
+
+    async def _generate_v1(self, leg: LegRequest) -> WorkerStream:
         url = self.spec.url
         response = await self._http.post(url, wp.GENERATE_PATH, leg.wire(), leg.request_id)
         if response.status != 200:
@@ -70,7 +121,11 @@ class DgwUpstream:
         return WorkerStream(response, self._http.timeouts)
 
     async def abort(self, request_id: str) -> None:
-        """Best effort: the dropped connection already aborts; this covers proxies that keep it open."""
+        """Best effort: over v2 an `abort` op (a no-op when the stream's close already sent it);
+        over v1 the dropped connection already aborts, and this covers proxies that keep it open."""
+        if self._mux is not None and not self._mux.closed:
+            self._mux.abort(request_id)
+            return
         url = self.spec.url
         try:
             with http_errors(url):

@@ -56,8 +56,9 @@ class HttpPool:
     """The gateway's pooled connections to its workers, and the requests made on them."""
 
     def __init__(self, timeouts: Timeouts = Timeouts(), session: aiohttp.ClientSession | None = None,
-                 tokens: SecretTokens | None = None):
+                 tokens: SecretTokens | None = None, mux: bool = True):
         self.timeouts = timeouts
+        self.mux = mux  # worker protocol v2 where a worker speaks it (the `worker_protocol` setting)
         self._tokens = tokens
         self._token_task: asyncio.Task[None] | None = None
         self._session = session

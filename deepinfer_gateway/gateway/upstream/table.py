@@ -35,8 +35,9 @@ class Upstreams(HttpPool):
     """The connection pool, and each worker's adapter built on it."""
 
     def __init__(self, tokenizer: TokenizerBundle, timeouts: Timeouts = Timeouts(),
-                 session: aiohttp.ClientSession | None = None, tokens: SecretTokens | None = None):
-        super().__init__(timeouts, session, tokens)
+                 session: aiohttp.ClientSession | None = None, tokens: SecretTokens | None = None,
+                 mux: bool = True):
+        super().__init__(timeouts, session, tokens, mux)
         self._tokenizer = tokenizer
 
     def upstream(self, spec: WorkerSpec) -> Upstream:

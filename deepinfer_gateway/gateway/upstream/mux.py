@@ -1,0 +1,305 @@
+"""Worker protocol v2 on the gateway: one WebSocket per worker carrying every request.
+
+`MuxConnection` is the gateway's one connection to a worker (docs/worker-protocol.md
+"v2"). A leg is a `generate` op sent on it; the worker answers with request-tagged events,
+all of one engine step in one message, which the connection's reader task parses once and
+hands to each request's `MuxStream`. The relay reads a `MuxStream` as it reads a v1 stream
+(`next_event`, `close`): one read per worker per step instead of one per stream per token.
+
+Backpressure: the reader never waits for a stream. Each stream queues at most
+MAX_QUEUED_EVENTS events; past that (its client reads slower than the worker produces)
+the next `tokens` event is merged into the last queued one. Nothing is dropped, no other
+stream on the connection waits, and the lagging client gets its backlog as one chunk
+(memory bounded by the request's own output, `max_tokens`); `coalesced` counts merges.
+
+Timeouts: per request as in v1 (`first_event_s` for the first event, `between_events_s`
+after), checked by one timer per connection (`_sweep`) instead of one per read. A
+connection that stops answering pings (HEARTBEAT_S) is closed by aiohttp.
+
+Faults: the connection closing (a worker that died or restarted) fails every stream on
+it with a `disconnect` UpstreamError, retryable before the first token as in v1; the next
+leg opens a new connection (reconnect). Abort: `close()` before `finish` sends an `abort`
+op, batched with the other aborts of the same loop turn; the worker cancels the request
+as it does for a dropped v1 connection.
+
+Auth: the handshake carries the pool's `Authorization` header. When the worker token
+changes (a rotation), the next leg opens a new connection with the new one and the old
+connection closes once its last stream ends (`retire`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+
+from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.gateway.upstream.base import LegRequest, Timeouts
+from deepinfer_gateway.gateway.upstream.http import MAX_LINE_BYTES, HttpPool, http_errors
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_EVENTS = 64  # per stream, before `tokens` events are merged
+HEARTBEAT_S = 5.0  # ping period; no pong within half of it closes the connection
+# Handshake answers of a worker that does not speak v2 (v1 only): the leg goes over v1.
+# 403: what a Starlette app without the route answers (the worker server before v2); a
+# worker refusing the token answers 401, and one that could only send 403 gets its 401 on v1.
+NOT_SPOKEN = frozenset({400, 403, 404, 405, 426})
+
+
+class NotSpoken(Exception):
+    """The worker refused the upgrade as one that does not serve worker protocol v2."""
+
+
+class MuxStream:
+    """One leg on a `MuxConnection`: its events in order, then None."""
+
+    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_error", "_got_any", "wait_since", "finished")
+
+    def __init__(self, conn: MuxConnection, request_id: str):
+        self.request_id = request_id
+        self._conn = conn
+        self._events: collections.deque[dict[str, Any]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: UpstreamError | None = None
+        self._got_any = False
+        self.wait_since = 0.0  # loop time the current wait began (the connection's sweep reads it)
+        self.finished = False  # `finish` received: nothing more will come
+
+    # -- the reader's side ------------------------------------------------------------
+
+    def push(self, event: dict[str, Any]) -> None:
+        events = self._events
+        if len(events) >= MAX_QUEUED_EVENTS and event["event"] == "tokens" and _merge(events[-1], event):
+            self._conn.coalesced += 1
+        else:
+            events.append(event)
+        self._got_any = True
+        self._wake()
+
+    def fail(self, error: UpstreamError) -> None:
+        if self._error is None and not self.finished:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the relay's side -------------------------------------------------------------
+
+    async def next_event(self) -> dict[str, Any] | None:
+        events = self._events
+        while True:
+            if events:
+                return events.popleft()
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return None
+            loop = self._conn.loop
+            self._waiter = waiter = loop.create_future()
+            self.wait_since = loop.time()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiter is not None
+
+    @property
+    def got_any(self) -> bool:
+        return self._got_any
+
+    def close(self) -> None:
+        """The relay is done with it: before `finish` that is an abort (sent to the worker)."""
+        if not self.finished:
+            self.finished = True
+            self._conn.abort(self.request_id)
+
+
+def _merge(last: dict[str, Any], event: dict[str, Any]) -> bool:
+    """Append `event`'s tokens to the queued `last` tokens event, when both carry the same
+    fields (token ids, and logprobs when asked for); False when they cannot be merged."""
+    if last["event"] != "tokens" or last.keys() != event.keys():
+        return False
+    for key, value in event.items():
+        if key != "event":
+            if not isinstance(value, list):
+                return False
+            last[key] = last[key] + value
+    return True
+
+
+class MuxConnection:
+    """The gateway's v2 connection to one worker (module doc)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, timeouts: Timeouts, auth: str | None):
+        self.url = url
+        self.auth = auth  # the Authorization header it was opened with
+        self.loop = asyncio.get_running_loop()
+        self.coalesced = 0  # `tokens` events merged into a lagging stream's queue
+        self.messages = 0  # worker messages read
+        self._ws = ws
+        self._timeouts = timeouts
+        self._streams: dict[str, MuxStream] = {}
+        self._aborts: list[dict[str, Any]] = []
+        self._closed = False
+        self._retiring = False
+        self._background: set[asyncio.Task[None]] = set()
+        self._reader = asyncio.create_task(self._read())
+        self._sweep_s = min(1.0, max(0.05, min(timeouts.first_event_s, timeouts.between_events_s) / 4))
+        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
+
+    @classmethod
+    async def open(cls, http: HttpPool, url: str) -> MuxConnection:
+        """Connect; NotSpoken when the worker serves only v1, UpstreamError when it cannot be reached
+        or refuses (401: the worker token)."""
+        auth = http.session.headers.get("Authorization")
+        with http_errors(url, broken=UpstreamKind.CONNECT):
+            try:
+                ws = await http.session.ws_connect(
+                    url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=MAX_LINE_BYTES, autoping=True,
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=http.timeouts.control_s))
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status in NOT_SPOKEN:
+                    raise NotSpoken(f"{url} answered {exc.status} to the v2 upgrade") from None
+                raise UpstreamError(UpstreamKind.HTTP_STATUS, f"worker {url} refused the v2 connection: {exc.status}",
+                                    retryable=exc.status >= 500 or exc.status == 429, status=exc.status) from None
+        return cls(ws, url, http.timeouts, auth)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def streams(self) -> int:
+        return len(self._streams)
+
+    async def submit(self, leg: LegRequest) -> MuxStream:
+        rid = leg.request_id
+        if self._closed:
+            raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self.url} closed")
+        if rid in self._streams:
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"request {rid} is already open on {self.url}", retryable=False)
+        stream = self._streams[rid] = MuxStream(self, rid)
+        try:
+            with http_errors(self.url):
+                await self._ws.send_bytes(orjson.dumps([wp.generate_op(leg.wire())]))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request still open on this connection (idempotent); sent with the other aborts
+        of this loop turn in one message."""
+        if self._streams.pop(request_id, None) is None or self._closed:
+            return
+        if not self._aborts:
+            self._spawn(self._send_aborts())
+        self._aborts.append(wp.abort_op(request_id))
+        self._close_if_retired()
+
+    def retire(self) -> None:
+        """No new legs: close once the open ones end (the worker token changed)."""
+        self._retiring = True
+        self._close_if_retired()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._spawn(self._ws.close())
+
+    async def _send_aborts(self) -> None:
+        await asyncio.sleep(0)  # let the loop turn's other aborts join this message
+        ops, self._aborts = self._aborts, []
+        try:
+            await self._ws.send_bytes(orjson.dumps(ops))
+        except (aiohttp.ClientError, ConnectionError, RuntimeError):
+            pass  # the connection is gone: the worker aborts everything that was on it
+
+    def _close_if_retired(self) -> None:
+        if self._retiring and not self._streams and not self._aborts:
+            self.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _read(self) -> None:
+        ws = self._ws
+        reason = "closed by the worker"
+        kind = UpstreamKind.DISCONNECT
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg.type is aiohttp.WSMsgType.BINARY or msg.type is aiohttp.WSMsgType.TEXT:
+                    self.messages += 1
+                    self._dispatch(msg.data)
+                    continue
+                if msg.type is aiohttp.WSMsgType.ERROR:
+                    reason = f"broke: {ws.exception()}"
+                elif msg.type is aiohttp.WSMsgType.CLOSE:
+                    reason = f"closed by the worker ({msg.data} {msg.extra or ''})".rstrip()
+                break
+        except UpstreamError as exc:
+            reason, kind = str(exc), exc.kind
+            await ws.close()
+        except asyncio.CancelledError:
+            reason = "closed by the gateway"
+            raise
+        finally:
+            self._shut(reason, kind)
+
+    def _dispatch(self, data: bytes | str) -> None:
+        """One worker message: `[[request_id, event], ...]`, each event to its stream."""
+        try:
+            frames = orjson.loads(data)
+            streams = self._streams
+            for rid, event in frames:
+                stream = streams.get(rid)
+                if stream is None:
+                    continue  # aborted or closed here meanwhile
+                if event["event"] == "finish":
+                    del streams[rid]
+                    stream.push(event)
+                    stream.finished = True
+                    if self._retiring:
+                        self._close_if_retired()
+                else:
+                    stream.push(event)
+        except (orjson.JSONDecodeError, TypeError, ValueError, KeyError) as exc:
+            raise UpstreamError(UpstreamKind.PROTOCOL, f"worker sent a malformed v2 message ({exc}): "
+                                f"{bytes(data[:80]) if isinstance(data, bytes) else data[:80]!r}") from None
+
+    def _shut(self, reason: str, kind: UpstreamKind) -> None:
+        """The connection is over: every open stream fails (retryable before its first token)."""
+        self._closed = True
+        self._sweeper.cancel()
+        streams, self._streams = self._streams, {}
+        if streams:
+            log.warning("v2 connection to %s %s: %d request(s) failed", self.url, reason, len(streams))
+        for stream in streams.values():
+            stream.fail(UpstreamError(kind, f"worker connection lost: {reason}"))
+
+    def _sweep(self) -> None:
+        """Time out streams whose worker has been silent too long (v1's per-read timeouts)."""
+        if self._closed:
+            return
+        now = self.loop.time()
+        first_s, between_s = self._timeouts.first_event_s, self._timeouts.between_events_s
+        for stream in list(self._streams.values()):
+            if stream.waiting:
+                limit = between_s if stream.got_any else first_s
+                if now - stream.wait_since >= limit:
+                    stream.fail(UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {limit}s"))
+        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
