@@ -33,6 +33,9 @@ HEALTH_PATH = "/health"
 # (docs/worker-protocol.md "v2"). A worker without it answers 404 to the upgrade.
 MUX_PATH = "/v2/worker/mux"
 MUX_VERSION = 2
+# ASGI scope key: where a tracing middleware leaves the span factory for v2's requests
+# (`(name, W3C carrier, **attributes) -> context manager`; absent: no spans).
+SPANS_SCOPE_KEY = "dgw.spans"
 
 NDJSON = "application/x-ndjson"
 REQUEST_ID_HEADER = "x-request-id"
@@ -269,11 +272,16 @@ class AbortOp(_Model):
 class GenerateOp(_Model):
     op: Literal["generate"]
     request: GenerateRequest
+    # The caller's W3C trace context (`traceparent`, `tracestate`): v1 sends it as headers.
+    trace: dict[str, str] | None = None
 
 
-def generate_op(request: dict[str, Any]) -> dict[str, Any]:
+def generate_op(request: dict[str, Any], trace: dict[str, str] | None = None) -> dict[str, Any]:
     """A v2 `generate` op carrying a `GenerateRequest` body (the gateway's side: plain dicts)."""
-    return {"op": "generate", "request": request}
+    op = {"op": "generate", "request": request}
+    if trace:
+        op["trace"] = trace
+    return op
 
 
 def abort_op(request_id: str) -> dict[str, Any]:

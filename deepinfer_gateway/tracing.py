@@ -33,6 +33,7 @@ from typing import Any
 
 from deepinfer_gateway import headers
 from deepinfer_gateway.config import TracingSettings
+from deepinfer_gateway.protocol import SPANS_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,16 @@ def span(name: str, *, kind: str = "internal", **attributes: Any) -> AbstractCon
     return _start(name, kind, attributes)
 
 
+def served_span(name: str, carrier: dict[str, str] | None, **attributes: Any) -> AbstractContextManager[Any]:
+    """A SERVER span continuing the caller's W3C context `carrier` (`traceparent`, `tracestate`),
+    for work that is not one HTTP request (a request on worker protocol v2's connection)."""
+    if _tracer is None:
+        return NOOP_SPAN
+    from opentelemetry.propagate import extract
+
+    return _start(name, "server", attributes, context=extract(carrier) if carrier else None)
+
+
 @contextmanager
 def _start(name: str, kind: str, attributes: dict[str, Any], context: Any = None) -> Iterator[Any]:
     from opentelemetry.trace import SpanKind
@@ -191,6 +202,9 @@ class ServerSpans:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if _tracer is None or scope["type"] != "http" or scope["path"] in self.skip:
+            if _tracer is not None and scope["type"] == "websocket":
+                # One connection carries many requests (worker protocol v2): each gets its own span.
+                scope[SPANS_SCOPE_KEY] = served_span
             await self.app(scope, receive, send)
             return
         from opentelemetry.propagate import extract

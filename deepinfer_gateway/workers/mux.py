@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from typing import Annotated, Any
 
 import orjson
@@ -34,6 +34,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from deepinfer_gateway.protocol import (
+    SPANS_SCOPE_KEY,
     AbortOp,
     ErrorKind,
     FinishReason,
@@ -46,6 +47,7 @@ from deepinfer_gateway.workers.engine import Engine
 log = logging.getLogger(__name__)
 
 INVALID_PAYLOAD = 1007  # RFC 6455: a message that does not fit the protocol
+SPAN_NAME = "v2 generate"  # one server span per request, as v1's `POST /v1/worker/generate`
 
 _OPS: TypeAdapter[GenerateOp | AbortOp] = TypeAdapter(
     Annotated[GenerateOp | AbortOp, Field(discriminator="op")])
@@ -61,6 +63,8 @@ class MuxSession:
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[tuple[str, dict[str, Any]]] = []
         self._wake = asyncio.Event()
+        # A tracing middleware's span factory (tracing.ServerSpans), if any.
+        self._span: Callable[..., AbstractContextManager[Any]] = websocket.scope.get(SPANS_SCOPE_KEY, _no_span)
 
     async def run(self) -> None:
         await self._ws.accept()
@@ -119,15 +123,16 @@ class MuxSession:
             self._emit(rid, finish_event(FinishReason.ERROR, error_kind=ErrorKind.INVALID_REQUEST,
                                          message=f"request {rid!r} is already in flight on this connection"))
         else:
-            self._pumps[rid] = asyncio.create_task(self._pump(request))
+            self._pumps[rid] = asyncio.create_task(self._pump(request, op.trace))
         return True
 
-    async def _pump(self, request: GenerateRequest) -> None:
+    async def _pump(self, request: GenerateRequest, trace: dict[str, str] | None) -> None:
         rid = request.request_id
         try:
-            async with aclosing(self._engine.generate(request)) as events:  # type: ignore[type-var]
-                async for event in events:
-                    self._emit(rid, event)
+            with self._span(SPAN_NAME, trace, **{"dgw.request_id": rid}):
+                async with aclosing(self._engine.generate(request)) as events:  # type: ignore[type-var]
+                    async for event in events:
+                        self._emit(rid, event)
         except Exception as exc:  # an engine bug: this request ends with an error, the others carry on
             log.exception("request %s failed in the engine", rid)
             self._emit(rid, finish_event(FinishReason.ERROR, error_kind=ErrorKind.ENGINE, message=str(exc)[:300]))
@@ -149,6 +154,10 @@ class MuxSession:
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             # The gateway went away; the reader sees the disconnect and the pumps are cancelled.
             log.debug("mux connection closed while sending: %s", exc)
+
+
+def _no_span(*_: Any, **__: Any) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 def _request_id(raw: Any) -> str | None:

@@ -22,6 +22,7 @@ from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings, TracingSettings
 from deepinfer_gateway.gateway.telemetry.logs import RequestContext, current_request_id
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+from deepinfer_gateway.workers.mux import SPAN_NAME
 
 
 @pytest.fixture
@@ -134,8 +135,9 @@ def test_one_trace_spans_gateway_and_worker_processes(tmp_path: Path, command: s
     theirs = {s["name"]: s for s in _console_spans((tmp_path / "worker.out").read_text())}
     assert {"POST /v1/chat/completions", "router.lookup", "worker.generate", "stream.relay"} <= set(ours), sorted(ours)
     assert ours["POST /v1/chat/completions"]["attributes"]["route.worker"] == f"127.0.0.1:{port}"
-    assert set(theirs) == {"POST /v1/worker/generate"}, sorted(theirs)  # polled endpoints: no spans
-    served, call = theirs["POST /v1/worker/generate"], ours["worker.generate"]
+    # Polled endpoints get no span; the request came over worker protocol v2's connection.
+    assert set(theirs) == {SPAN_NAME}, sorted(theirs)
+    served, call = theirs[SPAN_NAME], ours["worker.generate"]
     assert served["context"]["trace_id"] == call["context"]["trace_id"] == ours["POST /v1/chat/completions"][
         "context"]["trace_id"]
     assert served["parent_id"] == call["context"]["span_id"]

@@ -38,6 +38,7 @@ import aiohttp
 import orjson
 
 from deepinfer_gateway import protocol as wp
+from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import LegRequest, Timeouts
 from deepinfer_gateway.gateway.upstream.http import MAX_LINE_BYTES, HttpPool, http_errors
@@ -193,7 +194,7 @@ class MuxConnection:
         stream = self._streams[rid] = MuxStream(self, rid)
         try:
             with http_errors(self.url):
-                await self._ws.send_bytes(orjson.dumps([wp.generate_op(leg.wire())]))
+                await self._ws.send_bytes(orjson.dumps([wp.generate_op(leg.wire(), tracing.inject({}))]))
         except BaseException:
             self._streams.pop(rid, None)
             raise
