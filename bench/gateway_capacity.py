@@ -27,6 +27,10 @@ ratio is bounded by the client and the worker, not by the gateway.
 Baseline: `--baseline DIR` runs a second gateway from another source tree (e.g. `git
 archive <commit> | tar -x -C DIR`; imported with PYTHONSAFEPATH=1 PYTHONPATH=DIR) in every
 phase, rounds interleaved with this tree's; its figures carry the prefix `baseline_`.
+`--baseline-toml TOML` gives the baseline gateway settings of its own; without `--baseline`
+the baseline is the tree under test with them: `--baseline-toml 'worker_protocol = "v1"'`
+measures worker protocol v1 (one HTTP stream per request) against v2 (one connection per
+worker) in the same run.
 `--tree DIR` takes the gateway under test from a source tree too (a snapshot, so edits to
 the checkout during the run do not reach it).
 
@@ -145,10 +149,17 @@ def start_gateway(worker_url: str, tree: str | None = None, processes: int = 1, 
     return gateway
 
 
-def gateways(worker_url: str, baseline: str | None, extra_toml: str = "", tree: str | None = None) -> list[Target]:
-    targets = [Target("gateway", "", start_gateway(worker_url, tree, extra_toml=extra_toml))]
-    if baseline:
-        targets.append(Target("baseline", "", start_gateway(worker_url, baseline, extra_toml=extra_toml)))
+def has_baseline(args: argparse.Namespace) -> bool:
+    return bool(args.baseline or args.baseline_toml)
+
+
+def gateways(worker_url: str, args: argparse.Namespace, extra_toml: str = "") -> list[Target]:
+    """The gateway under test, and the baseline one when asked for (another tree, or this one with
+    `--baseline-toml`: e.g. worker protocol v1 against v2)."""
+    targets = [Target("gateway", "", start_gateway(worker_url, args.tree, extra_toml=extra_toml))]
+    if has_baseline(args):
+        targets.append(Target("baseline", "", start_gateway(worker_url, args.baseline or args.tree,
+                                                            extra_toml=extra_toml + args.baseline_toml)))
     for t in targets:
         assert t.gateway is not None
         t.url = t.gateway.url + "/v1/chat/completions"
@@ -171,13 +182,14 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
     worker, worker_url = start_worker(1000)
     targets = [Target("direct", worker_url + "/v1/chat/completions")]
     try:
-        targets += gateways(worker_url, args.baseline, tree=args.tree)
+        targets += gateways(worker_url, args)
         for n in levels:
             if n != 1:
                 gw = start_gateway(worker_url, args.tree, processes=n)
                 targets.append(Target(f"processes_{n}", gw.url + "/v1/chat/completions", gw))
-                if args.baseline:
-                    gw = start_gateway(worker_url, args.baseline, processes=n)
+                if has_baseline(args):
+                    gw = start_gateway(worker_url, args.baseline or args.tree, processes=n,
+                                       extra_toml=args.baseline_toml)
                     targets.append(Target(f"baseline_processes_{n}", gw.url + "/v1/chat/completions", gw))
         for t in targets:
             asyncio.run(closed_loop(t.url, WARMUP_REQUESTS, args.concurrency))
@@ -274,7 +286,7 @@ def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> di
     targets: list[Target] = []
     out: dict[str, object] = {}
     try:
-        targets = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n", args.tree)
+        targets = gateways(worker_url, args, "between_events_timeout_s = 30\n")
         idle = {t.name: idle_cpu_ms_per_s(t) for t in targets}
         results: dict[str, list[float]] = {t.name: [] for t in targets}
         for _ in range(args.rounds):
@@ -310,7 +322,7 @@ def stream_levels(args: argparse.Namespace) -> dict[str, object]:
     targets: list[Target] = [Target("direct", worker_url + "/v1/chat/completions")]
     summary: dict[str, object] = {}
     try:
-        gws = gateways(worker_url, args.baseline, "between_events_timeout_s = 30\n", args.tree)
+        gws = gateways(worker_url, args, "between_events_timeout_s = 30\n")
         targets += gws
         for gw in gws:
             prefix = "" if gw.name == "gateway" else "baseline_"
@@ -433,6 +445,9 @@ def main() -> None:
     parser.add_argument("--chunk-seconds", type=float, default=6.0)
     parser.add_argument("--processes", default="1,2", help="gateway process counts for rps_N")
     parser.add_argument("--baseline", default=None, help="source tree of a baseline gateway run side by side")
+    parser.add_argument("--baseline-toml", default="",
+                        help="gateway settings (TOML) for the baseline only; without --baseline the baseline is "
+                             "this tree with them, e.g. 'worker_protocol = \"v1\"' against v2")
     parser.add_argument("--tree", default=None, help="source tree of the gateway under test (default: this checkout)")
     parser.add_argument("--profile", default=None, help="directory for py-spy profiles of the gateway")
     args = parser.parse_args()
@@ -445,7 +460,8 @@ def main() -> None:
         summary.setdefault(f"rps_{n}", None)
     if args.profile:
         worker, worker_url = start_worker(1000)
-        target = gateways(worker_url, None, tree=args.tree)[0]
+        target = Target("gateway", "", start_gateway(worker_url, args.tree))
+        target.url = target.gateway.url + "/v1/chat/completions"  # type: ignore[union-attr]
         try:
             summary["profile_top"] = profile_gateway(
                 target, lambda: asyncio.run(closed_loop(target.url, args.requests, args.concurrency)),
@@ -454,7 +470,7 @@ def main() -> None:
             target.stop()
             worker.stop()
     per_request = {"gateway": float(summary["cpu_ms_per_request"])}  # type: ignore[arg-type]
-    if args.baseline:
+    if has_baseline(args):
         per_request["baseline"] = float(summary["baseline_cpu_ms_per_request"])  # type: ignore[arg-type]
     summary.update(chunk_cost(args, per_request))
     if args.streams:
