@@ -165,6 +165,7 @@ async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: Se
         await asyncio.sleep(0.2)
         queued = len(slow._events)
         assert queued <= 8 + 2, queued
+        assert slow.buffered()
         assert upstream._mux is not None and upstream._mux.coalesced > 0
         slow_events = await read_all(slow)
         assert slow_events[-1]["reason"] == "length" and len(token_ids(slow_events)) == 120

@@ -112,6 +112,10 @@ class MuxStream:
             finally:
                 self._waiter = None
 
+    def buffered(self) -> bool:
+        """An event (or the error ending the stream) is in hand: `next_event` will not wait."""
+        return bool(self._events) or self._error is not None
+
     @property
     def waiting(self) -> bool:
         return self._waiter is not None
