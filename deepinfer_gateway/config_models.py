@@ -159,18 +159,32 @@ def parse_worker_spec(value: Any) -> WorkerSpecVariant:
 
 
 
-class DiscoverySpec(_Frozen):
-    """Workers found by DNS (gateway/fleet/discovery.py): every address of `name`, re-resolved every `interval_s`."""
+KUBERNETES_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
+
+class DiscoverySpec(_Frozen):
+    """Workers found by DNS (gateway/fleet/discovery.py): every address of `name`, re-resolved every `interval_s`;
+    or, with kind = "kubernetes", the ready pods of an InferencePool, watched through the API server
+    (gateway/fleet/kube_discovery.py)."""
+
+    kind: Literal["dns", "kubernetes"] = Field(
+        "dns",
+        description="dns: name is a DNS name; kubernetes: name is an InferencePool (inference.networking.k8s.io/v1) "
+                    "whose selector's ready pods, at each of its targetPorts, are the workers, followed by a watch "
+                    "through the API server (RBAC: get, watch inferencepools; get, list, watch pods).")
     name: str = Field(
         min_length=1,
-        description="DNS name whose addresses are the workers: a headless Service "
+        description="dns: the name whose addresses are the workers: a headless Service "
                     "(dgw-decode.dgw.svc.cluster.local) or a compose service (worker-decode); with srv, an SRV name "
-                    "(_http._tcp.dgw-decode.dgw.svc.cluster.local) whose records give each worker's host and port.")
-    srv: bool = Field(False, description="Look up SRV records (host and port per worker) instead of A/AAAA.")
-    port: int = Field(8100, ge=1, le=65535, description="Worker port for A/AAAA addresses (ignored with srv).")
+                    "(_http._tcp.dgw-decode.dgw.svc.cluster.local) whose records give each worker's host and port. "
+                    "kubernetes: the InferencePool's name.")
+    srv: bool = Field(False, description="dns: look up SRV records (host and port per worker) instead of A/AAAA.")
+    port: int = Field(8100, ge=1, le=65535, description="dns: worker port for A/AAAA addresses (ignored with srv).")
     scheme: Literal["http", "https"] = Field("http", description="Scheme of the worker URLs.")
-    interval_s: float = Field(5.0, gt=0, description="Seconds between two resolutions of the name.")
+    interval_s: float = Field(
+        5.0, gt=0,
+        description="Seconds between two resolutions of the name; kubernetes: between two reads of the watched "
+                    "pods, a change wakes it at once.")
     drain_timeout_s: float = Field(
         60.0, ge=0,
         description="A vanished address takes no new request; its requests in flight get this long to finish "
@@ -189,8 +203,21 @@ class DiscoverySpec(_Frozen):
     pool: str = Field("", description="Pool of every worker found; empty: its role's default pool.")
     nameservers: tuple[str, ...] = Field(
         (),
-        description='Resolvers to ask, "IP" or "IP:PORT" (tests: a dnsmasq on a loopback port); empty: the '
+        description='dns: resolvers to ask, "IP" or "IP:PORT" (tests: a dnsmasq on a loopback port); empty: the '
                     "system's (/etc/resolv.conf, with its search domains).")
+    namespace: str = Field(
+        "", description="kubernetes: the InferencePool's namespace (its pods'); empty: this pod's (its service "
+                        "account's namespace file).")
+    api_server: str = Field(
+        "", description="kubernetes: the API server's URL; empty: in the cluster, https://$KUBERNETES_SERVICE_HOST:"
+                        "$KUBERNETES_SERVICE_PORT.")
+    token_file: str = Field(
+        f"{KUBERNETES_SERVICE_ACCOUNT}/token",
+        description="kubernetes: the bearer token's file, re-read as the kubelet rotates it; empty: no token.")
+    ca_file: str = Field(
+        f"{KUBERNETES_SERVICE_ACCOUNT}/ca.crt",
+        description="kubernetes: the CA bundle the API server's certificate is checked against; empty: the "
+                    "system's.")
 
     @field_validator("nameservers")
     @classmethod
@@ -200,6 +227,17 @@ class DiscoverySpec(_Frozen):
             if not host or (port and not port.isdigit()):
                 raise ValueError(f'nameserver {server!r}: expected "IP" or "IP:PORT"')
         return v
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> DiscoverySpec:
+        dns_only = {"srv", "port", "nameservers"} & self.model_fields_set
+        kubernetes_only = {"namespace", "api_server", "token_file", "ca_file"} & self.model_fields_set
+        if self.kind == "kubernetes" and dns_only:
+            raise ValueError(f"{', '.join(sorted(dns_only))}: dns only (a kubernetes pool's ports are the "
+                             "InferencePool's targetPorts)")
+        if self.kind == "dns" and kubernetes_only:
+            raise ValueError(f"{', '.join(sorted(kubernetes_only))}: kubernetes only (set kind = \"kubernetes\")")
+        return self
 
     @model_validator(mode="after")
     def _engine_fields(self) -> DiscoverySpec:
@@ -365,7 +403,8 @@ class GatewaySettings(_Frozen):
         description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
     workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")
     discovery: tuple[DiscoverySpec, ...] = Field(
-        (), description="DNS names whose addresses are workers, followed as pools scale (docs/deploy.md).")
+        (), description="Worker pools followed as they scale: DNS names whose addresses are workers, or "
+                        "InferencePools whose ready pods are (docs/deploy.md).")
     max_attempts: int = Field(3, ge=1, description="Tries on other workers before the first token reaches the client.")
     router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
     admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")

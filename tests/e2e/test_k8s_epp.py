@@ -8,12 +8,15 @@ then the pieces wired to each other. The built-in kinds are validated by test_k8
 from __future__ import annotations
 
 import copy
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from deepinfer_gateway.cli import build_parser
+from deepinfer_gateway.config import GatewaySettings, load_settings
 from tests.e2e.test_k8s_render import OVERLAYS, objects, render
 from tests.k8s_crd import load_crd, problems
 
@@ -134,7 +137,8 @@ def test_epp_deployment_ports_probes_and_identity(docs: list[dict[str, Any]]) ->
     assert c["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     assert c["startupProbe"]["grpc"]["port"] == 9003
     args = c["args"]
-    assert args[0] == "epp"
+    parsed = build_parser().parse_args(args)
+    assert (parsed.command, parsed.grpc_host, parsed.metrics_host) == ("epp", "0.0.0.0", "0.0.0.0")
     flags = dict(zip(args[1::2], args[2::2], strict=True))
     assert (flags["--grpc-port"], flags["--health-port"], flags["--metrics-port"]) == ("9002", "9003", "9090")
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -153,6 +157,22 @@ def test_epp_deployment_ports_probes_and_identity(docs: list[dict[str, Any]]) ->
     config_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("epp-config-"))
     assert {"name": "config", "configMap": {"name": config_map["metadata"]["name"]}} in spec["volumes"]
     assert flags["--config"] == "/etc/deepinfer-gateway/epp.toml" and "epp.toml" in config_map["data"]
+
+
+def test_epp_config_follows_the_pool_through_the_api(docs: list[dict[str, Any]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in GatewaySettings.model_fields:
+        monkeypatch.delenv(f"DGW_{name.upper()}", raising=False)
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("epp-config-"))
+    text = config_map["data"]["epp.toml"]
+    assert text == (EPP / "epp.toml").read_text()
+    tomllib.loads(text)
+    settings = load_settings(EPP / "epp.toml", {"redis_url": "redis://redis:6379/0"})
+    (entry,) = settings.discovery
+    assert entry.kind == "kubernetes" and entry.name == one(docs, "InferencePool")["metadata"]["name"]
+    assert not settings.workers
+    workers = one(docs, "Deployment", "unified-sm100")["spec"]["template"]["spec"]
+    assert entry.drain_timeout_s >= workers["terminationGracePeriodSeconds"]
 
 
 def test_only_the_gateway_reaches_the_epp_and_the_pool(docs: list[dict[str, Any]]) -> None:

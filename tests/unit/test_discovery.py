@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, DiscoverySpec, HealthSettings, WorkerEngine, WorkerSpec
 from deepinfer_gateway.gateway.fleet.admin_store import WorkerEntry, desired_workers
-from deepinfer_gateway.gateway.fleet.discovery import Endpoint, LookupFailed, WorkerDiscovery, nameserver, worker_spec
+from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery, nameserver, worker_spec
+from deepinfer_gateway.gateway.fleet.endpoints import Endpoint, LookupFailed
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
@@ -81,6 +82,12 @@ class ScriptedLookup:
         if self.failing:
             raise LookupFailed("timed out")
         return {Endpoint(a, 8100) for a in self.addresses}
+
+    async def changed(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+
+    async def aclose(self) -> None:
+        pass
 
 
 class InfoClient:

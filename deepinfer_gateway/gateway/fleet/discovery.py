@@ -1,5 +1,7 @@
 """Workers found by DNS: each `[[discovery]]` name (a headless Service, a compose service) is
-re-resolved every `interval_s`, so scaling a pool is one change, its replica count.
+re-resolved every `interval_s`, so scaling a pool is one change, its replica count. An entry of
+kind "kubernetes" follows an InferencePool's ready pods instead (kube_discovery.py, a watch
+through the API server that wakes the loop at each change); everything below holds for both.
 
 - A new address is probed at `/v1/worker/info` through the gateway's upstream pool (`upstream_http.HttpPool`, with
   whatever credentials it sends) for its role and hardware (a vLLM or OpenAI pool takes
@@ -27,7 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import dns.asyncresolver
 import dns.exception
@@ -37,6 +39,8 @@ import dns.resolver
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DiscoverySpec, WorkerEngine, WorkerSpec, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError
+from deepinfer_gateway.gateway.fleet.endpoints import Endpoint, LookupFailed, Resolver
+from deepinfer_gateway.gateway.fleet.kube_discovery import KubernetesLookup
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.upstream.http import HttpPool
 
@@ -44,20 +48,6 @@ log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 3.0  # one resolution, all nameservers and retries included
 _DRAIN_POLL_S = 0.05
-
-
-class LookupFailed(Exception):
-    """The name could not be resolved this time (no answer, as opposed to an answer of nothing)."""
-
-
-@dataclass(frozen=True, order=True)
-class Endpoint:
-    host: str  # an IP address, as resolved
-    port: int
-
-    def url(self, scheme: str) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{scheme}://{host}:{self.port}"
 
 
 def worker_spec(found: DiscoverySpec, endpoint: Endpoint, info: wp.WorkerInfo | None) -> WorkerSpec:
@@ -116,9 +106,16 @@ class DnsLookup:
             raise LookupFailed(f"{name} {rdtype}: {exc}") from None
         return list(answer)
 
+    async def changed(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)  # DNS tells no one: the name is asked again each interval
 
-class Resolver(Protocol):
-    async def resolve(self) -> set[Endpoint]: ...
+    async def aclose(self) -> None:
+        pass
+
+
+def lookup_for(found: DiscoverySpec) -> Resolver:
+    """The source an entry names: its DNS name, or its InferencePool through the API server."""
+    return KubernetesLookup(found) if found.kind == "kubernetes" else DnsLookup(found)
 
 
 Lookup = Callable[[DiscoverySpec], Resolver]
@@ -138,7 +135,7 @@ class _Followed:
 
 class WorkerDiscovery:
     def __init__(self, entries: tuple[DiscoverySpec, ...], client: HttpPool, registry: WorkerRegistry,
-                 apply: ApplyDiscovered, lookup: Lookup = DnsLookup):
+                 apply: ApplyDiscovered, lookup: Lookup = lookup_for):
         self._client = client
         self._registry = registry
         self._apply = apply
@@ -168,10 +165,12 @@ class WorkerDiscovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        for followed in self._followed:
+            await followed.lookup.aclose()
 
     async def _loop(self, followed: _Followed) -> None:
         while True:
-            await asyncio.sleep(followed.found.interval_s)
+            await followed.lookup.changed(followed.found.interval_s)
             try:
                 await self.refresh(followed)
             except Exception:  # a bug must not end discovery for good
