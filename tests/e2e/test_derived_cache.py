@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import marshal
 import shutil
 import subprocess
 from pathlib import Path
@@ -126,6 +127,19 @@ def test_fastokens_check_is_cached_and_trusted_on_the_next_start(cache: Path) ->
     assert isinstance(again.tokenizer, FastokensPlain) and "start-up cache" in again.reason
     sample = segment_tokenizer._SELF_CHECK + " plain text 12345 中文"
     assert again.tokenizer.encode(sample) == HfPlain(json.loads(text)).encode(sample)
+
+
+def test_tokenizer_json_without_added_tokens_is_cached(cache: Path) -> None:
+    """fastokens is built from the tokenizer.json without its added vocabulary; a warm start reads
+    that text from the cache instead of parsing and re-serializing the whole file."""
+    text = tokenizer.load_tokenizer().json_text
+    fresh = segment_tokenizer.without_added_tokens(text)
+    assert json.loads(fresh) == {**json.loads(text), "added_tokens": []}
+    (entry,) = entries(cache, "tokenizer-json-plain")
+    entry.write_bytes(marshal.dumps("from the cache"))
+    assert segment_tokenizer.without_added_tokens(text) == "from the cache"
+    entry.write_bytes(b"not marshal")  # unreadable: rebuilt
+    assert segment_tokenizer.without_added_tokens(text) == fresh
 
 
 def test_warm_cache_command_writes_every_entry_a_gateway_and_worker_derive(cache: Path, tmp_path: Path) -> None:
