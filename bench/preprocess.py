@@ -1,6 +1,15 @@
 """Gateway-side preprocessing and relay cost, segment-cached encoder vs deepseek-recipe's encode.
 
     python bench/preprocess.py [--repeats 20] [--target-tokens 128000] [--relay-tokens 200000] [--no-relay]
+    python bench/preprocess.py --baseline DIR [--rounds 3] [--repeats 9] [--startups 6]
+
+`--baseline DIR` (e.g. `git worktree add /tmp/base <commit>`): this tree against the source
+tree DIR, each in its own process (PYTHONPATH=tree; each asserts it imported its own), the
+gateway path of (a) and (b) below, samples alternating between the trees (which one goes
+first alternates too); both trees' ids must be equal (SHA-256 of each turn). Reported:
+CPU-time medians (headline: the box is shared) and wall, [min, p25, p75, max] spreads and
+per-round medians; then `--startups` fresh processes per tree, alternating, timing the
+encoder's build (CPU) and peak RSS. `baseline_*` keys are the other tree's; JSON last.
 
 (a) first turn: a ~128k-token multi-turn Chat Completions conversation (system prompt,
     tools, reasoning, tool calls and results) seen for the first time (cache cleared

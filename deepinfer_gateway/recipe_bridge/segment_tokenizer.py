@@ -19,8 +19,9 @@ and the reason once per process and tokenizer.json):
   kept in `derived_cache`. Text with lone surrogates fails with `UnicodeEncodeError`, as
   the reference does (tiktoken instead encodes them as U+FFFD). Built from the
   tokenizer.json without its added vocabulary (its batch call, `encode_packed`, has no
-  ordinary mode). Building it costs ~1.2 s CPU and ~100 MiB per process, where
-  tiktoken's cached ranks load in ~0.15 s.
+  ordinary mode; that text is kept in `derived_cache`, `without_added_tokens`). Building
+  it costs ~1.1-1.7 s CPU (fastokens parsing the tokenizer.json itself) and ~90 MiB per
+  process, where tiktoken's cached ranks load in ~0.15 s.
 - `TiktokenPlain` (first fallback, ~6.5x faster than HfPlain: 2.9 vs 0.45 Mtok/s on 2 MB of Python source,
   one core; a cold 128.7k-token conversation encodes in ~42 ms vs deepseek-recipe's
   `encode` at ~145 ms wall / ~180 ms CPU). A `tiktoken.Encoding` built from the tokenizer.json itself (tiktoken's own
