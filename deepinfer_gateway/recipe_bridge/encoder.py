@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 import deepseek_recipe as dr
@@ -205,7 +206,8 @@ class PromptEncoder:
         new_bytes = sum(map(len, packs))
         for index, key in work.pending:
             segments[index] = Segment(_NO_IDS, made[key])
-        packed = b"".join([segment.packed for segment in segments])
+        parts = [segment.packed for segment in segments]
+        packed = b"".join(parts)
         if 2 * new_bytes < len(packed):
             # Mostly cached (a follow-up turn): intern only the new ids; joining the cached
             # lists is cheaper than gathering the whole prompt.
@@ -223,12 +225,10 @@ class PromptEncoder:
         # Mostly new (a first turn): one gather over the whole prompt; the new segments'
         # cached lists are slices of it.
         ids = _interned(packed, self._ints)
-        offsets = [0]
-        for segment in segments:
-            offsets.append(offsets[-1] + len(segment.packed) // 4)
+        offsets = list(accumulate(map(len, parts), initial=0))  # in bytes
         for index, key in work.pending:
             if key in made:  # a text repeated within the prompt is cached once
-                self.cache.put(key, Segment(ids[offsets[index]:offsets[index + 1]], made.pop(key)))
+                self.cache.put(key, Segment(ids[offsets[index] // 4:offsets[index + 1] // 4], made.pop(key)))
         return EncodedPrompt(ids, packed)
 
     def _add_text(self, work: _Work, text: str) -> None:
