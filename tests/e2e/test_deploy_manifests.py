@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tomllib
 from pathlib import Path
+from string import Template
 from typing import Any
 
 import pytest
@@ -35,6 +36,10 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "deepinfer-gateway.json"
 # The Endpoint Picker's files: its TOML is read by `epp`, which serves no HTTP API (no port, no
 # keys: the Gateway in front authenticates); tests/e2e/test_k8s_epp.py checks them.
 K8S_EPP = K8S / "epp"
+ENVOY = DEPLOY / "envoy"  # standalone Envoy configs for the EPP, with ${NAME} placeholders
+ENVOY_PLACEHOLDERS = {"ADMIN_PORT": 9901, "LISTEN_HOST": "127.0.0.1", "LISTEN_PORT": 8080, "EPP_HOST": "127.0.0.1",
+                      "EPP_PORT": 9002, "POOL_ENDPOINTS": "[{endpoint: {address: {socket_address: "
+                                                          "{address: 10.0.0.5, port_value: 8100}}}}]"}
 
 GATEWAY_PORT = 8000
 WORKER_PORT = 8100
@@ -125,6 +130,9 @@ def test_every_deploy_file_parses() -> None:
             json.loads(path.read_text())
         elif path.suffix == ".toml":
             tomllib.loads(path.read_text())
+        elif path.parent == ENVOY:  # templates: YAML once launch.Envoy (or envsubst) fills their ${NAME}s
+            filled = Template(path.read_text()).substitute(ENVOY_PLACEHOLDERS)
+            assert [d for d in yaml.safe_load_all(filled) if d], f"{path} holds no YAML document"
         else:
             assert yaml_docs(path), f"{path} holds no YAML document"
 
