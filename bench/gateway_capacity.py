@@ -14,7 +14,9 @@ Per chunk: `--chunk-streams` concurrent streams of `--chunk-seconds` at 50 token
 (one worker message and one relayed SSE chunk per token); `cpu_us_per_chunk` is the
 gateway's CPU over the round minus its per-request cost (`cpu_ms_per_request` x streams)
 and its idle rate (health checks; `idle_cpu_ms_per_s`, measured before) x the round's wall
-time, per content chunk the clients received; median over `--rounds`.
+time, per content chunk the clients received; median over `--rounds`. `cpu_us_per_output_token`:
+the same net CPU per output token (the usage chunks' sum): a chunk carries an engine step,
+several tokens where the sim takes speculative (DSpark) steps.
 
 Processes: `rps_1`, `rps_2`... req/s of the non-streaming load through a gateway started
 with `processes=N` (`serve --processes N`), each level in the same interleaved rounds; null
@@ -237,18 +239,19 @@ def non_streaming(args: argparse.Namespace, levels: list[int]) -> dict[str, obje
     return out
 
 
-async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[float], int, int]:
+async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[float], int, int, int]:
     """n concurrent streams of ~`seconds` each: (inter-token gaps s, per-stream tokens/s, errors,
-    content chunks received)."""
+    content chunks received, output tokens received: the usage chunks' sum)."""
     max_tokens = int(seconds * TOKENS_PER_S)
     gaps: list[float] = []
     rates: list[float] = []
     errors = 0
     chunks = 0
+    output_tokens = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=seconds * 4 + 60)) as s:
         async def one(i: int) -> None:
-            nonlocal errors, chunks
+            nonlocal errors, chunks, output_tokens
             await asyncio.sleep(i * 0.5 / max(n, 1))  # stagger starts over 0.5 s
             body = chat_body(i, max_tokens, stream=True, ignore_eos=True, stream_options={"include_usage": True})
             async with s.post(url, data=body, headers={"content-type": "application/json"}) as r:
@@ -271,13 +274,14 @@ async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[f
                     last = now
                     count += 1
                 chunks += count
+                output_tokens += tokens
                 if first is not None and last is not None and count > 1:
                     # tokens/s from the first to the last content message (usage counts tokens; a
                     # message may carry several when the sim merged steps)
                     rates.append((max(tokens, count) - 1) / (last - first))
 
         await asyncio.gather(*(one(i) for i in range(n)))
-    return gaps, rates, errors, chunks
+    return gaps, rates, errors, chunks, output_tokens
 
 
 def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> dict[str, object]:
@@ -289,21 +293,25 @@ def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> di
         targets = gateways(worker_url, args, "between_events_timeout_s = 30\n")
         idle = {t.name: idle_cpu_ms_per_s(t) for t in targets}
         results: dict[str, list[float]] = {t.name: [] for t in targets}
+        per_token: dict[str, list[float]] = {t.name: [] for t in targets}
         for _ in range(args.rounds):
             for t in targets:
                 cpu0, wall0 = t.cpu_s(), time.perf_counter()
-                _, _, errors, chunks = asyncio.run(streams(t.url, args.chunk_streams, args.chunk_seconds))
+                _, _, errors, chunks, tokens = asyncio.run(streams(t.url, args.chunk_streams, args.chunk_seconds))
                 cpu, wall = t.cpu_s() - cpu0, time.perf_counter() - wall0
                 if errors or not chunks:
                     raise SystemExit(f"{t.name}: {errors} failed streams, {chunks} chunks")
                 net = cpu - args.chunk_streams * per_request_ms[t.name] / 1000 - idle[t.name] / 1000 * wall
                 results[t.name].append(1e6 * net / chunks)
-                print(f"{t.name:10s} {chunks} chunks  gateway cpu {cpu:.2f} s  net {1e6 * net / chunks:.1f} us/chunk",
-                      flush=True)
+                per_token[t.name].append(1e6 * net / max(tokens, 1))
+                print(f"{t.name:10s} {chunks} chunks {tokens} tokens  gateway cpu {cpu:.2f} s  net "
+                      f"{1e6 * net / chunks:.1f} us/chunk {1e6 * net / max(tokens, 1):.1f} us/token", flush=True)
         for t in targets:
             prefix = "" if t.name == "gateway" else "baseline_"
             out[f"{prefix}cpu_us_per_chunk"] = round(statistics.median(results[t.name]), 1)
             out[f"{prefix}cpu_us_per_chunk_rounds"] = [round(x, 1) for x in results[t.name]]
+            out[f"{prefix}cpu_us_per_output_token"] = round(statistics.median(per_token[t.name]), 1)
+            out[f"{prefix}cpu_us_per_output_token_rounds"] = [round(x, 1) for x in per_token[t.name]]
             out[f"{prefix}idle_cpu_ms_per_s"] = round(idle[t.name], 1)
         if args.profile:
             profile_gateway(targets[0], lambda: asyncio.run(streams(targets[0].url, args.chunk_streams,
@@ -348,7 +356,7 @@ def one_gateway_levels(args: argparse.Namespace, worker: object, direct: Target,
             one: dict[str, float] = {}
             for name, target in (("direct", direct), ("gateway", gateway)):
                 cpu0 = (proc_cpu_s(worker_pid), gateway.cpu_s())
-                gaps, rates, errors, _ = asyncio.run(streams(target.url, n, args.stream_seconds))
+                gaps, rates, errors, _, _ = asyncio.run(streams(target.url, n, args.stream_seconds))
                 cpu1 = (proc_cpu_s(worker_pid), gateway.cpu_s())
                 events = max(1, len(gaps) + n)
                 one[f"{name}_worker_cpu_us_per_event"] = 1e6 * (cpu1[0] - cpu0[0]) / events
