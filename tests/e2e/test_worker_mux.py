@@ -334,3 +334,39 @@ async def test_a_v1_only_worker_gets_v1_legs() -> None:
     finally:
         await http.close()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("reply", [b"<html>not json</html>", b'[["r", {"no_event": 1}]]', b'{"r": 1}'])
+async def test_a_malformed_worker_message_fails_the_streams_as_protocol_errors(reply: bytes) -> None:
+    """A worker (here a raw WebSocket server) that answers with something else than `[[id, event], ...]`:
+    every stream on the connection ends with a `protocol` error, and the connection is closed."""
+    from aiohttp import web
+
+    async def mux_handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        ops = orjson.loads((await ws.receive()).data)
+        rid = ops[0]["request"]["request_id"]
+        await ws.send_bytes(orjson.dumps([[rid, wp.ready_event(64, 0, 0)]]))
+        await ws.send_bytes(reply)
+        async for _ in ws:
+            pass
+        return ws
+
+    app = web.Application()
+    app.router.add_get(wp.MUX_PATH, mux_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    http = await pool()
+    try:
+        upstream = DgwUpstream(DgwWorkerSpec(url=f"http://127.0.0.1:{runner.addresses[0][1]}"), http)
+        stream = await upstream.generate(leg("r"))
+        assert (await stream.next_event()) == wp.ready_event(64, 0, 0)
+        with pytest.raises(UpstreamError) as broken:
+            await stream.next_event()
+        assert broken.value.kind is UpstreamKind.PROTOCOL and "malformed" in str(broken.value)
+        assert upstream._mux is not None and upstream._mux.closed
+    finally:
+        await http.close()
+        await runner.cleanup()
