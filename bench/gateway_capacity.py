@@ -284,9 +284,18 @@ async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[f
     return gaps, rates, errors, chunks, output_tokens
 
 
+def with_nextn(profiles: str, nextn: int | None) -> str:
+    """The profiles file with the sim's speculative tokens per step set (`nextn = 0`: one token
+    per step); unchanged when None (the packaged DSpark-like default)."""
+    if nextn is not None:
+        path = Path(profiles)
+        path.write_text(re.sub(r"(?m)^nextn = \d+", f"nextn = {nextn}", path.read_text()))
+    return profiles
+
+
 def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> dict[str, object]:
     """Gateway CPU per relayed chunk, net of per-request and idle cost (see the module doc)."""
-    worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S))
+    worker, worker_url = start_worker(1.0, with_nextn(flat_decode_profiles(TOKENS_PER_S), args.nextn))
     targets: list[Target] = []
     out: dict[str, object] = {}
     try:
@@ -451,6 +460,9 @@ def main() -> None:
                         help="direct/gateway rounds per level (alternating); figures are medians over rounds")
     parser.add_argument("--chunk-streams", type=int, default=100)
     parser.add_argument("--chunk-seconds", type=float, default=6.0)
+    parser.add_argument("--nextn", type=int, default=None,
+                        help="the per-chunk phase's sim: speculative tokens per step (0: one token per step; "
+                             "default: the packaged profile's)")
     parser.add_argument("--processes", default="1,2", help="gateway process counts for rps_N")
     parser.add_argument("--baseline", default=None, help="source tree of a baseline gateway run side by side")
     parser.add_argument("--baseline-toml", default="",
