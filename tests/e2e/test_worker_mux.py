@@ -370,3 +370,28 @@ async def test_a_malformed_worker_message_fails_the_streams_as_protocol_errors(r
     finally:
         await http.close()
         await runner.cleanup()
+
+
+async def test_a_worker_that_never_answers_the_upgrade_times_out() -> None:
+    """A listener that accepts and stays silent: the leg fails as a retryable timeout, not a hang."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    http = await pool(timeouts=Timeouts(first_event_s=0.5))
+    try:
+        upstream = DgwUpstream(DgwWorkerSpec(url=f"http://127.0.0.1:{port}"), http)
+        started = time.perf_counter()
+        with pytest.raises(UpstreamError) as timed_out:
+            await upstream.generate(leg("nobody"))
+        assert timed_out.value.kind is UpstreamKind.TIMEOUT and timed_out.value.retryable
+        assert time.perf_counter() - started < 3.0
+    finally:
+        await http.close()
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()

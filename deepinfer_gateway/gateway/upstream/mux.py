@@ -171,9 +171,12 @@ class MuxConnection:
         auth = http.session.headers.get("Authorization")
         with http_errors(url, broken=UpstreamKind.CONNECT):
             try:
-                ws = await http.session.ws_connect(
-                    url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=MAX_LINE_BYTES, autoping=True,
-                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=http.timeouts.control_s))
+                # The upgrade's answer within the first-event timeout: a worker that accepts
+                # connections but never answers must not hold every leg waiting for it.
+                async with asyncio.timeout(http.timeouts.first_event_s):
+                    ws = await http.session.ws_connect(
+                        url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=MAX_LINE_BYTES, autoping=True,
+                        timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=http.timeouts.control_s))
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status in NOT_SPOKEN:
                     raise NotSpoken(f"{url} answered {exc.status} to the v2 upgrade") from None
