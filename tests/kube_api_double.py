@@ -76,6 +76,7 @@ class FakeApiServer:
         self.pool: dict[str, Any] | None = None
         self.pods: dict[str, dict[str, Any]] = {}
         self.fail_lists = 0  # answer the next N lists 500
+        self.gone_as_status = False  # a watch from too old a version: 410 status, else a 200 with an ERROR event
         self.seen: list[Seen] = []
         self._watches: list[_Watch] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,6 +157,12 @@ class FakeApiServer:
     def bookmark(self) -> None:
         self._call(self._bookmark)
 
+    def end_watches(self, compact: bool = False, gone_as_status: bool = False) -> None:
+        """The server ends every open watch as its timeoutSeconds does (a clean end); with
+        `compact`, history is forgotten meanwhile, so resuming from the last version seen is
+        answered 410: as an ERROR event, or with `gone_as_status` as the HTTP status."""
+        self._call(self._end_watches, compact, gone_as_status)
+
     def _next(self, obj: dict[str, Any]) -> dict[str, Any]:
         self.version += 1
         obj = copy.deepcopy(obj)
@@ -186,6 +193,14 @@ class FakeApiServer:
         self.oldest = self.version
         for watch in self._watches:
             watch.queue.put_nowait(self._gone())
+            watch.queue.put_nowait(None)
+
+    def _end_watches(self, compact: bool, gone_as_status: bool) -> None:
+        if compact:
+            self.version += 1
+            self.oldest = self.version
+        self.gone_as_status = gone_as_status
+        for watch in self._watches:
             watch.queue.put_nowait(None)
 
     def _bookmark(self) -> None:
@@ -248,10 +263,13 @@ class FakeApiServer:
 
     async def _watch(self, request: web.Request, path: str, selector: str,
                      existing: list[dict[str, Any]]) -> web.StreamResponse:
+        since = request.query.get("resourceVersion")
+        too_old = since is not None and int(since) < self.oldest
+        if too_old and self.gone_as_status:
+            raise web.HTTPGone(text=json.dumps(self._gone()["object"]), content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
-        since = request.query.get("resourceVersion")
-        if since is not None and int(since) < self.oldest:
+        if too_old:
             await response.write(json.dumps(self._gone()).encode() + b"\n")
             return response
         watch = _Watch(path, selector)

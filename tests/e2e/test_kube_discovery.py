@@ -108,6 +108,38 @@ async def test_follows_the_pools_pods_through_list_watch_and_relist(server: Fake
         await lookup.aclose()
 
 
+async def test_a_watch_the_server_ends_resumes_or_lists_again(server: FakeApiServer) -> None:
+    server.set_pool(inference_pool(8100))
+    server.set_pod(pod("a", "10.0.0.1"))
+    lookup = KubernetesLookup(entry(server), backoff=fast())
+
+    def pod_requests(watching: bool) -> list[Any]:
+        return [s for s in server.seen if s.path == PODS_PATH and ("watch" in s.query) == watching]
+
+    def lists_reach(n: int) -> Callable[[], bool]:
+        return lambda: len(pod_requests(False)) == n
+
+    try:
+        assert await lookup.resolve() == {Endpoint("10.0.0.1", 8100)}
+        await eventually(lambda: server.watches(PODS_PATH) == 1, "watching")
+        server.set_pod(pod("b", "10.0.0.2"))
+        await resolves_to(lookup, {"10.0.0.1", "10.0.0.2"})
+        seen_version = str(server.version)
+        server.end_watches()  # timeoutSeconds: resumed from the last version seen, no list
+        await eventually(lambda: len(pod_requests(True)) == 2 and server.watches(PODS_PATH) == 1, "watching again")
+        assert pod_requests(True)[-1].query["resourceVersion"] == seen_version and len(pod_requests(False)) == 1
+        server.set_pod(pod("c", "10.0.0.3"))
+        await resolves_to(lookup, {"10.0.0.1", "10.0.0.2", "10.0.0.3"})
+        for as_status in (False, True):  # ended, and history gone by the time it resumes: 410, then a list
+            lists = len(pod_requests(False))
+            await eventually(lambda: server.watches(PODS_PATH) == 1, "watching")
+            server.end_watches(compact=True, gone_as_status=as_status)
+            await eventually(lists_reach(lists + 1), f"a new list (410 as status: {as_status})")
+        assert await lookup.resolve() == {Endpoint(h, 8100) for h in ("10.0.0.1", "10.0.0.2", "10.0.0.3")}
+    finally:
+        await lookup.aclose()
+
+
 async def test_an_outage_keeps_the_pool_and_backs_off(server: FakeApiServer) -> None:
     server.set_pool(inference_pool(8100))
     server.set_pod(pod("a", "10.0.0.1"))
