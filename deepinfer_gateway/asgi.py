@@ -25,6 +25,8 @@ from typing import Any, cast
 
 import uvicorn
 
+from deepinfer_gateway.protocol import MAX_MUX_MESSAGE_BYTES
+
 # Idle keep-alive connections are held longer by servers than by the gateway's client pool
 # (upstream_http.POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
 # worker is closing (the "Server disconnected" race of uvicorn's 5 s default).
@@ -70,7 +72,7 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
     # uvicorn hints timeout_graceful_shutdown as int, but hands it to asyncio.timeout: seconds as float.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=cast(int, graceful_s), lifespan="on", log_config=None,
-                            timeout_keep_alive=KEEP_ALIVE_S, headers=list(headers))
+                            timeout_keep_alive=KEEP_ALIVE_S, headers=list(headers), ws_max_size=MAX_MUX_MESSAGE_BYTES)
     server = EmbeddedServer(config, freeze_heap=True)
     loop = asyncio.get_running_loop()
     delayed_exit: list[asyncio.TimerHandle] = []
@@ -130,7 +132,7 @@ async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0) -> ServedA
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, lifespan="on",
-                            timeout_keep_alive=KEEP_ALIVE_S)
+                            timeout_keep_alive=KEEP_ALIVE_S, ws_max_size=MAX_MUX_MESSAGE_BYTES)
     server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

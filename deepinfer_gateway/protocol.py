@@ -33,6 +33,9 @@ HEALTH_PATH = "/health"
 # (docs/worker-protocol.md "v2"). A worker without it answers 404 to the upgrade.
 MUX_PATH = "/v2/worker/mux"
 MUX_VERSION = 2
+# The largest v2 message either side accepts (a bigger one closes the connection with 1009,
+# failing every request on it): the gateway sends a bigger generate op over v1 instead.
+MAX_MUX_MESSAGE_BYTES = 64 << 20
 # ASGI scope key: where a tracing middleware leaves the span factory for v2's requests
 # (`(name, W3C carrier, **attributes) -> context manager`; absent: no spans).
 SPANS_SCOPE_KEY = "dgw.spans"

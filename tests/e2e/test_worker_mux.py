@@ -395,3 +395,27 @@ async def test_a_worker_that_never_answers_the_upgrade_times_out() -> None:
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_large_ops_pass_and_an_op_over_the_limit_goes_over_v1(worker: ServedApp,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    http = await pool()
+    try:
+        upstream = DgwUpstream(DgwWorkerSpec(url=worker.url), http)
+        # 17 MiB: above uvicorn's default WebSocket message limit (16 MiB), below v2's
+        big = LegRequest("big", list(range(100, 164)), {"max_tokens": 3}, images=["A" * (17 << 20)],
+                         image_token_adjustment=1)
+        stream = await upstream.generate(big)
+        assert isinstance(stream, MuxStream)
+        assert (await read_all(stream))[-1]["event"] == "finish"  # answered (whatever the engine made of it)
+        conn = upstream._mux
+        assert conn is not None and not conn.closed
+        monkeypatch.setattr(wp, "MAX_MUX_MESSAGE_BYTES", 1_000)  # a 64-token leg's op is ~350 bytes
+        over = await upstream.generate(LegRequest("over", list(range(100, 350)), {"max_tokens": 5}))
+        assert isinstance(over, WorkerStream)  # sent over v1
+        assert (await read_all(over))[-1]["reason"] == "length"
+        small = await upstream.generate(leg("small", max_tokens=5))
+        assert isinstance(small, MuxStream) and upstream._mux is conn
+        assert (await read_all(small))[-1]["reason"] == "length"
+    finally:
+        await http.close()

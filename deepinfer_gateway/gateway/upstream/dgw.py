@@ -23,7 +23,7 @@ from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, Probe, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response, http_errors
-from deepinfer_gateway.gateway.upstream.mux import MuxConnection, NotSpoken
+from deepinfer_gateway.gateway.upstream.mux import MuxConnection, NotSpoken, TooLarge
 from deepinfer_gateway.kvcache.events import PolledKvLog
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,10 @@ class DgwUpstream:
         if self._http.mux and self._v1_epoch is None:
             conn = await self._connection()
             if conn is not None:
-                return await conn.submit(leg)
+                try:
+                    return await conn.submit(leg)
+                except TooLarge:
+                    pass  # v1 takes it: its body limit is the gateway's own
         return await self._generate_v1(leg)
 
     async def _connection(self) -> MuxConnection | None:

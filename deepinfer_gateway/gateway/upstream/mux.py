@@ -41,7 +41,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import LegRequest, Timeouts
-from deepinfer_gateway.gateway.upstream.http import MAX_LINE_BYTES, HttpPool, http_errors
+from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ NOT_SPOKEN = frozenset({400, 403, 404, 405, 426})
 
 class NotSpoken(Exception):
     """The worker refused the upgrade as one that does not serve worker protocol v2."""
+
+
+class TooLarge(Exception):
+    """A generate op over MAX_MUX_MESSAGE_BYTES (e.g. large images): it goes over v1."""
 
 
 class MuxStream:
@@ -175,7 +179,7 @@ class MuxConnection:
                 # connections but never answers must not hold every leg waiting for it.
                 async with asyncio.timeout(http.timeouts.first_event_s):
                     ws = await http.session.ws_connect(
-                        url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=MAX_LINE_BYTES, autoping=True,
+                        url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=wp.MAX_MUX_MESSAGE_BYTES, autoping=True,
                         timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=http.timeouts.control_s))
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status in NOT_SPOKEN:
@@ -198,10 +202,13 @@ class MuxConnection:
             raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self.url} closed")
         if rid in self._streams:
             raise UpstreamError(UpstreamKind.PROTOCOL, f"request {rid} is already open on {self.url}", retryable=False)
+        data = orjson.dumps([wp.generate_op(leg.wire(), tracing.inject({}))])
+        if len(data) > wp.MAX_MUX_MESSAGE_BYTES:
+            raise TooLarge(f"a {len(data)}-byte generate op")
         stream = self._streams[rid] = MuxStream(self, rid)
         try:
             with http_errors(self.url):
-                await self._ws.send_bytes(orjson.dumps([wp.generate_op(leg.wire(), tracing.inject({}))]))
+                await self._ws.send_bytes(data)
         except BaseException:
             self._streams.pop(rid, None)
             raise
