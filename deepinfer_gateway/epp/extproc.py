@@ -58,6 +58,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 BODY_CHUNK = 64 * 1024  # bytes per streamed body answer: well under gRPC's 4 MiB message limit
 _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 
 
 def _header(key: str, value: str) -> core.HeaderValueOption:
@@ -150,6 +151,7 @@ class RequestStream:
         self.first_chunk_at: float | None = None
         self.finished = False
         self.duplex = True  # FULL_DUPLEX_STREAMED request body; False: BUFFERED
+        self.reads_response = True  # the response body comes (not `response_body_mode: NONE`)
 
     @property
     def model(self) -> str:
@@ -191,6 +193,7 @@ class RequestStream:
         self.subset = subset_hint(message.metadata_context, self.headers)
         if message.HasField("protocol_config"):
             self.duplex = message.protocol_config.request_body_mode == _DUPLEX
+            self.reads_response = message.protocol_config.response_body_mode != _NO_BODY
         if message.request_headers.end_of_stream:
             self.protocol = None  # no body to read
             return await self._route(end_of_stream=None)
@@ -258,6 +261,7 @@ class RequestStream:
 
     def _refuse(self, error: GatewayError) -> pb.ProcessingResponse:
         self.refused = True
+        self.finished = True  # counted here, once: the stream's close is not a client leaving
         protocol = self.protocol or client_protocol(self.path, self.headers)
         self.service.metrics.gateway.count_request(str(self.protocol or "other"), self.model, error.status_code)
         if self.pick is not None:
@@ -322,8 +326,9 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
                 for answer in answers:
                     yield answer
         finally:
-            # the stream closed before the response ended: the client left, or the data plane gave up
-            stream.finish(client_left=not stream.finished)
+            # The stream closed before the response's end: the client left or the data plane gave up.
+            # Without the response body (`response_body_mode: NONE`) the close is the only end there is.
+            stream.finish(client_left=not stream.finished and (stream.reads_response or not stream.status))
 
 
 __all__ = ["EndpointPickerService", "RequestStream", "endpoint_of"]

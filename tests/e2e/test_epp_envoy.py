@@ -129,10 +129,14 @@ def test_subset_hint_restricts_the_pick(stack: Stack) -> None:
 
 def test_no_eligible_endpoint_is_a_503_in_the_protocols_format(stack: Stack) -> None:
     gone = f"127.0.0.1:{free_port()}"
+    refused = stack.metric("dgw_requests_total", protocol="chat", status="503")
+    left = stack.metric("dgw_client_disconnects_total")
     with pytest.raises(openai.APIStatusError) as caught:
         stack.client.chat.completions.create(**chat("Anyone?"), extra_headers={DESTINATION_SUBSET: gone})
     assert caught.value.status_code == 503
     assert caught.value.body["type"] == "server_error"
+    assert stack.metric("dgw_requests_total", protocol="chat", status="503") == refused + 1
+    assert stack.metric("dgw_client_disconnects_total") == left  # the stream's close after a refusal is no leaver
     r = httpx.post(stack.envoy.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4},
                    headers={DESTINATION_SUBSET: gone, "anthropic-version": "2023-06-01"})
     assert r.status_code == 400 and r.json()["type"] == "error"  # the body is read first: no messages
