@@ -34,13 +34,13 @@ Cost per call: render + reading `special_ranges` (~1.7 ms for a 520k-character p
 the library converts byte to code-point offsets) + O(prompt length) slicing/keying
 (~1 ms) + tokenizing the misses only, all of them in one call (fastokens' batch encode
 straight to packed uint32 words, ~20 ns/token) + the id list. The list holds one shared
-int object per vocabulary id (interned: cached lists cost a pointer per token), gathered
+int object per vocabulary id (interned: cached ids cost a pointer per token), gathered
 in C from a numpy object array (`intern_table`). A prompt that is mostly new (a first
 turn) is gathered whole from its packed words, and its new segments are cached as slices
-of that list; a prompt that is mostly cached (a follow-up) gathers only its new ids and
-joins the cached lists (cheaper than a gather, which touches each int's refcount at a
-random address). Figures: bench/preprocess.py (`--baseline` runs the pre-change tree
-side by side); see docs/deploy.md.
+of that list (as tuples: the cyclic GC stops walking them); a prompt that is mostly
+cached (a follow-up) gathers only its new ids and joins the cached ids (cheaper than a
+gather, which touches each int's refcount at a random address). Figures:
+bench/preprocess.py (`--baseline` runs the pre-change tree side by side).
 Memory: the cache is bounded by `cache_bytes` (default 256 MiB, ~13 B per cached token
 with text keys; see segment_cache.py) plus one interned int per vocabulary id (~4.6 MB).
 
@@ -117,8 +117,8 @@ def _interned(packed: bytes, table: np.ndarray[Any, np.dtype[np.object_]]) -> li
     return ids
 
 
-_PENDING = Segment([], b"")  # a miss's place until the misses are tokenized
-_NO_IDS: list[int] = []  # a new segment's ids before interning (never read)
+_PENDING = Segment((), b"")  # a miss's place until the misses are tokenized
+_NO_IDS: tuple[int, ...] = ()  # a new segment's ids before interning (never read)
 
 
 def _joined(segments: list[Segment], packed: bytes | None = None) -> EncodedPrompt:
@@ -171,9 +171,9 @@ class PromptEncoder:
         self._render = dr.DeepseekV41Encoding().render_conversation
         self.plain = plain or plain_tokenizer(bundle.json_text)
         self._special = {
-            content: Segment([token_id], pack_tokens([token_id])) for content, token_id in bundle.added_tokens.items()
+            content: Segment((token_id,), pack_tokens([token_id])) for content, token_id in bundle.added_tokens.items()
         }
-        self._ints = intern_table(bundle.vocab_size)  # cached lists share these int objects
+        self._ints = intern_table(bundle.vocab_size)  # cached ids share these int objects
         self.cache = SegmentCache(cache_bytes, digest_min_chars=digest_min_chars)
         # 0 (asked, or a tokenizer whose pre-tokenizer may merge across a word space): never cut
         self._piece_chars = piece_chars if self.plain.cuts_at_word_spaces else 0
@@ -210,25 +210,25 @@ class PromptEncoder:
         packed = b"".join(parts)
         if 2 * new_bytes < len(packed):
             # Mostly cached (a follow-up turn): intern only the new ids; joining the cached
-            # lists is cheaper than gathering the whole prompt.
+            # ids is cheaper than gathering the whole prompt.
             new_ids = _interned(b"".join(packs), self._ints)
             start = 0
             new: dict[SegmentKey, Segment] = {}
             for key, piece in made.items():
                 end = start + len(piece) // 4
-                new[key] = segment = Segment(new_ids[start:end], piece)
+                new[key] = segment = Segment(tuple(new_ids[start:end]), piece)
                 self.cache.put(key, segment)
                 start = end
             for index, key in work.pending:
                 segments[index] = new[key]
             return _joined(segments, packed)
         # Mostly new (a first turn): one gather over the whole prompt; the new segments'
-        # cached lists are slices of it.
+        # cached ids are slices of it.
         ids = _interned(packed, self._ints)
         offsets = list(accumulate(map(len, parts), initial=0))  # in bytes
         for index, key in work.pending:
             if key in made:  # a text repeated within the prompt is cached once
-                self.cache.put(key, Segment(ids[offsets[index] // 4:offsets[index + 1] // 4], made.pop(key)))
+                self.cache.put(key, Segment(tuple(ids[offsets[index] // 4:offsets[index + 1] // 4]), made.pop(key)))
         return EncodedPrompt(ids, packed)
 
     def _add_text(self, work: _Work, text: str) -> None:

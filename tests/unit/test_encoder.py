@@ -12,6 +12,7 @@ the latter with SHA-256 digest keys).
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import struct
 import zlib
@@ -316,10 +317,12 @@ def test_first_turn_and_follow_up_fill_the_cache_exactly(fastokens_encoder: Prom
         assert encoder.encode(conv) == expected
         assert encoder.cache_stats().misses == warm.misses  # every segment was cached
         assert encoder.cache_stats().entries == warm.entries
+    gc.collect()
     for key in list(encoder.cache._entries):
         segment = encoder.cache.get(key)
-        assert segment is not None and segment.packed == pack_tokens(segment.ids)
+        assert segment is not None and segment.packed == pack_tokens(list(segment.ids))
         assert all(token is encoder._ints[token] for token in segment.ids)  # shared int objects
+        assert not gc.is_tracked(segment.ids)  # a full collection does not walk cached tokens
 
 
 def test_unknown_special_token_fails_like_reference(fastokens_encoder: PromptEncoder) -> None:

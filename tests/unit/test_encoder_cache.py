@@ -10,7 +10,7 @@ from deepinfer_gateway.recipe_bridge.segment_cache import Segment, SegmentCache
 
 
 def seg(ids: list[int]) -> Segment:
-    return Segment(ids, pack_tokens(ids))
+    return Segment(tuple(ids), pack_tokens(ids))
 
 
 def test_hit_returns_the_stored_ids_and_counts() -> None:
