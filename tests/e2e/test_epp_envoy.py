@@ -20,6 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deepinfer_gateway.launch import Envoy, Epp, SimCluster, free_port
 from tests.fault_doubles import scrape, total
 
+pytestmark = pytest.mark.timeout(300)  # each test may start sim clusters, an EPP and an Envoy of its own
+
 MODEL = "DeepSeek-V4.1-Flash"
 DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
 
