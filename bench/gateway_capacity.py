@@ -10,13 +10,18 @@ alternating; req/s and the added p50/p99 latency (medians over rounds).
 `cpu_ms_per_request`: the gateway's CPU (its process tree's threads' run time, /proc
 schedstat, see `proc_cpu_s`) over a round, per request; median over rounds.
 
-Per chunk: `--chunk-streams` concurrent streams of `--chunk-seconds` at 50 tokens/s each
-(one worker message and one relayed SSE chunk per token); `cpu_us_per_chunk` is the
-gateway's CPU over the round minus its per-request cost (`cpu_ms_per_request` x streams)
-and its idle rate (health checks; `idle_cpu_ms_per_s`, measured before) x the round's wall
-time, per content chunk the clients received; median over `--rounds`. `cpu_us_per_output_token`:
-the same net CPU per output token (the usage chunks' sum): a chunk carries an engine step,
-several tokens where the sim takes speculative (DSpark) steps.
+Per output token: `--chunk-streams` concurrent streams of `--chunk-seconds` at 50 tokens/s
+each, from two sim workers: `step1` decodes one token per step (one worker message and one
+relayed SSE chunk per token), `dspark` runs DeepInfer's DSpark sweep (3 draft tokens at 75%
+acceptance: 3.25 tokens per step on average, one message and one chunk per step) at the
+same 50 tokens/s. The gateway's CPU over a round, minus its per-request cost
+(`cpu_ms_per_request` x streams) and its idle rate (health checks; `idle_cpu_ms_per_s`,
+measured before) x the round's wall time, per output token the clients were sent (their
+usage) is `cpu_us_per_output_token_step1` / `_dspark` (`cpu_us_per_output_token`: the
+dspark one), and per content chunk `cpu_us_per_chunk` (step1); each the median over
+`--rounds`, every round running each gateway (and the baseline's) on both workers in turn,
+with the rounds' values listed. `--nextn N` runs one worker with N draft tokens per step
+instead (mode `nextnN`; `cpu_us_per_chunk` and `cpu_us_per_output_token` are then its).
 
 Processes: `rps_1`, `rps_2`... req/s of the non-streaming load through a gateway started
 with `processes=N` (`serve --processes N`), each level in the same interleaved rounds; null
@@ -60,7 +65,8 @@ during one extra non-streaming round and one extra chunk round; the top function
 printed and saved (`gateway.top.json`, `gateway.inclusive.json`, `stream.*.json`).
 
 The last line is one JSON object: direct_rps, gateway_rps, added_p50_ms, added_p99_ms,
-cpu_ms_per_request, cpu_us_per_chunk, idle_cpu_ms_per_s, rps_1, rps_2, streams_sustained,
+cpu_ms_per_request, cpu_us_per_output_token_step1, cpu_us_per_output_token_dspark,
+cpu_us_per_chunk, idle_cpu_ms_per_s, rps_1, rps_2, streams_sustained,
 stream_added_itl_p99_ms (at streams_sustained), plus details (and `baseline_*`).
 """
 
@@ -284,52 +290,62 @@ async def streams(url: str, n: int, seconds: float) -> tuple[list[float], list[f
     return gaps, rates, errors, chunks, output_tokens
 
 
-def with_nextn(profiles: str, nextn: int | None) -> str:
-    """The profiles file with the sim's speculative tokens per step set (`nextn = 0`: one token
-    per step); unchanged when None (the packaged DSpark-like default)."""
-    if nextn is not None:
-        path = Path(profiles)
-        path.write_text(re.sub(r"(?m)^nextn = \d+", f"nextn = {nextn}", path.read_text()))
-    return profiles
+def step_modes(nextn: int | None) -> dict[str, int]:
+    """The per-token phase's sim workers by name: draft tokens per decode step (module doc)."""
+    return {"step1": 0, "dspark": 3} if nextn is None else {f"nextn{nextn}": nextn}
 
 
 def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> dict[str, object]:
-    """Gateway CPU per relayed chunk, net of per-request and idle cost (see the module doc)."""
-    worker, worker_url = start_worker(1.0, with_nextn(flat_decode_profiles(TOKENS_PER_S), args.nextn))
-    targets: list[Target] = []
+    """Gateway CPU per output token (and per chunk), net of per-request and idle cost, at one
+    token per step and at DSpark's steps (see the module doc)."""
+    modes = step_modes(args.nextn)
+    workers = {mode: start_worker(1.0, flat_decode_profiles(TOKENS_PER_S, nextn)) for mode, nextn in modes.items()}
+    targets: dict[str, list[Target]] = {}
     out: dict[str, object] = {}
     try:
-        targets = gateways(worker_url, args, "between_events_timeout_s = 30\n")
-        idle = {t.name: idle_cpu_ms_per_s(t) for t in targets}
-        results: dict[str, list[float]] = {t.name: [] for t in targets}
-        per_token: dict[str, list[float]] = {t.name: [] for t in targets}
-        for _ in range(args.rounds):
-            for t in targets:
-                cpu0, wall0 = t.cpu_s(), time.perf_counter()
-                _, _, errors, chunks, tokens = asyncio.run(streams(t.url, args.chunk_streams, args.chunk_seconds))
-                cpu, wall = t.cpu_s() - cpu0, time.perf_counter() - wall0
-                if errors or not chunks:
-                    raise SystemExit(f"{t.name}: {errors} failed streams, {chunks} chunks")
-                net = cpu - args.chunk_streams * per_request_ms[t.name] / 1000 - idle[t.name] / 1000 * wall
-                results[t.name].append(1e6 * net / chunks)
-                per_token[t.name].append(1e6 * net / max(tokens, 1))
-                print(f"{t.name:10s} {chunks} chunks {tokens} tokens  gateway cpu {cpu:.2f} s  net "
-                      f"{1e6 * net / chunks:.1f} us/chunk {1e6 * net / max(tokens, 1):.1f} us/token", flush=True)
-        for t in targets:
-            prefix = "" if t.name == "gateway" else "baseline_"
-            out[f"{prefix}cpu_us_per_chunk"] = round(statistics.median(results[t.name]), 1)
-            out[f"{prefix}cpu_us_per_chunk_rounds"] = [round(x, 1) for x in results[t.name]]
-            out[f"{prefix}cpu_us_per_output_token"] = round(statistics.median(per_token[t.name]), 1)
-            out[f"{prefix}cpu_us_per_output_token_rounds"] = [round(x, 1) for x in per_token[t.name]]
-            out[f"{prefix}idle_cpu_ms_per_s"] = round(idle[t.name], 1)
+        for mode, (_, worker_url) in workers.items():
+            targets[mode] = gateways(worker_url, args, "between_events_timeout_s = 30\n")
+        idle = {(mode, t.name): idle_cpu_ms_per_s(t) for mode, ts in targets.items() for t in ts}
+        per_token: dict[tuple[str, str], list[float]] = {key: [] for key in idle}
+        per_chunk: dict[tuple[str, str], list[float]] = {key: [] for key in idle}
+        steps: dict[tuple[str, str], list[float]] = {key: [] for key in idle}
+        for round_no in range(args.rounds):
+            for mode, ts in targets.items():
+                for t in ts:
+                    cpu0, wall0 = t.cpu_s(), time.perf_counter()
+                    _, _, errors, chunks, tokens = asyncio.run(streams(t.url, args.chunk_streams, args.chunk_seconds))
+                    cpu, wall = t.cpu_s() - cpu0, time.perf_counter() - wall0
+                    if errors or not chunks or not tokens:
+                        raise SystemExit(f"{mode} {t.name}: {errors} failed streams, {chunks} chunks")
+                    net = cpu - args.chunk_streams * per_request_ms[t.name] / 1000 - idle[mode, t.name] / 1000 * wall
+                    per_token[mode, t.name].append(1e6 * net / tokens)
+                    per_chunk[mode, t.name].append(1e6 * net / chunks)
+                    steps[mode, t.name].append(tokens / chunks)
+                    print(f"round {round_no} {mode:6s} {t.name:8s} {tokens} tokens in {chunks} chunks"
+                          f"  gateway cpu {cpu:.2f} s  net {1e6 * net / tokens:.1f} us/token"
+                          f"  {1e6 * net / chunks:.1f} us/chunk", flush=True)
+        first, last = next(iter(modes)), list(modes)[-1]
+        for (mode, name), values in per_token.items():
+            prefix = "" if name == "gateway" else "baseline_"
+            out[f"{prefix}cpu_us_per_output_token_{mode}"] = round(statistics.median(values), 1)
+            out[f"{prefix}cpu_us_per_output_token_{mode}_rounds"] = [round(x, 1) for x in values]
+            out[f"{prefix}tokens_per_chunk_{mode}"] = round(statistics.median(steps[mode, name]), 2)
+            if mode == last:
+                out[f"{prefix}cpu_us_per_output_token"] = out[f"{prefix}cpu_us_per_output_token_{mode}"]
+            if mode == first:
+                out[f"{prefix}cpu_us_per_chunk"] = round(statistics.median(per_chunk[mode, name]), 1)
+                out[f"{prefix}cpu_us_per_chunk_rounds"] = [round(x, 1) for x in per_chunk[mode, name]]
+                out[f"{prefix}idle_cpu_ms_per_s"] = round(idle[mode, name], 1)
         if args.profile:
-            profile_gateway(targets[0], lambda: asyncio.run(streams(targets[0].url, args.chunk_streams,
-                                                                    args.chunk_seconds)),
-                            Path(args.profile), "stream")
+            profiled = targets[last][0]
+            profile_gateway(profiled, lambda: asyncio.run(streams(profiled.url, args.chunk_streams,
+                                                                  args.chunk_seconds)), Path(args.profile), "stream")
     finally:
-        for t in targets:
-            t.stop()
-        worker.stop()
+        for ts in targets.values():
+            for t in ts:
+                t.stop()
+        for worker, _ in workers.values():
+            worker.stop()
     return out
 
 
@@ -461,8 +477,8 @@ def main() -> None:
     parser.add_argument("--chunk-streams", type=int, default=100)
     parser.add_argument("--chunk-seconds", type=float, default=6.0)
     parser.add_argument("--nextn", type=int, default=None,
-                        help="the per-chunk phase's sim: speculative tokens per step (0: one token per step; "
-                             "default: the packaged profile's)")
+                        help="one per-token phase sim with N speculative tokens per step (default: two, "
+                             "step1 with 0 and dspark with 3)")
     parser.add_argument("--processes", default="1,2", help="gateway process counts for rps_N")
     parser.add_argument("--baseline", default=None, help="source tree of a baseline gateway run side by side")
     parser.add_argument("--baseline-toml", default="",
