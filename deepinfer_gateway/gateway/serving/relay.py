@@ -151,8 +151,12 @@ class Relay:
                     outcome.series.itl.observe(now - last)
                     last = now
                     if out:
-                        unsent.append(out)
-                        size += len(out)
+                        current = exchange.lease.stream
+                        if unsent or pending or (current is not None and current.buffered()):
+                            unsent.append(out)  # more in hand: written with it, at the loop's top
+                            size += len(out)
+                        else:  # the usual case, written at once (no list, no flush call)
+                            await send({"type": "http.response.body", "body": out, "more_body": True})
                 if response.done:  # stop sequence: stop the engine too
                     if unsent:
                         assert send is not None
