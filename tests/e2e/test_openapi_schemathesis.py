@@ -35,6 +35,7 @@ def gateway(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -
     gw.stop()
 
 
+@pytest.mark.timeout(600)  # the run's own bound below: ~600 requests, generated and checked on the CPU
 def test_the_live_schema_holds_for_generated_requests(gateway: Gateway, tmp_path: Path) -> None:
     st = Path(sys.executable).with_name("st")
     command = [str(st), "run", gateway.url + "/openapi.json", "--checks", CHECKS,
