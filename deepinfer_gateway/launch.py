@@ -21,15 +21,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(port: int, timeout: float = 15.0) -> None:
+def wait_for_port(port: int, timeout: float = 15.0, proc: Proc | None = None) -> None:
+    """Until something listens on `port`. With the `proc` that should listen there, its exit ends the
+    wait at once: the timeout then only bounds a hang, so it can allow for a loaded machine, where
+    starting a Python process with its imports took over 30 s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
+            if proc is not None and proc.proc.poll() is not None:
+                raise RuntimeError(f"{proc.cmd[:6]} exited {proc.proc.returncode} before listening on {port}") from None
             time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+# A started process's start-up bound (wait_for_port with its process): a hang, not a slow start.
+START_TIMEOUT_S = 90.0
 
 
 
@@ -71,7 +80,7 @@ class SimCluster:
                                 "--time-scale", str(time_scale)] + (extra or []), env=env)
         try:
             for i in range(len(self.specs)):
-                wait_for_port(self.base_port + i, timeout=30)
+                wait_for_port(self.base_port + i, START_TIMEOUT_S, self.proc)
         except BaseException:
             self.proc.kill()  # never started for the caller: it gets no object to stop
             raise
@@ -97,7 +106,7 @@ class Gateway:
         self.proc = Proc(CLI + ["serve", "--config", str(config), "--processes", str(processes)], env=env,
                          stdout=stdout, stderr=stderr)
         try:
-            wait_for_port(self.port, timeout=30)
+            wait_for_port(self.port, START_TIMEOUT_S, self.proc)
         except BaseException:
             self.proc.kill()  # never started for the caller: it gets no object to stop
             raise
@@ -161,7 +170,7 @@ class Epp:
                                 "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
                                 "--fallbacks", str(fallbacks)], stderr=stderr)
         try:
-            wait_for_port(self.grpc_port, timeout=30)
+            wait_for_port(self.grpc_port, START_TIMEOUT_S, self.proc)
         except BaseException:
             self.proc.kill()
             raise
@@ -197,7 +206,7 @@ class Envoy:
         self.proc = Proc([envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--log-level", "warning",
                           "--concurrency", "1"], stderr=stderr)
         try:
-            wait_for_port(self.port, timeout=30)
+            wait_for_port(self.port, START_TIMEOUT_S, self.proc)
         except BaseException:
             self.proc.kill()
             raise

@@ -1,0 +1,29 @@
+"""launch.py's start-up wait: a started process that exits before it listens fails the wait at
+once, with its exit code, instead of after the (long) start-up bound."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from deepinfer_gateway.launch import START_TIMEOUT_S, Proc, free_port, wait_for_port
+
+
+def test_a_process_that_exits_before_listening_ends_the_wait_at_once() -> None:
+    proc = Proc([sys.executable, "-c", "raise SystemExit(3)"])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited 3 before listening"):
+        wait_for_port(free_port(), START_TIMEOUT_S, proc)
+    assert time.monotonic() - started < START_TIMEOUT_S / 3
+
+
+def test_a_listening_process_ends_the_wait() -> None:
+    port = free_port()
+    server = Proc([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)])
+    try:
+        wait_for_port(port, START_TIMEOUT_S, server)
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
