@@ -35,9 +35,10 @@ Baseline: `--baseline DIR` runs a second gateway from another source tree (e.g. 
 archive <commit> | tar -x -C DIR`; imported with PYTHONSAFEPATH=1 PYTHONPATH=DIR) in every
 phase, rounds interleaved with this tree's; its figures carry the prefix `baseline_`.
 `--baseline-toml TOML` gives the baseline gateway settings of its own; without `--baseline`
-the baseline is the tree under test with them: `--baseline-toml 'worker_protocol = "v1"'`
-measures worker protocol v1 (one HTTP stream per request) against v2 (one connection per
-worker) in the same run.
+the baseline is the tree under test with them, and `--toml` gives the gateway under test its
+own: `--toml 'worker_protocol = "auto"' --baseline-toml 'worker_protocol = "v1"'` measures
+worker protocol v2 (one connection per worker) against v1 (one HTTP stream per request) in
+the same run.
 `--tree DIR` takes the gateway under test from a source tree too (a snapshot, so edits to
 the checkout during the run do not reach it).
 
@@ -164,7 +165,7 @@ def has_baseline(args: argparse.Namespace) -> bool:
 def gateways(worker_url: str, args: argparse.Namespace, extra_toml: str = "") -> list[Target]:
     """The gateway under test, and the baseline one when asked for (another tree, or this one with
     `--baseline-toml`: e.g. worker protocol v1 against v2)."""
-    targets = [Target("gateway", "", start_gateway(worker_url, args.tree, extra_toml=extra_toml))]
+    targets = [Target("gateway", "", start_gateway(worker_url, args.tree, extra_toml=extra_toml + args.toml))]
     if has_baseline(args):
         targets.append(Target("baseline", "", start_gateway(worker_url, args.baseline or args.tree,
                                                             extra_toml=extra_toml + args.baseline_toml)))
@@ -481,6 +482,8 @@ def main() -> None:
                              "step1 with 0 and dspark with 3)")
     parser.add_argument("--processes", default="1,2", help="gateway process counts for rps_N")
     parser.add_argument("--baseline", default=None, help="source tree of a baseline gateway run side by side")
+    parser.add_argument("--toml", default="", help="gateway settings (TOML) for the gateway under test only, "
+                                                   "e.g. 'worker_protocol = \"auto\"' (v2)")
     parser.add_argument("--baseline-toml", default="",
                         help="gateway settings (TOML) for the baseline only; without --baseline the baseline is "
                              "this tree with them, e.g. 'worker_protocol = \"v1\"' against v2")

@@ -117,7 +117,7 @@ def test_one_trace_spans_gateway_and_worker_processes(tmp_path: Path, command: s
     try:
         wait_for_port(port, timeout=30)
         gateway = Gateway(tmp_path, [(f"http://127.0.0.1:{port}", "unified", "sm100")], stdout=gateway_out,
-                          extra_toml='[tracing]\nenabled = true\nexporter = "console"\n')
+                          extra_toml='worker_protocol = "auto"\n[tracing]\nenabled = true\nexporter = "console"\n')
         gateway.wait_ready(1)
         with openai.OpenAI(base_url=gateway.url + "/v1", api_key="t", max_retries=0) as client:
             raw = client.chat.completions.with_raw_response.create(

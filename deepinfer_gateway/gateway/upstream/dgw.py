@@ -1,7 +1,7 @@
 """Worker protocols v1 and v2 (docs/worker-protocol.md) as an `Upstream`: sim and DeepInfer workers.
 
-Legs go over v2 (one multiplexed connection per worker, upstream/mux.py) unless the
-gateway is set to v1 (`worker_protocol = "v1"`) or the worker does not speak it: the
+Legs go over v2 (one multiplexed connection per worker, upstream/mux.py) when the
+gateway is set to `worker_protocol = "auto"` and the worker speaks it: the
 upgrade is the negotiation, and a worker answering it 404 (v1 only) gets v1 generate
 calls until its epoch changes (a restart may bring v2). Over v1 the generate call streams
 the worker's events as JSON lines. Health is its info and load endpoints; its KV events

@@ -267,13 +267,15 @@ class MuxConnection:
                     reason = f"closed by the worker ({msg.data} {msg.extra or ''})".rstrip()
                 break
         except UpstreamError as exc:
-            reason, kind = str(exc), exc.kind
+            # Shut before the close handshake: no leg may be sent on it meanwhile.
+            self._shut(str(exc), exc.kind)
             await ws.close()
         except asyncio.CancelledError:
             reason = "closed by the gateway"
             raise
         finally:
-            self._shut(reason, kind)
+            if not self._closed:
+                self._shut(reason, kind)
 
     def _dispatch(self, data: bytes | str) -> None:
         """One worker message: `[[request_id, event], ...]`, each event to its stream."""
