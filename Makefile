@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: run lint check test vllm-venv deepinfer-surface clean
+.PHONY: run lint check test test-lanes vllm-venv deepinfer-surface clean
 
 $(BIN)/.installed: pyproject.toml system-packages.txt
 	scripts/system-packages.sh
@@ -29,7 +29,12 @@ check: lint
 # module whole on one worker and the CPU-heavy modules in one lane (tests/lanes.py), then the
 # `solo` tests, which measure against this machine's speed, alone. -rfEs: each skip says why.
 TEST_WORKERS ?= 3
+# Serial for now: on the host the parallel run ended in an xdist INTERNALERROR (a worker finished
+# mid-test, twice, ~35 s in); `make test-lanes` is the parallel run, to be fixed before it is the default.
 test: lint
+	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider
+
+test-lanes: lint
 	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
 	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -m solo
 
