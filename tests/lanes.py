@@ -15,6 +15,7 @@ the scheduler here groups by module path, which is all the controller sees of a 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,10 @@ def check_heavy_modules(items: list[pytest.Item]) -> None:
 
 def heavy_first(items: list[pytest.Item]) -> None:
     """Sort the heavy lane's tests first, each module's tests in their order (a stable sort): the
-    scheduler queues units in collection order (`--no-loadscope-reorder`)."""
-    items.sort(key=lambda item: not is_heavy(item.path))
+    scheduler queues units in collection order (`--no-loadscope-reorder`). Only on an xdist worker:
+    a serial run keeps the file order (a vLLM started first would idle beside every later test)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not is_heavy(item.path))
 
 
 class LaneScheduling(LoadFileScheduling):
