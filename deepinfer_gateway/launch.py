@@ -21,6 +21,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class ProcessExited(RuntimeError):
+    """The process that should listen on a port exited first."""
+
+
 def wait_for_port(port: int, timeout: float = 15.0, proc: Proc | None = None) -> None:
     """Until something listens on `port`. With the `proc` that should listen there, its exit ends the
     wait at once: the timeout then only bounds a hang, so it can allow for a loaded machine, where
@@ -32,13 +36,15 @@ def wait_for_port(port: int, timeout: float = 15.0, proc: Proc | None = None) ->
                 return
         except OSError:
             if proc is not None and proc.proc.poll() is not None:
-                raise RuntimeError(f"{proc.cmd[:6]} exited {proc.proc.returncode} before listening on {port}") from None
+                exited = f"{proc.cmd[:6]} exited {proc.proc.returncode}"
+                raise ProcessExited(f"{exited} before listening on {port}") from None
             time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
 # A started process's start-up bound (wait_for_port with its process): a hang, not a slow start.
 START_TIMEOUT_S = 90.0
+START_ATTEMPTS = 3
 
 
 
@@ -74,16 +80,23 @@ class SimCluster:
                  env: dict[str, str] | None = None):
         """`env`: e.g. DGW_WORKER_TOKEN(_FILE), the token every worker call must carry."""
         self.specs = workers.split(",")
-        self.base_port = _free_port_block(len(self.specs))
-        self.urls = [f"http://127.0.0.1:{self.base_port + i}" for i in range(len(self.specs))]
-        self.proc = Proc(CLI + ["sim-cluster", "--workers", workers, "--base-port", str(self.base_port),
-                                "--time-scale", str(time_scale)] + (extra or []), env=env)
-        try:
-            for i in range(len(self.specs)):
-                wait_for_port(self.base_port + i, START_TIMEOUT_S, self.proc)
-        except BaseException:
-            self.proc.kill()  # never started for the caller: it gets no object to stop
-            raise
+        # A free block can be taken by another process between the probe and the cluster's bind
+        # (it then exits at once): a new block is tried, a few times.
+        for attempt in range(START_ATTEMPTS):
+            self.base_port = _free_port_block(len(self.specs))
+            self.urls = [f"http://127.0.0.1:{self.base_port + i}" for i in range(len(self.specs))]
+            self.proc = Proc(CLI + ["sim-cluster", "--workers", workers, "--base-port", str(self.base_port),
+                                    "--time-scale", str(time_scale)] + (extra or []), env=env)
+            try:
+                for i in range(len(self.specs)):
+                    wait_for_port(self.base_port + i, START_TIMEOUT_S, self.proc)
+                return
+            except ProcessExited:
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.proc.kill()  # never started for the caller: it gets no object to stop
+                raise
 
     def stop(self) -> None:
         self.proc.stop()

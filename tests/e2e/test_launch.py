@@ -3,12 +3,14 @@ once, with its exit code, instead of after the (long) start-up bound."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 
 import pytest
 
-from deepinfer_gateway.launch import START_TIMEOUT_S, Proc, free_port, wait_for_port
+from deepinfer_gateway import launch
+from deepinfer_gateway.launch import START_TIMEOUT_S, Proc, SimCluster, free_port, wait_for_port
 
 
 def test_a_process_that_exits_before_listening_ends_the_wait_at_once() -> None:
@@ -27,3 +29,19 @@ def test_a_listening_process_ends_the_wait() -> None:
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_a_sim_cluster_whose_ports_were_taken_starts_on_another_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The block probed free is taken before the cluster binds it (here: bound, not listening, by this test).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken_port = taken.getsockname()[1]
+        blocks = iter([taken_port])
+        real_block = launch._free_port_block
+        monkeypatch.setattr(launch, "_free_port_block", lambda n: next(blocks, None) or real_block(n))
+        cluster = SimCluster("unified:sm100")
+        try:
+            assert cluster.base_port != taken_port
+            wait_for_port(cluster.base_port, 5)
+        finally:
+            cluster.stop()
