@@ -105,11 +105,13 @@ def play(preparer: RequestPreparer, bundle: TokenizerBundle, case: str, sizes: l
 
 
 TOOL_CALL_ID = re.compile(rb'"(call|toolu|fc)_[A-Za-z0-9_]+"')
+CREATED = re.compile(rb'"(created_at|created)":\d+')
 
 
 def unrandom(raw: bytes) -> bytes:
-    """Tool call ids are random per request: one placeholder for all."""
-    return TOOL_CALL_ID.sub(b'"call_X"', raw)
+    """Tool call ids are random per request and creation times move with the clock (two plays
+    can straddle a second): one placeholder for each."""
+    return CREATED.sub(rb'"\1":0', TOOL_CALL_ID.sub(b'"call_X"', raw))
 
 
 def frames(raw: bytes) -> list[dict[str, Any]]:
