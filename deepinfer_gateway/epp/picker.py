@@ -16,7 +16,6 @@ the endpoint that actually served.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -25,12 +24,11 @@ from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
-from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
 from deepinfer_gateway.router.inflight import Booking as QueueBooking
-from deepinfer_gateway.router.planner import NoCandidate, Plan, prompt_hashes
+from deepinfer_gateway.router.planner import NoCandidate, Plan
 
 
 def endpoint_of(url: str) -> str:
@@ -135,7 +133,6 @@ class EndpointPicker:
         self.routing = routing
         self.metrics = metrics
         self.fallbacks = fallbacks
-        self.hasher = PrefixHasher()
 
     def by_endpoint(self, endpoint: str) -> WorkerState | None:
         """The worker whose URL dials `endpoint` (`ip:port`)."""
@@ -164,10 +161,7 @@ class EndpointPicker:
         prompt_tokens = 0
         if prepared is not None:
             prompt_tokens = prepared.prompt_tokens
-            hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens)
-            started = time.perf_counter()
-            overlap = await self.routing.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
-            self.metrics.prefix_lookup.observe(time.perf_counter() - started)
+            hashes, overlap = await self.routing.overlap(prepared, views)
         planner = self.routing.planner
         plan = planner.plan_first(views, prompt_tokens, hashes, overlap, session_key)
         if prepared is not None:

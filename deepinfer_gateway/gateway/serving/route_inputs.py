@@ -71,11 +71,17 @@ class RouteInputs:
         if not views:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
         with tracing.span("router.lookup", candidates=len(views)):
-            hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens)
-            started = time.perf_counter()
-            overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
-            self.metrics.prefix_lookup.observe(time.perf_counter() - started)
+            hashes, overlap = await self.overlap(prepared, views)
         return views, hashes, overlap
+
+    async def overlap(self, prepared: PreparedRequest,
+                      views: list[WorkerView]) -> tuple[dict[str, list[int]], Overlap]:
+        """The prompt's hashes per KV format and their overlap with each of `views`' caches."""
+        hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens)
+        started = time.perf_counter()
+        overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
+        self.metrics.prefix_lookup.observe(time.perf_counter() - started)
+        return hashes, overlap
 
     def admit(self, plan: Plan, views: list[WorkerView]) -> None:
         """Refuse (429 + Retry-After) when the chosen pool's queued prefill is over the budget."""
