@@ -103,8 +103,12 @@ def raw_stream_request(port: int, payload: dict[str, object], rcvbuf: int = 4096
 # --- a slow-reading client ----------------------------------------------------------------------
 
 
-def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimCluster, gateway_factory) -> None:
-    gw = gateway_factory(cluster)
+# v2 ("auto"): the relay writes in the worker connection's reader until a write must wait for
+# the client, then hands the stream back to its own task (relay.py's direct path).
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimCluster, gateway_factory,
+                                                               protocol: str) -> None:
+    gw = gateway_factory(cluster, f'worker_protocol = "{protocol}"\n')
     port = int(gw.url.rsplit(":", 1)[1])
     sock = raw_stream_request(port, body(1, 4000, ignore_eos=True))
     received = bytearray()
@@ -137,9 +141,11 @@ def test_slow_reading_client_gets_everything_and_blocks_no_one(cluster: SimClust
     assert ClusterLoads(cluster).wait_idle()[0]["running"] == 0
 
 
-def test_stalled_client_that_hangs_up_is_counted_and_freed(cluster: SimCluster, gateway_factory) -> None:
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+def test_stalled_client_that_hangs_up_is_counted_and_freed(cluster: SimCluster, gateway_factory,
+                                                           protocol: str) -> None:
     """A client that stops reading (the gateway blocks in send) and then disconnects."""
-    gw = gateway_factory(cluster)
+    gw = gateway_factory(cluster, f'worker_protocol = "{protocol}"\n')
     port = int(gw.url.rsplit(":", 1)[1])
     sock = raw_stream_request(port, body(2, 4000, ignore_eos=True), rcvbuf=1024)
     sock.recv(256)  # the response started

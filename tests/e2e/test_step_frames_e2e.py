@@ -30,11 +30,14 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+# Worker protocol v1 (one HTTP stream per request) and v2 (one connection per worker, where
+# the relay frames and writes each step in the connection reader's call: relay.py's direct path).
+@pytest.fixture(scope="module", params=["v1", "auto"])
+def client(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
     cluster = SimCluster("unified:sm100", time_scale=4.0)
     try:
-        gateway = Gateway(tmp_path_factory.mktemp("gw-frames"), [(cluster.urls[0], "unified", "sm100")])
+        gateway = Gateway(tmp_path_factory.mktemp("gw-frames"), [(cluster.urls[0], "unified", "sm100")],
+                          extra_toml=f'worker_protocol = "{request.param}"\n')
         try:
             gateway.wait_ready(1)
             with openai.OpenAI(base_url=gateway.url + "/v1", api_key="t", max_retries=0, timeout=60) as c:

@@ -2,7 +2,7 @@
 
 `RequestOutcome` is made once the first leg reached its first token (serving.py) and ended
 once, in `Relay.close` (relay.py): queue time and prompt length at the start, TTFT at the
-first token, ITL per relayed token message (`series.itl`, read by the relay's loop), and at
+first token, ITL per relayed token message (`itl`, added to `series.itl` in batches), and at
 the end the output length, duration, generation tokens, the outcome in
 `dgw_requests_total` and the prompt and cached tokens against the router's prediction (at
 the end: an engine that reports its cached count only then, vLLM, brings it on `finish`).
@@ -16,6 +16,7 @@ from typing import Any
 
 from deepinfer_gateway.gateway.fleet.registry import WorkerState
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.telemetry.tally import HistogramTally
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.planner import Plan
 
@@ -23,7 +24,7 @@ from deepinfer_gateway.router.planner import Plan
 class RequestOutcome:
     """The metrics of one request that reached a worker (module doc)."""
 
-    __slots__ = ("_metrics", "_prepared", "_plan", "arrival", "ready", "first_series", "series", "status")
+    __slots__ = ("_metrics", "_prepared", "_plan", "arrival", "ready", "first_series", "series", "itl", "status")
 
     def __init__(self, metrics: GatewayMetrics, prepared: PreparedRequest, plan: Plan, arrival: float,
                  ready: dict[str, Any], worker: WorkerState):
@@ -35,6 +36,7 @@ class RequestOutcome:
         # The first leg's (model, pool, hardware): TTFT, queue time, prompt length.
         self.first_series = metrics.request_series(prepared.model, plan.worker.pool, plan.worker.hardware)
         self.series = self.first_series  # the current leg's: ITL, duration, output length
+        self.itl = HistogramTally(self.series.itl)  # one observation per relayed chunk: batched (tally.py)
         if worker.worker_id != plan.worker.worker_id:  # a prefill that handed off before any token (vLLM)
             self.decode_leg(worker)
         self.status: str | None = None  # 200, 502 (streams; 499: the client left first); None: the app counts it
@@ -50,6 +52,8 @@ class RequestOutcome:
     def decode_leg(self, worker: WorkerState) -> None:
         """A decode leg on `worker` continues the request: its later figures are that pool's."""
         self.series = self._metrics.request_series(self._prepared.model, worker.pool, worker.spec.hardware)
+        self.itl.flush()
+        self.itl = HistogramTally(self.series.itl)
 
     def final_cached(self, cached_tokens: dict[str, int]) -> None:
         """The engine's real cached count where `ready`'s was provisional (vLLM's `finish`)."""
@@ -63,6 +67,7 @@ class RequestOutcome:
     def end(self, completion_tokens: int) -> None:
         """Everything recorded at the end; once (`Relay.close`)."""
         metrics = self._metrics
+        self.itl.flush()
         metrics.generation_tokens.inc(completion_tokens)
         self.series.output_len.observe(completion_tokens)
         self.series.duration.observe(time.perf_counter() - self.arrival)

@@ -12,6 +12,14 @@ ones and they go out in one write. A client that lags (its write waits for the s
 drain) therefore gets everything the worker sent meanwhile in one write, not one per
 step; a stream whose worker stays ahead is still written every MAX_COALESCED_BYTES.
 
+The direct path (worker protocol v2): while the relay's task waits for its stream's next
+event, the stream's `sink` (`_sink`) takes each `tokens` event in the connection reader's
+own call and frames and writes its chunk there, as the loop would; so one engine step costs
+no future, no task switch and no coroutine chain per stream. What it cannot finish there it
+hands back to the task, which carries on in the loop: a write that must wait for a slow
+client (`_take_back` finishes it, then coalescing applies as above), an exception, the
+answer ended by a stop sequence. Every other event (`finish`, errors) goes to the task.
+
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
 error, the client going away): it releases the current leg's lease, runs the request's
 `on_done` (rate-limit debit) and ends its `RequestOutcome` (outcome.py: every metric of
@@ -24,7 +32,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+import types
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +48,7 @@ from deepinfer_gateway.gateway.serving.error_json import stream_error_frame
 from deepinfer_gateway.gateway.serving.legs import Lease, Legs, raise_if_error
 from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
 from deepinfer_gateway.gateway.upstream.base import LegRequest
+from deepinfer_gateway.gateway.upstream.mux import RELAYED, MuxStream
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import AnyResponseStream
 
@@ -63,6 +73,10 @@ class Exchange:
     pending: list[dict[str, Any]] = field(default_factory=list)  # events read ahead of the relay
     output_ids: list[int] = field(default_factory=list)  # tokens so far (PD plans: the decode leg continues them)
     unsent: list[bytes] = field(default_factory=list)  # streaming: chunks produced, not yet written (coalescing)
+    last_token_at: float = 0.0  # perf_counter of the last token message relayed (ITL)
+    sink: Callable[[dict[str, Any]], bool] | None = None  # streaming over v2: the direct path (module doc)
+    sink_error: BaseException | None = None  # raised by the direct path: the relay's task raises it
+    sink_write: tuple[Any, Any] | None = None  # a write the direct path could not finish at once
     finished: bool = False  # the worker finished the request: nothing to abort
     closed: bool = False
 
@@ -89,9 +103,10 @@ class Relay:
         with tracing.span("stream.relay", worker=exchange.lease.worker.worker_id) as span:
             try:
                 await send({"type": "http.response.body", "body": exchange.head, "more_body": True})
-                last = time.perf_counter()
+                exchange.last_token_at = last = time.perf_counter()
                 outcome.first_token(last)
-                await self._relay(exchange, send, last)
+                exchange.sink = functools.partial(_sink, exchange, send)
+                await self._relay(exchange, send)
                 outcome.status = "200"
             except (UpstreamError, GatewayError) as exc:
                 outcome.status = "502"
@@ -114,7 +129,7 @@ class Relay:
             raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
         exchange.outcome.status = "200"
 
-    async def _relay(self, exchange: Exchange, send: Send | None, last: float = 0.0) -> None:
+    async def _relay(self, exchange: Exchange, send: Send | None) -> None:
         """Turn the request's events, across its legs (a PD hand-off is followed here), into
         `exchange.response`. With `send` (streaming), the protocol chunks are written as they
         are produced, coalesced (module doc), and the gap between token messages observed
@@ -136,7 +151,14 @@ class Relay:
                     assert send is not None
                     size = 0
                     await _flush(unsent, send)  # the next read may wait: the client gets what there is
+                if exchange.sink is not None and isinstance(stream, MuxStream) and stream.sink is None:
+                    stream.sink = exchange.sink  # until it hands the stream back (module doc)
                 event = await stream.next_event()
+                if event is RELAYED:  # the direct path relayed up to here, and hands back
+                    await _take_back(exchange)
+                    if response.done:
+                        return
+                    continue
             if event is None:
                 raise UpstreamError(UpstreamKind.PROTOCOL,
                                     f"worker {exchange.lease.worker.worker_id} ended the stream early")
@@ -148,8 +170,8 @@ class Relay:
                 out = response.tokens(token_ids, event.get("logprobs"))
                 if send is not None:
                     now = time.perf_counter()
-                    outcome.series.itl.observe(now - last)
-                    last = now
+                    outcome.itl.observe(now - exchange.last_token_at)
+                    exchange.last_token_at = now
                     if out:
                         current = exchange.lease.stream
                         if unsent or pending or (current is not None and current.buffered()):
@@ -204,6 +226,80 @@ class Relay:
     def close_stream(self, exchange: Exchange) -> None:
         exchange.outcome.client_left()  # unless the stream reached its end
         self.close(exchange)
+
+
+def _sink(exchange: Exchange, send: Send, event: dict[str, Any]) -> bool:
+    """The direct path (module doc): one `tokens` event framed and written in the v2 reader's
+    call, exactly as `Relay._relay`'s loop would; False (not taken) for any other event. What
+    needs the relay's task (a write that must wait for the client, an error, the answer
+    ended by a stop sequence) is handed back to it after this event."""
+    if event["event"] != "tokens":
+        return False
+    stream = exchange.lease.stream
+    assert isinstance(stream, MuxStream)
+    response = exchange.response
+    try:
+        token_ids = event["token_ids"]
+        if exchange.keep_ids:
+            exchange.output_ids.extend(token_ids)
+        out = response.tokens(token_ids, event.get("logprobs"))
+        now = time.perf_counter()
+        exchange.outcome.itl.observe(now - exchange.last_token_at)
+        exchange.last_token_at = now
+        if out:
+            write = send({"type": "http.response.body", "body": out, "more_body": True})
+            try:
+                # ASGI servers write at once unless the client's socket is full: then `send`
+                # waits on a future, and the relay's task finishes it (`_take_back`).
+                waiting_on = write.send(None)  # type: ignore[attr-defined]
+            except StopIteration:
+                pass
+            else:
+                exchange.sink_write = (write, waiting_on)
+                stream.hand_back()
+                return True
+    except Exception as exc:  # raised in the relay's task, as its own loop would have
+        exchange.sink_error = exc
+        stream.hand_back()
+        return True
+    if response.done:
+        stream.hand_back()
+    return True
+
+
+async def _take_back(exchange: Exchange) -> None:
+    """The relay's task after the direct path handed back: finish its unfinished write
+    (await what `send` waits on, then resume it), raise its error."""
+    if exchange.sink_write is not None:
+        write, waiting_on = exchange.sink_write
+        exchange.sink_write = None
+        try:
+            await _resume(write, waiting_on)
+        finally:
+            write.close()  # a no-op once finished; ends it if this task was cancelled meanwhile
+    if exchange.sink_error is not None:
+        error, exchange.sink_error = exchange.sink_error, None
+        raise error
+
+
+@types.coroutine
+def _resume(coroutine: Any, waiting_on: Any) -> Generator[Any, Any, None]:
+    """Run a coroutine started elsewhere to its end in this task: what it waits on (as it
+    yielded it to its caller) goes to the task, results and exceptions back into it. `await`
+    cannot take it over: a coroutine suspended in an await counts as awaited already."""
+    while True:
+        try:
+            yield waiting_on
+        except BaseException as exc:  # the task's cancellation: into the coroutine, where it waits
+            try:
+                waiting_on = coroutine.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                waiting_on = coroutine.send(None)
+            except StopIteration:
+                return
 
 
 async def _flush(unsent: list[bytes], send: Send) -> None:

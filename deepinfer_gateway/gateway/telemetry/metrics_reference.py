@@ -85,7 +85,8 @@ export none: their load reports appear as `dgw_worker_*{{worker}}` on every repl
     TTFT minus queue time is the prefill and the first token's relay.
   - *Inter-token latency* (`dgw_inter_token_latency_seconds`): streaming only, the gap
     between two consecutive token messages relayed to the client (one message may carry
-    several tokens).
+    several tokens). A stream's gaps are added in batches of 64 and at its end, so a
+    long stream's latest gaps show up to 64 messages late.
   - *Duration* (`dgw_request_duration_seconds`): arrival until the last byte.
   - Requests refused or failed before a first token are counted by `dgw_requests_total`
     (with their status) and observed by none of these histograms.

@@ -12,6 +12,11 @@ the next `tokens` event is merged into the last queued one. Nothing is dropped, 
 stream on the connection waits, and the lagging client gets its backlog as one chunk
 (memory bounded by the request's own output, `max_tokens`); `coalesced` counts merges.
 
+Sink: while a relay waits on an empty queue, the relay's `sink` takes each event in the
+reader's own call (one step's chunk is framed and written there), instead of a queue, a
+future and a task switch per stream per step; the sink declines what only the relay's task
+can handle (`finish`, errors), and `hand_back` wakes the task when the sink needs it.
+
 Timeouts: per request as in v1 (`first_event_s` for the first event, `between_events_s`
 after), checked by one timer per connection (`_sweep`) instead of one per read. A
 connection that stops answering pings (HEARTBEAT_S) is closed by aiohttp.
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -45,6 +51,7 @@ from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
 
 log = logging.getLogger(__name__)
 
+RELAYED: dict[str, Any] = {"event": "relayed"}  # MuxStream.hand_back's wake-up: no worker event
 MAX_QUEUED_EVENTS = 64  # per stream, before `tokens` events are merged
 HEARTBEAT_S = 5.0  # ping period; no pong within half of it closes the connection
 # Handshake answers of a worker that does not speak v2 (v1 only): the leg goes over v1.
@@ -64,7 +71,7 @@ class TooLarge(Exception):
 class MuxStream:
     """One leg on a `MuxConnection`: its events in order, then None."""
 
-    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_error", "_got_any", "wait_since", "finished")
+    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_error", "_got_any", "wait_since", "finished", "sink")
 
     def __init__(self, conn: MuxConnection, request_id: str):
         self.request_id = request_id
@@ -75,11 +82,20 @@ class MuxStream:
         self._got_any = False
         self.wait_since = 0.0  # loop time the current wait began (the connection's sweep reads it)
         self.finished = False  # `finish` received: nothing more will come
+        # Set by the relay: takes an event in the reader's own call while the relay waits on an
+        # empty queue (True: done with it), so a step's chunk needs no task switch (module doc).
+        self.sink: Callable[[dict[str, Any]], bool] | None = None
 
     # -- the reader's side ------------------------------------------------------------
 
     def push(self, event: dict[str, Any]) -> None:
         events = self._events
+        if not events:
+            sink, waiter = self.sink, self._waiter
+            if sink is not None and waiter is not None and not waiter.done() and sink(event):
+                self._got_any = True
+                self.wait_since = self._conn.loop.time()  # the relay's wait goes on: its timeout restarts
+                return
         if len(events) >= MAX_QUEUED_EVENTS and event["event"] == "tokens" and _merge(events[-1], event):
             self._conn.coalesced += 1
         else:
@@ -128,8 +144,16 @@ class MuxStream:
     def got_any(self) -> bool:
         return self._got_any
 
+    def hand_back(self) -> None:
+        """The sink hands the stream back to the relay's task: no more sink, and the waiting
+        `next_event` returns a `relayed` event (the relay's own marker, never a worker's)."""
+        self.sink = None
+        self._events.append(RELAYED)
+        self._wake()
+
     def close(self) -> None:
         """The relay is done with it: before `finish` that is an abort (sent to the worker)."""
+        self.sink = None
         if not self.finished:
             self.finished = True
             self._conn.abort(self.request_id)
@@ -178,8 +202,12 @@ class MuxConnection:
                 # The upgrade's answer within the first-event timeout: a worker that accepts
                 # connections but never answers must not hold every leg waiting for it.
                 async with asyncio.timeout(http.timeouts.first_event_s):
+                    # compress=0: no permessage-deflate. aiohttp offers it by default and uvicorn
+                    # accepts it, so every step message was deflated by the worker and inflated
+                    # here: CPU on both sides for bytes that cross a datacenter link or loopback.
                     ws = await http.session.ws_connect(
                         url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=wp.MAX_MUX_MESSAGE_BYTES, autoping=True,
+                        compress=0,
                         timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=http.timeouts.control_s))
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status in NOT_SPOKEN:
