@@ -9,7 +9,10 @@ Draining in two steps: the first signal calls `on_signal` at once (the gateway's
 turns 503) and keeps the listener open for `drain_delay_s`, so load balancers that probe
 readiness stop sending before the port closes; then uvicorn stops accepting, closes idle
 connections and gives requests in flight `graceful_s` to finish. A second signal skips
-the rest of the delay.
+the rest of the delay, except in a supervised process: one stop reaches it twice there
+(the process group's signal and the supervisor's forward of it, two deliveries or one as
+the kernel merges them), so repeats are ignored and only `skip_delay_signals` (which the
+supervisor sends for its own second signal) skip the delay.
 """
 
 from __future__ import annotations
@@ -63,10 +66,13 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
                              graceful_s: float = 30.0, drain_delay_s: float = 0.0,
                              on_signal: Callable[[], None] | None = None, sock: socket.socket | None = None,
                              headers: Sequence[tuple[str, str]] = (),
-                             signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)) -> bool:
+                             signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
+                             skip_delay_signals: Sequence[signal.Signals] | None = None) -> bool:
     """Serve until one of `signals`; returns whether the server started (False: the lifespan
     failed). `sock`: a listening socket bound by the caller (a supervisor shares one between
-    its processes), else uvicorn binds `host`:`port`. `headers` go on every response."""
+    its processes), else uvicorn binds `host`:`port`. `headers` go on every response.
+    `skip_delay_signals`: None: a repeat of `signals` skips the rest of the drain delay; else
+    repeats are ignored and these skip it (module doc)."""
     # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
     # (gateway/telemetry/logs.py), so `--log-format json` covers uvicorn's lines too.
     # uvicorn hints timeout_graceful_shutdown as int, but hands it to asyncio.timeout: seconds as float.
@@ -84,12 +90,21 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
         delayed_exit.append(loop.call_later(drain_delay_s, setattr, server, "should_exit", True))
 
     def on_exit_signal() -> None:
+        if delayed_exit and skip_delay_signals is not None:
+            return  # the stop already under way, delivered again
         if on_signal is not None:
             on_signal()
         begin_shutdown()
 
+    def on_skip_delay_signal() -> None:
+        if on_signal is not None:
+            on_signal()
+        server.should_exit = True
+
     for sig in signals:
         loop.add_signal_handler(sig, on_exit_signal)
+    for sig in skip_delay_signals or ():
+        loop.add_signal_handler(sig, on_skip_delay_signal)
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:

@@ -413,10 +413,9 @@ class GatewaySettings(_Frozen):
     first_event_timeout_s: float = Field(30.0, gt=0, description="Waiting for a worker's first stream event.")
     between_events_timeout_s: float = Field(120.0, gt=0, description="Waiting between stream events.")
     worker_protocol: Literal["auto", "v1"] = Field(
-        "v1",
-        description="Sim and DeepInfer workers: v1: one HTTP stream per request; auto: worker protocol v2 (one "
-                    "multiplexed connection per worker) where the worker speaks it, else v1 "
-                    "(docs/worker-protocol.md).")
+        "auto",
+        description="Sim and DeepInfer workers: auto: worker protocol v2 (one multiplexed connection per worker) "
+                    "where the worker speaks it, else v1; v1: one HTTP stream per request (docs/worker-protocol.md).")
     shutdown_delay_s: float = Field(
         0.0, ge=0,
         description="SIGTERM: /ready answers 503 and the listener stays open this long (load balancers stop sending).")

@@ -43,9 +43,13 @@ add up (prometheus-client's multiprocess mode); a child that exits is marked dea
 
 Signals: SIGTERM or SIGINT is forwarded as SIGTERM to every child, which drains as a
 single gateway does (`/ready` 503, `shutdown_delay_s`, then `shutdown_grace_s` for
-requests in flight); a second one is forwarded too (the children skip the rest of the
-delay). Children past the drain plus a margin are killed. Children ignore SIGINT: a
-terminal's Ctrl-C reaches the whole process group, and the supervisor decides.
+requests in flight); a second one is forwarded as SKIP_DELAY_SIGNAL (the children skip
+the rest of the delay). A child ignores SIGTERMs after its first: a stop sent to the
+whole process group (systemd's default KillMode, `kill -TERM -PGID`) reaches it directly
+and again through this forward, and read as a second stop it would close its port at
+once, before load balancers saw `/ready` turn 503. Children past the drain plus a margin
+are killed. Children ignore SIGINT: a terminal's Ctrl-C reaches the whole process group,
+and the supervisor decides.
 
 A child that dies is replaced after `restart_delay_s` (0 s, then doubling up to 30 s while
 replacements keep dying young); one whose app never started (lifespan or set-up error) stops
@@ -81,6 +85,7 @@ STARTUP_FAILURE = 3  # a child's exit status when its app never started (uvicorn
 STABLE_AFTER_S = 30.0  # a child that lived this long resets its slot's restart backoff
 MAX_RESTART_DELAY_S = 30.0
 STOP_MARGIN_S = 5.0  # past the drain (delay + grace), remaining children are killed
+SKIP_DELAY_SIGNAL = signal.SIGUSR1  # to the children: the supervisor's second stop signal
 
 
 def available_cpus() -> int:
@@ -269,6 +274,7 @@ class Supervisor:
         return max(0.0, min(times) - time.monotonic()) if times else None
 
     def _on_signal(self, signum: int) -> None:
+        forward = SKIP_DELAY_SIGNAL if self.stopping else signal.SIGTERM
         if not self.stopping:
             log.info("supervisor: %s, draining %d gateway processes", signal.Signals(signum).name,
                      sum(slot.process is not None for slot in self.slots))
@@ -281,7 +287,7 @@ class Supervisor:
         for slot in self.slots:
             if slot.process is not None and slot.process.exitcode is None and slot.process.pid:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(slot.process.pid, signal.SIGTERM)
+                    os.kill(slot.process.pid, forward)
 
     def _close_listeners(self) -> None:
         for sock in self._socks:
@@ -396,7 +402,8 @@ def child_main(settings: GatewaySettings, log_level: str, log_format: str, sock:
             log.exception("gateway process %d could not build its app", os.getpid())
             sys.exit(STARTUP_FAILURE)
         served = serve_gateway(app, shutting_down, settings, log_level, sock=sock,
-                               headers=[(PROCESS_HEADER, str(os.getpid()))], signals=(signal.SIGTERM,))
+                               headers=[(PROCESS_HEADER, str(os.getpid()))], signals=(signal.SIGTERM,),
+                               skip_delay_signals=(SKIP_DELAY_SIGNAL,))
     finally:
         tracing.shutdown()
     # Straight out: the interpreter's teardown of the tokenizer's tables takes seconds (a

@@ -303,6 +303,31 @@ def test_sigterm_drains_every_process_then_everything_is_gone(cluster: SimCluste
         gateway.stop()
 
 
+def test_a_stop_sent_to_the_whole_process_group_keeps_the_drain_delay(cluster: SimCluster, tmp_path: Path) -> None:
+    """A SIGTERM to the process group (systemd's default KillMode, launch.Gateway.stop) reaches each
+    gateway process directly and again through the supervisor: that repeat is the same stop, so the
+    port stays open through the delay with /ready at 503. The supervisor's own second signal still
+    skips the delay."""
+    gateway = start_gateway(tmp_path, cluster, "shutdown_delay_s = 60.0\nshutdown_grace_s = 5.0")
+    try:
+        supervisor = gateway.proc.proc.pid
+        pids = list(pinned_clients(gateway))
+        for pid in pids:  # the group signal's direct copies, handled before the forwarded ones come
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(supervisor, signal.SIGTERM)  # forwarded to each process as a second SIGTERM
+        time.sleep(0.5)
+        for _ in range(4):  # new connections, spread over both processes
+            ready = httpx.get(gateway.url + "/ready", timeout=5)
+            assert ready.status_code == 503 and ready.json()["status"] == "shutting_down"
+        assert gateway.proc.proc.poll() is None and all(alive(pid) for pid in pids)
+        os.kill(supervisor, signal.SIGTERM)  # a second stop: the rest of the 60 s delay is skipped
+        assert gateway.proc.proc.wait(timeout=30) == 0
+        assert not any(alive(pid) for pid in pids)
+    finally:
+        gateway.stop()
+
+
 def test_a_killed_supervisor_leaves_nothing_running(cluster: SimCluster, tmp_path: Path) -> None:
     """SIGKILL gives the supervisor no chance to stop anything: its gateway processes notice
     and drain, and Linux ends the embedded Redis with it (a parent-death signal)."""

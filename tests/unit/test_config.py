@@ -112,7 +112,7 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}',
               "redis_password": "pw", "redis_password_file": "/run/secrets/redis-password",
               "worker_token": "tok", "worker_token_file": "/run/secrets/worker-token",
-              "responses": '{"max_per_key": 5}', "worker_protocol": "auto"}
+              "responses": '{"max_per_key": 5}', "worker_protocol": "v1"}
     assert set(values) == set(GatewaySettings.model_fields), "a new setting: add it here"
     for name, value in values.items():
         monkeypatch.setenv(f"DGW_{name.upper()}", value)
