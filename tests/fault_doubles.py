@@ -2,10 +2,11 @@
 
 Two kinds, both started with `FaultyWorker(mode, ...)` (a `launch.Proc` underneath):
 
-- a protocol-v1 double (aiohttp) that speaks just enough of docs/worker-protocol.md
-  (info, load, health, generate, abort) and misbehaves on generate as `mode` says;
-  its load report counts the generate calls still open, so "no engine request
-  leaked" is checkable the same way as on a sim worker;
+- a double (aiohttp) that speaks just enough of docs/worker-protocol.md (info, load,
+  health, generate, abort; with `protocol="v2"` the v2 connection too, else its upgrade
+  is answered 404 as by a v1-only worker) and misbehaves on generate as `mode` says, over
+  whichever protocol the gateway chose; its load report counts the generate calls still
+  open, so "no engine request leaked" is checkable the same way as on a sim worker;
 - the real sim engine with its failure knobs (`sim-hang`: accepts, never steps;
   `sim-fail-after`: an `engine` error finish after N tokens).
 
@@ -14,7 +15,10 @@ Double modes (generate): `ok` (ready, N one-token messages, finish), `hang-befor
 line), `garbage-after` (K tokens, then a non-JSON line), `html` (200 with an HTML page),
 `reset-after` (K tokens, then the TCP connection is aborted: a crash as seen from the
 socket), `http-500`, `bad-ready` (a ready event without its cached-token counts: a worker
-of another protocol version, which the gateway does not expect).
+of another protocol version, which the gateway does not expect). Over v2 a request's events
+are its own messages and garbage is a whole message that is not JSON (which ends the
+connection, as a worker's bad message does); `html` and `http-500` are answers to a v1
+generate call, so v1 only.
 
     python -m tests.fault_doubles --port 9001 --mode hang-after --after 3
 """
@@ -27,7 +31,7 @@ import json
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,22 +40,26 @@ from deepinfer_gateway.launch import Proc, free_port, wait_for_port
 
 DOUBLE_MODES = ("ok", "hang-before-ready", "hang-after", "garbage-before", "garbage-after", "html", "reset-after",
                 "http-500", "bad-ready")
+V1_ONLY_MODES = ("html", "http-500")
 SIM_MODES = ("sim-hang", "sim-fail-after")
+PROTOCOLS = ("v1", "v2")
 
 
 class FaultyWorker:
     """A misbehaving worker process on a free loopback port."""
 
     def __init__(self, mode: str, *, after: int = 3, tokens: int = 20, delay_ms: float = 5.0,
-                 hardware: str = "sm100", time_scale: float = 20.0):
-        assert mode in DOUBLE_MODES + SIM_MODES, mode
+                 hardware: str = "sm100", time_scale: float = 20.0, protocol: str = "v1"):
+        """`protocol`: "v2" for a double that serves the v2 connection (the sim modes always do)."""
+        assert mode in DOUBLE_MODES + SIM_MODES and protocol in PROTOCOLS, (mode, protocol)
+        assert protocol == "v1" or mode not in V1_ONLY_MODES, f"{mode} is a v1 generate answer"
         self.mode = mode
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.hardware = hardware
         self.proc = Proc([sys.executable, "-m", "tests.fault_doubles", "--port", str(self.port), "--mode", mode,
                           "--after", str(after), "--tokens", str(tokens), "--delay-ms", str(delay_ms),
-                          "--hardware", hardware, "--time-scale", str(time_scale)])
+                          "--hardware", hardware, "--time-scale", str(time_scale), "--protocol", protocol])
         wait_for_port(self.port, timeout=30)
 
     def spec(self) -> tuple[str, str, str]:
@@ -62,7 +70,8 @@ class FaultyWorker:
             return dict(json.load(r))
 
     def seen(self) -> list[dict[str, Any]]:
-        """Double only: headers of the generate calls received (request id, traceparent)."""
+        """Double only: the generate calls received: request id (v1: header and body), traceparent,
+        and `via`, the protocol that carried it."""
         with urllib.request.urlopen(self.url + "/test/seen", timeout=5) as r:
             return list(json.load(r))
 
@@ -165,8 +174,38 @@ def _line(event: dict[str, Any]) -> bytes:
     return json.dumps(event).encode() + b"\n"
 
 
-def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: str) -> Any:
-    from aiohttp import web
+HANG, RESET = "hang", "reset"  # steps of a script besides events (dicts) and garbage (bytes)
+
+
+async def play(mode: str, prompt_tokens: int, after: int, tokens: int, delay_s: float,
+               word: list[int]) -> AsyncIterator[dict[str, Any] | bytes | str]:
+    """One generate call's misbehaviour as steps, whichever protocol carries them."""
+    if mode == "hang-before-ready":
+        yield HANG
+        return
+    ready = wp.ready_event(prompt_tokens, 0, 0)
+    if mode == "bad-ready":
+        del ready["cached_tokens"]
+    yield ready
+    if mode == "garbage-before":
+        yield b"<html>this is not json</html>"
+        return
+    n = tokens if mode == "ok" else after
+    for _ in range(n):
+        await asyncio.sleep(delay_s)
+        yield wp.tokens_event(word)
+    if mode == "hang-after":
+        yield HANG
+    elif mode == "garbage-after":
+        yield b'{"event": "tokens", "token_ids": [1, 2'
+    elif mode == "reset-after":
+        yield RESET
+    else:
+        yield wp.finish_event(wp.FinishReason.LENGTH, num_output_tokens=n)
+
+
+def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: str, protocol: str = "v1") -> Any:
+    from aiohttp import WSMsgType, web
 
     from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 
@@ -205,7 +244,7 @@ def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: st
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen.append({"request_id": request.headers.get(wp.REQUEST_ID_HEADER), "body_request_id": body["request_id"],
-                     "traceparent": request.headers.get("traceparent")})
+                     "traceparent": request.headers.get("traceparent"), "via": "v1"})
         if mode == "http-500":
             return web.json_response({"error": {"kind": "engine", "message": "boom"}}, status=500)
         if mode == "html":
@@ -215,33 +254,67 @@ def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: st
         try:
             resp = web.StreamResponse(headers={"content-type": wp.NDJSON})
             await resp.prepare(request)
-            if mode == "hang-before-ready":
-                await asyncio.Event().wait()
-            ready = wp.ready_event(len(body["token_ids"]), 0, 0)
-            if mode == "bad-ready":
-                del ready["cached_tokens"]
-            await resp.write(_line(ready))
-            if mode == "garbage-before":
-                await resp.write(b"<html>this is not json</html>\n")
-                return resp
-            n = tokens if mode == "ok" else after
-            for _ in range(n):
-                await asyncio.sleep(delay_s)
-                await resp.write(_line(wp.tokens_event(word)))
-            if mode == "hang-after":
-                await asyncio.Event().wait()
-            if mode == "garbage-after":
-                await resp.write(b'{"event": "tokens", "token_ids": [1, 2\n')
-                return resp
-            if mode == "reset-after":
-                assert request.transport is not None
-                request.transport.abort()
-                return resp
-            await resp.write(_line(wp.finish_event(wp.FinishReason.LENGTH, num_output_tokens=n)))
+            async for step in play(mode, len(body["token_ids"]), after, tokens, delay_s, word):
+                if isinstance(step, dict):
+                    await resp.write(_line(step))
+                elif isinstance(step, bytes):
+                    await resp.write(step + b"\n")
+                    return resp
+                elif step == RESET:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                else:
+                    await asyncio.Event().wait()
             await resp.write_eof()
             return resp
         finally:
             open_calls.discard(key)
+
+    async def mux(request: web.Request) -> web.WebSocketResponse:
+        """v2: each generate op plays its script as its own messages on the one connection."""
+        ws = web.WebSocketResponse(max_msg_size=wp.MAX_MUX_MESSAGE_BYTES)
+        await ws.prepare(request)
+        running: dict[str, asyncio.Task[None]] = {}
+
+        async def run(rid: str, prompt_tokens: int) -> None:
+            key = id(asyncio.current_task())
+            open_calls.add(key)
+            try:
+                async for step in play(mode, prompt_tokens, after, tokens, delay_s, word):
+                    if isinstance(step, dict):
+                        await ws.send_bytes(json.dumps([[rid, step]]).encode())
+                    elif isinstance(step, bytes):
+                        await ws.send_bytes(step)
+                        return
+                    elif step == RESET:
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return
+                    else:
+                        await asyncio.Event().wait()
+            except ConnectionError:
+                pass  # the connection went: nothing more to say on it
+            finally:
+                open_calls.discard(key)
+                running.pop(rid, None)
+
+        try:
+            async for msg in ws:
+                if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                    continue
+                for op in json.loads(msg.data):
+                    if op["op"] == "generate":
+                        rid = op["request"]["request_id"]
+                        seen.append({"request_id": rid, "body_request_id": rid, "via": "v2",
+                                     "traceparent": (op.get("trace") or {}).get("traceparent")})
+                        running[rid] = asyncio.create_task(run(rid, len(op["request"]["token_ids"])))
+                    elif op["op"] == "abort" and (task := running.pop(op["request_id"], None)) is not None:
+                        task.cancel()
+        finally:
+            for task in list(running.values()):
+                task.cancel()  # a closed connection aborts everything on it
+        return ws
 
     app = web.Application()
     app.router.add_get(wp.INFO_PATH, info)
@@ -251,13 +324,15 @@ def make_double(mode: str, after: int, tokens: int, delay_s: float, hardware: st
     app.router.add_post(wp.GENERATE_PATH, generate)
     app.router.add_get(wp.KV_EVENTS_PATH, kv_events)
     app.router.add_get("/test/seen", seen_calls)
+    if protocol == "v2":
+        app.router.add_get(wp.MUX_PATH, mux)
     return app
 
 
 async def _serve_double(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    app = make_double(args.mode, args.after, args.tokens, args.delay_ms / 1000, args.hardware)
+    app = make_double(args.mode, args.after, args.tokens, args.delay_ms / 1000, args.hardware, args.protocol)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", args.port).start()
@@ -285,6 +360,7 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=5.0)
     parser.add_argument("--hardware", default="sm100")
     parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="v1")
     args = parser.parse_args()
     asyncio.run(_serve_sim(args) if args.mode in SIM_MODES else _serve_double(args))
 

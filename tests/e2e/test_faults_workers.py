@@ -4,6 +4,10 @@ For every case: the gateway stays up, every request ends with a complete answer 
 explicit protocol error (never a silent truncation), no engine request is leaked (the
 live workers' load reports return to running == waiting == 0) and the metrics count
 each outcome. Real processes on loopback only; each test is bounded to a few seconds.
+
+The hang, garbage and reset faults run over both worker protocols: `protocol` "v1" sets the
+gateway to v1, "v2" gives it a double that serves the v2 connection (the gateway's default
+then uses it), and each such test checks which protocol carried the calls.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 
 from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
 from tests.fault_doubles import (
+    PROTOCOLS,
     FaultyWorker,
     Outcome,
     scrape,
@@ -29,6 +34,7 @@ from tests.fault_doubles import (
 MODEL = "DeepSeek-V4.1-Flash"
 # Small timeouts so a hanging worker costs the test ~1 s, not the 30/120 s production defaults.
 FAST_TIMEOUTS = "first_event_timeout_s = 1.0\nbetween_events_timeout_s = 1.0\nmax_attempts = 3\n"
+GATEWAY_PROTOCOL = {"v1": 'worker_protocol = "v1"\n', "v2": 'worker_protocol = "auto"\n'}
 
 
 def body(i: int, max_tokens: int = 16, **extra: object) -> dict[str, object]:
@@ -69,8 +75,10 @@ def procs() -> Iterator[list[object]]:
         p.stop()  # type: ignore[attr-defined]
 
 
-def start_gateway(tmp_path: Path, procs: list[object], workers: list[object], extra: str = FAST_TIMEOUTS) -> Gateway:
-    gw = Gateway(tmp_path, [w.spec() for w in workers], extra_toml=extra)  # type: ignore[attr-defined]
+def start_gateway(tmp_path: Path, procs: list[object], workers: list[object], extra: str = FAST_TIMEOUTS,
+                  protocol: str = "v2") -> Gateway:
+    gw = Gateway(tmp_path, [w.spec() for w in workers],  # type: ignore[attr-defined]
+                 extra_toml=extra + GATEWAY_PROTOCOL[protocol])
     procs.append(gw)
     gw.wait_ready(len(workers))
     return gw
@@ -94,6 +102,13 @@ async def run_plain(gw: Gateway, bodies: list[dict[str, object]]) -> list[tuple[
                 return r.status, await r.json(content_type=None)
 
         return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def assert_carried_by(protocol: str, *doubles: FaultyWorker) -> None:
+    """Every generate call the doubles received came over `protocol` (and there were some)."""
+    for double in doubles:
+        via = {call["via"] for call in double.seen()}
+        assert via == {protocol}, (double.mode, via)
 
 
 def assert_explicit_end(outcomes: list[Outcome]) -> None:
@@ -141,13 +156,16 @@ async def test_worker_killed_mid_stream(tmp_path: Path, procs: list[object]) -> 
 # --- a worker that hangs ------------------------------------------------------------------------
 
 
-async def test_hanging_engine_before_ready_is_retried_elsewhere(tmp_path: Path, procs: list[object]) -> None:
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_hanging_engine_before_ready_is_retried_elsewhere(tmp_path: Path, procs: list[object],
+                                                               protocol: str) -> None:
     """A wedged sim engine (accepts, never steps): first_event_timeout_s, retry, and the engine request freed."""
-    hung, good = FaultyWorker("sim-hang"), FaultyWorker("ok")
+    hung, good = FaultyWorker("sim-hang"), FaultyWorker("ok", protocol=protocol)
     procs += [hung, good]
-    gw = start_gateway(tmp_path, procs, [hung, good])
+    gw = start_gateway(tmp_path, procs, [hung, good], protocol=protocol)
     outcomes = await run_streams(gw, [body(i) for i in range(4)])
     assert [o.kind for o in outcomes] == ["done"] * 4
+    assert_carried_by(protocol, good)
     loads = wait_idle([hung, good])
     assert all(x["running"] == 0 and x["waiting"] == 0 for x in loads), loads
     m = scrape(gw.url)
@@ -158,12 +176,15 @@ async def test_hanging_engine_before_ready_is_retried_elsewhere(tmp_path: Path, 
     assert gateway_alive(gw)
 
 
-async def test_hanging_worker_alone_gives_an_explicit_error(tmp_path: Path, procs: list[object]) -> None:
-    hung = FaultyWorker("hang-before-ready")
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_hanging_worker_alone_gives_an_explicit_error(tmp_path: Path, procs: list[object], protocol: str) -> None:
+    hung = FaultyWorker("hang-before-ready", protocol=protocol)
     procs.append(hung)
-    gw = start_gateway(tmp_path, procs, [hung], extra=FAST_TIMEOUTS.replace("max_attempts = 3", "max_attempts = 1"))
+    gw = start_gateway(tmp_path, procs, [hung], extra=FAST_TIMEOUTS.replace("max_attempts = 3", "max_attempts = 1"),
+                       protocol=protocol)
     results = await run_plain(gw, [body(i) for i in range(3)])
     assert all(status in (502, 503, 504) and payload["error"]["message"] for status, payload in results), results
+    assert_carried_by(protocol, hung)
     assert wait_idle([hung])[0]["running"] == 0
     m = scrape(gw.url)
     assert total(m, "dgw_upstream_errors_total", kind="timeout") == 3
@@ -171,12 +192,15 @@ async def test_hanging_worker_alone_gives_an_explicit_error(tmp_path: Path, proc
     assert gateway_alive(gw)
 
 
-async def test_worker_hanging_mid_stream_ends_with_an_error_event(tmp_path: Path, procs: list[object]) -> None:
-    hung = FaultyWorker("hang-after", after=3)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_worker_hanging_mid_stream_ends_with_an_error_event(tmp_path: Path, procs: list[object],
+                                                                  protocol: str) -> None:
+    hung = FaultyWorker("hang-after", after=3, protocol=protocol)
     procs.append(hung)
-    gw = start_gateway(tmp_path, procs, [hung])
+    gw = start_gateway(tmp_path, procs, [hung], protocol=protocol)
     outcomes = await run_streams(gw, [body(i) for i in range(4)])
     assert [o.kind for o in outcomes] == ["error"] * 4
+    assert_carried_by(protocol, hung)
     assert all(o.text.strip() for o in outcomes)  # the tokens before the hang did arrive
     assert wait_idle([hung])[0]["running"] == 0  # the gateway hung up on the worker
     m = scrape(gw.url)
@@ -188,13 +212,16 @@ async def test_worker_hanging_mid_stream_ends_with_an_error_event(tmp_path: Path
 # --- a worker that returns garbage -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["garbage-before", "html", "http-500"])
-async def test_garbage_before_the_first_token_is_retried(tmp_path: Path, procs: list[object], mode: str) -> None:
-    bad, good = FaultyWorker(mode), FaultyWorker("ok")
+@pytest.mark.parametrize(("mode", "protocol"), [("garbage-before", "v1"), ("garbage-before", "v2"), ("html", "v1"),
+                                               ("http-500", "v1")])
+async def test_garbage_before_the_first_token_is_retried(tmp_path: Path, procs: list[object], mode: str,
+                                                         protocol: str) -> None:
+    bad, good = FaultyWorker(mode, protocol=protocol), FaultyWorker("ok", protocol=protocol)
     procs += [bad, good]
-    gw = start_gateway(tmp_path, procs, [bad, good])
+    gw = start_gateway(tmp_path, procs, [bad, good], protocol=protocol)
     outcomes = await run_streams(gw, [body(i) for i in range(6)])
     assert [o.kind for o in outcomes] == ["done"] * 6
+    assert_carried_by(protocol, bad, good)
     calls_to_bad = len(bad.seen())
     m = scrape(gw.url)
     bad_id = bad.url.split("://")[1]
@@ -205,13 +232,15 @@ async def test_garbage_before_the_first_token_is_retried(tmp_path: Path, procs: 
     assert gateway_alive(gw)
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("mode", ["garbage-after", "reset-after"])
 async def test_garbage_or_reset_mid_stream_ends_with_an_error_event(tmp_path: Path, procs: list[object],
-                                                                    mode: str) -> None:
-    bad = FaultyWorker(mode, after=3)
+                                                                    mode: str, protocol: str) -> None:
+    bad = FaultyWorker(mode, after=3, protocol=protocol)
     procs.append(bad)
-    gw = start_gateway(tmp_path, procs, [bad])
+    gw = start_gateway(tmp_path, procs, [bad], protocol=protocol)
     outcomes = await run_streams(gw, [body(i) for i in range(4)])
+    assert_carried_by(protocol, bad)
     # A reset can reach the gateway before it has read the first token (socket buffering): then it
     # is a pre-stream failure, retried, and with no other worker an HTTP 502. Both are explicit.
     assert all(o.kind == "error" or (o.kind == "http_error" and o.status == 502) for o in outcomes), outcomes
@@ -225,12 +254,15 @@ async def test_garbage_or_reset_mid_stream_ends_with_an_error_event(tmp_path: Pa
     assert gateway_alive(gw)
 
 
-async def test_non_streaming_failure_mid_answer_is_counted_once(tmp_path: Path, procs: list[object]) -> None:
-    bad = FaultyWorker("garbage-after", after=3)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_non_streaming_failure_mid_answer_is_counted_once(tmp_path: Path, procs: list[object],
+                                                                protocol: str) -> None:
+    bad = FaultyWorker("garbage-after", after=3, protocol=protocol)
     procs.append(bad)
-    gw = start_gateway(tmp_path, procs, [bad])
+    gw = start_gateway(tmp_path, procs, [bad], protocol=protocol)
     plain = await run_plain(gw, [body(i) for i in range(3)])
     assert all(status == 502 for status, _ in plain)
+    assert_carried_by(protocol, bad)
     assert total(scrape(gw.url), "dgw_requests_total") == 3
 
 
