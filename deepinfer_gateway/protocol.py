@@ -51,6 +51,13 @@ WorkloadClass = Literal["chat", "agent"]
 STORE_TTL_S: dict[str, float] = {"agent": 3 * 86_400.0, "chat": 7 * 86_400.0}
 
 
+class V1Fallback(StrEnum):
+    """Why a gateway that tries v2 sent a leg over v1 (its metrics' `reason`)."""
+
+    NOT_SPOKEN = "not_spoken"  # the worker refused the v2 upgrade: it speaks v1 only
+    TOO_LARGE = "too_large"  # a generate op over MAX_MUX_MESSAGE_BYTES
+
+
 class Role(StrEnum):
     UNIFIED = "unified"
     PREFILL = "prefill"

@@ -123,7 +123,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                                             first_event_s=settings.first_event_timeout_s,
                                             between_events_s=settings.between_events_timeout_s),
                            tokens=tokens_from(settings.worker_token, settings.worker_token_file),
-                           mux=settings.worker_protocol == "auto")
+                           mux=settings.worker_protocol == "auto", mux_metrics=metrics)
         await client.start()
         redis = None
         if settings.redis_url:

@@ -2,7 +2,9 @@
 real worker server (workers/server.py, workers/mux.py) on loopback, for the sim engine and the
 DeepInfer wrapper (with its interface double): legs share one connection and one message per
 engine step, aborts reach the engine, a slow reader stalls nobody, a restarted worker is
-reconnected, the worker token guards the connection, and bad ops get protocol errors."""
+reconnected, the worker token guards the connection, and bad ops get protocol errors. The
+gateway's v2 metrics (open connections, reconnects, merged events, v1 fallbacks) are read from
+a real GatewayMetrics registry where a test produces them."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.asgi import ServedApp, serve_app
 from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream import mux
 from deepinfer_gateway.gateway.upstream.base import LegRequest, Timeouts
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream, WorkerStream
@@ -63,10 +66,16 @@ async def serve(app: FastAPI, port: int = 0) -> ServedApp:
     return await serve_app(app, port=port)
 
 
-async def pool(tokens: SecretTokens | None = None, timeouts: Timeouts = Timeouts(), mux: bool = True) -> HttpPool:
-    http = HttpPool(timeouts, tokens=tokens, mux=mux)
+async def pool(tokens: SecretTokens | None = None, timeouts: Timeouts = Timeouts(), mux: bool = True,
+               metrics: GatewayMetrics | None = None) -> HttpPool:
+    http = HttpPool(timeouts, tokens=tokens, mux=mux) if metrics is None else HttpPool(
+        timeouts, tokens=tokens, mux=mux, mux_metrics=metrics)
     await http.start()
     return http
+
+
+def sample(metrics: GatewayMetrics, name: str, worker: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"worker": worker, **labels})
 
 
 def leg(rid: str, max_tokens: int = 20, prompt: int = 0) -> LegRequest:
@@ -153,7 +162,8 @@ async def test_abort_on_close_frees_the_engine_and_spares_the_other_streams(work
 async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: ServedApp,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mux, "MAX_QUEUED_EVENTS", 8)  # overflow within a short stream, whatever tokens per step
-    http = await pool()
+    metrics = GatewayMetrics()
+    http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=worker.url), http)
         slow = await upstream.generate(leg("slow", max_tokens=120))
@@ -167,6 +177,8 @@ async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: Se
         assert queued <= 8 + 2, queued
         assert slow.buffered()
         assert upstream._mux is not None and upstream._mux.coalesced > 0
+        merged = sample(metrics, "dgw_worker_v2_coalesced_events_total", upstream.spec.worker_id)
+        assert merged == upstream._mux.coalesced
         slow_events = await read_all(slow)
         assert slow_events[-1]["reason"] == "length" and len(token_ids(slow_events)) == 120
         assert slow_events[0]["event"] == "ready"
@@ -176,17 +188,22 @@ async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: Se
 
 async def test_a_restarted_worker_fails_its_open_streams_then_is_reconnected(engine: Engine) -> None:
     served = await serve(create_worker_app(engine))
-    http = await pool()
+    metrics = GatewayMetrics()
+    http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=served.url), http)
+        worker_id = upstream.spec.worker_id
         stream = await upstream.generate(leg("cut", max_tokens=100_000))
         assert (await stream.next_event())["event"] == "ready"
         first = upstream._mux
+        assert sample(metrics, "dgw_worker_v2_connections", worker_id) == 1
+        assert not sample(metrics, "dgw_worker_v2_reconnects_total", worker_id)
         await served.stop()  # the worker goes away mid-stream
         with pytest.raises(UpstreamError) as failed:
             while await stream.next_event():
                 pass
         assert failed.value.kind is UpstreamKind.DISCONNECT and failed.value.retryable
+        assert sample(metrics, "dgw_worker_v2_connections", worker_id) == 0
         with pytest.raises(UpstreamError) as refused:
             await upstream.generate(leg("down"))
         assert refused.value.kind is UpstreamKind.CONNECT and refused.value.retryable
@@ -194,6 +211,8 @@ async def test_a_restarted_worker_fails_its_open_streams_then_is_reconnected(eng
         events = await read_all(await upstream.generate(leg("back")))
         assert events[-1]["reason"] == "length"
         assert upstream._mux is not first and upstream.protocol == 2
+        assert sample(metrics, "dgw_worker_v2_connections", worker_id) == 1
+        assert sample(metrics, "dgw_worker_v2_reconnects_total", worker_id) == 1
     finally:
         await http.close()
         await served.stop()
@@ -324,13 +343,17 @@ async def test_a_v1_only_worker_gets_v1_legs() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    http = await pool()
+    metrics = GatewayMetrics()
+    http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=f"http://127.0.0.1:{port}"), http)
         for rid in ("v1-a", "v1-b"):  # the second goes straight to v1
             stream = await upstream.generate(leg(rid))
             assert isinstance(stream, WorkerStream) and upstream.protocol == 1
             assert (await read_all(stream))[-1]["reason"] == "length"
+        worker_id = upstream.spec.worker_id
+        assert sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="not_spoken") == 2
+        assert not sample(metrics, "dgw_worker_v2_connections", worker_id)
     finally:
         await http.close()
         await runner.cleanup()
@@ -399,7 +422,8 @@ async def test_a_worker_that_never_answers_the_upgrade_times_out() -> None:
 
 async def test_large_ops_pass_and_an_op_over_the_limit_goes_over_v1(worker: ServedApp,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    http = await pool()
+    metrics = GatewayMetrics()
+    http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=worker.url), http)
         # 17 MiB: above uvicorn's default WebSocket message limit (16 MiB), below v2's
@@ -417,5 +441,8 @@ async def test_large_ops_pass_and_an_op_over_the_limit_goes_over_v1(worker: Serv
         small = await upstream.generate(leg("small", max_tokens=5))
         assert isinstance(small, MuxStream) and upstream._mux is conn
         assert (await read_all(small))[-1]["reason"] == "length"
+        worker_id = upstream.spec.worker_id
+        assert sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="too_large") == 1
+        assert not sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="not_spoken")
     finally:
         await http.close()

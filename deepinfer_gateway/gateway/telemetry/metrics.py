@@ -40,6 +40,7 @@ from deepinfer_gateway.gateway.telemetry.metrics_host import (
     live_processes,
     multiprocess_dir,
 )
+from deepinfer_gateway.protocol import V1Fallback
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -157,6 +158,19 @@ class GatewayMetrics:
                                     ["component"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)
+        self.v2_connections = Gauge("dgw_worker_v2_connections",
+                                    "Open worker protocol v2 connections to the worker (several processes on a "
+                                    "host: their sum; 2 while one retires after a token rotation)",
+                                    [WORKER_LABEL], multiprocess_mode="livesum", registry=r)
+        self.v2_reconnects = Counter("dgw_worker_v2_reconnects", "v2 connections opened after the last one to the "
+                                     "worker closed (it restarted, the network broke, pings went unanswered)",
+                                     [WORKER_LABEL], registry=r)
+        self.v2_coalesced = Counter("dgw_worker_v2_coalesced_events",
+                                    "v2 `tokens` events merged into the last queued one of a stream whose client "
+                                    "reads slower than the worker writes (backpressure: nothing is dropped)",
+                                    [WORKER_LABEL], registry=r)
+        self.v1_fallbacks = Counter("dgw_worker_v1_fallbacks", "Legs sent over worker protocol v1 with "
+                                    "worker_protocol = auto, by reason", [WORKER_LABEL, "reason"], registry=r)
         self.pool_healthy = Gauge("dgw_pool_healthy_workers",
                                   "Workers of the pool that pass health checks, from the moment the pool has a worker "
                                   "(0 once all are gone: the pool serves nothing)",
@@ -168,7 +182,8 @@ class GatewayMetrics:
             self.retries.labels(kind)
         # Every metric labelled by worker: a removed worker's series go with it.
         self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
-                           self.upstream_errors)
+                           self.upstream_errors, self.v2_connections, self.v2_reconnects, self.v2_coalesced,
+                           self.v1_fallbacks)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         shared_dir = multiprocess_dir()
         self.process_cpu = ProcessCpuCollector(functools.partial(live_processes, shared_dir) if shared_dir
@@ -199,6 +214,26 @@ class GatewayMetrics:
         for kind in UpstreamKind:
             self.upstream_errors.labels(worker_id, kind)
         self.admission_rejections.labels(pool)
+        self.v2_reconnects.labels(worker_id)
+        self.v2_coalesced.labels(worker_id)
+        for reason in V1Fallback:
+            self.v1_fallbacks.labels(worker_id, reason)
+
+    # -- upstream.base.MuxMetrics: the v2 connections ----------------------------------
+
+    def mux_opened(self, worker: str, reconnect: bool) -> None:
+        self.v2_connections.labels(worker).inc()
+        if reconnect:
+            self.v2_reconnects.labels(worker).inc()
+
+    def mux_closed(self, worker: str) -> None:
+        self.v2_connections.labels(worker).dec()
+
+    def mux_coalesced(self, worker: str) -> None:
+        self.v2_coalesced.labels(worker).inc()
+
+    def mux_fallback(self, worker: str, reason: V1Fallback) -> None:
+        self.v1_fallbacks.labels(worker, reason).inc()
 
     def request_series(self, model: str, pool: str, hardware: str) -> RequestSeries:
         """The children for a served model name, a configured pool and a Hardware value:

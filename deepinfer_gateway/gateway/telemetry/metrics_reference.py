@@ -21,7 +21,7 @@ from deepinfer_gateway.errors import UpstreamKind
 from deepinfer_gateway.gateway.telemetry.metrics import ANSWERED_STATUSES, REQUEST_LABELS, GatewayMetrics
 from deepinfer_gateway.gateway.telemetry.metrics_host import ProcessCpuCollector
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
-from deepinfer_gateway.protocol import Hardware, Role
+from deepinfer_gateway.protocol import Hardware, Role, V1Fallback
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 from deepinfer_gateway.router.policy import Reason
 
@@ -38,7 +38,8 @@ LABELS: dict[str, str] = {
     "protocol": f"{_values(ApiProtocol)}, or a non-generation route: `models`, `count_tokens`, `other`",
     "status": "the HTTP status answered, as a string; `499` when the client left first",
     "tier": "`memory` (the worker's own KV blocks) or `store` (the shared KV store)",
-    "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`",
+    "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`; v1 fallbacks: "
+              f"{_values(V1Fallback)} (the worker refused the v2 upgrade; a generate op over the v2 message limit)",
     "kind": _values(UpstreamKind),
     "worker": "a worker id from the configuration or `POST /admin/workers`; its series go when it is removed",
     "component": "`ratelimit`, `inflight`, `apikeys` (keys kept in Redis), `admin` (shared admin changes)",

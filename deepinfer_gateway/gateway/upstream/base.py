@@ -112,6 +112,36 @@ class Upstream(Protocol):
     def kv_source(self) -> KvSource | None: ...
 
 
+class MuxMetrics(Protocol):
+    """What the gateway counts of its worker protocol v2 connections, per worker id
+    (telemetry's GatewayMetrics implements it)."""
+
+    def mux_opened(self, worker: str, reconnect: bool) -> None: ...
+
+    def mux_closed(self, worker: str) -> None: ...
+
+    def mux_coalesced(self, worker: str) -> None: ...
+
+    def mux_fallback(self, worker: str, reason: wp.V1Fallback) -> None: ...
+
+
+class _Uncounted:
+    def mux_opened(self, worker: str, reconnect: bool) -> None:
+        pass
+
+    def mux_closed(self, worker: str) -> None:
+        pass
+
+    def mux_coalesced(self, worker: str) -> None:
+        pass
+
+    def mux_fallback(self, worker: str, reason: wp.V1Fallback) -> None:
+        pass
+
+
+UNCOUNTED: MuxMetrics = _Uncounted()  # a pool built without metrics (tests, tools)
+
+
 class UpstreamFactory(Protocol):
     """Builds a worker's `Upstream` from its spec (upstreams.Upstreams: by engine kind)."""
 

@@ -87,7 +87,12 @@ class DgwUpstream:
                 try:
                     return await conn.submit(leg)
                 except TooLarge:
-                    pass  # v1 takes it: its body limit is the gateway's own
+                    # v1 takes it: its body limit is the gateway's own
+                    self._http.mux_metrics.mux_fallback(self.spec.worker_id, wp.V1Fallback.TOO_LARGE)
+            else:
+                self._http.mux_metrics.mux_fallback(self.spec.worker_id, wp.V1Fallback.NOT_SPOKEN)
+        elif self._http.mux:
+            self._http.mux_metrics.mux_fallback(self.spec.worker_id, wp.V1Fallback.NOT_SPOKEN)
         return await self._generate_v1(leg)
 
     async def _connection(self) -> MuxConnection | None:
@@ -102,7 +107,8 @@ class DgwUpstream:
             if conn is not None and not conn.closed and conn.auth == auth:
                 return conn
             try:
-                fresh = await MuxConnection.open(self._http, self.spec.url)
+                fresh = await MuxConnection.open(self._http, self.spec.url, self.spec.worker_id,
+                                                 reconnect=conn is not None and conn.closed)
             except NotSpoken as exc:
                 log.info("worker %s speaks worker protocol v1 only (%s)", self.spec.worker_id, exc)
                 self._v1_epoch = self._epoch

@@ -26,7 +26,7 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream.base import Timeouts
+from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, MuxMetrics, Timeouts
 from deepinfer_gateway.worker_auth import SecretTokens, bearer
 
 TOKEN_REFRESH_S = 1.0
@@ -56,9 +56,10 @@ class HttpPool:
     """The gateway's pooled connections to its workers, and the requests made on them."""
 
     def __init__(self, timeouts: Timeouts = Timeouts(), session: aiohttp.ClientSession | None = None,
-                 tokens: SecretTokens | None = None, mux: bool = True):
+                 tokens: SecretTokens | None = None, mux: bool = True, mux_metrics: MuxMetrics = UNCOUNTED):
         self.timeouts = timeouts
         self.mux = mux  # worker protocol v2 where a worker speaks it (the `worker_protocol` setting)
+        self.mux_metrics = mux_metrics
         self._tokens = tokens
         self._token_task: asyncio.Task[None] | None = None
         self._session = session

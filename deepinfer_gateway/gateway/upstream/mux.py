@@ -10,7 +10,8 @@ Backpressure: the reader never waits for a stream. Each stream queues at most
 MAX_QUEUED_EVENTS events; past that (its client reads slower than the worker produces)
 the next `tokens` event is merged into the last queued one. Nothing is dropped, no other
 stream on the connection waits, and the lagging client gets its backlog as one chunk
-(memory bounded by the request's own output, `max_tokens`); `coalesced` counts merges.
+(memory bounded by the request's own output, `max_tokens`); `coalesced` counts merges
+(and the pool's MuxMetrics, with connections opened, reopened and closed).
 
 Sink: while a relay waits on an empty queue, the relay's `sink` takes each event in the
 reader's own call (one step's chunk is framed and written there), instead of a queue, a
@@ -46,7 +47,7 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream.base import LegRequest, Timeouts
+from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, LegRequest, MuxMetrics, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,9 @@ class MuxStream:
                 self.wait_since = self._conn.loop.time()  # the relay's wait goes on: its timeout restarts
                 return
         if len(events) >= MAX_QUEUED_EVENTS and event["event"] == "tokens" and _merge(events[-1], event):
-            self._conn.coalesced += 1
+            conn = self._conn
+            conn.coalesced += 1
+            conn.metrics.mux_coalesced(conn.worker)
         else:
             events.append(event)
         self._got_any = True
@@ -175,9 +178,13 @@ def _merge(last: dict[str, Any], event: dict[str, Any]) -> bool:
 class MuxConnection:
     """The gateway's v2 connection to one worker (module doc)."""
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, timeouts: Timeouts, auth: str | None):
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, timeouts: Timeouts, auth: str | None,
+                 worker: str = "", metrics: MuxMetrics = UNCOUNTED):
+        """`worker`: the worker id its `metrics` are labelled with."""
         self.url = url
         self.auth = auth  # the Authorization header it was opened with
+        self.worker = worker
+        self.metrics = metrics
         self.loop = asyncio.get_running_loop()
         self.coalesced = 0  # `tokens` events merged into a lagging stream's queue
         self.messages = 0  # worker messages read
@@ -193,9 +200,10 @@ class MuxConnection:
         self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
 
     @classmethod
-    async def open(cls, http: HttpPool, url: str) -> MuxConnection:
+    async def open(cls, http: HttpPool, url: str, worker: str = "", reconnect: bool = False) -> MuxConnection:
         """Connect; NotSpoken when the worker serves only v1, UpstreamError when it cannot be reached
-        or refuses (401: the worker token)."""
+        or refuses (401: the worker token). `reconnect`: an earlier connection to it closed
+        (counted as such in the pool's metrics)."""
         auth = http.session.headers.get("Authorization")
         with http_errors(url, broken=UpstreamKind.CONNECT):
             try:
@@ -214,7 +222,8 @@ class MuxConnection:
                     raise NotSpoken(f"{url} answered {exc.status} to the v2 upgrade") from None
                 raise UpstreamError(UpstreamKind.HTTP_STATUS, f"worker {url} refused the v2 connection: {exc.status}",
                                     retryable=exc.status >= 500 or exc.status == 429, status=exc.status) from None
-        return cls(ws, url, http.timeouts, auth)
+        http.mux_metrics.mux_opened(worker, reconnect)
+        return cls(ws, url, http.timeouts, auth, worker, http.mux_metrics)
 
     @property
     def closed(self) -> bool:
@@ -329,6 +338,7 @@ class MuxConnection:
     def _shut(self, reason: str, kind: UpstreamKind) -> None:
         """The connection is over: every open stream fails (retryable before its first token)."""
         self._closed = True
+        self.metrics.mux_closed(self.worker)
         self._sweeper.cancel()
         streams, self._streams = self._streams, {}
         if streams:

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from deepinfer_gateway.config import WorkerEngine, WorkerSpec
-from deepinfer_gateway.gateway.upstream.base import Timeouts, Upstream
+from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, MuxMetrics, Timeouts, Upstream
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
 from deepinfer_gateway.gateway.upstream.http import HttpPool
 from deepinfer_gateway.gateway.upstream.openai import OpenAIUpstream
@@ -36,8 +36,8 @@ class Upstreams(HttpPool):
 
     def __init__(self, tokenizer: TokenizerBundle, timeouts: Timeouts = Timeouts(),
                  session: aiohttp.ClientSession | None = None, tokens: SecretTokens | None = None,
-                 mux: bool = True):
-        super().__init__(timeouts, session, tokens, mux)
+                 mux: bool = True, mux_metrics: MuxMetrics = UNCOUNTED):
+        super().__init__(timeouts, session, tokens, mux, mux_metrics)
         self._tokenizer = tokenizer
 
     def upstream(self, spec: WorkerSpec) -> Upstream:
