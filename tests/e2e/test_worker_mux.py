@@ -68,10 +68,24 @@ async def serve(app: FastAPI, port: int = 0) -> ServedApp:
 
 async def pool(tokens: SecretTokens | None = None, timeouts: Timeouts = Timeouts(), mux: bool = True,
                metrics: GatewayMetrics | None = None) -> HttpPool:
+    """`metrics`: counts the v2 connections of workers admitted to it (`registered`)."""
     http = HttpPool(timeouts, tokens=tokens, mux=mux) if metrics is None else HttpPool(
         timeouts, tokens=tokens, mux=mux, mux_metrics=metrics)
     await http.start()
     return http
+
+
+def registered(metrics: GatewayMetrics, upstream: DgwUpstream) -> str:
+    """The worker's id, admitted to `metrics` as the registry admits a worker."""
+    metrics.admit_worker(upstream.spec.worker_id, "unified")
+    return upstream.spec.worker_id
+
+
+async def until_closed(upstream: DgwUpstream, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while upstream._mux is not None and not upstream._mux.closed:
+        assert time.monotonic() < deadline, "the v2 connection stayed open"
+        await asyncio.sleep(0.02)
 
 
 def sample(metrics: GatewayMetrics, name: str, worker: str, **labels: str) -> float | None:
@@ -166,6 +180,7 @@ async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: Se
     http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=worker.url), http)
+        worker_id = registered(metrics, upstream)
         slow = await upstream.generate(leg("slow", max_tokens=120))
         fast = await upstream.generate(leg("fast", max_tokens=120, prompt=1))
         # Nobody reads `slow` meanwhile: were the connection's reader to wait for it, this would hang.
@@ -177,7 +192,7 @@ async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: Se
         assert queued <= 8 + 2, queued
         assert slow.buffered()
         assert upstream._mux is not None and upstream._mux.coalesced > 0
-        merged = sample(metrics, "dgw_worker_v2_coalesced_events_total", upstream.spec.worker_id)
+        merged = sample(metrics, "dgw_worker_v2_coalesced_events_total", worker_id)
         assert merged == upstream._mux.coalesced
         slow_events = await read_all(slow)
         assert slow_events[-1]["reason"] == "length" and len(token_ids(slow_events)) == 120
@@ -192,7 +207,7 @@ async def test_a_restarted_worker_fails_its_open_streams_then_is_reconnected(eng
     http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=served.url), http)
-        worker_id = upstream.spec.worker_id
+        worker_id = registered(metrics, upstream)
         stream = await upstream.generate(leg("cut", max_tokens=100_000))
         assert (await stream.next_event())["event"] == "ready"
         first = upstream._mux
@@ -213,6 +228,10 @@ async def test_a_restarted_worker_fails_its_open_streams_then_is_reconnected(eng
         assert upstream._mux is not first and upstream.protocol == 2
         assert sample(metrics, "dgw_worker_v2_connections", worker_id) == 1
         assert sample(metrics, "dgw_worker_v2_reconnects_total", worker_id) == 1
+        metrics.forget_worker(worker_id)  # removed from the registry: its connection closing later adds no series
+        await served.stop()
+        await until_closed(upstream)
+        assert sample(metrics, "dgw_worker_v2_connections", worker_id) is None
     finally:
         await http.close()
         await served.stop()
@@ -347,13 +366,13 @@ async def test_a_v1_only_worker_gets_v1_legs() -> None:
     http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=f"http://127.0.0.1:{port}"), http)
+        worker_id = registered(metrics, upstream)
         for rid in ("v1-a", "v1-b"):  # the second goes straight to v1
             stream = await upstream.generate(leg(rid))
             assert isinstance(stream, WorkerStream) and upstream.protocol == 1
             assert (await read_all(stream))[-1]["reason"] == "length"
-        worker_id = upstream.spec.worker_id
         assert sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="not_spoken") == 2
-        assert not sample(metrics, "dgw_worker_v2_connections", worker_id)
+        assert sample(metrics, "dgw_worker_v2_connections", worker_id) == 0
     finally:
         await http.close()
         await runner.cleanup()
@@ -426,6 +445,7 @@ async def test_large_ops_pass_and_an_op_over_the_limit_goes_over_v1(worker: Serv
     http = await pool(metrics=metrics)
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=worker.url), http)
+        worker_id = registered(metrics, upstream)
         # 17 MiB: above uvicorn's default WebSocket message limit (16 MiB), below v2's
         big = LegRequest("big", list(range(100, 164)), {"max_tokens": 3}, images=["A" * (17 << 20)],
                          image_token_adjustment=1)
@@ -441,8 +461,7 @@ async def test_large_ops_pass_and_an_op_over_the_limit_goes_over_v1(worker: Serv
         small = await upstream.generate(leg("small", max_tokens=5))
         assert isinstance(small, MuxStream) and upstream._mux is conn
         assert (await read_all(small))[-1]["reason"] == "length"
-        worker_id = upstream.spec.worker_id
         assert sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="too_large") == 1
-        assert not sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="not_spoken")
+        assert sample(metrics, "dgw_worker_v1_fallbacks_total", worker_id, reason="not_spoken") == 0
     finally:
         await http.close()

@@ -185,6 +185,11 @@ class GatewayMetrics:
                            self.upstream_errors, self.v2_connections, self.v2_reconnects, self.v2_coalesced,
                            self.v1_fallbacks)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
+        # v2 connections outlive their worker's registration (streams finish on them): they are
+        # counted here, and their series exist only while the worker is registered, so a removed
+        # worker's connection closing later does not bring its series back.
+        self._registered: set[str] = set()
+        self._v2_open: dict[str, int] = {}
         shared_dir = multiprocess_dir()
         self.process_cpu = ProcessCpuCollector(functools.partial(live_processes, shared_dir) if shared_dir
                                                else lambda: (os.getpid(),))
@@ -214,6 +219,8 @@ class GatewayMetrics:
         for kind in UpstreamKind:
             self.upstream_errors.labels(worker_id, kind)
         self.admission_rejections.labels(pool)
+        self._registered.add(worker_id)
+        self.v2_connections.labels(worker_id).set(self._v2_open.get(worker_id, 0))
         self.v2_reconnects.labels(worker_id)
         self.v2_coalesced.labels(worker_id)
         for reason in V1Fallback:
@@ -222,18 +229,26 @@ class GatewayMetrics:
     # -- upstream.base.MuxMetrics: the v2 connections ----------------------------------
 
     def mux_opened(self, worker: str, reconnect: bool) -> None:
-        self.v2_connections.labels(worker).inc()
-        if reconnect:
-            self.v2_reconnects.labels(worker).inc()
+        self._v2_open[worker] = open_now = self._v2_open.get(worker, 0) + 1
+        if worker in self._registered:
+            self.v2_connections.labels(worker).set(open_now)
+            if reconnect:
+                self.v2_reconnects.labels(worker).inc()
 
     def mux_closed(self, worker: str) -> None:
-        self.v2_connections.labels(worker).dec()
+        open_now = self._v2_open.pop(worker, 1) - 1
+        if open_now > 0:
+            self._v2_open[worker] = open_now
+        if worker in self._registered:
+            self.v2_connections.labels(worker).set(open_now)
 
     def mux_coalesced(self, worker: str) -> None:
-        self.v2_coalesced.labels(worker).inc()
+        if worker in self._registered:
+            self.v2_coalesced.labels(worker).inc()
 
     def mux_fallback(self, worker: str, reason: V1Fallback) -> None:
-        self.v1_fallbacks.labels(worker, reason).inc()
+        if worker in self._registered:
+            self.v1_fallbacks.labels(worker, reason).inc()
 
     def request_series(self, model: str, pool: str, hardware: str) -> RequestSeries:
         """The children for a served model name, a configured pool and a Hardware value:
@@ -251,6 +266,7 @@ class GatewayMetrics:
         """Drop every series of a worker (it left the registry); a later one with the same
         id starts afresh. In multiprocess mode its values stay in the files (prometheus-client
         cannot delete them, and warns so): `workers_here` hides them from the merge."""
+        self._registered.discard(worker_id)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Removal of labels has not been implemented", UserWarning)
             for metric in self.per_worker:
