@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
+from deepinfer_gateway.gateway.serving import ratelimit
 from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
 from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import redis_backend_url
@@ -77,13 +80,43 @@ async def test_contract_token_limit_and_debit(limiter) -> None:
 @pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
 async def test_redis_limit_is_atomic_across_concurrent_callers(backend: str, request: pytest.FixtureRequest) -> None:
     url = redis_backend_url(request, backend)
-    clients = [redis_client(url, cluster=backend == "redis-cluster") for _ in range(2)]
+    # The limiter fails open on a Redis error, and the gateway's 0.5 s timeout is one a busy machine
+    # can pass with 40 calls opening connections at once: each fail-open would be one admit too
+    # many. Atomicity is the point here, so the clients wait longer and any fail-open is reported.
+    clients = [redis_client(url, cluster=backend == "redis-cluster", timeout_s=10) for _ in range(2)]
     await clients[0].delete("dgw:rl:{burst}")
-    limiters = [RedisRateLimiter(c) for c in clients]  # two "replicas"
+    errors: list[int] = []
+    limiters = [RedisRateLimiter(c, on_error=lambda: errors.append(1)) for c in clients]  # two "replicas"
     verdicts = await asyncio.gather(*(limiters[i % 2].admit("burst", (10, None), 1) for i in range(40)))
+    assert not errors, "Redis failed during the burst: the limiter failed open"
     assert sum(v.allowed for v in verdicts) == 10
     for c in clients:
         await c.aclose()
+
+
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+async def test_redis_limit_holds_across_replicas_with_skewed_clocks(
+    backend: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas whose clocks are 30 s apart take turns: the bucket refills by one clock (Redis's),
+    so none of them refills the same interval again (at 10/min, 30 s would be 5 more admits)."""
+    url = redis_backend_url(request, backend)
+    client = redis_client(url, cluster=backend == "redis-cluster", timeout_s=10)
+    await client.delete("dgw:rl:{skew}")
+    turns = itertools.cycle([0.0, -30.0])
+
+    class SkewedClock:  # each caller's wall clock, alternately on time and 30 s behind
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def time() -> float:
+            return time.time() + next(turns)
+
+    monkeypatch.setattr(ratelimit, "time", SkewedClock)
+    limiter = RedisRateLimiter(client)
+    verdicts = [await limiter.admit("skew", (10, None), 1) for _ in range(40)]
+    assert sum(v.allowed for v in verdicts) == 10
+    await client.aclose()
 
 
 async def test_redis_down_fails_open(redis_server) -> None:

@@ -86,11 +86,15 @@ class MemoryRateLimiter:
             self._buckets[key] = (r, None if t is None else t - tokens, last)
 
 
-# Mirrors `take`; KEYS[1]=bucket; ARGV: now_s, limit_r (0=none), limit_t (0=none), prompt_tokens, ttl_s
+# Mirrors `take`; KEYS[1]=bucket; ARGV: limit_r (0=none), limit_t (0=none), prompt_tokens, ttl_s.
+# The clock is the Redis server's: with each caller's own clock, a call carrying an earlier time
+# (another replica's clock behind, or a call that reached Redis after a later one) moved the
+# bucket's time back, and the next call refilled the same interval again: admits past the limit.
 _ADMIT_LUA = """
 local h = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
-local now = tonumber(ARGV[1])
-local lr, lt, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+local lr, lt, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local elapsed = 0
 if h[3] then elapsed = math.max(0, now - tonumber(h[3])) end
 local function refill(level, limit)
@@ -113,7 +117,7 @@ local fields = {'ts', tostring(now)}
 if r then table.insert(fields, 'r'); table.insert(fields, tostring(r)) end
 if t then table.insert(fields, 't'); table.insert(fields, tostring(t)) end
 redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return {tostring(wait), tostring(r or ''), tostring(t or '')}
 """
 
@@ -130,7 +134,7 @@ class RedisRateLimiter:
             return Verdict(True, 0.0, None, None, limit_r, limit_t)
         try:
             wait, r, t = await self._script(keys=[f"dgw:rl:{{{key}}}"],
-                                            args=[time.time(), limit_r or 0, limit_t or 0, prompt_tokens, 180])
+                                            args=[limit_r or 0, limit_t or 0, prompt_tokens, 180])
         except Exception as exc:  # fail open
             self._outage.failed(exc)
             return Verdict(True, 0.0, None, None, limit_r, limit_t)
