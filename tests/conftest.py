@@ -37,7 +37,7 @@ E2E_FIXTURES = {"redis_url", "redis_cluster_url", "redis_server", "sim_cluster",
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test with its layer. Only tests/unit/ is `unit`: a module anywhere else counts
-    as e2e, so `-m unit` stays pure; a unit test that asks for a process fixture is an error.
+    as e2e, so `-m unit` stays pure; a unit test that asks for a process fixture fails.
     Then the lanes of tests/lanes.py: `solo` marks, the heavy lane first."""
     for item in items:
         if not item.path.is_relative_to(UNIT):
@@ -46,11 +46,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.unit)
         used = E2E_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if used:
-            raise pytest.UsageError(f"{item.nodeid} uses {', '.join(sorted(used))}: "
-                                    "a test with real processes belongs in tests/e2e/")
+            lanes.refuse(item, f"{item.nodeid} uses {', '.join(sorted(used))}: "
+                               "a test with real processes belongs in tests/e2e/")
     lanes.mark_solo(items)
     lanes.check_heavy_modules(items)
     lanes.heavy_first(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the runner sets up the test's fixtures
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test in the wrong layer or lane (tests/lanes.py `refuse`) fails here, with why."""
+    why = item.stash.get(lanes.MISPLACED, None)
+    if why:
+        pytest.fail(why, pytrace=False)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:

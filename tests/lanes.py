@@ -47,13 +47,22 @@ def mark_solo(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.solo)
 
 
+# Why a test is in the wrong place (layer or lane): it fails at set-up with this message, before
+# its fixtures start anything. Not a UsageError at collection: under xdist, collection runs on the
+# workers, and a worker that raises there shows only as a crashed worker, without the message.
+MISPLACED = pytest.StashKey[str]()
+
+
+def refuse(item: pytest.Item, why: str) -> None:
+    item.stash[MISPLACED] = why
+
+
 def check_heavy_modules(items: list[pytest.Item]) -> None:
     """A module that starts a real vLLM must be in the heavy lane: a second worker running one
     would start a second server, and two vLLMs on two cores time each other out."""
-    stray = sorted({item.path.name for item in items
-                    if "vllm_server" in getattr(item, "fixturenames", ()) and not is_heavy(item.path)})
-    if stray:
-        raise pytest.UsageError(f"{', '.join(stray)} start a real vLLM: add them to HEAVY_MODULES in tests/lanes.py")
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()) and not is_heavy(item.path):
+            refuse(item, f"{item.path.name} starts a real vLLM: add it to HEAVY_MODULES in tests/lanes.py")
 
 
 def heavy_first(items: list[pytest.Item]) -> None:
