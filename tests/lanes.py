@@ -6,8 +6,8 @@ real vLLM, the chaos run, the benchmarks' load, schemathesis): they form one lan
 one worker, so that at most one of them loads the machine beside the light modules, whose timing
 they would otherwise disturb, and a single vLLM server serves them all (`vllm_server` is a session
 fixture: one per worker). The heavy lane is the longest unit: it is queued first. The modules in
-SOLO_MODULES compare a live run with this machine's measured speed: `make test` runs them after
-the others, alone (`-m solo`).
+SOLO_MODULES compare a live run with this machine's measured speed or the wall clock: `make test`
+runs them after the others, alone (`-m solo`).
 
 pytest-xdist's own `loadgroup` would express this with `xdist_group` marks, but with pytest 9 its
 group suffix never reaches the node ids (it writes `Item._nodeid`, which pytest no longer reads), so
@@ -33,8 +33,9 @@ HEAVY_MODULES = frozenset({
     "test_openapi_schemathesis",
 })
 # Modules that hold a live run against a model of this machine's speed (the simulator against a
-# live replay): they are marked `solo` and `make test` runs them after the parallel run, alone.
-SOLO_MODULES = frozenset({"test_simulate_live"})
+# live replay) or against the wall clock (the sim engine's step deadlines): they are marked `solo`
+# and `make test` runs them after the parallel run, alone.
+SOLO_MODULES = frozenset({"test_simulate_live", "test_sim_engine_clock"})
 
 
 def is_heavy(path: Path | str) -> bool:

@@ -97,6 +97,7 @@ async def test_blocks_stored_before_subscribing_come_from_replay(vllm_server: Vl
         await sub.aclose()
 
 
+@pytest.mark.timeout(420)  # a vLLM start-up inside the test: ~2 min on a busy 2-core machine, bounded at 300 s
 async def test_restarted_vllm_is_resynced(vllm_server: VllmServer, redis_url: str, tmp_path: Path) -> None:
     """One restart (the costly part: a new vLLM process) checked on both backends at once, and
     behind a gateway whose Redis index its KV events feed (under the gateway's own salt)."""

@@ -56,10 +56,18 @@ async def test_busy_loop_does_not_slow_the_modelled_rate() -> None:
             await asyncio.sleep(0.010)
             time.sleep(0.004)
 
-    events = await _stream_beside(hog, "r1")
-    rate = _rate(events)
-    assert 0.95 * RATE <= rate <= 1.05 * RATE, rate
-    assert all(n == 1 for _, n in events[1:])  # caught up by shorter sleeps, not merged steps
+    # The hog delays wake-ups by up to 4 ms: a loop sleeping a step from "now" runs at ~46
+    # tok/s, every time. A busy machine can also stall this process past a whole step, which is
+    # lost time by design (the test below): so the best of three streams must keep the rate.
+    rates = []
+    for attempt in range(3):
+        events = await _stream_beside(hog, f"r1-{attempt}")
+        assert all(n == 1 for _, n in events[1:])  # caught up by shorter sleeps, not merged steps
+        rates.append(_rate(events))
+        if 0.95 * RATE <= rates[-1] <= 1.05 * RATE:
+            break
+    else:
+        raise AssertionError(f"tok/s of three streams beside the hog, modelled {RATE}: {rates}")
 
 
 async def test_stall_longer_than_a_step_resyncs_instead_of_bursting() -> None:
