@@ -33,7 +33,9 @@ async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
             index = InMemoryPrefixIndex(**kwargs)
         else:  # each index its own namespace: on the cluster, its own hash slot (and node)
             namespace = f"test:{uuid.uuid4().hex[:8]}"
-            client = redis_client(url, cluster=request.param == "redis-cluster")
+            # The contract is the results, not the gateway's fail-fast 0.5 s timeout, which 32
+            # concurrent callers connecting to a cluster on a busy machine can pass.
+            client = redis_client(url, cluster=request.param == "redis-cluster", timeout_s=10)
             index = RedisPrefixIndex(client, namespace=namespace, **kwargs)
         made.append(index)
         return index

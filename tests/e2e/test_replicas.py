@@ -74,15 +74,18 @@ def test_replicas_see_each_others_in_flight_prompts(redis_url: str, tmp_path: Pa
     """Requests alternate between two replicas while earlier ones are still prefilling: with
     shared reservations each lands on a different worker; a replica blind to its peer would
     send the second one to the first one's worker (same stale load reports, same costs)."""
-    cluster = SimCluster("unified:sm100,unified:sm100,unified:sm100", time_scale=1.0)
+    # At a fifth of real time a prefill lasts ~1.5 s, so each request's reservation is booked (its
+    # gateway tokenizes 100k tokens first: slow on a busy machine) well before the next one is
+    # routed 0.4 s later, and the first is still prefilling when the third is routed.
+    cluster = SimCluster("unified:sm100,unified:sm100,unified:sm100", time_scale=0.2)
     a, b = _replicas(tmp_path, cluster, redis_url, 30.0)  # load reports every 30 s: stale
     try:
-        prompts = [f"cold {i} " + "wide prompt text " * 25_000 for i in range(3)]  # ~100k tokens, ~0.3 s prefill
+        prompts = [f"cold {i} " + "wide prompt text " * 25_000 for i in range(3)]  # ~100k tokens
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             futures = []
             for i, prompt in enumerate(prompts):
                 futures.append(pool.submit(_chat, (a, b)[i % 2], prompt, 1))
-                time.sleep(0.12)
+                time.sleep(0.4)
             workers = [f.result().headers["x-dgw-worker"] for f in futures]
         assert len(set(workers)) == 3, workers
     finally:

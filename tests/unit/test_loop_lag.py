@@ -19,10 +19,15 @@ async def test_a_blocked_loop_is_seen_late_and_blamed_on_itself() -> None:
     lag = LoopLag(interval_s=0.02, histogram=metrics.loop_lag)
     lag.start()
     try:
-        since = lag.now()
-        await asyncio.sleep(0.2)  # a healthy loop: ticks on time
-        assert lag.own_stall_s(since) < 0.1
-        assert not lag.blames_self(since)
+        # A healthy loop ticks on time. A busy machine can still deschedule this process (a stall
+        # LoopLag rightly counts): one of three spans must be clean.
+        for _ in range(3):
+            since = lag.now()
+            await asyncio.sleep(0.2)
+            if lag.own_stall_s(since) < 0.1 and not lag.blames_self(since):
+                break
+        else:
+            raise AssertionError(f"three healthy spans blamed on the loop: {lag.own_stall_s(since):.3f} s held")
         since = lag.now()
         time.sleep(0.5)  # the loop is held: no tick can run
         await asyncio.sleep(0.05)
