@@ -391,6 +391,10 @@ class GatewaySettings(_Frozen):
         None,
         description="File holding the Redis password (first line), re-read at each new connection; wins over "
                     "redis_password.")
+    redis_timeout_s: float = Field(
+        0.5, gt=0,
+        description="Connecting to Redis, a reply, and waiting for a free connection; past it the call fails "
+                    "(counted, and the shared state degrades as documented for a Redis outage).")
     worker_token: str | None = Field(
         None, repr=False,
         description="Token sent to workers as Authorization: Bearer (DGW_WORKER_TOKEN); vLLM's --api-key.")

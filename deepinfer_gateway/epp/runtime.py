@@ -88,10 +88,12 @@ class EppRuntime:
         self.redis = None
         if settings.redis_url:
             self.redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
-                                      password=settings.redis_password, password_file=settings.redis_password_file)
+                                      password=settings.redis_password, password_file=settings.redis_password_file,
+                                      timeout_s=settings.redis_timeout_s)
         self.index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
                                          redis_password=settings.redis_password,
                                          redis_password_file=settings.redis_password_file,
+                                         redis_timeout_s=settings.redis_timeout_s,
                                          registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
         self.feeder = KvEventFeeder(self.index, client.session, interval_s=settings.router.kv_events_interval_s)
         self.inflight = (RedisInflight(self.redis, settings.router.inflight_lease_s,

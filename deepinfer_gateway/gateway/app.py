@@ -128,7 +128,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         redis = None
         if settings.redis_url:
             redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
-                                 password=settings.redis_password, password_file=settings.redis_password_file)
+                                 password=settings.redis_password, password_file=settings.redis_password_file,
+                                 timeout_s=settings.redis_timeout_s)
         keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None,
                         on_error=metrics.redis_errors.labels("apikeys").inc)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
@@ -136,6 +137,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
                                     redis_password=settings.redis_password,
                                     redis_password_file=settings.redis_password_file,
+                                    redis_timeout_s=settings.redis_timeout_s,
                                     registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
         feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
         inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)

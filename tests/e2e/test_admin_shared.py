@@ -53,7 +53,8 @@ def shared_redis(request: pytest.FixtureRequest) -> Iterator[tuple[str, bool]]:
 
 def _toml(redis_url: str, cluster: bool = False) -> str:
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
-    return (f'redis_url = "{redis_url}"\nredis_cluster = {str(cluster).lower()}\n'
+    # A generous Redis timeout: these tests count Redis errors, and a busy machine can pass the 0.5 s default.
+    return (f'redis_url = "{redis_url}"\nredis_cluster = {str(cluster).lower()}\nredis_timeout_s = 10\n'
             f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n')
 
 

@@ -77,7 +77,9 @@ def test_a_gateway_uses_the_password_for_its_keys(locked_redis: RedisProcess, tm
     gateway = None
     try:
         gateway = Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")],
-                          extra_toml=f'redis_url = "{locked_redis.url}"\napi_keys_in_redis = true\n',
+                          # 10 s: an error counted below must be a refused password, not a busy machine's slow reply
+                          extra_toml=f'redis_url = "{locked_redis.url}"\napi_keys_in_redis = true\n'
+                                     'redis_timeout_s = 10\n',
                           env={"DGW_REDIS_PASSWORD_FILE": str(password_file)})
         gateway.wait_ready(1)
         body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

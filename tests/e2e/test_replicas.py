@@ -28,7 +28,8 @@ def unified_cluster() -> Iterator[SimCluster]:
 def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s: float,
               redis_cluster: bool = False) -> list[Gateway]:
     workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
-    toml = f'redis_url = "{redis_url}"\nredis_cluster = {str(redis_cluster).lower()}'
+    # A generous Redis timeout: the tests count Redis errors, and a busy machine can pass the 0.5 s default.
+    toml = f'redis_url = "{redis_url}"\nredis_cluster = {str(redis_cluster).lower()}\nredis_timeout_s = 10'
     gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]
     for gw in gateways:
         gw.wait_ready(len(workers))

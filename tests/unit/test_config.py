@@ -110,7 +110,7 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "first_event_timeout_s": "9", "between_events_timeout_s": "9", "shutdown_delay_s": "9",
               "shutdown_grace_s": "9", "api_keys": json.dumps([key_record("a", "k")]), "api_keys_in_redis": "true",
               "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}',
-              "redis_password": "pw", "redis_password_file": "/run/secrets/redis-password",
+              "redis_password": "pw", "redis_password_file": "/run/secrets/redis-password", "redis_timeout_s": "2",
               "worker_token": "tok", "worker_token_file": "/run/secrets/worker-token",
               "responses": '{"max_per_key": 5}', "worker_protocol": "v1"}
     assert set(values) == set(GatewaySettings.model_fields), "a new setting: add it here"
