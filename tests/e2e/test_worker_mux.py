@@ -173,6 +173,23 @@ async def test_abort_on_close_frees_the_engine_and_spares_the_other_streams(work
         await http.close()
 
 
+async def test_a_retired_worker_keeps_its_leg_in_flight_then_its_connection_closes(worker: ServedApp) -> None:
+    """A worker the registry forgets (`retire`) must not keep a v2 connection pinging it; the
+    leg on it when it left still ends normally."""
+    http = await pool()
+    try:
+        upstream = DgwUpstream(DgwWorkerSpec(url=worker.url), http)
+        running = await upstream.generate(leg("running", max_tokens=40))
+        assert (await running.next_event())["event"] == "ready"
+        upstream.retire()
+        events = await read_all(running)
+        assert events[-1]["reason"] == "length" and len(token_ids(events)) == 40
+        running.close()
+        await until_closed(upstream)
+    finally:
+        await http.close()
+
+
 async def test_a_slow_reader_stalls_no_other_stream_and_loses_nothing(worker: ServedApp,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mux, "MAX_QUEUED_EVENTS", 8)  # overflow within a short stream, whatever tokens per step

@@ -76,6 +76,9 @@ class ScriptedUpstream:
     async def abort(self, request_id: str) -> None:
         self._client.aborted.append((self.spec.url, request_id))
 
+    def retire(self) -> None:
+        self._client.retired.append(self.spec.url)
+
 
 class ScriptedClient:
     def __init__(self, scripts: dict[str, list[Script]], stream_type: type[ScriptedStream] = ScriptedStream):
@@ -83,6 +86,7 @@ class ScriptedClient:
         self.stream_type = stream_type
         self.streams: list[ScriptedStream] = []
         self.aborted: list[tuple[str, str]] = []
+        self.retired: list[str] = []  # workers whose upstream the registry retired
 
     def upstream(self, spec: Any) -> Any:
         return ScriptedUpstream(self, spec)

@@ -30,7 +30,7 @@ def test_every_engine_kind_has_one_adapter_satisfying_the_protocol() -> None:
     assert set(ADAPTERS) == set(WorkerEngine)
     upstreams = Upstreams(load_tokenizer(None))
     members = [name for name, _ in inspect.getmembers(seam.Upstream) if not name.startswith("_")]
-    assert sorted(members) == ["abort", "generate", "kv_source", "probe"]
+    assert sorted(members) == ["abort", "generate", "kv_source", "probe", "retire"]
     families = set()
     for engine in WorkerEngine:
         upstream = upstreams.upstream(parse_worker_spec({"url": "http://w.test:1", "engine": engine}))

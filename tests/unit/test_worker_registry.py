@@ -115,7 +115,10 @@ async def test_removal_drops_the_worker_and_its_series(rig: tuple[WorkerRegistry
     registry, _, metrics = rig
     await registry.check_all()
     (state,) = registry.workers.values()
+    retired: list[str] = []
+    state.upstream.retire = lambda: retired.append(state.worker_id)  # type: ignore[method-assign]
     assert registry.remove(state.worker_id) and not registry.remove(state.worker_id)
+    assert retired == [state.worker_id]  # its v2 connection closes once its legs end
     assert not registry.registered(state)
     assert gauge(metrics, "dgw_worker_healthy", state.worker_id) is None
     registry.record_success(state)  # a late writer (a check or request in flight) writes nothing

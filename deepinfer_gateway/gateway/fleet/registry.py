@@ -108,6 +108,7 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> bool:
         state = self.workers.pop(worker_id, None)
         if state is not None:
+            state.upstream.retire()
             self._metrics.forget_worker(worker_id)
             self._count_pool(state.pool)
         return state is not None

@@ -111,6 +111,11 @@ class Upstream(Protocol):
 
     def kv_source(self) -> KvSource | None: ...
 
+    def retire(self) -> None:
+        """The worker left the registry: let go of what the adapter holds open for it once its
+        legs in flight end (a v2 connection would otherwise ping a worker nobody routes to)."""
+        ...
+
 
 class MuxMetrics(Protocol):
     """What the gateway counts of its worker protocol v2 connections, per worker id

@@ -145,5 +145,9 @@ class DgwUpstream:
         except UpstreamError:
             pass
 
+    def retire(self) -> None:
+        if self._mux is not None:
+            self._mux.retire()
+
     def kv_source(self) -> PolledKvLog:
         return PolledKvLog(self.spec.url)

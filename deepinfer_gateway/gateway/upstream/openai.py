@@ -157,6 +157,9 @@ class OpenAIUpstream:
     async def abort(self, request_id: str) -> None:
         """The dropped connection is the abort (no such endpoint in the API)."""
 
+    def retire(self) -> None:
+        """Nothing to let go of: pooled HTTP connections idle out."""
+
     def kv_source(self) -> None:
         return None
 

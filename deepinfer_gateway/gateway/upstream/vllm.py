@@ -205,6 +205,9 @@ class VllmUpstream:
     async def abort(self, request_id: str) -> None:
         """vLLM has no abort endpoint: the dropped connection is its abort."""
 
+    def retire(self) -> None:
+        """Nothing to let go of: pooled HTTP connections idle out."""
+
     def kv_source(self) -> ZmqKvPublisher | None:
         spec = self.spec
         if not spec.kv_events_endpoint:
