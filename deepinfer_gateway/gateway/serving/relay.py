@@ -164,14 +164,8 @@ class Relay:
                                     f"worker {exchange.lease.worker.worker_id} ended the stream early")
             kind = event["event"]
             if kind == "tokens":
-                token_ids = event["token_ids"]
-                if keep_ids:
-                    exchange.output_ids.extend(token_ids)
-                out = response.tokens(token_ids, event.get("logprobs"))
+                out = _tokens(exchange, event, send is not None)
                 if send is not None:
-                    now = time.perf_counter()
-                    outcome.itl.observe(now - exchange.last_token_at)
-                    exchange.last_token_at = now
                     if out:
                         current = exchange.lease.stream
                         if unsent or pending or (current is not None and current.buffered()):
@@ -228,6 +222,21 @@ class Relay:
         self.close(exchange)
 
 
+def _tokens(exchange: Exchange, event: dict[str, Any], streaming: bool) -> bytes:
+    """A `tokens` event into the response (the relay loop's and the direct path's one step):
+    its protocol chunk (empty when it frames nothing yet); streaming, the gap since the last
+    token message is observed (ITL)."""
+    token_ids = event["token_ids"]
+    if exchange.keep_ids:
+        exchange.output_ids.extend(token_ids)
+    out = exchange.response.tokens(token_ids, event.get("logprobs"))
+    if streaming:
+        now = time.perf_counter()
+        exchange.outcome.itl.observe(now - exchange.last_token_at)
+        exchange.last_token_at = now
+    return out
+
+
 def _sink(exchange: Exchange, send: Send, event: dict[str, Any]) -> bool:
     """The direct path (module doc): one `tokens` event framed and written in the v2 reader's
     call, exactly as `Relay._relay`'s loop would; False (not taken) for any other event. What
@@ -237,15 +246,8 @@ def _sink(exchange: Exchange, send: Send, event: dict[str, Any]) -> bool:
         return False
     stream = exchange.lease.stream
     assert isinstance(stream, MuxStream)
-    response = exchange.response
     try:
-        token_ids = event["token_ids"]
-        if exchange.keep_ids:
-            exchange.output_ids.extend(token_ids)
-        out = response.tokens(token_ids, event.get("logprobs"))
-        now = time.perf_counter()
-        exchange.outcome.itl.observe(now - exchange.last_token_at)
-        exchange.last_token_at = now
+        out = _tokens(exchange, event, True)
         if out:
             write = send({"type": "http.response.body", "body": out, "more_body": True})
             try:
@@ -262,7 +264,7 @@ def _sink(exchange: Exchange, send: Send, event: dict[str, Any]) -> bool:
         exchange.sink_error = exc
         stream.hand_back()
         return True
-    if response.done:
+    if exchange.response.done:
         stream.hand_back()
     return True
 
