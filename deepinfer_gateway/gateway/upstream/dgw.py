@@ -81,18 +81,15 @@ class DgwUpstream:
         return Probe(known, load)
 
     async def generate(self, leg: LegRequest) -> EventStream:
-        if self._http.mux and self._v1_epoch is None:
-            conn = await self._connection()
+        if self._http.mux:
+            conn = await self._connection() if self._v1_epoch is None else None
+            reason = wp.V1Fallback.NOT_SPOKEN
             if conn is not None:
                 try:
                     return await conn.submit(leg)
                 except TooLarge:
-                    # v1 takes it: its body limit is the gateway's own
-                    self._http.mux_metrics.mux_fallback(self.spec.worker_id, wp.V1Fallback.TOO_LARGE)
-            else:
-                self._http.mux_metrics.mux_fallback(self.spec.worker_id, wp.V1Fallback.NOT_SPOKEN)
-        elif self._http.mux:
-            self._http.mux_metrics.mux_fallback(self.spec.worker_id, wp.V1Fallback.NOT_SPOKEN)
+                    reason = wp.V1Fallback.TOO_LARGE  # v1 takes it: its body limit is the gateway's own
+            self._http.mux_metrics.mux_fallback(self.spec.worker_id, reason)
         return await self._generate_v1(leg)
 
     async def _connection(self) -> MuxConnection | None:
