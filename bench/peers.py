@@ -335,7 +335,7 @@ PEER_TARGETS = {"sglang-router": ("sglang-router", "cache_aware"), "vllm-router"
                 "round-robin": ("sglang-router", "round_robin")}
 
 
-def _peer_command(target: str, venv: Path, port: int, workers: list[str]) -> list[str]:
+def peer_command(target: str, venv: Path, port: int, workers: list[str]) -> list[str]:
     # A metrics port of its own: the default (29000) is one per machine, so a second router running
     # meanwhile (another bench) would panic at start.
     router, policy = PEER_TARGETS[target]
@@ -378,7 +378,7 @@ def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | 
     venv = ensure_venv(PEER_ROUTERS[PEER_TARGETS[target][0]])
     port = free_port()
     log = (tmp / f"{target}.log").open("wb")
-    proc = subprocess.Popen(_peer_command(target, venv, port, workers.urls), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(peer_command(target, venv, port, workers.urls), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
     def stop() -> None:

@@ -32,6 +32,7 @@ import time
 from _harness import flat_decode_profiles, start_worker
 from gateway_capacity import TOKENS_PER_S, start_gateway, streams, tree_cpu_s
 from peer_venvs import SGLANG_ROUTER, ensure_venv
+from peers import peer_command
 
 from deepinfer_gateway.launch import free_port, wait_for_port
 
@@ -49,11 +50,8 @@ def main() -> None:
     gateway = start_gateway(worker_url, extra_toml="between_events_timeout_s = 30\n" + args.toml + "\n")
     port = free_port()
     venv = ensure_venv(SGLANG_ROUTER)
-    router = subprocess.Popen(
-        [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--policy", "round_robin", "--worker-urls", worker_url, "--prometheus-host", "127.0.0.1",
-         "--prometheus-port", str(free_port()), "--log-level", "warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = subprocess.Popen(peer_command("round-robin", venv, port, [worker_url]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     targets = {"gateway": (gateway.url, gateway.proc.proc.pid),
                "sglang_router": (f"http://127.0.0.1:{port}", router.pid)}
     per_chunk: dict[str, list[float]] = {name: [] for name in targets}
