@@ -57,10 +57,17 @@ async def test_timeouts_during_the_gateways_own_stall_do_not_eject_a_worker() ->
             registry.record_failure(state, "connect timed out", since=since)
         assert state.healthy and state.consecutive_failures == 0
         assert metrics.registry.get_sample_value("dgw_stall_timeouts_total") == 3
-        for _ in range(2):  # the same timeouts on a loop that ran on time: the worker's
+        # The same timeouts on a loop that ran on time are the worker's. A busy machine can still
+        # deschedule this process during a span (rightly not counted): two of six must be on time.
+        on_time = 0
+        for _ in range(6):
             since = registry.loop_lag.now()
             await asyncio.sleep(0.3)
+            on_time += not registry.loop_lag.blames_self(since)
             registry.record_failure(state, "connect timed out", since=since)
+            if on_time == 2:
+                break
+        assert on_time == 2, "five of six spans blamed on this process's own loop"
         assert not state.healthy and state.consecutive_failures == 2
     finally:
         registry.loop_lag.stop()
