@@ -33,19 +33,16 @@ differ. Text without such spaces (CJK, long symbol runs) stays one segment.
 Cost per call: render + reading `special_ranges` (~1.7 ms for a 520k-character prompt:
 the library converts byte to code-point offsets) + O(prompt length) slicing/keying
 (~1 ms) + tokenizing the misses only, all of them in one call (fastokens' batch encode
-straight to packed uint32 words, ~20 ns/token) + the id list. The list holds one shared
-int object per vocabulary id (interned: cached ids cost a pointer per token), gathered
-in C from a numpy object array (`intern_table`). A prompt that is mostly new (a first
-turn) is gathered whole from its packed words, and its new segments are cached as slices
-of that list (as tuples: the cyclic GC stops walking them); a prompt that is mostly
-cached (a follow-up) gathers only its new ids and joins the cached ids (cheaper than a
-gather, which touches each int's refcount at a random address). Figures:
-bench/preprocess.py (`--baseline` runs the pre-change tree side by side).
-Memory: the cache is bounded by `cache_bytes` (default 256 MiB, ~13 B per cached token
-with text keys; see segment_cache.py) plus one interned int per vocabulary id (~4.6 MB).
+straight to packed uint32 words, ~20 ns/token) + joining the segments' packed words +
+the id list, made once from the joined words (`unpacked`). The cache holds packed words
+only: a cached token costs 4 bytes, and the id list is new int objects allocated in a
+row (~20 ns/token with the CPU caches cold, as they are between requests), where joining
+cached ids or gathering shared int objects touches each int's refcount at a random
+address (~130 ns/token cold). Figures: bench/preprocess.py (`--baseline` runs the
+pre-change tree side by side). Memory: the cache is bounded by `cache_bytes` (default
+256 MiB, ~9 B per cached token with text keys; see segment_cache.py).
 
-`encode_packed` also returns the prompt packed for block hashing (joined from the
-segments' cached packed bytes: the gateway never converts a whole prompt's id list).
+`encode_packed` also returns the prompt packed, for block hashing.
 
 `ReferencePromptEncoder` is deepseek-recipe's own `encode`: the baseline the fast path
 is tested against (tests/unit/test_encoder.py) and benchmarked against (bench/preprocess.py).
@@ -55,8 +52,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import deepseek_recipe as dr
 import numpy as np
@@ -65,7 +61,6 @@ from deepinfer_gateway.kvcache.hashing import pack_tokens
 from deepinfer_gateway.recipe_bridge.segment_cache import (
     DEFAULT_DIGEST_MIN_CHARS,
     CacheStats,
-    Segment,
     SegmentCache,
     SegmentKey,
 )
@@ -94,43 +89,27 @@ def pieces(text: str, piece_chars: int) -> Iterator[str]:
     yield text[start:]
 
 
-# Interning gathers ids in chunks: one gather over a 1M-token prompt holds the GIL for
-# ~7 ms, stalling the gateway's event loop while a large prompt is prepared in a thread;
+# The id list is made in chunks: one `tolist` over a 1M-token prompt holds the GIL for
+# ~20 ms, stalling the gateway's event loop while a large prompt is prepared in a thread;
 # between chunks the interpreter can hand the GIL over.
-_INTERN_CHUNK = 32768
+_UNPACK_CHUNK = 32768
 
 
-def intern_table(vocab_size: int) -> np.ndarray[Any, np.dtype[np.object_]]:
-    """One shared int object per id, as a numpy object array: `table[ids]` gathers them in C."""
-    table = np.empty(vocab_size, dtype=object)
-    table[:] = range(vocab_size)
-    return table
-
-
-def _interned(packed: bytes, table: np.ndarray[Any, np.dtype[np.object_]]) -> list[int]:
-    """The ids of little-endian uint32 words, as the shared int objects of `table`
-    (~7 ns/token: a numpy gather + `tolist`, where mapping `list.__getitem__` took ~35)."""
+def unpacked(packed: bytes) -> list[int]:
+    """The ids of little-endian uint32 words (`kvcache.hashing.pack_tokens` reversed)."""
     words = np.frombuffer(packed, dtype="<u4")
     ids: list[int] = []
-    for start in range(0, len(words), _INTERN_CHUNK):
-        ids += table[words[start:start + _INTERN_CHUNK]].tolist()
+    for start in range(0, len(words), _UNPACK_CHUNK):
+        ids += words[start:start + _UNPACK_CHUNK].tolist()
     return ids
 
 
-_PENDING = Segment((), b"")  # a miss's place until the misses are tokenized
-_NO_IDS: tuple[int, ...] = ()  # a new segment's ids before interning (never read)
-
-
-def _joined(segments: list[Segment], packed: bytes | None = None) -> EncodedPrompt:
-    ids: list[int] = []
-    for segment in segments:
-        ids += segment.ids
-    return EncodedPrompt(ids, b"".join([segment.packed for segment in segments]) if packed is None else packed)
+_PENDING = b""  # a miss's place until the misses are tokenized
 
 
 class _Work(NamedTuple):
     """One prompt's encoding in progress."""
-    segments: list[Segment]  # in prompt order; misses are `_PENDING`
+    segments: list[bytes]  # each segment's packed words, in prompt order; misses are `_PENDING`
     pending: list[tuple[int, SegmentKey]]  # (index in segments, key) of each miss
     misses: dict[SegmentKey, str]  # key -> text, each distinct miss once
 
@@ -170,10 +149,7 @@ class PromptEncoder:
         self.bundle = bundle
         self._render = dr.DeepseekV41Encoding().render_conversation
         self.plain = plain or plain_tokenizer(bundle.json_text)
-        self._special = {
-            content: Segment((token_id,), pack_tokens([token_id])) for content, token_id in bundle.added_tokens.items()
-        }
-        self._ints = intern_table(bundle.vocab_size)  # cached ids share these int objects
+        self._special = {content: pack_tokens([token_id]) for content, token_id in bundle.added_tokens.items()}
         self.cache = SegmentCache(cache_bytes, digest_min_chars=digest_min_chars)
         # 0 (asked, or a tokenizer whose pre-tokenizer may merge across a word space): never cut
         self._piece_chars = piece_chars if self.plain.cuts_at_word_spaces else 0
@@ -199,37 +175,15 @@ class PromptEncoder:
         if pos < len(prompt):
             self._add_text(work, prompt[pos:])
         segments = work.segments
-        if not work.misses:
-            return _joined(segments)
-        packs = self.plain.encode_packed(list(work.misses.values()))  # all misses in one call
-        made = dict(zip(work.misses, packs, strict=True))
-        new_bytes = sum(map(len, packs))
-        for index, key in work.pending:
-            segments[index] = Segment(_NO_IDS, made[key])
-        parts = [segment.packed for segment in segments]
-        packed = b"".join(parts)
-        if 2 * new_bytes < len(packed):
-            # Mostly cached (a follow-up turn): intern only the new ids; joining the cached
-            # ids is cheaper than gathering the whole prompt.
-            new_ids = _interned(b"".join(packs), self._ints)
-            start = 0
-            new: dict[SegmentKey, Segment] = {}
-            for key, piece in made.items():
-                end = start + len(piece) // 4
-                new[key] = segment = Segment(tuple(new_ids[start:end]), piece)
-                self.cache.put(key, segment)
-                start = end
+        if work.misses:
+            packs = self.plain.encode_packed(list(work.misses.values()))  # all misses in one call
+            made = dict(zip(work.misses, packs, strict=True))
             for index, key in work.pending:
-                segments[index] = new[key]
-            return _joined(segments, packed)
-        # Mostly new (a first turn): one gather over the whole prompt; the new segments'
-        # cached ids are slices of it.
-        ids = _interned(packed, self._ints)
-        offsets = list(accumulate(map(len, parts), initial=0))  # in bytes
-        for index, key in work.pending:
-            if key in made:  # a text repeated within the prompt is cached once
-                self.cache.put(key, Segment(tuple(ids[offsets[index] // 4:offsets[index + 1] // 4]), made.pop(key)))
-        return EncodedPrompt(ids, packed)
+                segments[index] = made[key]
+            for key, piece in made.items():  # a text repeated within the prompt is cached once
+                self.cache.put(key, piece)
+        packed = b"".join(segments)
+        return EncodedPrompt(unpacked(packed), packed)
 
     def _add_text(self, work: _Work, text: str) -> None:
         if self._piece_chars and len(text) > self._piece_chars:

@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
-from deepinfer_gateway.recipe_bridge.segment_cache import Segment, SegmentCache
+from deepinfer_gateway.recipe_bridge.segment_cache import SegmentCache
 
 
-def seg(ids: list[int]) -> Segment:
-    return Segment(tuple(ids), pack_tokens(ids))
+def seg(ids: list[int]) -> bytes:
+    return pack_tokens(ids)
 
 
 def test_hit_returns_the_stored_ids_and_counts() -> None:
@@ -38,9 +38,9 @@ def test_default_keys_every_segment_by_its_text() -> None:
 
 
 def test_least_recently_used_is_evicted_first() -> None:
-    cache = SegmentCache(3400)
+    cache = SegmentCache(1600)
     for text in ("a", "b", "c", "d"):
-        cache.put(text, seg(list(range(50))))  # 850 bytes each: exactly four fit
+        cache.put(text, seg(list(range(50))))  # 400 bytes each (key 50, ids 200, overhead 150): exactly four fit
     cache.get("a")  # now b is the oldest
     cache.put("e", seg(list(range(50))))
     assert cache.get("b") is None
@@ -48,9 +48,9 @@ def test_least_recently_used_is_evicted_first() -> None:
 
 
 def test_entry_larger_than_a_quarter_of_the_budget_is_not_kept() -> None:
-    cache = SegmentCache(4000)
+    cache = SegmentCache(3000)
     cache.put("small", seg([1]))
-    cache.put("huge", seg(list(range(200))))  # 2,400 bytes of ids > 4000 // 4
+    cache.put("huge", seg(list(range(200))))  # 800 bytes of ids > 3000 // 4
     assert cache.get("huge") is None
     assert cache.get("small") == seg([1])
 

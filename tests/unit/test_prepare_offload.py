@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
-from deepinfer_gateway.recipe_bridge.encoder import _INTERN_CHUNK, PromptEncoder, _interned, intern_table
+from deepinfer_gateway.recipe_bridge.encoder import _UNPACK_CHUNK, PromptEncoder, unpacked
 from deepinfer_gateway.recipe_bridge.prepare import (
     OFFLOAD_BODY_BYTES,
     OFFLOAD_ENV,
@@ -132,10 +132,8 @@ def test_offload_spec() -> None:
         RequestPreparer(PromptEncoder.__new__(PromptEncoder), offload="process")
 
 
-def test_interning_in_chunks_is_exact_and_shares_ints() -> None:
-    ints = intern_table(300_000)
-    for n in (0, 5, _INTERN_CHUNK, _INTERN_CHUNK + 1, 3 * _INTERN_CHUNK + 17):
-        raw = [(i * 7919) % 300_000 for i in range(n)]
-        out = _interned(pack_tokens(raw), ints)
-        assert out == raw
-        assert all(a is ints[a] for a in out)
+def test_unpacking_in_chunks_is_exact() -> None:
+    for n in (0, 5, _UNPACK_CHUNK, _UNPACK_CHUNK + 1, 3 * _UNPACK_CHUNK + 17):
+        raw = [(i * 7919) % 300_000 for i in range(n)] + [2**32 - 1] * (n > 0)
+        out = unpacked(pack_tokens(raw))
+        assert out == raw and all(type(a) is int for a in out)
