@@ -33,12 +33,12 @@ differ. Text without such spaces (CJK, long symbol runs) stays one segment.
 Cost per call: render + reading `special_ranges` (~1.7 ms for a 520k-character prompt:
 the library converts byte to code-point offsets) + O(prompt length) slicing/keying
 (~1 ms) + tokenizing the misses only, all of them in one call (fastokens' batch encode
-straight to packed uint32 words, ~20 ns/token) + joining the segments' packed words +
-the id list, made once from the joined words (`unpacked`). The cache holds packed words
-only: a cached token costs 4 bytes, and the id list is new int objects allocated in a
-row (~20 ns/token with the CPU caches cold, as they are between requests), where joining
-cached ids or gathering shared int objects touches each int's refcount at a random
-address (~130 ns/token cold). Figures: bench/preprocess.py (`--baseline` runs the
+straight to packed uint32 words, ~20 ns/token) + joining the segments' packed words.
+The ids are those words (`kvcache.packed_ids.PackedIds`: no int object per token unless
+something iterates them; JSON to the worker is written from the words). The cache holds
+packed words only: a cached token costs 4 bytes, where joining cached ids or gathering
+shared int objects touched each int's refcount at a random address (~130 ns/token with
+the CPU caches cold, as they are between requests). Figures: bench/preprocess.py (`--baseline` runs the
 pre-change tree side by side). Memory: the cache is bounded by `cache_bytes` (default
 256 MiB, ~9 B per cached token with text keys; see segment_cache.py).
 
@@ -51,13 +51,13 @@ is tested against (tests/unit/test_encoder.py) and benchmarked against (bench/pr
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import deepseek_recipe as dr
-import numpy as np
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
+from deepinfer_gateway.kvcache.packed_ids import PackedIds
 from deepinfer_gateway.recipe_bridge.segment_cache import (
     DEFAULT_DIGEST_MIN_CHARS,
     CacheStats,
@@ -89,21 +89,6 @@ def pieces(text: str, piece_chars: int) -> Iterator[str]:
     yield text[start:]
 
 
-# The id list is made in chunks: one `tolist` over a 1M-token prompt holds the GIL for
-# ~20 ms, stalling the gateway's event loop while a large prompt is prepared in a thread;
-# between chunks the interpreter can hand the GIL over.
-_UNPACK_CHUNK = 32768
-
-
-def unpacked(packed: bytes) -> list[int]:
-    """The ids of little-endian uint32 words (`kvcache.hashing.pack_tokens` reversed)."""
-    words = np.frombuffer(packed, dtype="<u4")
-    ids: list[int] = []
-    for start in range(0, len(words), _UNPACK_CHUNK):
-        ids += words[start:start + _UNPACK_CHUNK].tolist()
-    return ids
-
-
 _PENDING = b""  # a miss's place until the misses are tokenized
 
 
@@ -115,7 +100,7 @@ class _Work(NamedTuple):
 
 
 class EncodedPrompt(NamedTuple):
-    token_ids: list[int]
+    token_ids: Sequence[int]
     packed: bytes  # kvcache.hashing.pack_tokens(token_ids)
 
 
@@ -155,7 +140,7 @@ class PromptEncoder:
         self._piece_chars = piece_chars if self.plain.cuts_at_word_spaces else 0
 
     def encode(self, conversation: dr.Conversation) -> list[int]:
-        return self.encode_packed(conversation).token_ids
+        return list(self.encode_packed(conversation).token_ids)
 
     def encode_packed(self, conversation: dr.Conversation) -> EncodedPrompt:
         rendered = self._render(conversation)
@@ -183,7 +168,7 @@ class PromptEncoder:
             for key, piece in made.items():  # a text repeated within the prompt is cached once
                 self.cache.put(key, piece)
         packed = b"".join(segments)
-        return EncodedPrompt(unpacked(packed), packed)
+        return EncodedPrompt(PackedIds(packed), packed)
 
     def _add_text(self, work: _Work, text: str) -> None:
         if self._piece_chars and len(text) > self._piece_chars:

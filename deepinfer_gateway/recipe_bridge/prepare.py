@@ -16,6 +16,7 @@ preparation runs), prepared.py (`PreparedRequest` and the other types, re-export
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import deepseek_recipe as dr
@@ -122,7 +123,7 @@ class RequestPreparer:
             token_ids, _ = self._encode(conv)
         return TokenCount(target.served, requested, len(token_ids) + images.token_adjustment)
 
-    def _encode(self, conv: dr.ConversationRequest) -> tuple[list[int], bytes | None]:
+    def _encode(self, conv: dr.ConversationRequest) -> tuple[Sequence[int], bytes | None]:
         try:
             return self.encoder.encode_packed(conv.conversation)
         except RuntimeError as exc:  # text the vocabulary cannot encode

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -39,7 +40,7 @@ class PreparedRequest:
     protocol: ApiProtocol
     model: str  # the served name: metrics, usage, allow-lists
     conversation: dr.ConversationRequest | None  # None for legacy completions
-    token_ids: list[int]
+    token_ids: Sequence[int]  # the encoder's `PackedIds`, or a list
     sampling: Sampling
     stream: bool
     include_usage: bool

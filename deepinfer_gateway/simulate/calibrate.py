@@ -18,6 +18,7 @@ import time
 
 import orjson
 
+from deepinfer_gateway.kvcache.packed_ids import ids_json
 from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.simulate.config import GatewayCost
 
@@ -55,7 +56,7 @@ def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int 
             prepared = preparer.prepare(ApiProtocol.CHAT, body)
             for salt in salts:  # as the gateway does: from the encoder's packed tokens
                 block_hashes(prepared.token_ids, salt, packed=prepared.packed_tokens)
-            wire = orjson.dumps({"request_id": "r", "token_ids": prepared.token_ids, "role": "prefill"})
+            wire = ids_json({"request_id": "r", "token_ids": prepared.token_ids, "role": "prefill"})
             received = GenerateRequest.model_validate_json(wire)
             block_hashes(received.token_ids, salts[0])
             times.append(time.perf_counter() - started)

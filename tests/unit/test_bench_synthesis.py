@@ -28,7 +28,7 @@ def prompt_ids():
         body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
         if protocol is ApiProtocol.RESPONSES:
             body = {"model": "DeepSeek-V4.1-Flash", "input": text}
-        return preparer.prepare(protocol, orjson.dumps(body)).token_ids
+        return list(preparer.prepare(protocol, orjson.dumps(body)).token_ids)
 
     return ids
 

@@ -18,7 +18,8 @@ import orjson
 import pytest
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
-from deepinfer_gateway.recipe_bridge.encoder import _UNPACK_CHUNK, PromptEncoder, unpacked
+from deepinfer_gateway.kvcache.packed_ids import _UNPACK_CHUNK, unpacked
+from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import (
     OFFLOAD_BODY_BYTES,
     OFFLOAD_ENV,

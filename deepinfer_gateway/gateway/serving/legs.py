@@ -159,7 +159,7 @@ class Legs:
         for the decode), and the decode leg opens with `handoff` and the prompt plus the
         prefill's tokens (`output_ids`: none when it handed off before any)."""
         prefill.release(abort=False)
-        token_ids = leg.token_ids + output_ids if output_ids else None
+        token_ids = [*leg.token_ids, *output_ids] if output_ids else None
         return await self.decode(leg.decode(handoff, token_ids), handoff["kv_format"])
 
     async def decode(self, leg: LegRequest, kv_format: str) -> tuple[Lease, dict[str, Any]]:

@@ -21,6 +21,7 @@ vllm_upstream.py; openai_upstream.py), built from upstreams.ADAPTERS by the work
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -57,7 +58,7 @@ class LegRequest:
     `GenerateRequest`, plus what the router knows of it)."""
 
     request_id: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # the prompt's `PackedIds` (written with packed_ids.ids_json), or a list
     sampling: dict[str, Any]  # the wire's: non-default fields only
     workload_class: str = "chat"
     role: wp.Role = wp.Role.UNIFIED
@@ -81,7 +82,7 @@ class LegRequest:
             body["image_token_adjustment"] = self.image_token_adjustment
         return body
 
-    def decode(self, handoff: dict[str, Any], token_ids: list[int] | None = None) -> LegRequest:
+    def decode(self, handoff: dict[str, Any], token_ids: Sequence[int] | None = None) -> LegRequest:
         """The decode leg continuing this request from `handoff` (`token_ids`: prompt + the
         prefill's tokens, when it sampled any)."""
         return dataclasses.replace(self, role=wp.Role.DECODE, kv_handoff=handoff, predicted_cached=0,

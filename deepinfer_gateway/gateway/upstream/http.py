@@ -27,6 +27,7 @@ from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, MuxMetrics, Timeouts
+from deepinfer_gateway.kvcache.packed_ids import ids_json
 from deepinfer_gateway.worker_auth import SecretTokens, bearer
 
 TOKEN_REFRESH_S = 1.0
@@ -112,9 +113,9 @@ class HttpPool:
         a short call under the control timeout (abort)."""
         with http_errors(url):
             if control:
-                return await self.session.post(url + path, data=orjson.dumps(body), headers=self.headers(request_id),
+                return await self.session.post(url + path, data=ids_json(body), headers=self.headers(request_id),
                                                timeout=self._control)
-            return await self.session.post(url + path, data=orjson.dumps(body), headers=self.headers(request_id))
+            return await self.session.post(url + path, data=ids_json(body), headers=self.headers(request_id))
 
     async def get(self, url: str, path: str) -> tuple[int, bytes]:
         """A control GET: (status, body) under the control timeout; failures as UpstreamErrors."""

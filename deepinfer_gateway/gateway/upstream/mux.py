@@ -49,6 +49,7 @@ from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, LegRequest, MuxMetrics, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
+from deepinfer_gateway.kvcache.packed_ids import ids_json
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ class MuxConnection:
             raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self.url} closed")
         if rid in self._streams:
             raise UpstreamError(UpstreamKind.PROTOCOL, f"request {rid} is already open on {self.url}", retryable=False)
-        data = orjson.dumps([wp.generate_op(leg.wire(), tracing.inject({}))])
+        data = ids_json([wp.generate_op(leg.wire(), tracing.inject({}))])
         if len(data) > wp.MAX_MUX_MESSAGE_BYTES:
             raise TooLarge(f"a {len(data)}-byte generate op")
         stream = self._streams[rid] = MuxStream(self, rid)

@@ -29,6 +29,7 @@ as the epoch) become the registry's `WorkerInfo` and `LoadReport`.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,7 @@ async def probe(http: HttpPool, spec: VllmWorkerSpec) -> VllmFacts:
     )
 
 
-def completion_body(model: str, token_ids: list[int], sampling: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     """The `/v1/completions` body for a worker-protocol request (`sampling` as the worker
     body carries it: non-default fields only)."""
     body: dict[str, Any] = {

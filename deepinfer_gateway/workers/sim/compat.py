@@ -155,7 +155,7 @@ class CompatLayer:
     async def frames(self, prepared: PreparedRequest) -> AsyncIterator[bytes]:
         """A prepared request's answer in its protocol's framing (SSE events, or the parts of one body)."""
         out = ResponseStream(prepared, self.bundle, "msg_" + uuid.uuid4().hex)
-        async for event in self.events(prepared.token_ids, prepared.sampling):
+        async for event in self.events(list(prepared.token_ids), prepared.sampling):
             kind = event["event"]
             if kind == "ready":
                 cached = event["cached_tokens"]
