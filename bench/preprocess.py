@@ -1,14 +1,16 @@
 """Gateway-side preprocessing and relay cost, segment-cached encoder vs deepseek-recipe's encode.
 
     python bench/preprocess.py [--repeats 20] [--target-tokens 128000] [--relay-tokens 200000] [--no-relay]
-    python bench/preprocess.py --baseline DIR [--rounds 3] [--repeats 9] [--startups 6]
+    python bench/preprocess.py --baseline DIR [--rounds 3] [--repeats 9] [--startups 6] [--cold-caches]
 
 `--baseline DIR` (e.g. `git worktree add /tmp/base <commit>`): this tree against the source
 tree DIR, each in its own process (PYTHONPATH=tree; each asserts it imported its own), the
 gateway path of (a) and (b) below, samples alternating between the trees (which one goes
 first alternates too); both trees' ids must be equal (SHA-256 of each turn). Reported:
 CPU-time medians (headline: the box is shared) and wall, [min, p25, p75, max] spreads and
-per-round medians; then `--startups` fresh processes per tree, alternating, timing the
+per-round medians (`--cold-caches`: each turn also timed after writing 64 MiB, so the CPU
+caches hold none of the encoder's data, as between a gateway's requests); then `--startups`
+fresh processes per tree, alternating, timing the
 encoder's build (CPU) and peak RSS. `baseline_*` keys are the other tree's; JSON last.
 
 (a) first turn: a ~128k-token multi-turn Chat Completions conversation (system prompt,
@@ -61,6 +63,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import deepseek_recipe as dr
+import numpy as np
 import orjson
 
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt, pack_tokens
@@ -375,16 +378,21 @@ def child(mode: str, target_tokens: int) -> None:
                for b in (first, follow)]
     print(json.dumps({**ready, "digests": digests, "plain": encoder.plain.name}), flush=True)
     gc.collect()
+    evict = np.zeros(_EVICT_BYTES, dtype=np.uint8)
     for line in sys.stdin:
+        turn, _, cold = line.strip().partition("-")
         cpu: list[float] = []
         encoder.cache.clear()
-        if line.strip() == "first":
-            wall = _ms(_pipeline(preparer, first, PrefixHasher()), cpu)
-        else:
-            hasher = PrefixHasher()
+        hasher = PrefixHasher()
+        if turn == "follow":
             _pipeline(preparer, first, hasher)()  # the caches hold exactly the previous turn
-            wall = _ms(_pipeline(preparer, follow, hasher), cpu)
+        if cold:
+            evict += 1  # out of the CPU caches: what a gateway's other work does between requests
+        wall = _ms(_pipeline(preparer, first if turn == "first" else follow, hasher), cpu)
         print(json.dumps({"wall": wall, "cpu": cpu[0]}), flush=True)
+
+
+_EVICT_BYTES = 64 << 20  # more than any last-level cache of the machines benchmarked here
 
 
 def _spawn(tree: str, mode: str, target_tokens: int) -> subprocess.Popen[str]:
@@ -405,28 +413,33 @@ def _ask(proc: subprocess.Popen[str], command: str | None = None) -> dict[str, A
     return answer
 
 
-def versus(baseline: str, rounds: int, repeats: int, startups: int, target_tokens: int) -> dict[str, Any]:
+def versus(baseline: str, rounds: int, repeats: int, startups: int, target_tokens: int,
+           cold: bool = False) -> dict[str, Any]:
     """Both trees' first turn and follow-up, samples alternating between the trees (the
     first tree of each sample alternates too), then `startups` fresh processes per tree
-    alternating; CPU time is the headline (the box is shared), wall beside it."""
+    alternating; CPU time is the headline (the box is shared), wall beside it. `cold`: each
+    turn also timed with the CPU caches emptied first (`*_cold_*` keys)."""
+    turns = {"first": "first", "follow": "follow"}
+    if cold:
+        turns |= {"first-cold": "first_cold", "follow-cold": "follow_cold"}
     trees = {"": str(Path(__file__).resolve().parent.parent), "baseline_": str(Path(baseline).resolve())}
     procs = {prefix: _spawn(tree, "serve", target_tokens) for prefix, tree in trees.items()}
     ready = {prefix: _ask(proc) for prefix, proc in procs.items()}
     for prefix, tree in trees.items():  # each child imported its own tree
         assert ready[prefix]["package"].startswith(tree + "/"), (ready[prefix]["package"], tree)
     assert ready[""]["digests"] == ready["baseline_"]["digests"], "the trees' token ids differ"
-    samples: dict[str, list[float]] = {f"{p}{k}": [] for p in trees for k in ("first_cpu", "first_wall",
-                                                                            "follow_cpu", "follow_wall")}
-    round_medians: dict[str, list[float]] = {f"{p}{k}": [] for p in trees for k in ("first_cpu", "follow_cpu")}
+    samples: dict[str, list[float]] = {f"{p}{t}_{k}": [] for p in trees for t in turns.values()
+                                       for k in ("cpu", "wall")}
+    round_medians: dict[str, list[float]] = {f"{p}{t}_cpu": [] for p in trees for t in turns.values()}
     n = 0
     for _ in range(rounds):
         start = {k: len(v) for k, v in samples.items()}
         for _ in range(repeats):
             order = list(trees) if n % 2 == 0 else list(trees)[::-1]
             n += 1
-            for turn in ("first", "follow"):
+            for command, turn in turns.items():
                 for prefix in order:
-                    answer = _ask(procs[prefix], turn)
+                    answer = _ask(procs[prefix], command)
                     samples[f"{prefix}{turn}_cpu"].append(answer["cpu"])
                     samples[f"{prefix}{turn}_wall"].append(answer["wall"])
         for key in round_medians:
@@ -467,8 +480,18 @@ def versus(baseline: str, rounds: int, repeats: int, startups: int, target_token
                 f"{prefix}peak_rss_at_ready_mib": round(med[f"{prefix}rss"], 1),
                 f"{prefix}peak_rss_at_ready_spread": _spread(boot[f"{prefix}rss"]),
             })
+        if cold:
+            result.update({
+                f"{prefix}first_turn_cold_cpu_ms": round(med[f"{prefix}first_cold_cpu"], 2),
+                f"{prefix}follow_up_cold_cpu_ms": round(med[f"{prefix}follow_cold_cpu"], 2),
+                f"{prefix}first_turn_cold_cpu_spread": _spread(samples[f"{prefix}first_cold_cpu"]),
+                f"{prefix}follow_up_cold_cpu_spread": _spread(samples[f"{prefix}follow_cold_cpu"]),
+            })
     result["first_turn_cpu_over_baseline"] = round(med["first_cpu"] / med["baseline_first_cpu"], 3)
     result["follow_up_cpu_over_baseline"] = round(med["follow_cpu"] / med["baseline_follow_cpu"], 3)
+    if cold:
+        result["first_turn_cold_cpu_over_baseline"] = round(med["first_cold_cpu"] / med["baseline_first_cold_cpu"], 3)
+        result["follow_up_cold_cpu_over_baseline"] = round(med["follow_cold_cpu"] / med["baseline_follow_cold_cpu"], 3)
     return result
 
 
@@ -486,13 +509,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds of --repeats samples")
     parser.add_argument("--startups", type=int, default=5,
                         help="with --baseline: fresh processes per tree timing the encoder's start-up")
+    parser.add_argument("--cold-caches", action="store_true",
+                        help="with --baseline: also time each turn with the CPU caches emptied first")
     parser.add_argument("--child", choices=("serve", "startup"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.target_tokens)
         return
     if args.baseline:
-        result = versus(args.baseline, args.rounds, args.repeats, args.startups, args.target_tokens)
+        result = versus(args.baseline, args.rounds, args.repeats, args.startups, args.target_tokens,
+                        args.cold_caches)
         for key, value in result.items():
             print(f"{key:40s} {value}")
         print(json.dumps(result))
