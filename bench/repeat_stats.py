@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate", "errors", "router_cpu_ms_per_req",
+           "workers_cpu_ms_per_req",
            "proxy_cpu_ms_per_req",  # the epp target's Envoy
            "client_send_lag_p99_s", "others_cpu_cores",
            "follow_up_hit_rate", "follow_up_vs_planned", "session_makespan_p50_s")  # the last three: --sessions
-RATIO_FIGURES = {"p99": "ttft_p99_s", "p90": "ttft_p90_s", "p50": "ttft_p50_s", "hit": "hit_rate"}
+RATIO_FIGURES = {"p99": "ttft_p99_s", "p90": "ttft_p90_s", "p50": "ttft_p50_s", "hit": "hit_rate",
+                 "router_cpu": "router_cpu_ms_per_req", "workers_cpu": "workers_cpu_ms_per_req"}
 
 
 def describe(values: Sequence[float]) -> dict[str, float | None]:

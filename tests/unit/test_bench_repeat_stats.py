@@ -30,10 +30,10 @@ def test_ratio_interval_brackets_the_ratio_and_narrows_with_agreeing_runs() -> N
 
 
 def test_summarise_per_target_and_ratios_to_each_peer() -> None:
-    rows = [{"target": "gateway", "ttft_p99_s": p99, "ttft_p90_s": 0.5, "ttft_p50_s": 0.3, "hit_rate": 0.16}
-            for p99 in (1.0, 1.2, 1.4)]
-    rows += [{"target": "sglang-router", "ttft_p99_s": p99, "ttft_p90_s": 1.0, "ttft_p50_s": 0.3, "hit_rate": 0.15}
-             for p99 in (2.0, 2.4, 2.8)]
+    rows = [{"target": "gateway", "ttft_p99_s": p99, "ttft_p90_s": 0.5, "ttft_p50_s": 0.3, "hit_rate": 0.16,
+             "router_cpu_ms_per_req": 10.0} for p99 in (1.0, 1.2, 1.4)]
+    rows += [{"target": "sglang-router", "ttft_p99_s": p99, "ttft_p90_s": 1.0, "ttft_p50_s": 0.3, "hit_rate": 0.15,
+              "router_cpu_ms_per_req": 5.0} for p99 in (2.0, 2.4, 2.8)]
     out = repeat_stats.summarise(rows)
     gateway = out["targets"]["gateway"]
     assert gateway["runs"] == 3 and gateway["ttft_p99_s_median"] == 1.2 and gateway["ttft_p99_s_spread"] == 1.4
@@ -41,4 +41,6 @@ def test_summarise_per_target_and_ratios_to_each_peer() -> None:
     ratios = out["ratios"]["gateway_vs_sglang-router"]
     assert ratios["p99"]["ratio"] == 0.5 and ratios["p90"]["ratio"] == 0.5
     assert ratios["hit"]["ratio"] == round(0.16 / 0.15, 3)
+    assert ratios["router_cpu"] == {"ratio": 2.0, "low": 2.0, "high": 2.0}
+    assert ratios["workers_cpu"]["ratio"] is None  # no run reported it
     assert set(out["ratios"]) == {"gateway_vs_sglang-router"}
