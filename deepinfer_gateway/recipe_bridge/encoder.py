@@ -38,9 +38,10 @@ The ids are those words (`kvcache.packed_ids.PackedIds`: no int object per token
 something iterates them; JSON to the worker is written from the words). The cache holds
 packed words only: a cached token costs 4 bytes, where joining cached ids or gathering
 shared int objects touched each int's refcount at a random address (~130 ns/token with
-the CPU caches cold, as they are between requests). Figures: bench/preprocess.py (`--baseline` runs the
-pre-change tree side by side). Memory: the cache is bounded by `cache_bytes` (default
-256 MiB, ~9 B per cached token with text keys; see segment_cache.py).
+the CPU caches cold, as they are between requests). Figures: bench/preprocess.py
+(`--baseline` runs the pre-change tree side by side, `--cold-caches` also cold). Memory:
+the cache is bounded by `cache_bytes` (default 256 MiB, ~9 B per cached token with text
+keys; see segment_cache.py).
 
 `encode_packed` also returns the prompt packed, for block hashing.
 
@@ -100,7 +101,7 @@ class _Work(NamedTuple):
 
 
 class EncodedPrompt(NamedTuple):
-    token_ids: Sequence[int]
+    token_ids: Sequence[int]  # PackedIds(packed) from PromptEncoder, a list from the reference
     packed: bytes  # kvcache.hashing.pack_tokens(token_ids)
 
 
