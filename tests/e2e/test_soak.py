@@ -53,7 +53,7 @@ async def transcripts(worker_url: str) -> dict[int, tuple[str, int]]:
     async with aiohttp.ClientSession() as session:
         for i in range(PROMPTS):
             prepared = preparer.prepare(ApiProtocol.CHAT, json.dumps(request_body(i)).encode())
-            body = {"request_id": f"transcript-{i}", "token_ids": prepared.token_ids,
+            body = {"request_id": f"transcript-{i}", "token_ids": list(prepared.token_ids),
                     "sampling": prepared.sampling.model_dump(by_alias=True, exclude_defaults=True)}
             ids: list[int] = []
             async with session.post(worker_url + wp.GENERATE_PATH, json=body) as r:

@@ -24,7 +24,7 @@ async def test_sim_log_wait_returns_at_the_next_append() -> None:
     assert not waiting.done()
     log.append(KvEventKind.STORED, KvTier.MEMORY, [1, 2])
     took = await asyncio.wait_for(waiting, 1)
-    assert 0.05 <= took < 1 and [e.seq for e in log.batch(1).events] == [2]
+    assert took < 1 and [e.seq for e in log.batch(1).events] == [2]  # waited (not done above), woke at the append
 
 
 async def test_sim_log_wait_times_out_and_skips_when_behind() -> None:
@@ -55,7 +55,9 @@ async def test_deepinfer_log_wakes_waiters_from_the_step_thread() -> None:
     thread.start()
     took = await asyncio.wait_for(asyncio.gather(*waiters), 1)
     thread.join()
-    assert all(0.05 <= t < 1 for t in took)
+    # Each waited (not done before the append) and woke at it, long before its 10 s. No lower
+    # bound: a busy box starts the tasks late in the 50 ms sleep, so they waited less than it.
+    assert all(t < 1 for t in took)
     assert 0.1 <= await timed(log.wait_past(2, 0.1)) < 1
 
 
