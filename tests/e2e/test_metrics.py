@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import yaml
 from openai.types import CompletionUsage
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -30,6 +31,7 @@ from deepinfer_gateway.gateway.telemetry.metrics_reference import (
     render,
 )
 from deepinfer_gateway.launch import Gateway, SimCluster
+from deepinfer_gateway.protocol import V1Fallback
 from tests.fault_doubles import scrape, scrape_until, total
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -289,6 +291,40 @@ def test_dashboard_panels_query_only_registry_metrics_and_their_labels() -> None
             if set(REQUEST_LABELS) <= set(docs[name].labels):
                 for label in REQUEST_LABELS:
                     assert f'{label}=~"${label}"' in matchers, f"{title}: {name} ignores ${label}"
+
+
+RULES = ROOT / "deploy" / "prometheus" / "rules" / "dgw-alerts.yml"
+GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+MATCHER = re.compile(r'(\w+)\s*(?:=~|!~|!=|=)\s*"([^"]*)"')
+
+
+def _rule_exprs() -> list[tuple[str, str]]:
+    rules = yaml.safe_load(RULES.read_text())
+    return [(r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"] if "alert" in r]
+
+
+@pytest.mark.parametrize("source", ["dashboard", "alert rules"])
+def test_queries_match_and_group_by_labels_their_metrics_have(source: str) -> None:
+    """A misspelt label in a matcher or a `by (...)` selects or groups nothing, silently:
+    every label named is one of the queried metrics' own (or a scrape label), and a `reason`
+    matcher names a V1Fallback value."""
+    docs = {n: d for d in metric_docs() for n in d.series_names()}
+    scrape_labels = {"instance", "job", "le"}
+    exprs = _exprs(_dashboard()) if source == "dashboard" else _rule_exprs()
+    assert exprs
+    for title, expr in exprs:
+        selectors = SELECTOR.findall(expr)
+        if not selectors:
+            continue  # up{job=...}: scrape-only
+        have = scrape_labels.union(*(docs[name].labels for name, _ in selectors if name in docs))
+        for name, matchers in selectors:
+            for label, value in MATCHER.findall(matchers or ""):
+                assert label in have, f"{title}: {name} has no {label}"
+                if name.startswith("dgw_worker_v1_fallbacks") and label == "reason":
+                    assert value in {r.value for r in V1Fallback}, f"{title}: no fallback reason {value}"
+        for group in GROUPING.findall(expr):
+            for label in filter(None, (part.strip() for part in group.split(","))):
+                assert label in have, f"{title}: groups by {label}, which {sorted(have)} lack"
 
 
 def test_dashboard_compares_ttft_p50_and_p99_by_hardware() -> None:
