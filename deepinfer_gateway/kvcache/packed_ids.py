@@ -4,8 +4,8 @@ The gateway's prompt encoder produces the packed words (block hashing reads them
 are); a list of int objects costs ~20 ns per token to make and orjson ~20 more to write,
 where orjson writes the words themselves at ~8 ns per token. So a prompt travels as
 `PackedIds`: a read-only sequence of ints whose list is made only when something indexes
-or iterates it, and which JSON writes from the words (`json_default`, with
-`orjson.OPT_SERIALIZE_NUMPY`: the `JSON_OPTIONS` every writer of a worker request uses).
+or iterates it, and which JSON writes from the words (`ids_json`, which every writer of a
+worker request uses: orjson's numpy support, handed a view of the words).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import orjson
 # One `tolist` over a 1M-token prompt holds the GIL for ~20 ms, stalling the gateway's event
 # loop while a large prompt is prepared in a thread; between chunks the GIL can be handed over.
 _UNPACK_CHUNK = 32768
-
-JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
 def unpacked(packed: bytes) -> list[int]:
@@ -81,8 +79,8 @@ class PackedIds(Sequence[int]):
         return f"PackedIds({len(self)} ids)"
 
 
-def json_default(value: object) -> Any:
-    """orjson's `default` for worker requests: a `PackedIds` as its words."""
+def _json_default(value: object) -> Any:
+    """orjson's `default`: a `PackedIds` as its words."""
     if isinstance(value, PackedIds):
         return value.array()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
@@ -90,4 +88,4 @@ def json_default(value: object) -> Any:
 
 def ids_json(value: Any) -> bytes:
     """orjson.dumps for a value that may hold `PackedIds`."""
-    return orjson.dumps(value, default=json_default, option=JSON_OPTIONS)
+    return orjson.dumps(value, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import deepseek_recipe as dr
 
 from deepinfer_gateway.kvcache.hashing import pack_tokens
-from deepinfer_gateway.kvcache.packed_ids import PackedIds
+from deepinfer_gateway.kvcache.packed_ids import PackedIds, unpacked
 from deepinfer_gateway.recipe_bridge.segment_cache import (
     DEFAULT_DIGEST_MIN_CHARS,
     CacheStats,
@@ -141,7 +141,7 @@ class PromptEncoder:
         self._piece_chars = piece_chars if self.plain.cuts_at_word_spaces else 0
 
     def encode(self, conversation: dr.Conversation) -> list[int]:
-        return list(self.encode_packed(conversation).token_ids)
+        return unpacked(self.encode_packed(conversation).packed)
 
     def encode_packed(self, conversation: dr.Conversation) -> EncodedPrompt:
         rendered = self._render(conversation)
