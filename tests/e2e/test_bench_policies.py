@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared_data import CONVERSATION, needs_shared
+
 REPO = Path(__file__).resolve().parents[2]
-CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 ROW_KEYS = {"hit_rate", "hit_rate_memory", "hit_rate_store", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
             "load_max_over_mean", "requests", "errors", "lost"}
 
@@ -41,7 +42,7 @@ def test_memory_blocks_auto_scales_hbm_by_the_speedup() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+@needs_shared(CONVERSATION)
 def test_policies_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = _module()
     rc = m.main(["--trace", str(CONVERSATION), "--requests", "20", "--policies", "round_robin,estimated_ttft",

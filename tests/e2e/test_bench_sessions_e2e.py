@@ -17,8 +17,9 @@ from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, replay_sessi
 from deepinfer_gateway.workload.sessions import load_sessions
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 from deepinfer_gateway.workload.types import RequestRecord, read_records
+from tests.shared_data import TRACELAB, needs_shared
 
-MULTI = Path("/work/shared/traces/tracelab/multi_session_example.csv")
+MULTI = TRACELAB / "multi_session_example.csv"
 KV_BLOCK = 128  # the sim workers' KV block (tokens)
 
 
@@ -92,7 +93,7 @@ def test_a_follow_up_round_carries_the_previous_answer_and_hits_the_cache(agent_
     assert follow_ups == trace.rounds - len(trace.sessions)
 
 
-@pytest.mark.skipif(not MULTI.exists(), reason="shared traces not mounted")
+@needs_shared(MULTI)
 def test_bench_cli_replays_a_tracelab_file_closed_loop(agent_gateway: Gateway, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sessions"

@@ -23,8 +23,8 @@ from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.workload import trace_sources
 from deepinfer_gateway.workload.trace_sources import SOURCES, TraceFetchError, TraceSource, fetch
 from deepinfer_gateway.workload.traces import load_trace
+from tests.shared_data import TRACES, needs_shared
 
-SHARED = Path("/work/shared/traces")
 LINES = b"".join(
     json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 4, "hash_ids": [0, i + 1]}).encode()
     + b"\n" for i in range(5))
@@ -158,11 +158,11 @@ SHARED_COPIES = {  # registry name -> byte-identical copy (decompressed where gz
 
 
 def _shared_bytes(name: str) -> bytes:
-    data = (SHARED / name).read_bytes()
+    data = (TRACES / name).read_bytes()
     return gzip.decompress(data) if name.endswith(".gz") else data
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared traces not mounted")
+@needs_shared(TRACES)
 def test_real_pins_accept_the_published_files(mirror: Mirror, monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
     for name, copy in SHARED_COPIES.items():
@@ -182,7 +182,7 @@ def test_real_pins_accept_the_published_files(mirror: Mirror, monkeypatch: pytes
     assert fetch(as_blob.name).read_bytes() == _shared_bytes(SHARED_COPIES["mooncake:synthetic"])
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared traces not mounted")
+@needs_shared(TRACES)
 def test_bench_cli_replays_a_named_trace(gateway, mirror: Mirror, monkeypatch: pytest.MonkeyPatch,
                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mirror.put(SOURCES["azure:code"], _shared_bytes("AzureLLMInferenceTrace_code.csv"))

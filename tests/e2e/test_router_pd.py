@@ -15,9 +15,9 @@ import pytest
 
 from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.launch import Gateway, SimCluster
+from tests.shared_data import CONVERSATION, needs_shared
 
 MODEL = "DeepSeek-V4.1-Flash"
-CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 PD_WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"
 ADMIN_KEY = "admin-secret"
 ADMIN_TOML = """
@@ -207,7 +207,7 @@ def test_admin_index_stats(pd_gateway: Gateway) -> None:
     assert all(w["last_seq"] >= 0 for w in stats["workers"].values())
 
 
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+@needs_shared(CONVERSATION)
 def test_bench_sweeps_routing_policies_through_the_admin_api(pd_gateway: Gateway, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     before = _prefill_decisions(pd_gateway, "round_robin")

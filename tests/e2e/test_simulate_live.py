@@ -31,8 +31,8 @@ from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.simulate import ClusterConfig, run_simulation
 from deepinfer_gateway.simulate.calibrate import measure_gateway_cost
 from deepinfer_gateway.simulate.config import GatewayCost, WorkerGroup
+from tests.shared_data import CONVERSATION, require
 
-CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"
 REQUESTS, SPEEDUP, TIME_SCALE, OUTPUT_CAP = 120, 2.5, 0.25, 32
 HEALTH_INTERVAL_S = 0.2
@@ -89,8 +89,7 @@ def _median_cost(costs: list[GatewayCost]) -> GatewayCost:
 @pytest.fixture(scope="module")
 def live_and_sim(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """LIVE_REPLAYS live replays and SEEDS simulations of the same slice, shared by the assertions below."""
-    if not CONVERSATION.exists():
-        pytest.skip("shared traces not mounted")
+    require(CONVERSATION)
     tmp_path = tmp_path_factory.mktemp("simlive")
     trace = _slice(tmp_path)
     costs, lives = [], []

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.traces import load_trace
 from deepinfer_gateway.workload.types import TraceRequest
-
-SHARED = Path("/work/shared/traces")
+from tests.shared_data import TRACES, needs_shared
 
 
 def req(i: int, t: float, length: int, ids: tuple[int, ...] | None) -> TraceRequest:
@@ -36,11 +33,11 @@ def test_no_hash_ids_is_none() -> None:
     assert oracle_hit_rate([req(0, 0.0, 10, None)], 512) is None
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared traces not mounted")
+@needs_shared(TRACES)
 @pytest.mark.parametrize(("name", "expected"), [
     ("mooncake_conversation_trace.first_half.jsonl.gz", 0.3465),
     ("mooncake_synthetic_trace.jsonl.gz", 0.6512),
 ])
 def test_readme_figures(name: str, expected: float) -> None:
-    trace = load_trace(str(SHARED / name))
+    trace = load_trace(str(TRACES / name))
     assert round(oracle_hit_rate(trace.requests, trace.block_size) or 0, 4) == expected

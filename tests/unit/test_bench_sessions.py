@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import orjson
 import pytest
@@ -21,9 +20,7 @@ from deepinfer_gateway.workload.sessions import (
 )
 from deepinfer_gateway.workload.summary import session_figures
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
-
-TRACELAB = Path("/work/shared/traces/tracelab")
-needs_tracelab = pytest.mark.skipif(not TRACELAB.exists(), reason="shared traces not mounted")
+from tests.shared_data import TRACELAB, needs_shared
 
 CSV = """session_id,arrival_time,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms
 s1,0,0,100,512,64,250
@@ -77,7 +74,7 @@ def test_other_formats_are_not_sessions_and_cycles_are_refused() -> None:
         load_sessions("synthetic:agent:loop=closed,bogus=1")
 
 
-@needs_tracelab
+@needs_shared(TRACELAB)
 def test_the_shared_tracelab_files_load() -> None:
     multi = load_sessions(str(TRACELAB / "multi_session_example.csv"))
     assert len(multi.sessions) == 3 and multi.rounds == sum(len(s.rounds) for s in multi.sessions)

@@ -10,8 +10,7 @@ import orjson
 import pytest
 
 from deepinfer_gateway.workload.traces import TraceFormatError, load_trace
-
-SHARED = Path("/work/shared/traces")
+from tests.shared_data import CONVERSATION, TRACES, needs_shared
 
 
 def test_mooncake_gz_rebases_and_keeps_file_order_on_ties(tmp_path: Path) -> None:
@@ -47,12 +46,12 @@ def test_azure_csv(tmp_path: Path) -> None:
     assert not trace.has_prefix_info
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared traces not mounted")
+@needs_shared(CONVERSATION, TRACES / "AzureLLMInferenceTrace_code.csv")
 def test_shared_traces_load() -> None:
-    conv = load_trace(str(SHARED / "mooncake_conversation_trace.first_half.jsonl.gz"))
+    conv = load_trace(str(CONVERSATION))
     assert len(conv.requests) == 5606 and conv.requests[-1].arrival_s == pytest.approx(1767.0)
     assert all(len(r.hash_ids or ()) == math.ceil(r.input_length / 512) for r in conv.requests)
-    code = load_trace(str(SHARED / "AzureLLMInferenceTrace_code.csv"))
+    code = load_trace(str(TRACES / "AzureLLMInferenceTrace_code.csv"))
     assert len(code.requests) == 8819 and code.requests[-1].arrival_s == pytest.approx(3435.948, abs=1e-3)
 
 

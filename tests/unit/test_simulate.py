@@ -15,9 +15,9 @@ from deepinfer_gateway.simulate import simulator as simulator_module
 from deepinfer_gateway.simulate.config import WorkerGroup
 from deepinfer_gateway.simulate.tokens import HEADER_TOKENS, PromptTokens
 from deepinfer_gateway.workload.types import Trace, TraceRequest
+from tests.shared_data import CONVERSATION, needs_shared
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "bench" / "clusters"
-CONVERSATION = Path("/work/shared/traces/mooncake_conversation_trace.first_half.jsonl.gz")
 
 
 def _trace(n: int = 60, seed: int = 3) -> Trace:
@@ -134,7 +134,7 @@ def test_too_long_prompt_is_an_error_not_a_crash() -> None:
     assert records[0].error == "http_4xx" and records[1].ok and summary["completed"] == 1
 
 
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not mounted")
+@needs_shared(CONVERSATION)
 def test_cli_simulate_prints_summary_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["--log-level", "warning", "simulate", "--trace", str(CONVERSATION), "--cluster",
                    str(CLUSTERS / "demo-pd.toml"), "--max-requests", "40", "--speedup", "4", "--out", str(tmp_path),
