@@ -1,7 +1,7 @@
 # DeepInfer Gateway image: one image for every role.
 #
 #   docker build -t deepinfer-gateway:local .
-#   docker run --rm -p 8000:8000 deepinfer-gateway:local                      # demo (default CMD)
+#   docker run --rm -p 8000:8000 deepinfer-gateway:local                      # demo (default CMD; prints its API key)
 #   docker run ... deepinfer-gateway:local serve --config /etc/deepinfer-gateway/gateway.toml
 #   docker run ... deepinfer-gateway:local worker --engine sim --role prefill --hardware sm100 \
 #                                             --host 0.0.0.0 --port 8100

@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pd: prefill and decode pools; unified: workers doing both")
     demo.add_argument("--worker-base-port", type=int, default=8100, help="first simulated worker's port")
     demo.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by this")
+    demo.add_argument("--api-key", metavar="KEY", default=None,
+                      help="the key clients must present (default: none on loopback, else a random one, printed)")
     demo.add_argument("--processes", metavar="N", type=processes, default=None,
                       help="gateway processes behind the port, or auto: one per CPU (default: 2 where more than "
                            "one CPU is available, else 1)")
@@ -177,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: the settings', else estimated_ttft)")
     serve.add_argument("--api-key", metavar="KEY", action="append", default=None,
                        help="accept this key, repeatable; kept only as its SHA-256, no admin rights "
-                            "(default: the settings' api_keys; none at all: authentication off)")
+                            "(default: the settings' api_keys; none at all: authentication off, refused beyond "
+                            "loopback unless --allow-unauthenticated)")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve without API keys on an address beyond loopback (default: the settings' "
+                            "allow_unauthenticated, else refused)")
     serve.add_argument("--processes", metavar="N", type=processes, default=None,
                        help="gateway processes sharing the port, or auto: one per CPU this process may use; above 1 "
                             "they share state through --redis-url, else a Redis server they start on a Unix socket "

@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> int:
     """One gateway process, or `settings.processes` of them under a supervisor; the exit status."""
     from deepinfer_gateway import tracing
+    from deepinfer_gateway.gateway_bind import check_gateway_bind
     from deepinfer_gateway.gateway_process import gateway_app, serve_gateway
     from deepinfer_gateway.supervisor import Supervisor, resolve_processes
 
+    check_gateway_bind(settings)
     processes = resolve_processes(settings.processes)
     if processes > 1:
         return Supervisor(settings, processes, log_level=log_level, log_format=log_format).run()
@@ -60,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         digests = [hash_key(key) for key in args.api_key]
         api_keys = [{"name": f"cli-{digest[:8]}", "key_sha256": digest} for digest in digests]
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url, "workers": args.worker_url,
-                 "api_keys": api_keys, "router": {"policy": args.policy}, "processes": args.processes}
+                 "api_keys": api_keys, "router": {"policy": args.policy}, "processes": args.processes,
+                 "allow_unauthenticated": args.allow_unauthenticated or None}
     settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
     _check_worker_token(settings)
     if args.log_format is None and settings.log_format != "text":  # the config file asked for JSON logs
@@ -101,8 +104,10 @@ def parse_worker_list(text: str) -> list[tuple[str, str]]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings
+    from deepinfer_gateway.config import ApiKey, DgwWorkerSpec, GatewaySettings
+    from deepinfer_gateway.gateway.serving.auth import hash_key
     from deepinfer_gateway.protocol import DEFAULT_MODEL
+    from deepinfer_gateway.worker_auth import is_loopback
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
     ports = [args.worker_base_port + i for i in range(len(specs))]
@@ -123,14 +128,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     workers = tuple(DgwWorkerSpec(url=f"http://127.0.0.1:{port}", role=role, hardware=hardware)
                     for (role, hardware), port in zip(specs, ports, strict=True))
+    # Beyond loopback (the image's default command) the demo is keyed: a key of its own, printed below.
+    api_key = args.api_key or (None if is_loopback(args.host) else secrets.token_urlsafe(24))
+    api_keys = (ApiKey(name="demo", key_sha256=hash_key(api_key)),) if api_key else ()
     settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url,
-                               processes=demo_processes(args.processes, args.redis_url), worker_token=token)
+                               processes=demo_processes(args.processes, args.redis_url), worker_token=token,
+                               api_keys=api_keys)
     base = f"http://{args.host}:{args.port}/v1"
     print(
         f"\nDeepInfer Gateway demo: {len(workers)} simulated workers "
         f"({', '.join(DEMO_TOPOLOGIES[args.topology])}), OpenAI base URL {base}\n\n"
         "  from openai import OpenAI\n"
-        f"  client = OpenAI(base_url=\"{base}\", api_key=\"demo\")\n"
+        f"  client = OpenAI(base_url=\"{base}\", api_key=\"{api_key or 'demo'}\")\n"
         f"  print(client.chat.completions.create(model=\"{DEFAULT_MODEL}\", "
         "messages=[{\"role\": \"user\", \"content\": \"Hello!\"}]).choices[0].message.content)\n",
         flush=True,

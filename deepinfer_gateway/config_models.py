@@ -445,6 +445,10 @@ class GatewaySettings(_Frozen):
                 return v
             v = int(v) if v.lstrip("-").isdigit() else v
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without API keys on a host beyond loopback (anyone who reaches the port is served); "
+                    "off: such a gateway refuses to start.")
             raise ValueError('expected a number of processes, or "auto" (0 too: one per CPU)')
         return v
 

@@ -109,6 +109,7 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "admin_keys_required": "false", "health": '{"interval_s": 9}', "connect_timeout_s": "9",
               "first_event_timeout_s": "9", "between_events_timeout_s": "9", "shutdown_delay_s": "9",
               "shutdown_grace_s": "9", "api_keys": json.dumps([key_record("a", "k")]), "api_keys_in_redis": "true",
+              "allow_unauthenticated": "true",
               "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}',
               "redis_password": "pw", "redis_password_file": "/run/secrets/redis-password", "redis_timeout_s": "2",
               "worker_token": "tok", "worker_token_file": "/run/secrets/worker-token",
