@@ -412,6 +412,11 @@ class GatewaySettings(_Frozen):
     max_attempts: int = Field(3, ge=1, description="Tries on other workers before the first token reaches the client.")
     router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
     admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")
+    admin_worker_hosts: tuple[str, ...] = Field(
+        (),
+        description="Hosts (names, matched as written, never resolved) and CIDRs that a worker added through "
+                    "POST /admin/workers may point at, besides a configured [[workers]] entry's own address; "
+                    "empty: only those (the workers' token goes to every worker; gateway/fleet/worker_allow.py).")
     health: HealthSettings = Field(HealthSettings(), description="Worker health checks.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Connecting to a worker.")
     first_event_timeout_s: float = Field(30.0, gt=0, description="Waiting for a worker's first stream event.")

@@ -34,6 +34,7 @@ from deepinfer_gateway.gateway.fleet.admin_store import AdminStore
 from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
 from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
 from deepinfer_gateway.gateway.http.admin import RoutingUpdate, admin_router
 from deepinfer_gateway.gateway.http.openapi_doc import REF, document
 from deepinfer_gateway.gateway.http.routes import MODELS, ClientRoutes, Endpoint
@@ -149,7 +150,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         server = RequestServer(registry, RoutePlanner(settings.router), index, inflight, bundle, metrics,
                                settings)
         admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, server.planner, settings.workers,
-                          metrics.redis_errors.labels("admin").inc)
+                          metrics.redis_errors.labels("admin").inc,
+                          allow=WorkerAllowList.build(settings.admin_worker_hosts, settings.workers))
         await admin.start()  # with Redis: the shared admin changes, before the first request
         discovery = WorkerDiscovery(settings.discovery, client, registry, admin.set_discovered)
         await discovery.start()  # the workers DNS names now, before the first request

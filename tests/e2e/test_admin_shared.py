@@ -55,6 +55,7 @@ def _toml(redis_url: str, cluster: bool = False) -> str:
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
     # A generous Redis timeout: these tests count Redis errors, and a busy machine can pass the 0.5 s default.
     return (f'redis_url = "{redis_url}"\nredis_cluster = {str(cluster).lower()}\nredis_timeout_s = 10\n'
+            'admin_worker_hosts = ["127.0.0.1"]\n'  # the second sim worker is added at run time
             f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n')
 
 

@@ -76,7 +76,7 @@ def test_redis_crash_and_volume_loss(tmp_path: Path) -> None:
     (tmp_path / "worker-token").write_text("cluster-token\n")
     closed = {"DGW_WORKER_TOKEN_FILE": str(tmp_path / "worker-token"),
               "DGW_REDIS_PASSWORD_FILE": str(tmp_path / "redis-password")}
-    toml = (f'redis_url = "{server.url}"\napi_keys_in_redis = true\n'
+    toml = (f'redis_url = "{server.url}"\napi_keys_in_redis = true\nadmin_worker_hosts = ["127.0.0.1"]\n'
             f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{_digest(ADMIN_KEY)}"\nadmin = true\n')
     server.start()
     cluster = SimCluster("unified:sm100,unified:sm100", time_scale=20.0, env=closed)

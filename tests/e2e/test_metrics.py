@@ -40,6 +40,7 @@ MODEL = "DeepSeek-V4.1-Flash"
 ADMIN_KEY = "metrics-admin"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 KEYS_TOML = f"""
+admin_worker_hosts = ["127.0.0.1"]  # the second sim worker is added at run time
 [[api_keys]]
 name = "admin"
 key_sha256 = "{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"

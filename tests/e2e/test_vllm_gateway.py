@@ -315,7 +315,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 def admin_key_toml() -> str:
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
-    return f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n'
+    return f'admin_worker_hosts = ["127.0.0.1"]\n[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n'
 
 
 @pytest.fixture

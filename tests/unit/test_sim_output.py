@@ -4,6 +4,7 @@ V4.1 template intends: reasoning, content and DSML tool calls."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -155,3 +156,10 @@ def test_regex_best_effort() -> None:
     assert regex_example(r"\d+") == "0"
     assert regex_example(r"yes|no") == "yes"
     assert regex_example(r"[A-Z]{7}") is None
+
+
+def test_regex_runs_in_linear_time() -> None:
+    started = time.monotonic()
+    assert regex_example("(.*)*" * 12 + "!") is None  # minutes of backtracking in Python's `re`
+    assert regex_example(r"(a)\1") is None  # a backreference: RE2 refuses it, plain text follows
+    assert time.monotonic() - started < 1

@@ -39,6 +39,7 @@ from deepinfer_gateway.gateway.fleet.admin_store import (
     routing_inputs,
 )
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.router.planner import RoutePlanner
 
@@ -61,8 +62,10 @@ class SharedStateUnavailable(GatewayError):
 class AdminSync:
     def __init__(self, store: AdminStore | None, registry: WorkerRegistry, feeder: KvEventFeeder,
                  planner: RoutePlanner, static: tuple[WorkerSpec, ...], on_error: Callable[[], None],
-                 reconcile_interval_s: float = RECONCILE_INTERVAL_S):
+                 reconcile_interval_s: float = RECONCILE_INTERVAL_S, allow: WorkerAllowList | None = None):
         self._store = store
+        self._allow = allow or WorkerAllowList.build((), static)
+        self._refused: set[tuple[str, WorkerEntry]] = set()  # shared entries this replica left out, logged once
         self._registry = registry
         self._feeder = feeder
         self._planner = planner
@@ -98,6 +101,8 @@ class AdminSync:
     # --- changes from the admin API ------------------------------------------------------
 
     async def add_worker(self, spec: WorkerSpec) -> WorkerState:
+        """WorkerNotAllowed (400) when the allow-list refuses one of its addresses."""
+        self._allow.check(spec)
         await self._change_worker(spec.worker_id, WorkerEntry(spec=spec))
         await self._registry.check_all()
         return self._registry.workers[spec.worker_id]
@@ -189,7 +194,7 @@ class AdminSync:
             log.warning("admin state reconcile failed (keeping the state last applied): %s", exc)
 
     async def _apply_workers(self, entries: Mapping[str, WorkerEntry]) -> None:
-        want = desired_workers(self._static, entries, self._discovered)
+        want = desired_workers(self._static, self._admitted(entries), self._discovered)
         have = {worker_id: w.spec for worker_id, w in self._registry.workers.items()}
         gone = [worker_id for worker_id, spec in have.items() if want.get(worker_id) != spec]
         new = [spec for worker_id, spec in want.items() if have.get(worker_id) != spec]
@@ -203,6 +208,19 @@ class AdminSync:
             log.info("worker %s added", spec.worker_id)
         if new:
             await self._registry.check_all()  # routable now, not at the next health round
+
+    def _admitted(self, entries: Mapping[str, WorkerEntry]) -> dict[str, WorkerEntry]:
+        """The entries this replica's allow-list admits: a shared one written by a replica with a
+        wider list (or straight into Redis) is left out here, and logged once."""
+        out = {}
+        for worker_id, entry in entries.items():
+            why = None if entry.spec is None else self._allow.refusal(entry.spec)
+            if why is None:
+                out[worker_id] = entry
+            elif (worker_id, entry) not in self._refused:
+                self._refused.add((worker_id, entry))
+                log.warning("admin state: worker %s left out: %s", worker_id, why)
+        return out
 
     def _apply_routing(self, routing: dict[str, str]) -> None:
         try:

@@ -6,20 +6,28 @@ Changes (workers added or removed, routing policies) go through `AdminSync` (adm
 with `redis_url` every replica applies them, and a refused Redis write answers 503 with
 nothing changed; without Redis they apply to the process that receives them. Reads
 (`GET`) show this replica's view. Errors are GatewayErrors, rendered by the app's handler.
+
+A worker added here must pass the allow-list (gateway/fleet/worker_allow.py): every call
+to a worker carries the workers' token. Every change, and every refused one, is logged
+(logger `deepinfer_gateway.admin`, at WARNING: the default level keeps it) with the
+key that made it: its name and the first 8 hex digits of its SHA-256, never the key.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
-from deepinfer_gateway.config import GatewaySettings, parse_worker_spec
+from deepinfer_gateway.config import ApiKey, GatewaySettings, parse_worker_spec
 from deepinfer_gateway.errors import Forbidden, GatewayError
 from deepinfer_gateway.gateway.http.routes import authenticate
 from deepinfer_gateway.gateway.state import gateway_state
+
+audit = logging.getLogger("deepinfer_gateway.admin")
 
 
 class RoutingUpdate(BaseModel):
@@ -36,6 +44,7 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
         key = await authenticate(request)
         if not key.admin and settings.admin_keys_required:
             raise Forbidden("This endpoint needs an API key with admin rights.")
+        request.state.admin_key = key
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -58,7 +67,13 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
             spec = parse_worker_spec(await request.body())
         except ValueError as exc:
             raise GatewayError(f"Invalid worker: {exc}", status_code=400) from None
-        worker = await state.admin.add_worker(spec)
+        try:
+            worker = await state.admin.add_worker(spec)
+        except GatewayError as exc:
+            _audit(request, "worker %s refused: %s", spec.worker_id, exc.message)
+            raise
+        _audit(request, "worker %s added (engine %s, role %s, pool %r)", spec.worker_id, spec.engine,
+               spec.role, spec.pool)
         return JSONResponse({"id": worker.worker_id, "healthy": worker.healthy, "shared": state.admin.shared},
                             status_code=201)
 
@@ -67,6 +82,7 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
         state = gateway_state(request)
         if not await state.admin.remove_worker(worker_id):
             raise GatewayError(f"No worker {worker_id}.", status_code=404)
+        _audit(request, "worker %s removed", worker_id)
         return JSONResponse({"id": worker_id, "removed": True, "shared": state.admin.shared})
 
     @router.get("/index")
@@ -86,6 +102,15 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
             await state.admin.set_routing(update.model_dump(exclude_none=True))
         except ValueError as exc:
             raise GatewayError(f"Invalid routing update: {exc}", status_code=400) from None
+        _audit(request, "routing set: %s", update.model_dump_json(exclude_none=True))
         return JSONResponse(state.planner.describe())
 
     return router
+
+
+def _audit(request: Request, message: str, *args: Any) -> None:
+    """One admin change (or refusal), naming the key that asked for it."""
+    key: ApiKey = request.state.admin_key
+    key_id = key.key_sha256[:8]
+    audit.warning("admin key %s (%s): " + message, key.name, key_id, *args,
+                  extra={"admin_key": key.name, "admin_key_id": key_id})

@@ -12,8 +12,8 @@ Completions tools as JSON) the answer is a DSML calls block, with arguments sati
 each tool's schema, in the template's format: one call of every offered tool whose name
 the last user message mentions (parallel tool calls), or of the first tool when it
 names none. `json` gives a minimal schema-valid
-value; `regex` tries a few candidate strings with `re.fullmatch` (best effort: an
-unmatched regex gets plain text); `ebnf` is ignored.
+value; `regex` tries a few candidate strings with RE2's fullmatch (best effort: an
+unmatched regex, or one RE2 cannot run, gets plain text); `ebnf` is ignored.
 
 The output ends where the model would emit EOS (finish `stop`; like every stop token,
 EOS itself is not streamed) unless `max_tokens` cuts it (`length`); `ignore_eos` pads
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+import re2
 
 from deepinfer_gateway.protocol import FinishReason, Sampling
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
@@ -60,6 +61,13 @@ _TOOL_RESULT_ANSWERS = (
     "Based on the tool result, here is the answer you asked for.",
     "The tool returned its result; summarising it: everything looks fine.",
 )
+# A client's pattern runs on RE2 (linear in the input, no backtracking): Python's `re` lets a
+# pattern like `(.*)*(.*)*...!` hold the worker's event loop for minutes. RE2's own bounds
+# (max_mem, repetition <= 1000) refuse oversized patterns at compile time. No logging: every
+# unsupported pattern (backreferences, lookaround) would otherwise print to stderr.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+_RE2_OPTIONS.never_capture = True
 _REGEX_CANDIDATES = ("yes", "no", "a", "0", "42", "abc", "example", "2025-01-01", "a@example.com", "")
 
 
@@ -101,8 +109,8 @@ def dsml_invoke(tool: dict[str, Any]) -> str:
 
 def regex_example(pattern: str) -> str | None:
     try:
-        compiled = re.compile(pattern)
-    except re.error:
+        compiled = re2.compile(pattern, options=_RE2_OPTIONS)
+    except re2.error:
         return None
     return next((c for c in _REGEX_CANDIDATES if compiled.fullmatch(c)), None)
 
