@@ -3,8 +3,10 @@
 `EndpointPicker.pick` runs the gateway's own routing (route_inputs.RouteInputs: the
 worker views with this process's in-flight counts and shared reservations, the prefix
 index lookup, the planner, admission) over the healthy unified workers, restricted to the
-data plane's subset hint, and returns them in preference order: the planner's choice first,
-then its next choices without it (Envoy tries them in order when a connection fails).
+data plane's subset hint, and returns them in preference order: the planner's ranked plan, its
+pick first, then its fallbacks (Envoy tries them in order when a connection fails). The policy
+observes the pick alone, so a stateful one (round robin, session affinity, prefix_approx)
+records where the request went, not the fallbacks.
 PD pools are not served through the EPP: the data plane sends the client's body to one
 endpoint, and a PD hand-off needs the gateway between the two legs.
 
@@ -28,7 +30,7 @@ from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
 from deepinfer_gateway.router.inflight import Booking as QueueBooking
-from deepinfer_gateway.router.planner import NoCandidate, Plan
+from deepinfer_gateway.router.planner import Plan
 
 
 def endpoint_of(url: str) -> str:
@@ -162,18 +164,12 @@ class EndpointPicker:
         if prepared is not None:
             prompt_tokens = prepared.prompt_tokens
             hashes, overlap = await self.routing.overlap(prepared, views)
-        planner = self.routing.planner
-        plan = planner.plan_first(views, prompt_tokens, hashes, overlap, session_key)
+        plan = self.routing.planner.plan_first(views, prompt_tokens, hashes, overlap, session_key,
+                                               fallbacks=self.fallbacks)
         if prepared is not None:
             self.routing.admit(plan, views)
         self.routing.record(plan, request_id)
-        chosen = [plan.worker.worker_id]
-        for _ in range(self.fallbacks):
-            try:
-                chosen.append(planner.plan_first(views, prompt_tokens, hashes, overlap, session_key,
-                                                 frozenset(chosen)).worker.worker_id)
-            except NoCandidate:
-                break
+        chosen = [plan.worker.worker_id, *(w.worker_id for w in plan.fallbacks)]
         workers = [self.registry.workers[w] for w in chosen if w in self.registry.workers]
         if not workers:
             raise NoHealthyWorker("No eligible endpoint can serve this request; retry shortly.")

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from deepinfer_gateway.config import HardwareCost, RouterSettings
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
@@ -54,6 +54,19 @@ class Plan:
     worker: WorkerView  # first leg: the unified, prefill or (bypass) decode worker
     decision: Decision
     view: RoutingView
+    # The policy's next choices after `worker` among the same candidates, best first
+    # (`plan_first(fallbacks=n)`): where a data plane retries when `worker` cannot be reached.
+    fallbacks: tuple[WorkerView, ...] = ()
+
+
+class _Choice(NamedTuple):
+    """A pool policy's pick, not yet observed: the planner ranks fallbacks from it first."""
+
+    worker: WorkerView
+    decision: Decision
+    view: RoutingView
+    policy: Policy
+    members: Sequence[WorkerView]  # aligned with view.candidates
 
 
 _FORMAT = attrgetter("kv_format")
@@ -122,7 +135,7 @@ class RoutePlanner:
         )
 
     def _choose(self, role: Role, workers: list[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
-                overlap: Overlap, session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
+                overlap: Overlap, session_key: str | None) -> _Choice:
         # One policy per pool; with several pools of a role, the largest pool serves (pool choice
         # by cost across pools is future work: configure one pool per role for now).
         names = {w.pool for w in workers}
@@ -137,7 +150,7 @@ class RoutePlanner:
 
     def _choose_in(self, group: Group, live: Sequence[WorkerView], role: Role, prompt_tokens: int,
                    hashes: Mapping[str, list[int]], overlap: Overlap,
-                   session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
+                   session_key: str | None) -> _Choice:
         """`_choose` over a group of the view list: when it is one pool, its candidates redo only
         the members whose view changed since the group's last request."""
         if group.pool is None:
@@ -146,8 +159,9 @@ class RoutePlanner:
                             session_key)
 
     def _decide(self, role: Role, pool: str, candidates: PoolCandidates, prompt_tokens: int,
-                hashes: Mapping[str, list[int]], session_key: str | None) -> tuple[WorkerView, Decision, RoutingView]:
-        """The pool policy's choice among `candidates` (its members' views as of this request)."""
+                hashes: Mapping[str, list[int]], session_key: str | None) -> _Choice:
+        """The pool policy's choice among `candidates` (its members' views as of this request),
+        not observed: `_settle` observes it once the fallbacks are ranked."""
         members = candidates.members
         fmt = members[0].kv_format
         view = RoutingView(
@@ -160,32 +174,40 @@ class RoutePlanner:
         )
         policy = self.policy_for(pool, role)
         decision = policy.choose(view)
-        policy.observe(view, decision)
-        chosen = members[candidates.ids.index(decision.worker_id)]
-        return chosen, decision, view
+        return _Choice(members[candidates.ids.index(decision.worker_id)], decision, view, policy, members)
+
+    @staticmethod
+    def _settle(mode: Mode, choice: _Choice, decision: Decision, fallbacks: int) -> Plan:
+        """The plan of `choice`: its fallbacks ranked first, from the policy's state before this
+        request, then the pick observed, once (a fallback is not where the request went)."""
+        ranked = _ranked(choice, fallbacks) if fallbacks > 0 else ()
+        choice.policy.observe(choice.view, choice.decision)
+        return Plan(mode, choice.worker, decision, choice.view, ranked)
 
     def plan_first(self, workers: Sequence[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
-                   overlap: Overlap, session_key: str | None = None, exclude: frozenset[str] = frozenset()) -> Plan:
+                   overlap: Overlap, session_key: str | None = None, exclude: frozenset[str] = frozenset(),
+                   fallbacks: int = 0) -> Plan:
+        """The first leg's worker, and up to `fallbacks` more from the same ranking (`Plan.fallbacks`).
+        The policy observes the pick alone, once per call: call it again only for a request
+        that really goes to another worker (a retry), never to list alternatives."""
         live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
         split = self._caches.role_split(live)
         decode_formats = split.formats.get(Role.DECODE)
         if decode_formats and Role.PREFILL in split.formats:
             bypass = self._bypass_candidates(split, live, prompt_tokens, overlap)
             if bypass:
-                chosen, decision, view = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
-                decision = Decision(decision.worker_id, Reason.BYPASS, decision.costs,
-                                    *self._predicted(chosen, prompt_tokens, overlap))
-                return Plan(Mode.BYPASS, chosen, decision, view)
+                choice = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
+                decision = Decision(choice.decision.worker_id, Reason.BYPASS, choice.decision.costs,
+                                    *self._predicted(choice.worker, prompt_tokens, overlap))
+                return self._settle(Mode.BYPASS, choice, decision, fallbacks)
             prefill = split.group(Role.PREFILL, decode_formats)  # those a decode worker can continue
             if prefill.indices:
-                chosen, decision, view = self._choose_in(prefill, live, Role.PREFILL, prompt_tokens, hashes, overlap,
-                                                         session_key)
-                return Plan(Mode.PD, chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+                choice = self._choose_in(prefill, live, Role.PREFILL, prompt_tokens, hashes, overlap, session_key)
+                return self._settle(Mode.PD, choice, self._with_prediction(choice, prompt_tokens, overlap), fallbacks)
         unified = split.group(Role.UNIFIED)
         if unified.indices:
-            chosen, decision, view = self._choose_in(unified, live, Role.UNIFIED, prompt_tokens, hashes, overlap,
-                                                     session_key)
-            return Plan(Mode.UNIFIED, chosen, self._with_prediction(decision, chosen, prompt_tokens, overlap), view)
+            choice = self._choose_in(unified, live, Role.UNIFIED, prompt_tokens, hashes, overlap, session_key)
+            return self._settle(Mode.UNIFIED, choice, self._with_prediction(choice, prompt_tokens, overlap), fallbacks)
         raise NoCandidate("no healthy worker can serve this request")
 
     def plan_decode(self, workers: Sequence[WorkerView], kv_format: str, prompt_tokens: int,
@@ -194,8 +216,9 @@ class RoutePlanner:
         decode = self._caches.role_split(live).group(Role.DECODE, (kv_format,))
         if not decode.indices:
             raise NoCandidate(f"no healthy decode worker with KV format {kv_format}")
-        chosen, decision, _ = self._choose_in(decode, live, Role.DECODE, prompt_tokens, {}, Overlap(), None)
-        return chosen, decision
+        choice = self._choose_in(decode, live, Role.DECODE, prompt_tokens, {}, Overlap(), None)
+        choice.policy.observe(choice.view, choice.decision)
+        return choice.worker, choice.decision
 
     def _bypass_candidates(self, split: RoleSplit, live: Sequence[WorkerView], prompt_tokens: int,
                            overlap: Overlap) -> list[WorkerView]:
@@ -219,7 +242,24 @@ class RoutePlanner:
         store = max(0, min(overlap.store.get(w.kv_format, 0) * KV_BLOCK_TOKENS, prompt_tokens) - mem)
         return mem, store
 
-    def _with_prediction(self, decision: Decision, w: WorkerView, prompt_tokens: int, overlap: Overlap) -> Decision:
+    def _with_prediction(self, choice: _Choice, prompt_tokens: int, overlap: Overlap) -> Decision:
         """Every policy's decision carries the index's prediction for the chosen worker (honesty metrics)."""
-        mem, store = self._predicted(w, prompt_tokens, overlap)
+        mem, store = self._predicted(choice.worker, prompt_tokens, overlap)
+        decision = choice.decision
         return Decision(decision.worker_id, decision.reason, decision.costs, mem, store)
+
+
+def _ranked(choice: _Choice, n: int) -> tuple[WorkerView, ...]:
+    """Up to `n` more workers after the pick, each the policy's choice among the candidates not
+    yet ranked (`choose` alone, which changes no state)."""
+    view = choice.view
+    left = dict(zip((c.worker_id for c in view.candidates), zip(view.candidates, choice.members, strict=True),
+                    strict=True))
+    del left[choice.decision.worker_id]
+    ranked: list[WorkerView] = []
+    while left and len(ranked) < n:
+        rest = RoutingView(prompt_tokens=view.prompt_tokens, candidates=tuple(c for c, _ in left.values()),
+                           block_hashes=view.block_hashes, block_tokens=view.block_tokens,
+                           session_key=view.session_key)
+        ranked.append(left.pop(choice.policy.choose(rest).worker_id)[1])
+    return tuple(ranked)

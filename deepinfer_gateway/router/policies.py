@@ -148,11 +148,10 @@ class RoundRobin:
     def choose(self, view: RoutingView) -> Decision:
         ordered = sorted(view.candidates, key=lambda c: c.worker_id)
         chosen = ordered[self._next % len(ordered)]
-        self._next += 1
         return Decision(chosen.worker_id, Reason.ROUND_ROBIN)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
-        pass
+        self._next += 1  # the turn passes when a request goes, not when a fallback is ranked
 
 
 class LeastLoad:
@@ -178,11 +177,17 @@ class PowerOfTwo:
         self._rng = random.Random(config.seed)
 
     def choose(self, view: RoutingView) -> Decision:
-        drawn = self._rng.sample(view.candidates, min(self.choices, len(view.candidates)))
+        # The draw leaves the generator as it was: only `observe` moves it on, so ranking
+        # fallbacks does not change the next request's draw (a seeded run stays the same).
+        rng = self._rng
+        state = rng.getstate()
+        drawn = rng.sample(view.candidates, min(self.choices, len(view.candidates)))
+        rng.setstate(state)
         return Decision(min(drawn, key=_load_key).worker_id, Reason.POWER_OF_TWO)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
-        pass
+        n = len(view.candidates)
+        self._rng.sample(range(n), min(self.choices, n))  # the draw `choose` made: its size alone sets what it takes
 
 
 class _OverlapThenLoad:

@@ -3,7 +3,7 @@
 `RoutingView` carries everything a policy may need, gathered before the call (prompt
 size, block hashes, per-candidate cache overlap per tier, load, hardware speed), so
 callers never branch on the concrete policy and policies stay pure functions of their
-input (plus small state of their own, e.g. a round-robin cursor).
+input (plus small state of their own, e.g. a round-robin cursor, which only `observe` changes).
 """
 
 from __future__ import annotations
@@ -141,7 +141,9 @@ class Policy(Protocol):
     name: str
 
     def choose(self, view: RoutingView) -> Decision:
-        """`view.candidates` is non-empty and holds only healthy, compatible workers."""
+        """`view.candidates` is non-empty and holds only healthy, compatible workers. Changes no
+        state: the planner also calls it to rank fallbacks, which no request may go to."""
 
     def observe(self, view: RoutingView, decision: Decision) -> None:
-        """Called once the request went to `decision.worker_id` (policies with memory learn here)."""
+        """Called once per request, for the worker it went to (a round-robin turn, a session's
+        worker, a routed prefix: whatever a policy remembers changes here alone)."""

@@ -22,7 +22,7 @@ def view(worker_id: str, role: Role = Role.UNIFIED, *, kv_format: str = "fp8", q
 
 
 def planner(**settings: object) -> RoutePlanner:
-    return RoutePlanner(RouterSettings(policy="least_load", decode_policy="least_load", **settings))
+    return RoutePlanner(RouterSettings(**{"policy": "least_load", "decode_policy": "least_load", **settings}))
 
 
 def test_unified_takes_the_least_loaded_and_carries_the_predicted_hit() -> None:
@@ -86,3 +86,27 @@ def test_reconfigure_switches_policies_and_refuses_an_unknown_one_unchanged() ->
     with pytest.raises(ValueError, match="no_such_policy"):
         p.reconfigure(policy="no_such_policy")
     assert p.describe()["policy"] == "round_robin"
+
+
+def test_a_ranked_plan_lists_fallbacks_and_the_policy_observes_the_pick_alone() -> None:
+    """Fallbacks come from the same ranking, unobserved: round robin still takes turns, a
+    session stays where it was sent, prefix_approx remembers the pick, not the last fallback."""
+    workers = [view("a"), view("b"), view("c")]
+    p = planner(policy="round_robin")
+    plans = [p.plan_first(workers, LONG, {}, Overlap(), fallbacks=2) for _ in range(9)]
+    assert [plan.worker.worker_id for plan in plans] == ["a", "b", "c"] * 3
+    for plan in plans:
+        listed = [plan.worker.worker_id, *(w.worker_id for w in plan.fallbacks)]
+        assert sorted(listed) == ["a", "b", "c"]
+    assert len(p.plan_first(workers, LONG, {}, Overlap(), fallbacks=5).fallbacks) == 2  # no more than there are
+
+    sticky = planner(policy="round_robin", session_affinity=True)
+    firsts = {sticky.plan_first(workers, LONG, {}, Overlap(), session_key="alice", fallbacks=2).worker.worker_id
+              for _ in range(6)}
+    assert firsts == {"a"}
+
+    approx = planner(policy="prefix_approx")
+    hashes = {"fp8": list(range(40))}
+    first = approx.plan_first(workers, LONG, hashes, Overlap(), fallbacks=2)
+    again = approx.plan_first(workers, LONG, hashes, Overlap(), fallbacks=2)
+    assert again.worker.worker_id == first.worker.worker_id and again.decision.reason is Reason.PREFIX_HIT

@@ -34,7 +34,13 @@ def cand(wid: str, **kw: object) -> Candidate:
 def test_round_robin_cycles() -> None:
     view = RoutingView(100, (cand("b"), cand("a"), cand("c")))
     rr = RoundRobin()
-    assert [rr.choose(view).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    chosen = []
+    for _ in range(4):
+        decision = rr.choose(view)
+        assert rr.choose(view) == decision  # asking again is no turn: only a request sent is
+        rr.observe(view, decision)
+        chosen.append(decision.worker_id)
+    assert chosen == ["a", "b", "c", "a"]
 
 
 def test_least_load_prefers_short_queue() -> None:
@@ -210,3 +216,22 @@ def test_invalid_policy_configs_say_what_is_wrong(given: object, message: str) -
     with pytest.raises(ValueError) as e:
         parse_policy(given)
     assert str(e.value).startswith(message)
+
+
+@settings(max_examples=100, deadline=None)
+@given(candidates, st.integers(1, 131_072), st.sampled_from(sorted(POLICIES)), st.booleans(), st.integers(1, 4))
+def test_choose_changes_no_state(cands: list[Candidate], prompt: int, name: str, affinity: bool, asks: int) -> None:
+    """The planner ranks fallbacks with `choose`: a policy asked any number of times in between
+    decides every later request as one that was asked once (only `observe` changes it)."""
+    config = SessionAffinityConfig(enabled=affinity)
+    asked, once = make_policy(name, config), make_policy(name, config)
+    view = RoutingView(prompt, tuple(cands), block_hashes=tuple(range(prompt // 128)), session_key="s")
+    fewer = RoutingView(prompt, tuple(cands[1:]) or tuple(cands), block_hashes=view.block_hashes, session_key="s")
+    for _ in range(3):
+        decision = asked.choose(view)
+        for _ in range(asks):
+            assert asked.choose(view) == decision
+            asked.choose(fewer)
+        assert once.choose(view) == decision
+        asked.observe(view, decision)
+        once.observe(view, decision)
