@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import uvicorn
 
+from deepinfer_gateway.http_bounds import ConnectionBounds, bounded_http_protocol
 from deepinfer_gateway.protocol import MAX_MUX_MESSAGE_BYTES
 
 # Idle keep-alive connections are held longer by servers than by the gateway's client pool
@@ -67,18 +68,21 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
                              on_signal: Callable[[], None] | None = None, sock: socket.socket | None = None,
                              headers: Sequence[tuple[str, str]] = (),
                              signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
-                             skip_delay_signals: Sequence[signal.Signals] | None = None) -> bool:
+                             skip_delay_signals: Sequence[signal.Signals] | None = None,
+                             bounds: ConnectionBounds | None = None) -> bool:
     """Serve until one of `signals`; returns whether the server started (False: the lifespan
     failed). `sock`: a listening socket bound by the caller (a supervisor shares one between
     its processes), else uvicorn binds `host`:`port`. `headers` go on every response.
     `skip_delay_signals`: None: a repeat of `signals` skips the rest of the drain delay; else
-    repeats are ignored and these skip it (module doc)."""
+    repeats are ignored and these skip it (module doc). `bounds`: on each connection's request
+    heads and on the number of connections (http_bounds.py); none: uvicorn's defaults."""
     # log_config=None: uvicorn's loggers propagate to the root handler the CLI installed
     # (gateway/telemetry/logs.py), so `--log-format json` covers uvicorn's lines too.
     # uvicorn hints timeout_graceful_shutdown as int, but hands it to asyncio.timeout: seconds as float.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=cast(int, graceful_s), lifespan="on", log_config=None,
-                            timeout_keep_alive=KEEP_ALIVE_S, headers=list(headers), ws_max_size=MAX_MUX_MESSAGE_BYTES)
+                            timeout_keep_alive=KEEP_ALIVE_S, headers=list(headers), ws_max_size=MAX_MUX_MESSAGE_BYTES,
+                            **_bounded(bounds))
     server = EmbeddedServer(config, freeze_heap=True)
     loop = asyncio.get_running_loop()
     delayed_exit: list[asyncio.TimerHandle] = []
@@ -111,6 +115,12 @@ async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str =
         for handle in delayed_exit:
             handle.cancel()
     return server.started
+
+
+def _bounded(bounds: ConnectionBounds | None) -> dict[str, Any]:
+    if bounds is None:
+        return {}
+    return {"http": bounded_http_protocol(bounds), "limit_concurrency": bounds.max_connections}
 
 
 def run_until_signal(app: Any, host: str, port: int, **kwargs: Any) -> bool:

@@ -357,6 +357,28 @@ class ResponsesSettings(_Frozen):
     max_per_key: int = Field(10_000, ge=1, description="Stored responses per API key; beyond it store: true is "
                                                        "refused until some expire or are deleted.")
     max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest stored response (with its input).")
+class ClientConnectionSettings(_Frozen):
+    """Bounds on the clients' connections and streams (http_bounds.py, serving/relay.py), per gateway process."""
+
+    header_timeout_s: float = Field(
+        10.0, gt=0,
+        description="A request's headers must arrive whole this long after the connection opens (or the request "
+                    "starts); else 408 and the connection closes.")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Request line and headers, in bytes; beyond it 431 and the connection closes.")
+    max_connections: int = Field(
+        8192, ge=1,
+        description="Open client connections (idle ones too); a request on a connection beyond it is answered 503.")
+    write_timeout_s: float = Field(
+        30.0, gt=0,
+        description="A streaming client that takes no bytes for this long is cut off: its stream ends and its "
+                    "request is released (aborted on the worker).")
+    max_requests_per_key: int | None = Field(
+        256, ge=1,
+        description="Generation requests one API key may have in flight (streams included); beyond it 429. None: "
+                    "no cap. Without API keys (authentication off) there is no key to cap.")
+
+
 
 
 class GatewaySettings(_Frozen):
@@ -403,6 +425,8 @@ class GatewaySettings(_Frozen):
         description="File of worker tokens, one a line, the first sent; re-read when it changes; wins over "
                     "worker_token.")
     kv_writer_lease_s: float = Field(
+    client_connections: ClientConnectionSettings = Field(
+        ClientConnectionSettings(), description="Client connection and stream bounds.")
         3.0, ge=0,
         description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
     workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")

@@ -38,7 +38,10 @@ def serve_gateway(app: Any, shutting_down: threading.Event, settings: GatewaySet
     """Serve until a stop signal, draining as the settings say; True if the app started.
     `options`: asgi.serve_until_signal's (a supervisor's shared `sock`, `headers`, `signals`)."""
     from deepinfer_gateway.asgi import run_until_signal
+    from deepinfer_gateway.http_bounds import ConnectionBounds
 
+    limits = settings.client_connections
+    bounds = ConnectionBounds(limits.header_timeout_s, limits.max_header_bytes, limits.max_connections)
     return run_until_signal(app, settings.host, settings.port, log_level=log_level,
                             graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
-                            on_signal=shutting_down.set, **options)
+                            on_signal=shutting_down.set, bounds=bounds, **options)

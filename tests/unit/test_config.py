@@ -103,6 +103,7 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
     values = {"host": "0.0.0.0", "port": "9", "processes": "auto", "model_names": '["m"]',
               "model_aliases": '{"x": "m"}',
               "tokenizer_path": "/t", "context_limit": "7", "max_body_bytes": "4096", "images": '{"max_images": 1}',
+              "client_connections": '{"max_connections": 9}',
               "redis_url": "redis://r:6379/0", "redis_cluster": "true", "kv_writer_lease_s": "9",
               "workers": '[{"url": "http://w:1"}]', "discovery": '[{"name": "pool.example"}]', "max_attempts": "9",
               "router": '{"policy": "least_load"}',
