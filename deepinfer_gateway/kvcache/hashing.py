@@ -5,7 +5,7 @@ blocks 0..i (chained: d_i = SHA-256(d_{i-1} || tokens_i), d_-1 = salt), so equal
 mean equal prefixes. The final partial block is not hashed (engines cache only full
 blocks). The salt separates models and KV formats: SM100 and Ascend KV may be
 incompatible, so the same tokens on different formats must never look like a shared
-prefix.
+prefix; a request's cache salt (`kv_salt`'s `cache_salt`) separates tenants the same way.
 
 Encoding (stable; changing it invalidates every index and KV store key): tokens are
 little-endian uint32, the chain carries the full 32-byte digest, and the published hash
@@ -59,8 +59,15 @@ class BlockHashes(list[int]):
     chain_tail: bytes
 
 
-def kv_salt(model: str, kv_format: str) -> bytes:
-    return hashlib.blake2b(f"{model}\x00{kv_format}".encode(), digest_size=8).digest()
+def kv_salt(model: str, kv_format: str, cache_salt: str | None = None) -> bytes:
+    """The chain's seed for a model and KV format; `cache_salt` (a request's, as vLLM's field)
+    gives a chain no request without that exact salt shares, so neither its blocks nor their
+    hashes in the index are reachable from another tenant's prompt."""
+    if cache_salt is None:
+        return hashlib.blake2b(f"{model}\x00{kv_format}".encode(), digest_size=8).digest()
+    # Length-prefixed, so no (model, format, salt) spells another's, nor the unsalted seed.
+    seed = f"{len(model)}:{model}\x00{len(kv_format)}:{kv_format}\x00{cache_salt}"
+    return hashlib.blake2b(seed.encode(), digest_size=32, person=b"dgw-cache-salt").digest()  # no collisions to forge
 
 
 def block_hashes(

@@ -78,12 +78,14 @@ class NoCandidate(Exception):
 
 
 def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView],
-                  hasher: PrefixHasher | None = None, packed: bytes | None = None) -> dict[str, list[int]]:
+                  hasher: PrefixHasher | None = None, packed: bytes | None = None,
+                  cache_salt: str | None = None) -> dict[str, list[int]]:
     """Chained block hashes of the prompt for every KV format among `workers` (salted per
-    model+format); `hasher` reuses the chains of recent prompts with the same beginning;
-    `packed` is the prompt already packed (kvcache.hashing.pack_tokens), when known."""
+    model+format, and by the request's `cache_salt` when it has one); `hasher` reuses the chains
+    of recent prompts with the same beginning; `packed` is the prompt already packed
+    (kvcache.hashing.pack_tokens), when known."""
     models = dict(zip(map(_FORMAT, workers), map(_MODEL, workers), strict=True))  # ~1,000 workers, few formats: C-level
-    salts = {fmt: kv_salt(model, fmt) for fmt, model in models.items()}
+    salts = {fmt: kv_salt(model, fmt, cache_salt) for fmt, model in models.items()}
     if hasher is None:
         return {fmt: block_hashes(token_ids, salt, packed=packed) for fmt, salt in salts.items()}
     return dict(zip(salts, hasher.hashes(token_ids, list(salts.values()), packed=packed), strict=True))
