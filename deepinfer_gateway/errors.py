@@ -148,8 +148,9 @@ class WorkerRefused(GatewayError):
 
 
 class UpstreamError(DeepInferError):
-    """`detail`: the part a client may read (the worker's own message), `str(exc)` the whole
-    story for logs; `retryable`: the router's verdict; `status`: the worker's, when it gave one."""
+    """`detail`: the part a client may read (the worker's own message, else a sentence for the
+    kind: never a worker's address), `str(exc)` the whole story for logs; `retryable`: the
+    router's verdict; `status`: the worker's, when it gave one."""
 
     def __init__(self, kind: UpstreamKind, message: str, *, retryable: bool = True, status: int | None = None,
                  detail: str | None = None):
@@ -157,4 +158,15 @@ class UpstreamError(DeepInferError):
         self.kind = kind
         self.retryable = retryable
         self.status = status
-        self.detail = message if detail is None else detail
+        self.detail = _CLIENT_DETAIL[kind] if detail is None else detail
+
+
+_CLIENT_DETAIL = {
+    UpstreamKind.CONNECT: "the worker could not be reached",
+    UpstreamKind.DISCONNECT: "the connection to the worker broke",
+    UpstreamKind.TIMEOUT: "the worker did not answer in time",
+    UpstreamKind.HTTP_STATUS: "the worker answered with an error status",
+    UpstreamKind.PROTOCOL: "the worker sent an unexpected answer",
+    UpstreamKind.WORKER_ERROR: "the worker reported an error",
+    UpstreamKind.ENGINE: "the engine failed",
+}

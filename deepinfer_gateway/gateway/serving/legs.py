@@ -139,7 +139,8 @@ class Legs:
         except _Exhausted as exc:
             if exc.last is None:
                 raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.") from None
-            raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last}") from None
+            # each failure was logged with its worker (`_failed`); the client reads no address
+            raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last.detail}") from None
         plan = plans[-1]
         if plan.mode is Mode.PD and first["event"] == "finish" and "kv_handoff" in first:
             # Handed off before any token (vLLM's PD, gateway/upstream/vllm_pd.py: the decode worker samples
@@ -149,7 +150,8 @@ class Legs:
             try:
                 lease, first = await self.hand_off(prefill, leg, first["kv_handoff"])
             except UpstreamError as exc:
-                raise UpstreamFailed(f"The prefill on {prefill.worker.worker_id} finished but {exc}") from None
+                log.warning("prefill on %s finished but %s", prefill.worker.worker_id, exc)
+                raise UpstreamFailed(f"The prefill finished but {exc.detail}") from None
             lease.ready_at = prefill.ready_at  # queue time: until the prefill worker started
         return lease, plan, ready, first, views
 
@@ -180,7 +182,7 @@ class Legs:
         except _Exhausted as exc:
             raise UpstreamError(UpstreamKind.WORKER_ERROR,
                                 f"no decode worker took the hand-off: {exc.last or 'none compatible'}",
-                                retryable=False) from None
+                                retryable=False, detail="no decode worker took the hand-off") from None
         return lease, first
 
     async def _open_any(self, choose: Chooser, request_id: str,

@@ -114,7 +114,8 @@ class Relay:
                                           exc.kind if isinstance(exc, UpstreamError) else UpstreamKind.ENGINE)
                 log.warning("request %s: stream from %s failed after the first token: %s", exchange.leg.request_id,
                             exchange.lease.worker.worker_id, exc)
-                frame = stream_error_frame(exchange.prepared.protocol, f"The worker failed mid-stream: {exc}")
+                said = exc.detail if isinstance(exc, UpstreamError) else exc.message  # the log has the address
+                frame = stream_error_frame(exchange.prepared.protocol, f"The worker failed mid-stream: {said}")
                 exchange.unsent.append(frame)  # after what the client was not sent yet
                 await _flush(exchange.unsent, send)
             span.set_attribute("completion_tokens", response.completion_tokens)
@@ -126,7 +127,9 @@ class Relay:
         try:
             await self._relay(exchange, None)
         except UpstreamError as exc:
-            raise UpstreamFailed(f"The worker failed mid-answer: {exc}") from None
+            log.warning("request %s: answer from %s failed: %s", exchange.leg.request_id,
+                        exchange.lease.worker.worker_id, exc)
+            raise UpstreamFailed(f"The worker failed mid-answer: {exc.detail}") from None
         exchange.outcome.status = "200"
 
     async def _relay(self, exchange: Exchange, send: Send | None) -> None:

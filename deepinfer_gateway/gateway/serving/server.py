@@ -27,6 +27,7 @@ from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
 from deepinfer_gateway.gateway.serving.relay import Exchange, Relay, RelayResponse
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.decision_log import DecisionLog, decision_record
+from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import LegRequest
 from deepinfer_gateway.kvcache.types import PrefixIndex
@@ -67,7 +68,9 @@ class RequestServer:
                     on_done: Callable[[int], None] | None = None, session_key: str | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends, if it
         reached a worker."""
-        leg = LegRequest(request_id, prepared.token_ids,
+        # The workers get an id of ours: a client's x-request-id (`request_id`, echoed and logged)
+        # is not unique, and two requests with the same one would collide on a worker.
+        leg = LegRequest(random_id(), prepared.token_ids,
                          prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
                          images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment)
         response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
