@@ -32,7 +32,7 @@ from deepinfer_gateway.http_bounds import ConnectionBounds, bounded_http_protoco
 from deepinfer_gateway.protocol import MAX_MUX_MESSAGE_BYTES
 
 # Idle keep-alive connections are held longer by servers than by the gateway's client pool
-# (upstream_http.POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
+# (gateway/upstream/http.py POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the
 # worker is closing (the "Server disconnected" race of uvicorn's 5 s default).
 KEEP_ALIVE_S = 75
 

@@ -4,7 +4,7 @@ no singletons).
 `create_app(settings)` loads the tokenizer, then builds everything else in the lifespan:
 the worker client, Redis, API keys, rate limiter, prefix index and its KV event feeder,
 in-flight counts, the registry with its health checks, and the request path
-(serving.RequestServer). It mounts the client routes (routes.py), the admin API
+(serving/server.py RequestServer). It mounts the client routes (routes.py), the admin API
 (admin.py), /health, /ready and /metrics, and the error handlers. Tests build their own
 app from their own settings.
 """

@@ -3,7 +3,7 @@ re-resolved every `interval_s`, so scaling a pool is one change, its replica cou
 kind "kubernetes" follows an InferencePool's ready pods instead (kube_discovery.py, a watch
 through the API server that wakes the loop at each change); everything below holds for both.
 
-- A new address is probed at `/v1/worker/info` through the gateway's upstream pool (`upstream_http.HttpPool`, with
+- A new address is probed at `/v1/worker/info` through the gateway's upstream pool (`HttpPool`, upstream/http.py, with
   whatever credentials it sends) for its role and hardware (a vLLM or OpenAI pool takes
   them from the config, its health checks probe `/v1/models`); a probe that fails is retried
   at the next resolution, so a pod that is not serving yet joins once it does.

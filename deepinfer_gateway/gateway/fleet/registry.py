@@ -1,7 +1,7 @@
 """Worker registry: who the workers are, whether they are healthy, and their last load report.
 
-Each worker is reached through its `Upstream` (upstream.py), built on `add` by the worker's
-engine kind (upstreams.py); the registry never asks which engine a worker runs. Active health
+Each worker is reached through its `Upstream` (upstream/base.py), built on `add` by the worker's
+engine kind (upstream/table.py); the registry never asks which engine a worker runs. Active health
 checks probe each worker every `interval_s` (its info and load reports, as its adapter reads
 them);
 `failures_to_eject` consecutive failures eject a worker, `successes_to_readmit` readmit

@@ -5,7 +5,7 @@ fast_routes()` turns them into endpoints and the app registers each once, with F
 its fast path (app.GatewayApp.add_fast_route). `/v1/models` goes through FastAPI.
 
 A generation request: authenticate, read the body (size limit), prepare it (recipe_bridge),
-check the key's model allow-list, admit it (rate limits), then serving.RequestServer.serve.
+check the key's model allow-list, admit it (rate limits), then RequestServer.serve (serving/server.py).
 Every endpoint catches, counts (dgw_requests_total) and renders its own errors in the
 protocol's JSON.
 """

@@ -5,7 +5,7 @@ token (connect error, 5xx, timeout, a retryable engine error) is retried on anot
 up to `max_attempts` per leg; a non-retryable one is the worker's verdict on the request and
 answers the client (`WorkerRefused`).
 A PD prefill leg ends with a KV hand-off and `hand_off` continues on a decode worker of the
-same KV format and hand-off family (upstream.py): after the prefill's first token (sim,
+same KV format and hand-off family (upstream/base.py): after the prefill's first token (sim,
 DeepInfer: relay.py follows the hand-off), or before any token when the prefill hands off
 without one (vLLM, gateway/upstream/vllm_pd.py: `first` follows it, so the client's response starts
 with the decode worker's first token).

@@ -1,6 +1,6 @@
 """One request's metrics from its first leg to its end, recorded by one owner.
 
-`RequestOutcome` is made once the first leg reached its first token (serving.py) and ended
+`RequestOutcome` is made once the first leg reached its first token (server.py) and ended
 once, in `Relay.close` (relay.py): queue time and prompt length at the start, TTFT at the
 first token, ITL per relayed token message (`itl`, added to `series.itl` in batches), and at
 the end the output length, duration, generation tokens, the outcome in

@@ -60,7 +60,7 @@ MAX_COALESCED_BYTES = 16384  # a write at least this often, even while events ke
 @dataclass(eq=False)
 class Exchange:
     """A request past its first token: its leg request, the current leg, the response being
-    built and its outcome (every metric). Built by keyword (serving.py)."""
+    built and its outcome (every metric). Built by keyword (server.py)."""
 
     prepared: PreparedRequest
     leg: LegRequest  # the request as its legs get it (a decode leg continues it)

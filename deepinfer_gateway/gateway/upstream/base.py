@@ -13,9 +13,9 @@ per worker and never ask which engine it runs. An `Upstream`
 - `reports_queue`: its load reports count the prompts waiting in its queue (the worker
   protocol's `queued_prefill_tokens`); False where the engine exports none (reported 0).
 
-One adapter module per engine kind implements it (dgw_upstream.py: worker protocols v1, v2;
-vllm_upstream.py; openai_upstream.py), built from upstreams.ADAPTERS by the worker's
-`engine`. Pure types: no HTTP library here (upstream_http.py).
+One adapter module per engine kind implements it (dgw.py: worker protocols v1, v2;
+vllm.py; openai.py), built from table.ADAPTERS by the worker's
+`engine`. Pure types: no HTTP library here (http.py).
 """
 
 from __future__ import annotations
@@ -149,6 +149,6 @@ UNCOUNTED: MuxMetrics = _Uncounted()  # a pool built without metrics (tests, too
 
 
 class UpstreamFactory(Protocol):
-    """Builds a worker's `Upstream` from its spec (upstreams.Upstreams: by engine kind)."""
+    """Builds a worker's `Upstream` from its spec (table.Upstreams: by engine kind)."""
 
     def upstream(self, spec: WorkerSpec) -> Upstream: ...

@@ -4,7 +4,7 @@ The call (`post_completion`, with the server's refusals as UpstreamErrors), its 
 chunks (`ChunkReader`), the probe of `/v1/models` and vLLM-style `/metrics`
 (`probe_server`), and the worker-protocol events an adapter answers with when it refuses a
 request itself (`refusal`, `fit_to_context`), and one request as worker-protocol events
-(`CompletionStream`). The adapters (vllm_upstream.py, openai_upstream.py) differ only in
+(`CompletionStream`). The adapters (vllm.py, openai.py) differ only in
 what they send and how they read a chunk's output.
 """
 

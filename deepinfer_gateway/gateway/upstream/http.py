@@ -5,7 +5,7 @@
 headers in one place); `http_errors` turns every aiohttp failure into an `UpstreamError`
 (errors.py) with an `UpstreamKind` (metrics label) and a `retryable` verdict for the router;
 `LineStream` reads an open response line by line under a per-read timeout. The engine
-adapters (dgw_upstream.py, vllm_upstream.py, openai_upstream.py) use only these.
+adapters (dgw.py, vllm.py, openai.py) use only these.
 
 Every call to a worker goes through the pool's one session, whose default headers carry the
 worker token (`Authorization: Bearer`, worker_auth.py; vLLM's `--api-key` reads the same

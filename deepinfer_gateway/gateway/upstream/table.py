@@ -1,7 +1,7 @@
-"""The adapter table: a worker's `Upstream` (upstream.py) built by its engine kind.
+"""The adapter table: a worker's `Upstream` (base.py) built by its engine kind.
 
 `ADAPTERS` maps `WorkerSpec.engine` to its adapter module's class; `Upstreams` owns the
-pooled connections (upstream_http.HttpPool) and builds one adapter per worker for the
+pooled connections (http.HttpPool) and builds one adapter per worker for the
 registry. A new engine kind is an adapter module, its `WorkerSpec` variant and its line here.
 """
 

@@ -1,4 +1,4 @@
-"""Streamed text -> the gateway's token ids, for upstreams that answer in text (openai_upstream.py)."""
+"""Streamed text -> the gateway's token ids, for upstreams that answer in text (openai.py)."""
 
 from __future__ import annotations
 

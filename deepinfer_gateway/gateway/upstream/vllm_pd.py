@@ -1,5 +1,5 @@
 """PD disaggregation on vLLM workers: vLLM's `kv_transfer_params` hand-off, as vLLM's own
-disaggregated-serving proxies run it. Pure (bodies, events); the calls are in vllm_upstream.py.
+disaggregated-serving proxies run it. Pure (bodies, events); the calls are in vllm.py.
 
 Prefill leg: the prompt with `max_tokens: 1`, `stream: false` and `kv_transfer_params:
 {"do_remote_decode": true, ...}`. The prefill vLLM computes the prompt's KV and its KV
@@ -36,7 +36,7 @@ _NOT_FOR_PREFILL = ("stream_options", "structured_outputs", "logprobs", "return_
 
 
 def prefill_body(completion: dict[str, Any]) -> dict[str, Any]:
-    """A `/v1/completions` body (vllm_upstream.completion_body) as the prefill leg's."""
+    """A `/v1/completions` body (vllm.completion_body) as the prefill leg's."""
     body = {k: v for k, v in completion.items() if k not in _NOT_FOR_PREFILL}
     body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_TRANSFER_PARAMS))
     return body
