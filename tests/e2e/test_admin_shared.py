@@ -87,13 +87,15 @@ def _within(seconds: float, check: Callable[[], bool]) -> float:
 
 
 def _routed_to(gw: Gateway, n: int) -> set[str]:
+    """The ids of the workers that served n requests (clients read their client_id)."""
     workers = set()
     for i in range(n):
         r = httpx.post(gw.url + "/v1/chat/completions", headers=ADMIN, timeout=60, json={
             "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"hello {i} {time.time()}"}]})
         assert r.status_code == 200, r.text
         workers.add(r.headers["x-dgw-worker"])
-    return workers
+    listed = httpx.get(gw.url + "/admin/workers", headers=ADMIN, timeout=10).json()["workers"]
+    return {w["id"] for w in listed if w["client_id"] in workers}
 
 
 def _id(url: str) -> str:

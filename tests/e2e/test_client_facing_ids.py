@@ -1,20 +1,21 @@
 """What a client learns of the workers behind the gateway (real gateway and sim workers on
 loopback): its own x-request-id comes back but is not the worker's (two requests with the
-same one both succeed), and failures name no worker address: not in a 502's body, not in
-a mid-stream error frame."""
+same one both succeed), and no worker address: not in x-dgw-worker (a digest of it), not in
+a 502's body, not in a mid-stream error frame."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import httpx
 import pytest
 
+from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from deepinfer_gateway.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -52,7 +53,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, obje
         return r.status, r.headers.get("x-request-id", ""), [line async for line in _lines(r)]
 
 
-async def _lines(r: aiohttp.ClientResponse) -> Iterator[str]:  # type: ignore[misc]
+async def _lines(r: aiohttp.ClientResponse) -> AsyncIterator[str]:
     async for raw in r.content:
         if raw.strip():
             yield raw.decode().strip()
@@ -105,3 +106,11 @@ def test_a_mid_stream_error_frame_names_no_address(one_worker: tuple[SimCluster,
     frame = json.dumps(errors)
     assert "failed mid-stream" in frame
     assert _address(cluster) not in frame and str(cluster.base_port) not in frame
+
+
+def test_the_worker_header_is_not_its_address(one_worker: tuple[SimCluster, Gateway]) -> None:
+    cluster, gateway = one_worker
+    reply = httpx.post(gateway.url + "/v1/chat/completions", json=_body("which worker", 4, False), timeout=30)
+    assert reply.status_code == 200, reply.text
+    shown = reply.headers["x-dgw-worker"]
+    assert shown == digest_of(_address(cluster)) and str(cluster.base_port) not in shown

@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from deepinfer_gateway.launch import Gateway, SimCluster
 
 REPORT = Path(__file__).resolve().parents[2] / "bench" / "decision_report.py"
@@ -43,9 +44,9 @@ def test_each_request_leaves_its_decision_and_the_report_reads_them(traced_gatew
     assert len(lines) == 3
     for line, (worker, usage) in zip(lines, usages, strict=True):
         assert usage is not None and usage.prompt_tokens_details is not None
-        assert line["worker"] == worker and line["prompt_tokens"] == usage.prompt_tokens
+        assert digest_of(line["worker"]) == worker and line["prompt_tokens"] == usage.prompt_tokens
         assert line["reported"]["memory"] + line["reported"]["store"] == usage.prompt_tokens_details.cached_tokens
-        assert {c["worker"] for c in line["candidates"]} >= {worker} and len(line["candidates"]) == 3
+        assert {digest_of(c["worker"]) for c in line["candidates"]} >= {worker} and len(line["candidates"]) == 3
         assert all(c["estimate_s"] is not None and c["estimate_s"] > 0 for c in line["candidates"])  # estimated_ttft
         assert 0 < line["queue_s"] <= line["first_token_s"] and line["loop_stall_s"] >= 0
         for c in line["candidates"]:  # one request at a time: nothing booked, the queue is the report's

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from deepinfer_gateway.launch import Gateway
 from tests.deepinfer_double.serve import start_workers
 from tests.e2e.test_gateway_openai import MODEL
@@ -80,7 +81,8 @@ def _chat(url: str, text: str) -> httpx.Response:
 
 def _same_answer(pd: httpx.Response, unified: httpx.Response, prefill_url: str) -> None:
     assert pd.status_code == 200, pd.text
-    assert prefill_url.endswith(pd.headers["x-dgw-worker"])  # first leg on the prefill worker: a PD run
+    # first leg on the prefill worker: a PD run
+    assert pd.headers["x-dgw-worker"] == digest_of(prefill_url.split("://", 1)[1])
     assert pd.json()["choices"][0] == unified.json()["choices"][0]
     assert pd.json()["usage"]["completion_tokens"] == unified.json()["usage"]["completion_tokens"]
 

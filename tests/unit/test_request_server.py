@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings, HealthSettings
 from deepinfer_gateway.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
+from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.relay import MAX_COALESCED_BYTES, RelayResponse
 from deepinfer_gateway.gateway.serving.server import RequestServer
@@ -87,11 +88,13 @@ class ScriptedClient:
         self.streams: list[ScriptedStream] = []
         self.aborted: list[tuple[str, str]] = []
         self.retired: list[str] = []  # workers whose upstream the registry retired
+        self.legs: list[LegRequest] = []  # every leg asked for, in order
 
     def upstream(self, spec: Any) -> Any:
         return ScriptedUpstream(self, spec)
 
     async def generate(self, url: str, leg: LegRequest) -> ScriptedStream:
+        self.legs.append(leg)
         await asyncio.sleep(0)
         script = self.scripts[url].pop(0)
         if isinstance(script, UpstreamError):
@@ -149,7 +152,7 @@ class Rig:
 async def test_non_streamed_answer(preparer: RequestPreparer) -> None:
     rig = Rig({URLS[0]: [ok_script(3)]})
     response = await rig.serve(prepared_chat(preparer))
-    assert response.status_code == 200 and response.headers["x-dgw-worker"] == "w1.test"
+    assert response.status_code == 200 and response.headers["x-dgw-worker"] == digest_of("w1.test")  # no address
     assert orjson.loads(response.body)["choices"][0]["finish_reason"] == "length"
     assert rig.requests("200") == 1 and rig.done == [3]
     rig.assert_released()
@@ -166,7 +169,7 @@ async def test_a_malformed_ready_releases_the_leg(preparer: RequestPreparer) -> 
     await asyncio.sleep(0)
     rig.assert_released()
     assert rig.done == [0]
-    assert rig.client.aborted == [(URLS[0], "req-1")]
+    assert rig.client.aborted == [(URLS[0], rig.client.legs[0].request_id)]  # the gateway's id, not "req-1"
 
 
 async def test_retry_on_another_worker_before_the_first_token(preparer: RequestPreparer) -> None:
@@ -211,7 +214,7 @@ async def test_a_failure_mid_answer_is_upstream_failed_and_releases(preparer: Re
     await asyncio.sleep(0)
     rig.assert_released()
     assert rig.requests("200") == 0  # the app counts the error it answers
-    assert rig.client.aborted == [(URLS[0], "req-1")]
+    assert rig.client.aborted == [(URLS[0], rig.client.legs[0].request_id)]  # the gateway's id, not "req-1"
 
 
 async def _run_stream(response: RelayResponse, *, disconnect_after: int | None = None) -> list[bytes]:
@@ -257,7 +260,7 @@ async def test_a_client_leaving_mid_stream_is_499_and_aborts(preparer: RequestPr
     await asyncio.sleep(0)
     assert rig.requests("499") == 1 and rig.metrics.client_disconnects._value.get() == 1
     rig.assert_released()
-    assert rig.client.aborted == [(URLS[0], "req-1")]
+    assert rig.client.aborted == [(URLS[0], rig.client.legs[0].request_id)]  # the gateway's id, not "req-1"
 
 
 class ArrivingStream(ScriptedStream):

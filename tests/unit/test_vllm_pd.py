@@ -13,6 +13,7 @@ import pytest
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import GatewaySettings, HealthSettings, parse_worker_spec
 from deepinfer_gateway.errors import UpstreamError, UpstreamFailed, UpstreamKind
+from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
@@ -163,7 +164,8 @@ async def test_a_prefill_handing_off_before_a_token_answers_with_the_decode_work
     assert reply["usage"]["prompt_tokens"] == 300  # the prefill's counts
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
     assert reply["usage"]["completion_tokens"] == 3  # the decode's tokens, the prefill's discarded
-    assert response.headers["x-dgw-worker"] == rig.worker(PREFILL).worker_id  # the plan's first leg, as for sim PD
+    # the plan's first leg, as for sim PD
+    assert response.headers["x-dgw-worker"] == client_worker_id(rig.worker(PREFILL).spec)
     (p_url, p_leg), (d_url, d_leg) = rig.client.bodies
     assert (p_url, p_leg.role) == (PREFILL, "prefill")
     assert (d_url, d_leg.role) == (DECODE, "decode")

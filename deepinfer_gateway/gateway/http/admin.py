@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.config import ApiKey, GatewaySettings, parse_worker_spec
 from deepinfer_gateway.errors import Forbidden, GatewayError
+from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.http.routes import authenticate
 from deepinfer_gateway.gateway.state import gateway_state
 
@@ -52,7 +53,8 @@ def admin_router(settings: GatewaySettings) -> APIRouter:
     async def list_workers(request: Request) -> Response:
         state = gateway_state(request)
         return JSONResponse({"workers": [
-            {"id": w.worker_id, "url": w.url, "role": str(w.spec.role), "hardware": str(w.spec.hardware),
+            {"id": w.worker_id, "client_id": client_worker_id(w.spec),
+             "url": w.url, "role": str(w.spec.role), "hardware": str(w.spec.hardware),
              "pool": w.pool, "kv_format": w.kv_format, "healthy": w.healthy, "draining": w.draining,
              "reported_id": w.info.worker_id if w.info else None,
              "inflight": w.inflight,

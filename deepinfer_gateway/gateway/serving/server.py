@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id, digest_of
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.legs import Legs
 from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
@@ -54,6 +55,10 @@ class RequestServer:
         self.loop_lag = registry.loop_lag
         path = settings.router.decision_log
         self.decisions = DecisionLog(path) if path else None
+
+    def _client_id(self, worker_id: str) -> str:
+        worker = self.legs.registry.workers.get(worker_id)
+        return client_worker_id(worker.spec) if worker is not None else digest_of(worker_id)
 
     @property
     def planner(self) -> RoutePlanner:
@@ -90,7 +95,8 @@ class RequestServer:
             exchange.head = response.ready(ready["prompt_tokens"], cached["memory"] + cached["store"])
             outcome.started(lease.ready_at)
             exchange.pending.append(first)
-            headers = {**(headers or {}), names.REQUEST_ID: request_id, names.WORKER: plan.worker.worker_id}
+            headers = {**(headers or {}), names.REQUEST_ID: request_id,
+                       names.WORKER: self._client_id(plan.worker.worker_id)}
             if prepared.stream:
                 streaming = True  # from here on RelayResponse owns the end
                 return RelayResponse(self.relay.stream(exchange), on_close=lambda: self.relay.close_stream(exchange),
