@@ -214,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     epp.add_argument("--fallbacks", type=int, default=2,
                      help="endpoints listed after the pick, for the data plane's retries (0: only the pick, "
                           "which Envoy's ORIGINAL_DST cluster needs)")
+    epp.add_argument("--subset-hint-header", action="store_true",
+                     help="also take the subset hint from the x-gateway-destination-endpoint-subset request header; "
+                          "only where the data plane sets or strips that header, as clients can send it (default: "
+                          "the envoy.lb.subset_hint metadata alone)")
     epp.add_argument("--secrets-dir", metavar="DIR", default=None,
                      help="directory of files named after settings, as serve's (default: $DGW_SECRETS_DIR, else none)")
     epp.set_defaults(func=cmd_epp)

@@ -82,7 +82,8 @@ def cmd_epp(args: argparse.Namespace) -> int:
     if args.log_format is None and settings.log_format != "text":
         configure_logging(args.log_level, settings.log_format)
     options = EppOptions(grpc_host=args.grpc_host, grpc_port=args.grpc_port, health_port=args.health_port,
-                         metrics_host=args.metrics_host, metrics_port=args.metrics_port, fallbacks=args.fallbacks)
+                         metrics_host=args.metrics_host, metrics_port=args.metrics_port, fallbacks=args.fallbacks,
+                         subset_hint_header=args.subset_hint_header)
     return run_epp(settings, options)
 
 

@@ -170,8 +170,9 @@ class Epp:
     """`deepinfer-gateway epp` child process on loopback ports of its own."""
 
     def __init__(self, tmp: Path, workers: list[tuple[str, str, str]], extra_toml: str = "",
-                 health_interval_s: float = 0.2, fallbacks: int = 2, stderr: IO[bytes] | None = None):
-        """workers: (url, role, hardware), as `Gateway`'s."""
+                 health_interval_s: float = 0.2, fallbacks: int = 2, stderr: IO[bytes] | None = None,
+                 subset_hint_header: bool = False):
+        """workers: (url, role, hardware), as `Gateway`'s; subset_hint_header: `--subset-hint-header`."""
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         config = tmp / f"epp-{self.grpc_port}.toml"
         lines = [extra_toml, "[health]", f"interval_s = {health_interval_s}", ""]
@@ -181,7 +182,8 @@ class Epp:
         self.url = f"http://127.0.0.1:{self.metrics_port}"  # its /metrics
         self.proc = Proc(CLI + ["epp", "--config", str(config), "--grpc-port", str(self.grpc_port),
                                 "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
-                                "--fallbacks", str(fallbacks)], stderr=stderr)
+                                "--fallbacks", str(fallbacks)]
+                          + (["--subset-hint-header"] if subset_hint_header else []), stderr=stderr)
         try:
             wait_for_port(self.grpc_port, START_TIMEOUT_S, self.proc)
         except BaseException:

@@ -7,8 +7,13 @@ prepares it (recipe_bridge, as the front end does), picks, and answers in order:
 (`x-gateway-destination-endpoint: ip:port[,fallbacks]` set and `clear_route_cache`; the same
 value as dynamic metadata under `envoy.lb`), the body as it came, in chunks, and the
 trailers. A request it cannot serve ends in an `ImmediateResponse` in the client protocol's
-error JSON: 400 for a bad body, 413 for one over the limit, 503 when no endpoint is
-eligible, 429 when admission sheds it.
+error JSON: 404/405 at the headers for anything but a client API (client_routes.py: the
+worker protocol is never routed), 400 for a bad body, 413 for one over the limit, 503 when
+no endpoint is eligible, 429 when admission sheds it.
+
+The subset hint (the endpoints the data plane allows) is read from the `envoy.lb.subset_hint`
+metadata the data plane sets; the same-named request header is a client's to send, so it
+counts only where the deployment says its data plane owns that header (`--subset-hint-header`).
 
 With `request_body_mode: BUFFERED` instead (what a fail-open data plane needs: Envoy 1.40
 fails a FULL_DUPLEX_STREAMED request closed when the EPP is unreachable after its body went
@@ -41,6 +46,7 @@ from google.protobuf import struct_pb2
 from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.epp.bodies import UsageScanner, path_protocol
+from deepinfer_gateway.epp.client_routes import client_route_refusal
 from deepinfer_gateway.epp.metrics import EppMetrics
 from deepinfer_gateway.epp.picker import EndpointPicker, Pick, endpoint_of
 from deepinfer_gateway.errors import GatewayError, InternalError
@@ -85,10 +91,12 @@ def _metadata_value(metadata: core.Metadata, namespace: str, key: str) -> Any:
     return None
 
 
-def subset_hint(metadata: core.Metadata, headers: Mapping[str, str]) -> frozenset[str] | None:
-    """The endpoints the data plane allows (metadata first, then the header); None: the whole pool."""
+def subset_hint(metadata: core.Metadata, headers: Mapping[str, str], header_allowed: bool = False
+                ) -> frozenset[str] | None:
+    """The endpoints the data plane allows (its metadata; then the header, where `header_allowed`:
+    a client can send that header, so by default it pins nothing); None: the whole pool."""
     listed = _metadata_value(metadata, SUBSET_NAMESPACE, SUBSET)
-    if listed is None and SUBSET in headers:
+    if listed is None and header_allowed and SUBSET in headers:
         listed = headers[SUBSET]
     if listed is None:
         return None
@@ -190,7 +198,11 @@ class RequestStream:
         self.path = self.headers.get(":path", "")
         self.protocol = path_protocol(self.path)
         self.request_id = self.headers.get(names.REQUEST_ID) or uuid.uuid4().hex
-        self.subset = subset_hint(message.metadata_context, self.headers)
+        refused = client_route_refusal(self.headers.get(":method", ""), self.path)
+        if refused is not None:
+            self.protocol = None
+            raise refused
+        self.subset = subset_hint(message.metadata_context, self.headers, self.service.subset_hint_header)
         if message.HasField("protocol_config"):
             self.duplex = message.protocol_config.request_body_mode == _DUPLEX
             self.reads_response = message.protocol_config.response_body_mode != _NO_BODY
@@ -308,11 +320,12 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
     """envoy.service.ext_proc.v3.ExternalProcessor: one `RequestStream` per HTTP request."""
 
     def __init__(self, picker: EndpointPicker, preparer: RequestPreparer, metrics: EppMetrics,
-                 settings: GatewaySettings):
+                 settings: GatewaySettings, subset_hint_header: bool = False):
         self.picker = picker
         self.preparer = preparer
         self.metrics = metrics
         self.settings = settings
+        self.subset_hint_header = subset_hint_header  # the deployment's data plane owns that request header
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:

@@ -60,6 +60,7 @@ class EppOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9090
     fallbacks: int = 2  # endpoints listed after the pick, for the data plane's retries
+    subset_hint_header: bool = False  # take the subset hint from the request header too (extproc.py)
 
 
 class EppRuntime:
@@ -111,7 +112,8 @@ class EppRuntime:
         self.discovery = WorkerDiscovery(settings.discovery, client, self.registry, self.admin.set_discovered)
         await self.discovery.start()
         self.picker = EndpointPicker(self.registry, routing, metrics, self.options.fallbacks)
-        service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings)
+        service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings,
+                                        self.options.subset_hint_header)
 
         self.grpc = grpc.aio.server()
         pb_grpc.add_ExternalProcessorServicer_to_server(service, self.grpc)

@@ -69,6 +69,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 proc.stop()
 
 
+@pytest.fixture(scope="module")
+def trusting(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """An EPP told that its data plane owns the subset-hint header (`--subset-hint-header`), over the same workers."""
+    tmp = tmp_path_factory.mktemp("epp-trusting")
+    epp = envoy = None
+    try:
+        epp = Epp(tmp, [(u, "unified", "sm100") for u in stack.cluster.urls], fallbacks=0, subset_hint_header=True)
+        envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
+        wait_ready(epp)
+        yield Stack(stack.cluster, epp, envoy)
+    finally:
+        for proc in (envoy, epp):
+            if proc is not None:
+                proc.stop()
+
+
 def chat(text: str, **extra: object) -> dict[str, object]:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
 
@@ -121,15 +137,49 @@ def test_shared_prefix_goes_back_to_its_holder_and_matches_the_prediction(stack:
     assert stack.metric("dgw_predicted_cached_tokens_total", tier="memory") - predicted == reported
 
 
-def test_subset_hint_restricts_the_pick(stack: Stack) -> None:
-    for endpoint in stack.endpoints:
+def test_subset_hint_restricts_the_pick(trusting: Stack) -> None:
+    for endpoint in trusting.endpoints:
         for _ in range(2):
-            raw = stack.client.chat.completions.with_raw_response.create(
+            raw = trusting.client.chat.completions.with_raw_response.create(
                 **chat("Which one?"), extra_headers={DESTINATION_SUBSET: endpoint})
             assert raw.headers["x-dgw-worker"] == endpoint
 
 
-def test_no_eligible_endpoint_is_a_503_in_the_protocols_format(stack: Stack) -> None:
+def test_a_client_subset_header_pins_nothing_by_default(stack: Stack) -> None:
+    gone = f"127.0.0.1:{free_port()}"
+    raw = stack.client.chat.completions.with_raw_response.create(**chat("Pin me?"),
+                                                                  extra_headers={DESTINATION_SUBSET: gone})
+    assert raw.headers["x-dgw-worker"] in stack.endpoints  # served: the header named no endpoint it has
+
+
+def upstream_requests(stack: Stack) -> int:
+    stats = httpx.get(f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=^cluster.pool.upstream_rq_total$")
+    return int(stats.text.split(":")[1]) if stats.text.strip() else 0
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/worker/kv_events"), ("POST", "/v1/worker/generate"),
+                                              ("POST", "/v1/worker/abort"), ("GET", "/load"), ("GET", "/info"),
+                                              ("GET", "/v1/chat/completions/../../v1/worker/kv_events")])
+def test_the_worker_protocol_is_refused_and_never_reaches_a_worker(stack: Stack, method: str, path: str) -> None:
+    before = upstream_requests(stack)
+    r = httpx.request(method, stack.envoy.url + path, json={} if method == "POST" else None, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert "x-dgw-worker" not in r.headers
+    assert upstream_requests(stack) == before
+
+
+def test_a_client_api_with_the_wrong_method_is_a_405_from_the_epp(stack: Stack) -> None:
+    before = upstream_requests(stack)
+    r = httpx.get(stack.envoy.url + "/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert upstream_requests(stack) == before
+    models = httpx.get(stack.envoy.url + "/v1/models", timeout=10)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+
+
+def test_no_eligible_endpoint_is_a_503_in_the_protocols_format(trusting: Stack) -> None:
+    stack = trusting
     gone = f"127.0.0.1:{free_port()}"
     refused = stack.metric("dgw_requests_total", protocol="chat", status="503")
     left = stack.metric("dgw_client_disconnects_total")
@@ -187,6 +237,9 @@ def test_fail_open_still_serves_without_the_epp(tmp_path: Path, stack: Stack) ->
         for _ in range(5):  # the body racing the failed ext_proc call must not matter
             r = httpx.post(envoy.url + "/v1/chat/completions", json=chat("Hello?"), timeout=10)
             assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+        # Failing open is no way around the EPP's refusal: the route itself serves the client APIs alone.
+        r = httpx.get(envoy.url + "/v1/worker/kv_events", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     finally:
         envoy.stop()
 
@@ -217,7 +270,8 @@ def test_endpoint_gone_between_pick_and_dispatch_is_retried_on_the_next_listed(t
     try:
         urls = holder.urls + other.urls
         endpoints = [u.split("//", 1)[1] for u in urls]
-        epp = Epp(tmp_path, [(u, "unified", "sm100") for u in urls], health_interval_s=60, fallbacks=2)
+        epp = Epp(tmp_path, [(u, "unified", "sm100") for u in urls], health_interval_s=60, fallbacks=2,
+                  subset_hint_header=True)
         envoy = Envoy(tmp_path, "epp-fail-open.yaml", epp.grpc_port, endpoints)
         wait_ready(epp)
         prefix = "A long shared system prompt about retries. " * 120

@@ -17,6 +17,7 @@ import yaml
 
 from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
+from deepinfer_gateway.epp.client_routes import CLIENT_ROUTES
 from tests.e2e.test_k8s_render import OVERLAYS, objects, render
 from tests.k8s_crd import load_crd, problems
 
@@ -114,6 +115,11 @@ def test_the_route_sends_the_pool_authenticated_traffic_only(docs: list[dict[str
     (rule,) = route["spec"]["rules"]
     assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
                                     "name": one(docs, "InferencePool")["metadata"]["name"]}]
+    # The client APIs alone, as the EPP routes them: never the workers' protocol, which the
+    # token this route injects would open to every client.
+    assert all(m["path"]["type"] == "Exact" for m in rule["matches"])
+    routed = {(m["path"]["value"], m["method"]) for m in rule["matches"]}
+    assert routed == {(path, method) for path, methods in CLIENT_ROUTES.items() for method in methods}
     (ext,) = [f["extensionRef"] for f in rule["filters"] if f["type"] == "ExtensionRef"]
     injected = one(docs, ext["kind"], ext["name"])["spec"]["credentialInjection"]
     assert injected["overwrite"] is True and injected["credential"]["valueRef"]["kind"] == "Secret"

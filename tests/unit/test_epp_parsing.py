@@ -35,17 +35,18 @@ def test_usage_scanner_keeps_the_last_figure() -> None:
     assert scanner.cached == 384
 
 
-def test_subset_hint_from_metadata_then_header() -> None:
+def test_subset_hint_from_metadata_then_the_header_where_allowed() -> None:
     metadata = core.Metadata()
     hint = struct_pb2.Struct()
     hint.update({"x-gateway-destination-endpoint-subset": ["10.0.0.1:8000", "10.0.0.2:8000"]})
     metadata.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
     header = {"x-gateway-destination-endpoint-subset": "10.0.0.9:8000"}
-    assert subset_hint(metadata, header) == frozenset({"10.0.0.1:8000", "10.0.0.2:8000"})
-    assert subset_hint(core.Metadata(), header) == frozenset({"10.0.0.9:8000"})
+    assert subset_hint(metadata, header, header_allowed=True) == frozenset({"10.0.0.1:8000", "10.0.0.2:8000"})
+    assert subset_hint(core.Metadata(), header) is None  # a client sent it: it pins nothing by default
+    assert subset_hint(core.Metadata(), header, header_allowed=True) == frozenset({"10.0.0.9:8000"})
     spaced = {"x-gateway-destination-endpoint-subset": " a:1, b:2 ,"}
-    assert subset_hint(core.Metadata(), spaced) == frozenset({"a:1", "b:2"})
-    assert subset_hint(core.Metadata(), {}) is None
+    assert subset_hint(core.Metadata(), spaced, header_allowed=True) == frozenset({"a:1", "b:2"})
+    assert subset_hint(core.Metadata(), {}, header_allowed=True) is None
 
 
 def test_endpoint_and_protocol_of() -> None:
