@@ -4,8 +4,11 @@
 fast_routes()` turns them into endpoints and the app registers each once, with FastAPI and
 its fast path (app.GatewayApp.add_fast_route). `/v1/models` goes through FastAPI.
 
-A generation request: authenticate, read the body (size limit), prepare it (recipe_bridge),
-check the key's model allow-list, admit it (rate limits), then RequestServer.serve (serving/server.py).
+A generation request: authenticate, read the body (size limit: no larger than could fit the
+context), admit it (the key's model allow-list, a slot among its requests in flight, rate
+limits), and only then prepare it (recipe_bridge: parsing, templating, tokenizing, images:
+the costly part, never spent on a request refused anyway), then RequestServer.serve
+(serving/server.py).
 Every endpoint catches, counts (dgw_requests_total) and renders its own errors in the
 protocol's JSON.
 """
@@ -19,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -37,8 +41,11 @@ from deepinfer_gateway.errors import (
 )
 from deepinfer_gateway.gateway.serving.auth import presented_key
 from deepinfer_gateway.gateway.serving.background import run_in_background
+from deepinfer_gateway.gateway.serving.body_bound import body_limit
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.state import GatewayState, gateway_state
+from deepinfer_gateway.gateway.serving.key_slots import KeySlots
+from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
@@ -82,16 +89,17 @@ def may_use(key: ApiKey, served: str, requested: str) -> bool:
     return key.allows(served) or key.allows(requested)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, why: str = "") -> bytes:
+    """The body, or PayloadTooLarge past `limit` bytes (`why`: appended to the message)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes.")
+        raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes{why}.")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes{why}.")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -116,6 +124,15 @@ async def admit(state: GatewayState, key: ApiKey, prompt_tokens: int
 
 
 async def unless_disconnected(request: Request, serving: Awaitable[Response]) -> Response:
+def ended(release_slot: Callable[[], None], debit: Callable[[int], None] | None) -> Callable[[int], None]:
+    """A request's `on_done`: its slot back, its output tokens debited."""
+    def on_done(completion_tokens: int) -> None:
+        release_slot()
+        if debit is not None:
+            debit(completion_tokens)
+    return on_done
+
+
     """Await `serving` (routing + waiting for the first token), but cancel it if the client
     leaves first, so a long prefill for a client that is gone is aborted on the worker.
     Streaming responses watch for disconnects themselves once they start."""
@@ -152,6 +169,8 @@ class ClientRoutes:
         self.metrics = metrics
         self.preparer = preparer
 
+        self.body_limit, self.body_limit_why = body_limit(settings)
+        self.key_slots = KeySlots(settings.client_connections.max_requests_per_key)
     def fast_routes(self) -> dict[str, Endpoint]:
         """Path -> endpoint of every POST route the app's fast path serves."""
         routes = {path: self._generation_endpoint(protocol) for path, protocol in GENERATION_ROUTES.items()}
@@ -195,8 +214,12 @@ class ClientRoutes:
         request_id = request.headers.get(wp.REQUEST_ID_HEADER) or random_id()
         model = "unknown"
         try:
+        release_slot = None
             key = await authenticate(request)
-            body = await read_body(request, self.settings.max_body_bytes)
+            body = await read_body(request, self.body_limit, self.body_limit_why)
+            self.check_model_early(key, body)
+            release_slot = self.key_slots.take(key)
+            headers, debit = await admit(state, key, 0)  # its prompt tokens are debited once counted
             pending = None
             if protocol is ApiProtocol.RESPONSES:
                 body, pending = await state.responses.prepare(key.name, body)
@@ -205,18 +228,38 @@ class ClientRoutes:
             self.metrics.preprocess.observe(time.perf_counter() - arrival)
             if not may_use(key, model, prepared.requested_model):
                 raise Forbidden(f"This API key may not use model {prepared.requested_model}.")
-            headers, on_done = await admit(state, key, prepared.prompt_tokens)
+            if debit is not None:
+                debit(prepared.prompt_tokens)
+            on_done = ended(release_slot, debit)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session_key=session_key(request))
             response = await unless_disconnected(request, serving)
             return response if pending is None else await state.responses.capture(pending, response)
         except Exception as exc:  # any failure is answered in the protocol's error JSON
+            if isinstance(response, RelayResponse):
+                release_slot = None  # the stream's end gives the slot back (`on_done`)
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
             return self.refuse(str(protocol), protocol, model, self.caught(exc, request_id), request_id)
 
     async def count_tokens(self, request: Request) -> Response:
+        finally:
+            if release_slot is not None:
+                release_slot()
+
+    def check_model_early(self, key: ApiKey, body: bytes) -> None:
+        """A key with an allow-list is refused a model it may not use before its body is prepared.
+        A body this cannot read is left to the preparer, which answers it; it checks again."""
+        if not key.models:
+            return
+        try:
+            requested = orjson.loads(body).get("model")
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        target = self.preparer.catalog.resolve(requested) if isinstance(requested, str) else None
+        if target is not None and not may_use(key, target.served, requested):
+            raise Forbidden(f"This API key may not use model {requested}.")
         """Anthropic's `POST /v1/messages/count_tokens`: the Messages body's prompt tokens.
 
         Rate limits: it takes one request from the key's request bucket and is refused while
@@ -225,12 +268,13 @@ class ClientRoutes:
         model = "unknown"
         try:
             key = await authenticate(request)
-            body = await read_body(request, self.settings.max_body_bytes)
+            body = await read_body(request, self.body_limit, self.body_limit_why)
+            self.check_model_early(key, body)
+            headers, _ = await admit(gateway_state(request), key, 0)
             counted = await self.preparer.count_tokens_async(body)
             model = counted.model
             if not may_use(key, model, counted.requested_model):
                 raise Forbidden(f"This API key may not use model {counted.requested_model}.")
-            headers, _ = await admit(gateway_state(request), key, 0)
         except Exception as exc:  # any failure is answered in the protocol's error JSON
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
