@@ -41,7 +41,8 @@ def serve_gateway(app: Any, shutting_down: threading.Event, settings: GatewaySet
     from deepinfer_gateway.http_bounds import ConnectionBounds
 
     limits = settings.client_connections
-    bounds = ConnectionBounds(limits.header_timeout_s, limits.max_header_bytes, limits.max_connections)
+    bounds = ConnectionBounds(limits.header_timeout_s, limits.max_header_bytes, limits.max_connections,
+                              limits.write_timeout_s)
     return run_until_signal(app, settings.host, settings.port, log_level=log_level,
                             graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
                             on_signal=shutting_down.set, bounds=bounds, **options)

@@ -1,4 +1,5 @@
-"""Bounds on a client connection before the ASGI app sees a request: its head's time and size.
+"""Bounds on a client connection that the ASGI app cannot set: its request heads' time and
+size, and how long it may leave the responses unread.
 
 uvicorn arms no timer on a new connection (only between requests), and its httptools parser
 takes headers of any size, so a client could hold a connection open forever without sending
@@ -12,6 +13,12 @@ protocol with two bounds on each request head (request line and headers):
   counted as the parser hands them over; a line still arriving (httptools buffers it whole)
   by the bytes read while the head is open (for a later request on a connection, from its
   second read on: its first may end the request before), so past the bound by one read at most.
+
+A client that stops reading leaves the response's writes waiting forever (the app's `send`
+waits for the socket to drain), and with them the request it holds on a worker. When the
+connection's write buffer is over its high-water mark (the transport paused writing) for
+`write_timeout_s` without draining, the connection is aborted: the app sees the client gone
+(http.disconnect) and ends the request as for any client that left.
 
 The number of connections is bounded by uvicorn's own `limit_concurrency` (503 beyond it).
 """
@@ -31,6 +38,7 @@ class ConnectionBounds:
     header_timeout_s: float
     max_header_bytes: int
     max_connections: int
+    write_timeout_s: float
 
 
 class _HeadTooLarge(Exception):
@@ -49,6 +57,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self._head_lines = 0  # bytes of the head's completed request line and header lines
         self._head_reads = 0  # bytes read while the head was open (a later request's: past its first read)
         self._refusing = False
@@ -61,7 +70,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.bounds.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        who = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        self.logger.info("%s took no response bytes for %g s: connection aborted", who, self.bounds.write_timeout_s)
+        self.transport.abort()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def data_received(self, data: bytes) -> None:
         # A read that began a later request may end the one before too: only reads while the head
