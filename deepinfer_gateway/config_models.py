@@ -44,6 +44,10 @@ class ApiKey(_Frozen):
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
 
+    cache_isolation: bool = Field(
+        False, description="Salt all its requests' prefix caching with its tenant (else the key): no other tenant's "
+                           "prompt shares its KV blocks or learns from cached_tokens that they are cached; costs the "
+                           "hits it would have had on other tenants' prefixes (e.g. a common system prompt).")
 
 class WorkerEngine(StrEnum):
     """The API a worker speaks."""

@@ -42,6 +42,7 @@ from deepinfer_gateway.errors import (
 from deepinfer_gateway.gateway.serving.auth import presented_key
 from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.body_bound import body_limit
+from deepinfer_gateway.gateway.serving.cache_salt import request_cache_salt
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.serving.key_slots import KeySlots
@@ -233,7 +234,8 @@ class ClientRoutes:
             on_done = ended(release_slot, debit)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
-                                         session_key=session_key(request))
+                                         session_key=session_key(request),
+                                         cache_salt=request_cache_salt(key, prepared.cache_salt))
             response = await unless_disconnected(request, serving)
             return response if pending is None else await state.responses.capture(pending, response)
         except Exception as exc:  # any failure is answered in the protocol's error JSON
