@@ -40,14 +40,14 @@ class ApiKey(_Frozen):
     requests_per_minute: int | None = Field(None, ge=1, description="Rate limit; none: unlimited.")
     tokens_per_minute: int | None = Field(None, ge=1, description="Prompt + output token limit; none: unlimited.")
     admin: bool = Field(False, description="May call the /admin endpoints.")
-
-    def allows(self, model: str) -> bool:
-        return not self.models or model in self.models
-
     cache_isolation: bool = Field(
         False, description="Salt all its requests' prefix caching with its tenant (else the key): no other tenant's "
                            "prompt shares its KV blocks or learns from cached_tokens that they are cached; costs the "
                            "hits it would have had on other tenants' prefixes (e.g. a common system prompt).")
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
+
 
 class WorkerEngine(StrEnum):
     """The API a worker speaks."""

@@ -155,6 +155,9 @@ class GenerateRequest(_Model):
     image_token_adjustment: int = Field(0, ge=0)
     images: list[str] = Field(default_factory=list)  # base64 preprocessed images
     arrival_time: float | None = None
+    # Prefix-cache isolation (vLLM's `cache_salt`): blocks are shared only among requests with
+    # the same salt (kvcache.hashing.kv_salt); a worker that cannot isolate them refuses it.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class AbortRequest(_Model):

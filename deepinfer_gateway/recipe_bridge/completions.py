@@ -61,6 +61,7 @@ class CompletionRequest(BaseModel):
     ignore_eos: StrictBool = False  # vLLM/SGLang extension (benchmarks)
     top_k: StrictInt | None = None  # vLLM/SGLang extension
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM/SGLang extension
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None  # vLLM extension
 
 
 class CompletionRefused(Exception):

@@ -67,6 +67,7 @@ FIELDS: dict[ApiProtocol, Mapping[str, Refuse | None]] = {
         "n": HONOURED, "user": HONOURED, "stream_options": HONOURED, "thinking": HONOURED,
         "reasoning_effort": HONOURED, "top_k": HONOURED, "safety_identifier": HONOURED,
         "prompt_cache_key": HONOURED,  # a session key: requests sharing it are kept on one worker
+        "cache_salt": HONOURED,  # vLLM's: prefix-cache isolation (gateway/serving/cache_salt.py)
         "parallel_tool_calls": _PARALLEL,
         "service_tier": _TIER,
         "store": Refuse(_is(None, False), "chat completions are not stored; use the Responses API"),
@@ -82,7 +83,7 @@ FIELDS: dict[ApiProtocol, Mapping[str, Refuse | None]] = {
         **_COMMON,
         "input": HONOURED, "instructions": HONOURED, "max_output_tokens": HONOURED, "text": HONOURED,
         "reasoning": HONOURED, "top_logprobs": HONOURED, "user": HONOURED, "safety_identifier": HONOURED,
-        "prompt_cache_key": HONOURED,
+        "prompt_cache_key": HONOURED, "cache_salt": HONOURED,
         # Stored Responses (gateway/serving/responses_api.py) answers or refuses these.
         "store": HONOURED, "previous_response_id": HONOURED, "background": HONOURED, "conversation": HONOURED,
         "parallel_tool_calls": _PARALLEL,
@@ -134,6 +135,19 @@ def top_k_of(value: Any) -> int:
         return -1
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise BridgeError(400, "top_k must be a positive integer (0 or -1: off).", param="top_k")
+    return value
+
+
+CACHE_SALT_MAX_CHARS = 256
+
+
+def cache_salt_of(value: Any) -> str | None:
+    """`cache_salt` (vLLM's extension): None when absent, else a non-empty string."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= CACHE_SALT_MAX_CHARS:
+        raise BridgeError(400, f"cache_salt must be a non-empty string of at most {CACHE_SALT_MAX_CHARS} "
+                               "characters.", param="cache_salt")
     return value
 
 

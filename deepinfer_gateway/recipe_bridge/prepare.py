@@ -35,7 +35,13 @@ from deepinfer_gateway.recipe_bridge.conversion import (
     sampling_of,
 )
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
-from deepinfer_gateway.recipe_bridge.fields import COUNT_TOKENS_FIELDS, check_fields, session_of, top_k_of
+from deepinfer_gateway.recipe_bridge.fields import (
+    COUNT_TOKENS_FIELDS,
+    cache_salt_of,
+    check_fields,
+    session_of,
+    top_k_of,
+)
 from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
 from deepinfer_gateway.recipe_bridge.offload import OFFLOAD_BODY_BYTES, OFFLOAD_ENV, PrepareOffload, parse_offload
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, BridgeConfig, PreparedRequest, TokenCount
@@ -110,6 +116,7 @@ class RequestPreparer:
             images=images.images,
             image_token_adjustment=images.token_adjustment,
             packed_tokens=packed_tokens,
+            cache_salt=cache_salt_of(parsed.get("cache_salt")),
         )
 
     def count_tokens(self, body: bytes) -> TokenCount:
@@ -171,6 +178,7 @@ class RequestPreparer:
             include_usage=include_usage,
             user=request.user,
             legacy=legacy.LegacyOptions(legacy.stop_sequences(request.stop), request.logprobs),
+            cache_salt=request.cache_salt,
         )
 
     def _completion_prompt(self, request: legacy.CompletionRequest) -> tuple[list[int], int]:

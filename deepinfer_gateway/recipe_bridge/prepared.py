@@ -55,6 +55,7 @@ class PreparedRequest:
     legacy: legacy.LegacyOptions | None = None  # legacy completions: stop sequences, logprobs
     packed_tokens: bytes | None = None  # token_ids packed for block hashing, when the encoder had them
     requested_model: str = ""  # the name the client sent (an alias or `model`), echoed in responses
+    cache_salt: str | None = None  # the client's `cache_salt` (gateway/serving/cache_salt.py combines it)
 
     def __post_init__(self) -> None:
         self.requested_model = self.requested_model or self.model

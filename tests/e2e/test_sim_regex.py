@@ -16,7 +16,7 @@ CATASTROPHIC = "(.*)*" * 12 + "!"
 def _answer(client: openai.OpenAI, pattern: str) -> str:
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Answer"}], max_tokens=200,
-        response_format={"type": "regex", "regex": pattern},  # type: ignore[arg-type,typeddict-unknown-key]
+        response_format={"type": "regex", "regex": pattern},
         extra_body={"thinking": {"type": "disabled"}})
     return reply.choices[0].message.content or ""
 

@@ -62,6 +62,7 @@ FIELD_TYPES: dict[str, Schema] = {
     "stream_options": _OBJECT, "thinking": _OBJECT, "reasoning_effort": _STRING,
     "top_k": {"type": "integer", "minimum": -1},
     "safety_identifier": _STRING, "prompt_cache_key": _STRING, "parallel_tool_calls": _BOOL,
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 256},
     "service_tier": _STRING, "store": _BOOL, "modalities": _STRINGS, "audio": _OBJECT, "prediction": _OBJECT,
     "web_search_options": _OBJECT, "verbosity": _STRING, "functions": {"type": "array", "items": _OBJECT},
     "function_call": _STRING_OR_OBJECT,

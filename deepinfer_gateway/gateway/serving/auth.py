@@ -8,17 +8,13 @@ With no key configured, authentication is off (the demo); the caller is `anonymo
 with the default workload class.
 
 Keys may also live in Redis (hash `dgw:apikey:{sha256}` with fields name, models
-(comma-separated), workload_class, requests_per_minute, tokens_per_minute, admin, tenant,
-cache_isolation) so
-an operator can add one without restarting any gateway replica. Lookups are cached for
-`cache_ttl_s`: keys found in one cache, keys not found in another, each holding at most
-`cache_size` (oldest dropped first), so clients presenting random keys can neither grow the
-memory nor push a real key out. While Redis fails, a key found before keeps its last record,
-without waiting for Redis (outage.py); a key last seen absent (revoked, or never added) stays
-refused (401); a key never seen is answered 503 (`KeysUnavailable`), not 401: nobody can tell
-yet whether it is valid, and a client told its key is invalid stops retrying. A failed lookup
-is not cached. A key revoked in Redis stops working within `cache_ttl_s`, on every replica
-that can reach Redis.
+(comma-separated), workload_class, requests_per_minute, tokens_per_minute, admin, cache_isolation) so an
+operator can add one without restarting any gateway replica; lookups (found or not) are
+cached for `cache_ttl_s`, at most `cache_size` of them (oldest dropped first: clients
+presenting random keys must not grow the cache without bound). While Redis fails, a key
+seen before keeps its last record, without waiting for Redis (outage.py), and a key never
+seen is answered 503 (`KeysUnavailable`), not 401: nobody can tell yet whether it is valid,
+and a client told its key is invalid stops retrying. A failed lookup is not cached.
 """
 
 from __future__ import annotations
@@ -115,6 +111,5 @@ class KeyStore:
             requests_per_minute=int(f["requests_per_minute"]) if f.get("requests_per_minute") else None,
             tokens_per_minute=int(f["tokens_per_minute"]) if f.get("tokens_per_minute") else None,
             admin=f.get("admin", "false").lower() in ("1", "true", "yes"),
-        )
-            tenant=f.get("tenant") or None,
             cache_isolation=f.get("cache_isolation", "false").lower() in ("1", "true", "yes"),
+        )

@@ -120,7 +120,7 @@ class Legs:
                     session_key: str | None) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
         """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event,
         the views it was planned on)."""
-        views, hashes, overlap = await self.routing.candidates(prepared)
+        views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
         planner = self.routing.planner
         plans: list[Plan] = []
 

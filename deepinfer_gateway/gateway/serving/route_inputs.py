@@ -65,19 +65,21 @@ class RouteInputs:
         now = self.registry.loop_lag.now()
         return [v for w in workers if (v := worker_view(w, booked.get(w.worker_id, 0), now)) is not None]
 
-    async def candidates(self, prepared: PreparedRequest) -> tuple[list[WorkerView], dict[str, list[int]], Overlap]:
-        """The views, the prompt's hashes per KV format and their overlap with each worker's cache."""
+    async def candidates(self, prepared: PreparedRequest, cache_salt: str | None = None
+                         ) -> tuple[list[WorkerView], dict[str, list[int]], Overlap]:
+        """The views, the prompt's hashes per KV format (under `cache_salt`, the request's) and their
+        overlap with each worker's cache."""
         views = await self.views()
         if not views:
             raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.")
         with tracing.span("router.lookup", candidates=len(views)):
-            hashes, overlap = await self.overlap(prepared, views)
+            hashes, overlap = await self.overlap(prepared, views, cache_salt)
         return views, hashes, overlap
 
-    async def overlap(self, prepared: PreparedRequest,
-                      views: list[WorkerView]) -> tuple[dict[str, list[int]], Overlap]:
+    async def overlap(self, prepared: PreparedRequest, views: list[WorkerView],
+                      cache_salt: str | None = None) -> tuple[dict[str, list[int]], Overlap]:
         """The prompt's hashes per KV format and their overlap with each of `views`' caches."""
-        hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens)
+        hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens, cache_salt)
         started = time.perf_counter()
         overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
         self.metrics.prefix_lookup.observe(time.perf_counter() - started)

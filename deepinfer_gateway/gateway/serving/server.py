@@ -70,14 +70,16 @@ class RequestServer:
 
     async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
                     workload_class: str = "chat", headers: dict[str, str] | None = None,
-                    on_done: Callable[[int], None] | None = None, session_key: str | None = None) -> Response:
+                    on_done: Callable[[int], None] | None = None, session_key: str | None = None,
+                    cache_salt: str | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends, if it
-        reached a worker."""
+        reached a worker. `cache_salt`: the request's prefix-cache salt (cache_salt.py)."""
         # The workers get an id of ours: a client's x-request-id (`request_id`, echoed and logged)
         # is not unique, and two requests with the same one would collide on a worker.
         leg = LegRequest(random_id(), prepared.token_ids,
                          prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
-                         images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment)
+                         images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment,
+                         cache_salt=cache_salt)
         response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
         lease, plan, ready, first, views = await self.legs.first(prepared, leg, session_key or prepared.user)
         if self.decisions is not None:

@@ -65,6 +65,7 @@ class LegRequest:
     kv_handoff: dict[str, Any] | None = None  # a decode leg's: the prefill leg's `finish` carried it
     images: list[str] | None = None
     image_token_adjustment: int = 0
+    cache_salt: str | None = None  # the request's prefix-cache salt (serving/cache_salt.py)
     # The router's predicted cached prompt tokens on the chosen worker. Engines that report
     # their cached count only at the end (vLLM, OpenAI servers) give it as `ready`'s
     # provisional count; not a wire field.
@@ -80,6 +81,8 @@ class LegRequest:
         if self.images:
             body["images"] = self.images
             body["image_token_adjustment"] = self.image_token_adjustment
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         return body
 
     def decode(self, handoff: dict[str, Any], token_ids: Sequence[int] | None = None) -> LegRequest:

@@ -91,7 +91,7 @@ async def probe(http: HttpPool, spec: OpenAIWorkerSpec) -> OpenAIFacts:
 
 
 def completion_body(model: str, prompt: str, sampling: dict[str, Any], max_tokens: int,
-                    stop: list[str]) -> dict[str, Any]:
+                    stop: list[str], cache_salt: str | None = None) -> dict[str, Any]:
     """The `/v1/completions` body (`sampling` as the worker body carries it: non-default fields only)."""
     body: dict[str, Any] = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens,
@@ -117,6 +117,8 @@ def completion_body(model: str, prompt: str, sampling: dict[str, Any], max_token
                                    if schema else {"type": "json_object"})
     elif so_args.get("schema_type") == "regex":
         body["structured_outputs"] = {"regex": so_args.get("schema", "")}  # vLLM's name; DSML grammars: none
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt  # vLLM's name; a server without it must refuse it (docs/real-engines.md)
     return body
 
 
@@ -184,5 +186,6 @@ class OpenAIUpstream:
             stream.refuse(refused)
         else:
             await stream.start(self._http, leg.request_id,
-                               completion_body(facts.model, self._text.decode(token_ids), sampling, max_tokens, stop))
+                               completion_body(facts.model, self._text.decode(token_ids), sampling, max_tokens, stop,
+                                               leg.cache_salt))
         return stream

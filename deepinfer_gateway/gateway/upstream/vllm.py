@@ -96,9 +96,10 @@ async def probe(http: HttpPool, spec: VllmWorkerSpec) -> VllmFacts:
     )
 
 
-def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, Any], max_tokens: int,
+                    cache_salt: str | None = None) -> dict[str, Any]:
     """The `/v1/completions` body for a worker-protocol request (`sampling` as the worker
-    body carries it: non-default fields only)."""
+    body carries it: non-default fields only; `cache_salt`: the request's, vLLM's own field)."""
     body: dict[str, Any] = {
         "model": model, "prompt": token_ids, "max_tokens": max_tokens,
         "temperature": sampling.get("temperature", 1.0), "top_p": sampling.get("top_p", 1.0),
@@ -120,6 +121,8 @@ def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, An
     structured = _structured_outputs(sampling.get("so_args"))
     if structured is not None:
         body["structured_outputs"] = structured
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -247,7 +250,7 @@ class VllmUpstream:
         if refused is not None:
             stream.refuse(refused)
             return stream
-        request = completion_body(facts.model, token_ids, sampling, max_tokens)
+        request = completion_body(facts.model, token_ids, sampling, max_tokens, leg.cache_salt)
         if role == wp.Role.DECODE:
             request = vllm_pd.decode_body(request, transfer)
         await stream.start(self._http, leg.request_id, request)
@@ -256,7 +259,7 @@ class VllmUpstream:
     async def _prefill(self, facts: VllmFacts, leg: LegRequest) -> EventStream:
         """A PD prefill leg (vllm_pd.py): one non-streamed call, its events held."""
         url = self.spec.url
-        body = vllm_pd.prefill_body(completion_body(facts.model, leg.token_ids, leg.sampling, 1))
+        body = vllm_pd.prefill_body(completion_body(facts.model, leg.token_ids, leg.sampling, 1, leg.cache_salt))
         answer = await read_answer(self._http, url, leg.request_id, body)
         try:
             events = vllm_pd.prefill_events(answer, self.spec.worker_id, facts.info(self.spec).kv_format)

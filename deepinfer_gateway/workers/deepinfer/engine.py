@@ -224,6 +224,9 @@ class DeepInferEngine:
         if request.sampling.min_tokens:
             return self._refused(request, ErrorKind.INVALID_REQUEST,
                                  "min_tokens is not supported by DeepInfer workers (SamplingParams has no minimum)")
+        if request.cache_salt is not None:  # served unsalted, the blocks would be shared: refused, not ignored
+            return self._refused(request, ErrorKind.INVALID_REQUEST,
+                                 "cache_salt is not supported by DeepInfer workers (their prefix cache has no salt)")
         if request.request_id in self._streams:
             return self._refused(request, ErrorKind.INVALID_REQUEST, f"request id {request.request_id!r} is in flight")
         return None

@@ -68,6 +68,7 @@ class SimRequest:
     workload_class: WorkloadClass = "chat"
     stop_after_first: bool = False  # prefill role
     kv_loaded_seconds: float | None = None  # decode role: KV arrives by transfer at this cost
+    cache_salt: str | None = None  # its blocks are shared only with requests of the same salt
 
 
 @dataclass
@@ -118,6 +119,7 @@ class SchedulerCore:
         self.cache = PrefixCache(profile.memory_capacity_blocks, events)
         self.store = store
         self.time_scale = time_scale
+        self.model = model
         self.salt = kv_salt(model, profile.kv_format)
         self._waiting: list[deque[_Seq]] = [deque() for _ in range(profile.dp_ranks)]
         self._running: list[list[_Seq]] = [[] for _ in range(profile.dp_ranks)]
@@ -128,16 +130,23 @@ class SchedulerCore:
 
     # --- requests ---------------------------------------------------------------------
 
-    def hashes(self, token_ids: Sequence[int], known: list[int] | None = None) -> list[int]:
-        """Block hashes of `token_ids` under this worker's salt. `known`: the hashes of a
+    def hashes(self, token_ids: Sequence[int], known: list[int] | None = None,
+               cache_salt: str | None = None) -> list[int]:
+        """Block hashes of `token_ids` under this worker's salt (and the request's `cache_salt`:
+        then no block is shared with a request of another salt). `known`: the hashes of a
         prefix of `token_ids`; when they carry their chain (`BlockHashes`) under this
         salt, only the blocks past them are digested."""
-        if self._chains_on(known):
+        salt = self._salt_of(cache_salt)
+        if self._chains_on(known, salt):
             return extend_block_hashes(known, token_ids[len(known) * KV_BLOCK_TOKENS :])
-        return block_hashes(token_ids, self.salt)
+        return block_hashes(token_ids, salt)
 
-    def _chains_on(self, known: list[int] | None) -> TypeGuard[BlockHashes]:
-        return isinstance(known, BlockHashes) and known.salt == self.salt
+    def _salt_of(self, cache_salt: str | None) -> bytes:
+        return self.salt if cache_salt is None else kv_salt(self.model, self.profile.kv_format, cache_salt)
+
+    @staticmethod
+    def _chains_on(known: list[int] | None, salt: bytes) -> TypeGuard[BlockHashes]:
+        return isinstance(known, BlockHashes) and known.salt == salt
 
     def add_request(self, req: SimRequest, hashes: list[int] | None = None) -> None:
         """Queue a request; raises AdmissionError when it can never run here."""
@@ -151,7 +160,8 @@ class SchedulerCore:
         if blocks > self.profile.memory_capacity_blocks:
             raise AdmissionError(ErrorKind.RESOURCE_EXHAUSTED, f"request needs {blocks} KV blocks, worker has fewer")
         rank = min(range(self.profile.dp_ranks), key=self._rank_pressure)
-        seq = _Seq(req, rank, hashes if hashes is not None else self.hashes(req.token_ids), blocks)
+        seq = _Seq(req, rank, hashes if hashes is not None else self.hashes(req.token_ids, cache_salt=req.cache_salt),
+                   blocks)
         if self.profile.nextn and 0.0 < self.profile.acceptance < 1.0:
             seq.rng = random.Random(req.request_id)  # str seeds are hashed with SHA-512: stable across runs
         self._seqs[req.request_id] = seq
@@ -272,10 +282,10 @@ class SchedulerCore:
             # The prompt's blocks are known: digest only the ones past them.
             start = len(known) * KV_BLOCK_TOKENS
             full: list[int]
-            if self._chains_on(known) and start <= len(prompt):  # without copying the prompt
+            if self._chains_on(known, self._salt_of(seq.req.cache_salt)) and start <= len(prompt):  # no prompt copy
                 full = extend_block_hashes(known, [*prompt[start:], *seq.req.output[: seq.emitted]])
             else:
-                full = self.hashes([*prompt, *seq.req.output[: seq.emitted]])
+                full = self.hashes([*prompt, *seq.req.output[: seq.emitted]], cache_salt=seq.req.cache_salt)
             self._cache_blocks(full, seq.req.workload_class, now)
 
     def _cache_blocks(self, hashes: list[int], workload_class: WorkloadClass, now: float) -> None:

@@ -181,8 +181,9 @@ class SimEngine:
                 plan.finish_reason,
                 request.workload_class,
                 stop_after_first=role is Role.PREFILL,
+                cache_salt=request.cache_salt,
             )
-        hashes = self._core.hashes(tokens)
+        hashes = self._core.hashes(tokens, cache_salt=request.cache_salt)
         self._core.add_request(sim, hashes)
         sampling = request.sampling
         wants = sampling.logprobs or sampling.top_logprobs > 0
@@ -216,6 +217,7 @@ class SimEngine:
             plan.finish_reason,
             request.workload_class,
             kv_loaded_seconds=kv_load_seconds(self.profile, handoff.num_tokens, bandwidth),
+            cache_salt=request.cache_salt,
         )
 
     # --- step loop --------------------------------------------------------------------
