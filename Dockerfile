@@ -14,7 +14,9 @@
 #                   digest, so a rebuild gets the same base
 #   PYTHON_VERSION  e.g. 3.12 (DeepInfer's version): python:<version>-slim-bookworm by tag,
 #                   unpinned, or a local image of that name (the gateway needs >= 3.11)
-#   EXTRAS          optional extras of the package, e.g. "[bench]" (locked too)
+#   EXTRAS          optional extras of the package (locked too); default "[epp]": the EPP
+#                   manifests (deploy/k8s/epp) run this image as `deepinfer-gateway epp`,
+#                   whose gRPC server needs that extra; e.g. "[epp,bench]" for more
 # No `# syntax=` line: BuildKit's built-in frontend builds this file (RUN --mount included),
 # so a build fetches no frontend image; with the base image local and deploy/wheels filled,
 # it needs no registry at all.
@@ -43,7 +45,7 @@ RUN python -m pip wheel --wheel-dir /wheels --find-links /build/local-wheels --r
 
 # ---------------------------------------------------------------- runtime: slim, non-root
 FROM ${BASE_IMAGE} AS runtime
-ARG EXTRAS=""
+ARG EXTRAS="[epp]"
 LABEL org.opencontainers.image.title="deepinfer-gateway" \
       org.opencontainers.image.description="OpenAI/Anthropic gateway, KV-cache-aware router and simulated engine workers for DeepInfer" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -56,7 +58,9 @@ RUN groupadd --system --gid 10001 dgw \
  && mkdir -p /etc/deepinfer-gateway
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -m pip install --no-index --find-links /wheels "deepinfer-gateway${EXTRAS}" \
- && deepinfer-gateway --help > /dev/null
+ && deepinfer-gateway --help > /dev/null \
+ && case "${EXTRAS}" in *epp*) deepinfer-gateway epp --help > /dev/null \
+      && python -c "import deepinfer_gateway.epp.runtime" ;; esac
 
 USER 10001:10001
 WORKDIR /home/dgw

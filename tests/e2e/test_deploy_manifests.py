@@ -420,7 +420,7 @@ def test_lock_pins_every_dependency_of_pyproject_with_hashes() -> None:
     pinned = {canonicalize_name(name): version for name, version, _marker, _hashes in entries}
     assert len(entries) == len(re.findall(r"(?m)^[A-Za-z0-9_.\-]+==", text)), "a locked package without hashes"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    locked_extras = {"bench", "otel"}  # what the image's EXTRAS may ask for
+    locked_extras = {"bench", "otel", "epp"}  # what the image's EXTRAS may ask for
     wanted = list(project["dependencies"]) + [r for e in locked_extras for r in project["optional-dependencies"][e]]
     env = {"python_version": "3.11", "sys_platform": "linux", "platform_system": "Linux", "extra": ""}
     for line in wanted:
@@ -430,6 +430,32 @@ def test_lock_pins_every_dependency_of_pyproject_with_hashes() -> None:
         name = canonicalize_name(req.name)
         assert name in pinned, f"{req.name} is not in requirements.lock (regenerate it: docs/deploy.md)"
         assert req.specifier.contains(pinned[name], prereleases=True), f"lock pins {name}=={pinned[name]}, wants {req}"
+
+
+def test_the_image_the_epp_runs_installs_and_smoke_tests_the_epp_extra() -> None:
+    """deploy/k8s/epp runs this image as `deepinfer-gateway epp`: its default EXTRAS install the
+    `epp` extra (gRPC, health checking, Envoy's protos: all in the hashed lock, with what they
+    need), and the build fails when `epp --help` or the EPP's server module does not load."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    instr = dockerfile_instructions()
+    (extras,) = [rest.partition("=")[2].strip('"') for word, rest in instr if word == "ARG"
+                 and rest.startswith("EXTRAS=")]
+    assert "epp" in Requirement(f"deepinfer-gateway{extras}").extras
+    (install,) = [rest for word, rest in instr if word == "RUN" and "pip install" in rest]
+    assert "deepinfer-gateway epp --help" in install and "import deepinfer_gateway.epp.runtime" in install
+    lock = (ROOT / "requirements.lock").read_text()
+    locked = {canonicalize_name(m) for m in re.findall(r"(?m)^([A-Za-z0-9_.\-]+)==", lock)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # The extra's own requirements and what they require in turn (protobuf, typing-extensions).
+    needed = {canonicalize_name(Requirement(r).name) for r in project["optional-dependencies"]["epp"]}
+    for name in list(needed):
+        needed |= {canonicalize_name(Requirement(r).name) for r in requires(name) or []
+                   if Requirement(r).marker is None}
+    assert needed <= locked, sorted(needed - locked)
 
 
 def test_dockerfile_copies_only_what_dockerignore_lets_in() -> None:
