@@ -429,10 +429,10 @@ class GatewaySettings(_Frozen):
         description="File of worker tokens, one a line, the first sent; re-read when it changes; wins over "
                     "worker_token.")
     kv_writer_lease_s: float = Field(
-    client_connections: ClientConnectionSettings = Field(
-        ClientConnectionSettings(), description="Client connection and stream bounds.")
         3.0, ge=0,
         description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
+    client_connections: ClientConnectionSettings = Field(
+        ClientConnectionSettings(), description="Client connection and stream bounds.")
     workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")
     discovery: tuple[DiscoverySpec, ...] = Field(
         (), description="Worker pools followed as they scale: DNS names whose addresses are workers, or "

@@ -41,7 +41,12 @@ from deepinfer_gateway.gateway.http.routes import MODELS, ClientRoutes, Endpoint
 from deepinfer_gateway.gateway.serving.auth import KeyStore
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter
-from deepinfer_gateway.gateway.serving.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
+from deepinfer_gateway.gateway.serving.response_store import (
+    MemoryResponseStore,
+    Quota,
+    RedisResponseStore,
+    ResponseStore,
+)
 from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
 from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.gateway.state import GatewayState
@@ -100,9 +105,11 @@ def response_store(settings: ResponsesSettings, redis: aioredis.Redis | None) ->
     """Where stored Responses live: Redis when the gateway has one (shared by its replicas, durable), else memory."""
     if not settings.store:
         return None
+    quota = Quota(settings.ttl_s, settings.max_per_key, settings.max_bytes, settings.max_bytes_per_key,
+                  settings.max_total_bytes)
     if redis is not None:
-        return RedisResponseStore(redis, settings.ttl_s, settings.max_per_key, settings.max_bytes)
-    return MemoryResponseStore(settings.ttl_s, settings.max_per_key, settings.max_bytes)
+        return RedisResponseStore(redis, quota)
+    return MemoryResponseStore(quota)
 
 
 def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None, *,
@@ -156,7 +163,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         discovery = WorkerDiscovery(settings.discovery, client, registry, admin.set_discovered)
         await discovery.start()  # the workers DNS names now, before the first request
         responses = ResponsesState(response_store(settings.responses, redis),
-                                   on_error=metrics.redis_errors.labels("responses").inc)
+                                   on_error=metrics.redis_errors.labels("responses").inc,
+                                   on_not_stored=lambda reason: metrics.responses_not_stored.labels(reason).inc())
         app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin, responses)
         try:
             yield

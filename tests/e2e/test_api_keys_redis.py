@@ -28,9 +28,30 @@ async def test_the_lookup_cache_keeps_at_most_its_size(redis_url: str) -> None:
     try:
         for i in range(50):  # random keys, as a client probing for one would send
             assert await keys.lookup(f"random-{i}") is None
-        assert len(keys._cache) == 4
+        assert len(keys._absent) == 4
         found = await keys.lookup("kept-key")
         assert found is not None and found.name == "kept"
+    finally:
+        await client.aclose()
+
+
+async def test_random_keys_do_not_push_a_real_key_out_and_a_revoked_key_stays_out(
+        redis_server: RedisServer) -> None:
+    client = redis_client(redis_server.url)
+    await store_key(client, "real-key", "real")
+    await store_key(client, "revoked-key", "revoked")
+    keys = KeyStore((), client, cache_ttl_s=0.05, cache_size=4)
+    try:
+        assert (await keys.lookup("real-key")).name == "real"
+        assert (await keys.lookup("revoked-key")).name == "revoked"
+        for i in range(50):  # a client presenting random keys
+            assert await keys.lookup(f"random-{i}") is None
+        await client.delete(f"dgw:apikey:{hashlib.sha256(b'revoked-key').hexdigest()}")
+        await asyncio.sleep(0.1)  # its entry expired: the next lookup asks Redis
+        assert await keys.lookup("revoked-key") is None  # Redis says it is gone
+        redis_server.stop()  # an outage: only what was cached decides
+        assert (await keys.lookup("real-key")).name == "real"  # still known, despite the 50 random keys
+        assert await keys.lookup("revoked-key") is None  # known revoked: refused, not its old record
     finally:
         await client.aclose()
 

@@ -1,14 +1,20 @@
 """Stored Responses through the real openai SDK and gateway: store, previous_response_id,
-retrieve / delete / input_items, per-key scope, refused fields, restart with Redis."""
+retrieve / delete / input_items, per-key scope (the key or its tenant, never its name), refused
+fields, the count and byte bounds, restart with Redis, and a Redis outage."""
 
 from __future__ import annotations
 
 import hashlib
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import openai
 import pytest
+import redis as redis_lib
 
 from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
@@ -181,3 +187,174 @@ def test_a_stored_response_survives_a_redis_crash_on_the_shipped_config(sim_clus
     finally:
         gateway.stop()
         server.stop()
+
+
+# --------------------------------------------------------------------------- whose responses they are
+def _says_stored(response: Any) -> bool:
+    """The response object's `store` (the SDK's Response model does not declare it)."""
+    return bool(response.model_dump()["store"])
+
+
+def _redis_keyed_gateway(sim_cluster: SimCluster, redis: RedisProcess, tmp: Path, toml: str = "",
+                         stderr: Any = None) -> Gateway:
+    roles = [spec.split(":") for spec in sim_cluster.specs]
+    workers = [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)]
+    gateway = Gateway(tmp, workers, extra_toml=f'redis_url = "{redis.url}"\n' + toml, stderr=stderr)
+    gateway.wait_ready(len(workers))
+    return gateway
+
+
+def _store_redis_key(redis: RedisProcess, key: str, **fields: str) -> None:
+    client = redis_lib.Redis.from_url(redis.url)
+    try:
+        client.hset(f"dgw:apikey:{hashlib.sha256(key.encode()).hexdigest()}", mapping=fields)
+    finally:
+        client.close()
+
+
+def test_keys_of_one_name_share_nothing_and_keys_of_one_tenant_share_their_responses(
+        sim_cluster: SimCluster, redis_server: RedisProcess, tmp_path: Path) -> None:
+    # Keys in Redis are not checked against each other's names: two keys named alike must still
+    # be two owners (responses and rate-limit buckets), while keys naming one tenant are one.
+    _store_redis_key(redis_server, "sk-one", name="team")
+    _store_redis_key(redis_server, "sk-two", name="team")
+    _store_redis_key(redis_server, "sk-limited-1", name="limited", requests_per_minute="1")
+    _store_redis_key(redis_server, "sk-limited-2", name="limited", requests_per_minute="1")
+    _store_redis_key(redis_server, "sk-acme-1", name="acme-old", tenant="acme")
+    _store_redis_key(redis_server, "sk-acme-2", name="acme-new", tenant="acme")
+    gateway = _redis_keyed_gateway(sim_cluster, redis_server, tmp_path, "api_keys_in_redis = true\n")
+    try:
+        one, two = _client(gateway, "sk-one"), _client(gateway, "sk-two")
+        mine = one.responses.create(model=MODEL, input="mine", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            two.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            two.responses.input_items.list(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            two.responses.create(model=MODEL, input="x", previous_response_id=mine.id, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            two.responses.delete(mine.id)
+        # One request a minute each: the other key's request did not spend this one's.
+        limited = [_client(gateway, f"sk-limited-{n}") for n in (1, 2)]
+        for client in limited:
+            client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+        for client in limited:
+            with pytest.raises(openai.RateLimitError):
+                client.responses.create(model=MODEL, input="again", max_output_tokens=2, store=False)
+
+        old, new = _client(gateway, "sk-acme-1"), _client(gateway, "sk-acme-2")
+        before = old.responses.create(model=MODEL, input="before the rotation", max_output_tokens=2)
+        assert new.responses.retrieve(before.id).id == before.id  # one tenant, rotating its key
+        with pytest.raises(openai.NotFoundError):
+            one.responses.retrieve(before.id)
+    finally:
+        gateway.stop()
+
+
+# --------------------------------------------------------------------------- bounds
+def test_a_keys_bytes_and_the_total_bound_what_is_stored(sim_cluster: SimCluster, redis_server: RedisProcess,
+                                                         tmp_path: Path) -> None:
+    toml = ("[responses]\nmax_bytes = 16384\nmax_bytes_per_key = 18000\nmax_total_bytes = 30000\n"
+            + _key_toml("alice", "bob", "carol"))
+    gateway = _redis_keyed_gateway(sim_cluster, redis_server, tmp_path, toml)
+    try:
+        alice, bob, carol = (_client(gateway, f"sk-{n}") for n in ("alice", "bob", "carol"))
+        first = alice.responses.create(model=MODEL, input="a" * 9000, max_output_tokens=2)
+        assert _says_stored(first) is True and _says_stored(alice.responses.retrieve(first.id)) is True
+        with pytest.raises(openai.BadRequestError) as full:  # over 9,000 + 9,000 bytes: refused up front
+            alice.responses.create(model=MODEL, input="b" * 9000, max_output_tokens=2)
+        assert full.value.body["code"] == "stored_bytes_limit" and full.value.body["param"] == "store"
+        alice.responses.delete(first.id)  # room again
+        assert _says_stored(alice.responses.create(model=MODEL, input="c" * 9000, max_output_tokens=2)) is True
+
+        assert _says_stored(bob.responses.create(model=MODEL, input="d" * 9000, max_output_tokens=2)) is True
+        # Alice's and Bob's over 18,000 bytes and Carol's 12,000 would pass the 30,000 of all keys:
+        # Carol is served, unstored, and the response says so.
+        served = carol.responses.create(model=MODEL, input="e" * 12000, max_output_tokens=2)
+        assert _says_stored(served) is False and served.output_text
+        with pytest.raises(openai.NotFoundError):
+            carol.responses.retrieve(served.id)
+        assert _metric(gateway, 'dgw_responses_not_stored_total{reason="full"}') >= 1
+    finally:
+        gateway.stop()
+
+
+async def test_redis_keeps_no_ttl_on_stored_responses_and_the_gateway_expires_them(redis_url: str) -> None:
+    # Redis's shipped volatile-lru evicts only keys with a TTL: stored responses carry none, and
+    # their expiry (and the byte budget it frees) is the gateway's own.
+    import asyncio
+
+    from deepinfer_gateway.gateway.serving.response_store import (
+        BYTES_KEY,
+        Quota,
+        RedisResponseStore,
+        StoredResponse,
+    )
+    from deepinfer_gateway.redis_conn import redis_client
+
+    client = redis_client(redis_url)
+    store = RedisResponseStore(client, Quota(ttl_s=1, max_per_key=10, max_bytes=4096, max_bytes_per_key=8192,
+                                             max_total_bytes=8192))
+    try:
+        await client.delete(BYTES_KEY)
+        owner = f"key:{uuid.uuid4().hex}"
+        await store.put(owner, "resp_1", StoredResponse({"id": "resp_1"}, []))
+        ttls = [await client.ttl(k) async for k in client.scan_iter(match="{dgw:resp}*")]
+        assert ttls and all(ttl == -1 for ttl in ttls)
+        assert (await store.get(owner, "resp_1")) is not None
+        await asyncio.sleep(1.1)
+        assert await store.get(owner, "resp_1") is None  # expired: never served
+        assert not await store.delete(owner, "resp_1")
+        await store.put(owner, "resp_2", StoredResponse({"id": "resp_2"}, []))  # deletes what expired
+        assert not await client.exists(f"{{dgw:resp}}:r:{store._keys(owner)[0]}:resp_1")
+        assert int(await client.hget(BYTES_KEY, "*")) == len(StoredResponse({"id": "resp_2"}, []).dumps())
+    finally:
+        await client.aclose()
+
+
+# --------------------------------------------------------------------------- a Redis outage
+def _metric(gateway: Gateway, series: str) -> float:
+    text = httpx.get(gateway.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+
+
+def test_a_redis_outage_serves_responses_unstored_and_answers_503_for_stored_ones(
+        sim_cluster: SimCluster, redis_server: RedisProcess, tmp_path: Path) -> None:
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        gateway = _redis_keyed_gateway(sim_cluster, redis_server, tmp_path, stderr=log)
+    client = _client(gateway)
+    try:
+        kept = client.responses.create(model=MODEL, input="before", max_output_tokens=2)
+        redis_server.stop()
+        for n in range(4):  # the default store: true, served unstored and marked so
+            served = client.responses.create(model=MODEL, input=f"during {n}", max_output_tokens=2)
+            assert _says_stored(served) is False and served.output_text
+        streamed = [e for e in client.responses.create(model=MODEL, input="s", max_output_tokens=2, stream=True)
+                    if e.type in ("response.completed", "response.incomplete")]
+        assert _says_stored(streamed[0].response) is False
+        chat = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert chat.choices[0].message.content is not None
+        for call in (lambda: client.responses.retrieve(kept.id), lambda: client.responses.delete(kept.id),
+                     lambda: client.responses.input_items.list(kept.id),
+                     lambda: client.responses.create(model=MODEL, input="x", previous_response_id=kept.id,
+                                                     max_output_tokens=2)):
+            with pytest.raises(openai.InternalServerError) as unavailable:
+                call()
+            assert unavailable.value.status_code == 503
+            assert unavailable.value.response.headers["retry-after"] == "1"
+            assert unavailable.value.body["code"] == "store_unavailable"
+        assert _metric(gateway, 'dgw_responses_not_stored_total{reason="unavailable"}') == 5
+        time.sleep(2.5)  # the admin state's reconcile and channel retry meanwhile
+
+        redis_server.start()  # back (empty): responses are stored again
+        time.sleep(1.2)  # past the probe interval
+        again = client.responses.create(model=MODEL, input="after", max_output_tokens=2)
+        assert _says_stored(again) is True and client.responses.retrieve(again.id).id == again.id
+    finally:
+        gateway.stop()
+    text = log_path.read_text()
+    assert "Traceback" not in text
+    assert text.count("stored responses: Redis unavailable") == 1
+    assert text.count("admin state: Redis unavailable") == 1, text
+    assert text.count("admin channel: Redis unavailable") == 1, text

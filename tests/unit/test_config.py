@@ -253,6 +253,11 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
      "Input should be greater than or equal to 0"),
     ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
     ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis_url"),
+    # two keys of one name (stored state was once the name's) or two records of one key
+    (f'[[api_keys]]\nname = "a"\nkey_sha256 = "{"1" * 64}"\n[[api_keys]]\nname = "a"\nkey_sha256 = "{"2" * 64}"\n',
+     "api_keys", "each key needs its own name; repeated: a"),
+    (f'[[api_keys]]\nname = "a"\nkey_sha256 = "{"1" * 64}"\n[[api_keys]]\nname = "b"\nkey_sha256 = "{"1" * 64}"\n',
+     "api_keys", "each key needs its own key_sha256; repeated: 1 digest(s)"),
     ('[[workers]]\nurl = "http://a:1"\nengine = "openai"\nrole = "prefill"\n', "workers[0]",
      "an openai worker serves whole requests"),
     ('[[workers]]\nurl = "http://a:1"\nengine = "vllm"\nkv_format = "deepseek-v4"\n', "workers[0]",

@@ -41,6 +41,7 @@ from deepinfer_gateway.gateway.fleet.admin_store import (
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
 from deepinfer_gateway.kvcache.events import KvEventFeeder
+from deepinfer_gateway.outage import Outage
 from deepinfer_gateway.router.planner import RoutePlanner
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class AdminSync:
         self._lock = asyncio.Lock()  # one change or reconcile at a time
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # A Redis outage: each failure counted, logged when it starts and when it ends (not every retry).
+        self._reconcile_outage = Outage("admin state", "keeping the state last applied", on_error)
+        self._channel_outage = Outage("admin channel", f"resubscribing every {_RESUBSCRIBE_S} s", on_error)
 
     @property
     def shared(self) -> bool:
@@ -190,8 +194,9 @@ class AdminSync:
         try:
             await self.reconcile()
         except (RedisError, OSError) as exc:
-            self._on_error()
-            log.warning("admin state reconcile failed (keeping the state last applied): %s", exc)
+            self._reconcile_outage.failed(exc)
+        else:
+            self._reconcile_outage.ok()
 
     async def _apply_workers(self, entries: Mapping[str, WorkerEntry]) -> None:
         want = desired_workers(self._static, self._admitted(entries), self._discovered)
@@ -250,13 +255,13 @@ class AdminSync:
             pubsub = self._store.pubsub()
             try:
                 await pubsub.subscribe(CHANNEL)
+                self._channel_outage.ok()
                 self._wake.set()  # anything announced while unsubscribed
                 while True:
                     if await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25) is not None:
                         self._wake.set()
             except (RedisError, OSError) as exc:
-                self._on_error()
-                log.warning("admin channel lost, resubscribing: %s", exc)
+                self._channel_outage.failed(exc)
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()

@@ -111,7 +111,7 @@ async def admit(state: GatewayState, key: ApiKey, prompt_tokens: int
     limits = (key.requests_per_minute, key.tokens_per_minute)
     if limits == (None, None):
         return {}, None
-    verdict = await state.limiter.admit(key.name, limits, prompt_tokens)
+    verdict = await state.limiter.admit(key.scope, limits, prompt_tokens)
     headers = verdict.headers()
     if not verdict.allowed:
         raise RateLimited(f"Rate limit reached for API key {key.name}; retry after {headers['retry-after']}s.",
@@ -119,7 +119,7 @@ async def admit(state: GatewayState, key: ApiKey, prompt_tokens: int
     limiter = state.limiter
 
     def debit(tokens: int) -> None:
-        run_in_background(limiter.debit(key.name, tokens))
+        run_in_background(limiter.debit(key.scope, tokens))
 
     return headers, debit
 
@@ -223,7 +223,7 @@ class ClientRoutes:
             headers, debit = await admit(state, key, 0)  # its prompt tokens are debited once counted
             pending = None
             if protocol is ApiProtocol.RESPONSES:
-                body, pending = await state.responses.prepare(key.name, body)
+                body, pending = await state.responses.prepare(key.scope, body)
             prepared = await self.preparer.prepare_async(protocol, body)
             model = prepared.model
             self.metrics.preprocess.observe(time.perf_counter() - arrival)
@@ -333,7 +333,7 @@ class ClientRoutes:
                                     call: Callable[[ResponsesState, str], Awaitable[Response]]) -> Response:
         try:
             key = await authenticate(request)
-            response = await call(gateway_state(request).responses, key.name)
+            response = await call(gateway_state(request).responses, key.scope)
         except GatewayError as exc:
             return self.refuse(STORED_RESPONSES, ApiProtocol.RESPONSES, "unknown", exc)
         self.count(STORED_RESPONSES, "unknown", response.status_code)

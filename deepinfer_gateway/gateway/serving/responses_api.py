@@ -7,15 +7,22 @@ it: `background` and `conversation` are refused (400, naming the field); a
 its output items) followed by the new input (an unknown or another key's id: 404); with
 `store` (default true, as OpenAI) the key's room is checked and `capture` keeps the answer,
 before its final event or body reaches the client, so a `retrieve` right after succeeds.
+
+While the store fails (a Redis outage) or all keys' responses fill its byte budget, a new
+response is served unstored: the body the preparer gets says `store: false`, so the response
+object the client receives says so too, and `dgw_responses_not_stored_total{reason}` counts
+it. What needs the stored state (`previous_response_id`, GET, DELETE) answers 503 with
+`Retry-After` meanwhile. The outage is logged once when it starts and once when it ends
+(outage.py), and while it lasts the store is tried once a second, not once per request.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -24,11 +31,15 @@ from starlette.types import Message, Send
 
 from deepinfer_gateway.errors import GatewayError
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
-from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse
+from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse, StoreExhausted
+from deepinfer_gateway.outage import Outage
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _FINAL_EVENTS = (b"event: response.completed", b"event: response.incomplete")
+# The events that carry the response object, with its `store`.
+_RESPONSE_EVENTS = (b"event: response.created", b"event: response.in_progress", *_FINAL_EVENTS)
 _INPUT_ROLE_TEXT = {"user": "input_text", "system": "input_text", "developer": "input_text",
                     "assistant": "output_text"}
 
@@ -38,6 +49,14 @@ class BadField(GatewayError):
 
     def __init__(self, field: str, message: str):
         super().__init__(message, param=field, code="invalid_request_error")
+
+
+class StoreUnavailable(GatewayError):
+    status_code = 503
+
+    def __init__(self) -> None:
+        super().__init__("Stored responses cannot be reached right now; retry shortly.", code="store_unavailable",
+                         headers={"retry-after": "1"})
 
 
 class ResponseNotFound(GatewayError):
@@ -91,18 +110,66 @@ class Pending:
         return input_items(obj.get("input", []) if isinstance(obj, dict) else [])
 
 
+# dgw_responses_not_stored_total reasons
+UNAVAILABLE = "unavailable"  # the store failed (a Redis outage)
+FULL = "full"  # all keys' responses fill responses.max_total_bytes
+REFUSED = "refused"  # the answer, once generated, was over max_bytes or the key's bytes
+
+
 class ResponsesState:
-    def __init__(self, store: ResponseStore | None, on_error: Callable[[], None] = lambda: None):
+    def __init__(self, store: ResponseStore | None, on_error: Callable[[], None] = lambda: None,
+                 on_not_stored: Callable[[str], None] = lambda reason: None):
         self.store = store  # None: storing is off (settings.responses.store)
-        self.on_error = on_error
+        self.on_not_stored = on_not_stored
+        self._outage = Outage("stored responses", "new responses served unstored, stored ones answered 503",
+                              on_error)
+
+    async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run a store operation; StoreUnavailable when it fails (or is known to be failing)."""
+        if not self._outage.due():
+            raise StoreUnavailable()
+        try:
+            result = await operation()
+        except (GatewayError, StoreExhausted):
+            self._outage.ok()
+            raise
+        except Exception as exc:
+            self._outage.failed(exc)
+            raise StoreUnavailable() from None
+        self._outage.ok()
+        return result
+
+    async def _room(self, owner: str, body: bytes) -> str | None:
+        """None when the owner has room for one more (at least the body's size: the stored record
+        holds its input); else why this response is served unstored."""
+        kept = self.store
+        assert kept is not None
+        try:
+            await self._call(lambda: kept.check_room(owner, len(body)))
+        except StoreUnavailable:
+            return UNAVAILABLE
+        except StoreExhausted:
+            return FULL
+        return None
+
+    def _unstored(self, obj: dict[str, Any], reason: str) -> tuple[bytes, None]:
+        self.on_not_stored(reason)
+        obj["store"] = False  # the response object answered says so
+        return orjson.dumps(obj), None
 
     async def prepare(self, owner: str, body: bytes) -> tuple[bytes, Pending | None]:
         """The body the preparer gets, and what to store with its answer (None: not stored)."""
         if not any(key in body for key in _STATE_KEYS):
             if self.store is None:
                 return body, None
-            await self.store.check_room(owner)
-            return body, Pending(owner, body=body)
+            reason = await self._room(owner, body)
+            if reason is None:
+                return body, Pending(owner, body=body)
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                return body, None  # the preparer answers the 400
+            return self._unstored(obj, reason) if isinstance(obj, dict) else (body, None)
         try:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -124,9 +191,10 @@ class ResponsesState:
         items = input_items(obj.get("input", []))
         previous_id = obj.get("previous_response_id")
         if previous_id is not None:
-            if not isinstance(previous_id, str) or self.store is None:
+            kept = self.store
+            if not isinstance(previous_id, str) or kept is None:
                 raise ResponseNotFound(str(previous_id), "previous_response_id")
-            previous = await self.store.get(owner, previous_id)
+            previous = await self._call(lambda: kept.get(owner, previous_id))
             if previous is None:
                 raise ResponseNotFound(previous_id, "previous_response_id")
             items = previous.input_items + _replayable(previous.response.get("output") or []) + items
@@ -134,15 +202,21 @@ class ResponsesState:
             body = orjson.dumps(obj)
         if not store or self.store is None:
             return body, None
-        await self.store.check_room(owner)
+        reason = await self._room(owner, body)
+        if reason is not None:
+            return self._unstored(obj, reason)
         return body, Pending(owner, items=items)
 
     async def capture(self, pending: Pending, response: Response) -> Response:
-        """Store the answer before its last part reaches the client (an error answer is not stored)."""
+        """Store the answer before its last part reaches the client (an error answer is not stored).
+        The response object the client gets says whether it was stored (`store`)."""
         if response.status_code != 200:
             return response
         if not isinstance(response, RelayResponse):  # one JSON body
-            await self._keep(pending, orjson.loads(response.body))
+            answered = orjson.loads(response.body)
+            answered["store"] = await self._keep(pending, answered)
+            response.body = orjson.dumps(answered)
+            response.headers["content-length"] = str(len(response.body))
             return response
         writer = response.body_writer
         response.body_writer = lambda send: writer(self._teeing(pending, send))
@@ -154,28 +228,40 @@ class ResponsesState:
         async def tee(message: Message) -> None:
             nonlocal kept
             body = message.get("body", b"")
-            if not kept and message["type"] == "http.response.body" and any(e in body for e in _FINAL_EVENTS):
+            if kept or message["type"] != "http.response.body" or not any(e in body for e in _RESPONSE_EVENTS):
+                await send(message)
+                return
+            stored = True  # the events before the last: as asked (its room was checked)
+            if any(e in body for e in _FINAL_EVENTS):
                 final = _final_response(body)
                 if final is not None:
                     kept = True
-                    await self._keep(pending, final)
-            await send(message)
+                    stored = await self._keep(pending, final)
+            await send({**message, "body": _with_store(body, stored)})
         return tee
 
-    async def _keep(self, pending: Pending, response: dict[str, Any]) -> None:
-        assert self.store is not None
+    async def _keep(self, pending: Pending, response: dict[str, Any]) -> bool:
+        """Whether it was stored. Never raises: the answer is on its way to the client."""
+        kept = self.store
+        assert kept is not None
         try:
-            stored = StoredResponse(response, pending.input_items())
-            await self.store.put(pending.owner, str(response["id"]), stored)
+            stored = StoredResponse({**response, "store": True}, pending.input_items())
+            await self._call(lambda: kept.put(pending.owner, str(response["id"]), stored))
+        except StoreUnavailable:  # logged once per outage
+            self.on_not_stored(UNAVAILABLE)
+        except StoreExhausted:
+            self.on_not_stored(FULL)
         except GatewayError as exc:
+            self.on_not_stored(REFUSED)
             log.warning("response %s not stored: %s", response.get("id"), exc.message)
-        except Exception:  # a store outage must not fail an answered response
-            self.on_error()
-            log.exception("response %s not stored", response.get("id"))
+        else:
+            return True
+        return False
 
     # --- the routes --------------------------------------------------------------------------
     async def _stored(self, owner: str, response_id: str) -> StoredResponse:
-        found = await self.store.get(owner, response_id) if self.store is not None else None
+        kept = self.store
+        found = await self._call(lambda: kept.get(owner, response_id)) if kept is not None else None
         if found is None:
             raise ResponseNotFound(response_id)
         return found
@@ -187,7 +273,8 @@ class ResponsesState:
         return JSONResponse((await self._stored(owner, response_id)).response)
 
     async def delete(self, owner: str, response_id: str) -> Response:
-        if self.store is None or not await self.store.delete(owner, response_id):
+        kept = self.store
+        if kept is None or not await self._call(lambda: kept.delete(owner, response_id)):
             raise ResponseNotFound(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -233,3 +320,19 @@ def _final_response(chunk: bytes) -> dict[str, Any] | None:
                 response = event.get("response")
                 return response if isinstance(response, dict) else None
     return None
+
+
+def _with_store(chunk: bytes, stored: bool) -> bytes:
+    """An SSE chunk with `store` of each response object it carries set to `stored`."""
+    lines = chunk.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"data: ") and b'"store"' in line:
+            try:
+                event = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            response = event.get("response") if isinstance(event, dict) else None
+            if isinstance(response, dict):
+                response["store"] = stored
+                lines[i] = b"data: " + orjson.dumps(event)
+    return b"\n".join(lines)

@@ -54,6 +54,8 @@ OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 REQUEST_LABELS = ("model", "pool", "hardware")
 WORKER_LABEL = "worker"
 CACHE_TIERS = ("memory", "store")
+# dgw_responses_not_stored_total reasons (serving/responses_api.py)
+NOT_STORED_REASONS = ("unavailable", "full", "refused")
 # dgw_requests_total{status} values that exist at 0 for every generation protocol and served
 # model: what the gateway answers itself (errors.GatewayError subclasses, 200, 499) and the
 # usual statuses relayed from a worker. Others appear at their first request.
@@ -156,6 +158,9 @@ class GatewayMetrics:
                                             ["pool"], registry=r)
         self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",
                                     ["component"], registry=r)
+        self.responses_not_stored = Counter(
+            "dgw_responses_not_stored", "Responses asked to be stored (store: true) but served unstored, by reason",
+            ["reason"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)
         self.v2_connections = Gauge("dgw_worker_v2_connections",
@@ -180,6 +185,8 @@ class GatewayMetrics:
             self.predicted_cached_tokens.labels(tier)
         for kind in UpstreamKind:
             self.retries.labels(kind)
+        for reason in NOT_STORED_REASONS:
+            self.responses_not_stored.labels(reason)
         # Every metric labelled by worker: a removed worker's series go with it.
         self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
                            self.upstream_errors, self.v2_connections, self.v2_reconnects, self.v2_coalesced,

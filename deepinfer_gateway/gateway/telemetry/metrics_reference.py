@@ -39,10 +39,13 @@ LABELS: dict[str, str] = {
     "status": "the HTTP status answered, as a string; `499` when the client left first",
     "tier": "`memory` (the worker's own KV blocks) or `store` (the shared KV store)",
     "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`; v1 fallbacks: "
-              f"{_values(V1Fallback)} (the worker refused the v2 upgrade; a generate op over the v2 message limit)",
+              f"{_values(V1Fallback)} (the worker refused the v2 upgrade; a generate op over the v2 message limit); "
+              "responses not stored: `unavailable` (the store failed), `full` (`responses.max_total_bytes`), "
+              "`refused` (the answer over `max_bytes` or its key's bytes)",
     "kind": _values(UpstreamKind),
     "worker": "a worker id from the configuration or `POST /admin/workers`; its series go when it is removed",
-    "component": "`ratelimit`, `inflight`, `apikeys` (keys kept in Redis), `admin` (shared admin changes)",
+    "component": "`ratelimit`, `inflight`, `apikeys` (keys kept in Redis), `admin` (shared admin changes), "
+                 "`responses` (stored Responses)",
     "op": "the Redis prefix index's operation: `apply`, `lookup`, `remove_worker`",
     "version": "the installed `deepinfer-gateway` version",
     "python": "the interpreter's version",
