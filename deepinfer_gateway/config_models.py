@@ -33,8 +33,12 @@ class _Frozen(BaseModel):
 class ApiKey(_Frozen):
     """An API key record; the key itself is stored only as its SHA-256 hex digest."""
 
-    name: str = Field(description="Shown in logs; the rate limiter's bucket.")
+    name: str = Field(min_length=1, description="Shown in logs and errors; unique among the configured keys.")
     key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 hex digest of the key.")
+    tenant: str | None = Field(
+        None, min_length=1, max_length=128,
+        description="Keys naming the same tenant share its stored Responses and rate-limit buckets (one client's "
+                    "keys, a key being rotated); none: the key's own, reached by no other key.")
     models: tuple[str, ...] = Field((), description="Names this key may use (served names or aliases); empty: all.")
     workload_class: WorkloadClass = Field("chat", description="Selects the KV store TTL class of its requests.")
     requests_per_minute: int | None = Field(None, ge=1, description="Rate limit; none: unlimited.")
@@ -47,6 +51,12 @@ class ApiKey(_Frozen):
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def scope(self) -> str:
+        """Whose state (stored Responses, rate-limit buckets) this key's requests use: its tenant's,
+        else its own, by digest: never its name, which another key may carry too."""
+        return f"tenant:{self.tenant}" if self.tenant else f"key:{self.key_sha256}"
 
 
 class WorkerEngine(StrEnum):
@@ -358,9 +368,22 @@ class ResponsesSettings(_Frozen):
                     "and GET /v1/responses/{id}, in Redis with redis_url (durable), else in memory; off: "
                     "store: true is refused.")
     ttl_s: int = Field(30 * 86_400, ge=60, description="How long a stored response is kept.")
-    max_per_key: int = Field(10_000, ge=1, description="Stored responses per API key; beyond it store: true is "
-                                                       "refused until some expire or are deleted.")
+    max_per_key: int = Field(1_000, ge=1, description="Stored responses per API key (per tenant); beyond it store: "
+                                                      "true is refused (400) until some expire or are deleted.")
     max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest stored response (with its input).")
+    max_bytes_per_key: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Bytes of stored responses per API key (per tenant); beyond it store: true is refused (400).")
+    max_total_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="Bytes of stored responses of all keys together, expired ones not yet deleted included (size "
+                    "Redis's maxmemory above it); beyond it responses are served unstored (store: false).")
+
+    @model_validator(mode="after")
+    def _bounds_nest(self) -> ResponsesSettings:
+        if not self.max_bytes <= self.max_bytes_per_key <= self.max_total_bytes:
+            raise ValueError("needs max_bytes <= max_bytes_per_key <= max_total_bytes")
+        return self
 class ClientConnectionSettings(_Frozen):
     """Bounds on the clients' connections and streams (http_bounds.py, serving/relay.py), per gateway process."""
 
@@ -463,6 +486,10 @@ class GatewaySettings(_Frozen):
         (),
         description="Accepted keys; empty with api_keys_in_redis off: authentication off.")
     api_keys_in_redis: bool = Field(False, description="Also accept keys stored in Redis (dgw:apikey:{sha256}).")
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without API keys on a host beyond loopback (anyone who reaches the port is served); "
+                    "off: such a gateway refuses to start.")
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line with request_id.")
     access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
     tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
@@ -478,12 +505,20 @@ class GatewaySettings(_Frozen):
                 return v
             v = int(v) if v.lstrip("-").isdigit() else v
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-    allow_unauthenticated: bool = Field(
-        False,
-        description="Serve without API keys on a host beyond loopback (anyone who reaches the port is served); "
-                    "off: such a gateway refuses to start.")
             raise ValueError('expected a number of processes, or "auto" (0 too: one per CPU)')
         return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_distinct(cls, keys: tuple[ApiKey, ...]) -> tuple[ApiKey, ...]:
+        # Two records of one key: which one applies would depend on their order. Two keys of one
+        # name: logs and errors could not tell them apart.
+        for what, values in (("name", [k.name for k in keys]), ("key_sha256", [k.key_sha256 for k in keys])):
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                shown = ", ".join(repeated) if what == "name" else f"{len(repeated)} digest(s)"
+                raise ValueError(f"each key needs its own {what}; repeated: {shown}")
+        return keys
 
     @model_validator(mode="after")
     def _keys_in_redis_need_redis(self) -> GatewaySettings:
