@@ -492,6 +492,14 @@ class GatewaySettings(_Frozen):
                     "off: such a gateway refuses to start.")
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line with request_id.")
     access_log: bool = Field(True, description="One INFO line per HTTP request (logger deepinfer_gateway.access).")
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Serve /metrics on this port (same host) and not on the client port, which then answers it "
+                    "404; none: /metrics on the client port. Every process of serve --processes binds it "
+                    "(SO_REUSEPORT); any one answers for the host.")
+    api_docs: bool = Field(
+        True, description="/docs, /redoc and /openapi.json on the client port; off: 404 (the API's shape, admin "
+                          "routes included, stays unpublished).")
     tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
     responses: ResponsesSettings = Field(ResponsesSettings(), description="Stored Responses (OpenAI Responses API).")
 

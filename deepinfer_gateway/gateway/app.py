@@ -11,6 +11,7 @@ app from their own settings.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
 from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.gateway.state import GatewayState
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.telemetry.metrics_listener import MetricsListener
 from deepinfer_gateway.gateway.upstream.base import Timeouts
 from deepinfer_gateway.gateway.upstream.table import Upstreams
 from deepinfer_gateway.kvcache.events import KvEventFeeder
@@ -166,9 +168,15 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                                    on_error=metrics.redis_errors.labels("responses").inc,
                                    on_not_stored=lambda reason: metrics.responses_not_stored.labels(reason).inc())
         app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin, responses)
+        listener = None
+        if settings.metrics_port is not None:
+            listener = MetricsListener(settings.host, settings.metrics_port, metrics.exposition)
+            listener.start()
         try:
             yield
         finally:
+            if listener is not None:
+                await asyncio.to_thread(listener.stop)
             await discovery.stop()
             await admin.stop()
             await registry.stop()
@@ -179,7 +187,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
             if redis is not None:
                 await redis.aclose()
 
-    app = GatewayApp(title="DeepInfer Gateway", version="0.1.0", lifespan=lifespan)
+    docs: dict[str, Any] = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = GatewayApp(title="DeepInfer Gateway", version="0.1.0", lifespan=lifespan, **docs)
     app.state.shutting_down = shutting_down or threading.Event()
 
     client_routes = ClientRoutes(settings, metrics, preparer)
@@ -203,9 +212,10 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         return JSONResponse({"status": "ready" if healthy else "no healthy worker", "healthy_workers": healthy},
                             status_code=status)
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
+    if settings.metrics_port is None:  # else on its own port (lifespan), not shown to API callers
+        @app.get("/metrics")
+        async def prometheus_metrics() -> Response:
+            return Response(generate_latest(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
