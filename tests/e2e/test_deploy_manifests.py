@@ -845,3 +845,13 @@ def test_compose_redis_is_durable_and_closed() -> None:
         assert "dgw-secrets:/run/dgw-secrets:ro" in svc["volumes"], name
         if name.startswith("gateway-"):
             assert svc["environment"]["DGW_REDIS_PASSWORD_FILE"] == "/run/dgw-secrets/redis-password"
+
+
+def test_compose_observability_has_no_default_credentials_or_open_lifecycle_api() -> None:
+    """Grafana's admin password comes from the environment, with no default (compose's `${VAR:?}`
+    refuses to start without it), and Prometheus's lifecycle API (POST /-/quit, /-/reload) is off."""
+    services = compose()["services"]
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), password
+    assert not any("enable-lifecycle" in arg for arg in services["prometheus"]["command"])
+    assert "admin/admin" not in COMPOSE_FILE.read_text()
