@@ -104,3 +104,24 @@ def test_the_registry_feeder_and_request_path_never_ask_for_the_engine_kind() ->
     assert len(modules) == 9
     offenders: list[Any] = [hit for path in modules for hit in _engine_tests(path)]
     assert offenders == []
+
+
+def test_the_direct_path_is_a_capability_the_transport_declares() -> None:
+    """The relay finds v2's direct path through the seam (`direct`), not by a transport's class:
+    a stream that does not declare it gets no sink, one that does is handed back as itself."""
+    from deepinfer_gateway.gateway.upstream.base import direct
+    from deepinfer_gateway.gateway.upstream.mux import MuxStream
+
+    class Plain:
+        async def next_event(self) -> None:
+            return None
+
+        def buffered(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+
+    assert direct(Plain()) is None
+    mux = MuxStream(None, "r1")  # type: ignore[arg-type]  # the connection is not used here
+    assert direct(mux) is mux and mux.sink is None

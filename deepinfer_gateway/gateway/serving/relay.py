@@ -47,8 +47,7 @@ from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.error_json import stream_error_frame
 from deepinfer_gateway.gateway.serving.legs import Lease, Legs, raise_if_error
 from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
-from deepinfer_gateway.gateway.upstream.base import LegRequest
-from deepinfer_gateway.gateway.upstream.mux import RELAYED, MuxStream
+from deepinfer_gateway.gateway.upstream.base import RELAYED, LegRequest, Sink, direct
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.recipe_bridge.stream import AnyResponseStream
 
@@ -74,7 +73,7 @@ class Exchange:
     output_ids: list[int] = field(default_factory=list)  # tokens so far (PD plans: the decode leg continues them)
     unsent: list[bytes] = field(default_factory=list)  # streaming: chunks produced, not yet written (coalescing)
     last_token_at: float = 0.0  # perf_counter of the last token message relayed (ITL)
-    sink: Callable[[dict[str, Any]], bool] | None = None  # streaming over v2: the direct path (module doc)
+    sink: Sink | None = None  # streaming over v2: the direct path (module doc)
     sink_error: BaseException | None = None  # raised by the direct path: the relay's task raises it
     sink_write: tuple[Any, Any] | None = None  # a write the direct path could not finish at once
     finished: bool = False  # the worker finished the request: nothing to abort
@@ -154,8 +153,10 @@ class Relay:
                     assert send is not None
                     size = 0
                     await _flush(unsent, send)  # the next read may wait: the client gets what there is
-                if exchange.sink is not None and isinstance(stream, MuxStream) and stream.sink is None:
-                    stream.sink = exchange.sink  # until it hands the stream back (module doc)
+                if exchange.sink is not None:
+                    capable = direct(stream)
+                    if capable is not None and capable.sink is None:
+                        capable.sink = exchange.sink  # until it hands the stream back (module doc)
                 event = await stream.next_event()
                 if event is RELAYED:  # the direct path relayed up to here, and hands back
                     await _take_back(exchange)
@@ -247,8 +248,8 @@ def _sink(exchange: Exchange, send: Send, event: dict[str, Any]) -> bool:
     ended by a stop sequence) is handed back to it after this event."""
     if event["event"] != "tokens":
         return False
-    stream = exchange.lease.stream
-    assert isinstance(stream, MuxStream)
+    stream = direct(exchange.lease.stream) if exchange.lease.stream is not None else None
+    assert stream is not None
     try:
         out = _tokens(exchange, event, True)
         if out:

@@ -21,7 +21,7 @@ vllm.py; openai.py), built from table.ADAPTERS by the worker's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -50,6 +50,26 @@ class EventStream(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+Sink = Callable[[dict[str, Any]], bool]
+RELAYED: dict[str, Any] = {"event": "relayed"}  # `hand_back`'s wake-up: the relay's own marker, no worker event
+
+
+class DirectStream(EventStream, Protocol):
+    """An event stream that offers the relay's direct path (worker protocol v2): while the
+    relay waits on an empty stream, its `sink` takes each event in the transport reader's own
+    call (True: taken); `hand_back` ends that, and the waiting `next_event` returns RELAYED.
+    A transport says it offers the path with a true class attribute `direct_path`."""
+
+    sink: Sink | None
+
+    def hand_back(self) -> None: ...
+
+
+def direct(stream: EventStream) -> DirectStream | None:
+    """`stream` as a `DirectStream` when its transport offers the direct path, else None."""
+    return stream if getattr(stream, "direct_path", False) else None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)

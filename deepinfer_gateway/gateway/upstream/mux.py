@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -47,13 +46,12 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway import tracing
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, LegRequest, MuxMetrics, Timeouts
+from deepinfer_gateway.gateway.upstream.base import RELAYED, UNCOUNTED, LegRequest, MuxMetrics, Sink, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
 from deepinfer_gateway.kvcache.packed_ids import ids_json
 
 log = logging.getLogger(__name__)
 
-RELAYED: dict[str, Any] = {"event": "relayed"}  # MuxStream.hand_back's wake-up: no worker event
 MAX_QUEUED_EVENTS = 64  # per stream, before `tokens` events are merged
 HEARTBEAT_S = 5.0  # ping period; no pong within half of it closes the connection
 # Handshake answers of a worker that does not speak v2 (v1 only): the leg goes over v1.
@@ -71,7 +69,9 @@ class TooLarge(Exception):
 
 
 class MuxStream:
-    """One leg on a `MuxConnection`: its events in order, then None."""
+    """One leg on a `MuxConnection`: its events in order, then None (a `DirectStream`)."""
+
+    direct_path = True  # upstream/base.py's DirectStream: the relay may set `sink`
 
     __slots__ = ("request_id", "_conn", "_events", "_waiter", "_error", "_got_any", "wait_since", "finished", "sink")
 
@@ -86,7 +86,7 @@ class MuxStream:
         self.finished = False  # `finish` received: nothing more will come
         # Set by the relay: takes an event in the reader's own call while the relay waits on an
         # empty queue (True: done with it), so a step's chunk needs no task switch (module doc).
-        self.sink: Callable[[dict[str, Any]], bool] | None = None
+        self.sink: Sink | None = None
 
     # -- the reader's side ------------------------------------------------------------
 
