@@ -357,6 +357,15 @@ class ImageSettings(_Frozen):
     max_images: int = Field(16, ge=0, description="Images per request.")
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Encoded bytes per image.")
     max_total_image_bytes: int = Field(32 * 1024 * 1024, ge=1, description="Encoded bytes per request.")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1,
+        description="Pixels per image as its header declares them, checked before it is decoded (decoding costs "
+                    "~4 bytes per pixel); inline images only: a fetched one is decoded as fetched.")
+    max_total_image_pixels: int = Field(
+        4 * 4096 * 4096, ge=1, description="Pixels per request, all its images together, checked likewise.")
+    max_concurrent: int = Field(
+        4, ge=1, description="Requests with images prepared (fetched, decoded, resized) at once per process; "
+                             "others wait their turn.")
     remote_fetch: bool = Field(False, description="Fetch http(s) image URLs; off: only data URLs and inline images.")
     allow: tuple[str, ...] = Field((), description="Hosts or CIDRs fetched even when not globally routable.")
 

@@ -15,14 +15,23 @@ ULA fc00::/7), link-local (169.254/16, fe80::/10), shared (100.64/10), multicast
 reserved, unspecified and the cloud metadata addresses (169.254.169.254,
 fd00:ec2::254) are refused unless the host name or a CIDR in `allow` admits them.
 
+Decoding: memory grows with pixels, not encoded bytes (an 8 KiB PNG may declare 8192 x 8192).
+Each inline image's header is read first (image_header.py) and its declared pixels, and the
+request's total, are checked against `max_image_pixels` and `max_total_image_pixels` before
+anything is decoded; an image whose header is not one of the formats read there is refused.
+A fetched image is decoded as fetched (its bytes are bounded by `max_image_bytes`).
+
 Cost: preprocessing is CPU-bound (~ms per image) and fetching blocks, so callers run
-`resolve` off the event loop (RequestPreparer.prepare_async does).
+`resolve` off the event loop (RequestPreparer.prepare_async does, `max_concurrent`
+requests at a time: offload.py).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import ipaddress
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +39,7 @@ from functools import partial
 import deepseek_recipe as dr
 
 from deepinfer_gateway.config import ImageSettings
+from deepinfer_gateway.recipe_bridge.image_header import image_size
 
 METADATA_ADDRESSES = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
 
@@ -81,6 +91,34 @@ class ResolvedImages:
     token_adjustment: int = 0
 
 
+def _inline_bytes(source: dr.ImageSource) -> bytes | None:
+    """An inline image's encoded bytes (None for a URL to fetch)."""
+    if source.data is not None:
+        return bytes(source.data)
+    data_url = source.data_url
+    if data_url is None:
+        return None
+    meta, _, payload = data_url.partition(",")
+    if meta.endswith(";base64"):
+        return base64.b64decode(payload)
+    return urllib.parse.unquote_to_bytes(payload)
+
+
+def _declared_pixels(source: dr.ImageSource, where: str) -> int:
+    """Pixels an inline image's header declares (0 for a URL to fetch); refused when unreadable."""
+    try:
+        data = _inline_bytes(source)
+    except (binascii.Error, ValueError):
+        raise ImageRefused(f"{where}: invalid image: its data URL is not valid base64.") from None
+    if data is None:
+        return 0
+    size = image_size(data)
+    if size is None:
+        raise ImageRefused(f"{where}: unsupported image: not a PNG, JPEG, GIF, BMP or WebP image (or its header "
+                           "is cut short).")
+    return size[0] * size[1]
+
+
 def _estimated_bytes(source: dr.ImageSource) -> int:
     if source.data is not None:
         return len(source.data)
@@ -120,6 +158,17 @@ class ImageInputs:
         if total > limits.max_total_image_bytes:
             raise ImageRefused(f"Images total about {total} bytes, over the limit of "
                                f"{limits.max_total_image_bytes} bytes per request.")
+        pixels = 0
+        for source in sources:
+            where = source.path or "an image"
+            declared = _declared_pixels(source, where)
+            if declared > limits.max_image_pixels:
+                raise ImageRefused(f"{where}: image of {declared} pixels exceeds the limit of "
+                                   f"{limits.max_image_pixels} pixels per image.")
+            pixels += declared
+        if pixels > limits.max_total_image_pixels:
+            raise ImageRefused(f"Images total {pixels} pixels, over the limit of {limits.max_total_image_pixels} "
+                               "pixels per request.")
         quota = dr.ImageQuota()
         try:
             data = self._resolver.resolve(sources, quota)

@@ -52,12 +52,14 @@ class PrepareOffload:
     The interval is process-wide; its cost was not measurable (docs/simulate.md).
     """
 
-    def __init__(self, spec: str | None = None):
+    def __init__(self, spec: str | None = None, image_slots: int = 4):
         self.mode, switch_s = parse_offload(spec or os.environ.get(OFFLOAD_ENV) or "thread")
         if switch_s is not None:
             sys.setswitchinterval(switch_s)
         elif self.mode == "thread":
             sys.setswitchinterval(min(sys.getswitchinterval(), PREPARE_SWITCH_INTERVAL_S))
+        # Decoding holds memory by pixels: a bounded number of requests decode their images at once.
+        self._image_slots = asyncio.Semaphore(image_slots)
         # The thread starts on first use.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prepare") if self.mode == "thread" else None
 
@@ -65,7 +67,8 @@ class PrepareOffload:
         """`work(*args)`, whose last argument is the request body, run where the body says."""
         body: bytes = args[-1]
         if b"image" in body:  # may wait on remote fetches: never queue prompts behind them
-            return await asyncio.to_thread(work, *args)
+            async with self._image_slots:
+                return await asyncio.to_thread(work, *args)
         if len(body) > OFFLOAD_BODY_BYTES and self.mode != "loop":
             if self._executor is None:
                 return await asyncio.to_thread(work, *args)

@@ -64,7 +64,7 @@ class RequestPreparer:
         self._options = {thinking: conversion_options(config, self.catalog.names, thinking)
                          for thinking in (True, False)}
         self.images = ImageInputs(config.images)
-        self._offload = PrepareOffload(offload)
+        self._offload = PrepareOffload(offload, image_slots=config.images.max_concurrent)
         self.offload = self._offload.mode
 
     async def prepare_async(self, protocol: ApiProtocol, body: bytes) -> PreparedRequest:

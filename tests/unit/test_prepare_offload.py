@@ -138,3 +138,22 @@ def test_unpacking_in_chunks_is_exact() -> None:
         raw = [(i * 7919) % 300_000 for i in range(n)] + [2**32 - 1] * (n > 0)
         out = unpacked(pack_tokens(raw))
         assert out == raw and all(type(a) is int for a in out)
+
+
+def test_requests_with_images_are_prepared_a_bounded_number_at_a_time(encoder: PromptEncoder) -> None:
+    """Decoding holds memory by pixels: at most `images.max_concurrent` image requests at once."""
+    from deepinfer_gateway.config import ImageSettings
+    from deepinfer_gateway.recipe_bridge.prepare import BridgeConfig
+
+    preparer = RequestPreparer(encoder, BridgeConfig(images=ImageSettings(max_concurrent=2)))
+    spy = _Spy(preparer)
+    inner = spy.inner
+
+    def slow(protocol: ApiProtocol, body: bytes):  # long enough for the burst to overlap
+        threading.Event().wait(0.05)
+        return inner(protocol, body)
+
+    spy.inner = slow
+    body = orjson.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "an image"}]})
+    asyncio.run(_burst(preparer, [body] * 8))
+    assert len(spy.threads) == 8 and spy.most == 2
