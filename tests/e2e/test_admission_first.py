@@ -47,9 +47,8 @@ def _client(gateway: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _chat(client: openai.OpenAI, content: str, **extra: object) -> object:
-    return client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}],
-                                          **extra)  # type: ignore[call-overload]
+def _chat(client: openai.OpenAI, content: str) -> object:
+    return client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}])
 
 
 def _prepared(gateway: Gateway) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionContentPartParam
 from PIL import Image
 
 from deepinfer_gateway.launch import Gateway, SimCluster
@@ -74,9 +75,9 @@ def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
 
 
 def _ask(client: openai.OpenAI, *urls: str) -> object:
-    parts = [{"type": "text", "text": "Describe."}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return client.chat.completions.create(model=MODEL, max_tokens=4,
-                                          messages=[{"role": "user", "content": parts}])  # type: ignore[list-item]
+    parts: list[ChatCompletionContentPartParam] = [{"type": "text", "text": "Describe."}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": parts}])
 
 
 def test_an_image_within_the_bounds_is_served(client: openai.OpenAI) -> None:
