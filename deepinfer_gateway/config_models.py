@@ -394,7 +394,7 @@ class ResponsesSettings(_Frozen):
             raise ValueError("needs max_bytes <= max_bytes_per_key <= max_total_bytes")
         return self
 class ClientConnectionSettings(_Frozen):
-    """Bounds on the clients' connections and streams (http_bounds.py, serving/relay.py), per gateway process."""
+    """Bounds on client connections (http_bounds.py) and each key's requests in flight (serving/key_slots.py)."""
 
     header_timeout_s: float = Field(
         10.0, gt=0,
