@@ -57,8 +57,8 @@ async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[object]:
         return
     url = redis_backend_url(request, request.param)
     client = redis_client(url, cluster=request.param == "redis-cluster")
-    for key in ("dgw:rl:{k1}", "dgw:rl:{k2}", "dgw:rl:{other}"):  # one slot each on a cluster
-        await client.delete(key)
+    for key in ("k1", "k2", "other"):  # one slot each on a cluster
+        await client.delete(ratelimit.bucket_key(key))
     yield RedisRateLimiter(client)
     await client.aclose()
 
@@ -69,12 +69,20 @@ async def test_contract_request_limit(limiter) -> None:
     assert (await limiter.admit("other", (5, None), 1)).allowed  # keys are independent
 
 
-async def test_contract_token_limit_and_debit(limiter) -> None:
-    assert (await limiter.admit("k2", (None, 1000), 600)).allowed
-    await limiter.debit("k2", 300)  # output tokens of the finished request
-    verdict = await limiter.admit("k2", (None, 1000), 200)
-    assert not verdict.allowed
-    assert verdict.retry_after_s > 0
+async def test_contract_tokens_are_reserved_and_the_unused_refunded(limiter) -> None:
+    limits = (10, 1000)
+    assert (await limiter.admit("k2", limits, 0)).allowed  # admitted before its tokens are known
+    # Prepared: its prompt (100) and its whole max_tokens (500) are taken before it runs, so a
+    # second one running beside it cannot overrun the limit.
+    first = await limiter.admit("k2", limits, 600, requests=0)
+    assert first.allowed and first.remaining_requests == pytest.approx(9, abs=0.1)  # no request taken
+    second = await limiter.admit("k2", limits, 600, requests=0)
+    assert not second.allowed and second.retry_after_s > 0
+    await limiter.refund("k2", 1000, 500)  # the first ended using none of its output
+    third = await limiter.admit("k2", limits, 600, requests=0)
+    assert third.allowed and third.remaining_tokens == pytest.approx(300, abs=5)
+    await limiter.refund("k2", 1000, 100_000)  # never above the limit
+    assert (await limiter.admit("k2", limits, 1000, requests=0)).remaining_tokens == pytest.approx(0, abs=5)
 
 
 @pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
@@ -132,3 +140,48 @@ async def test_redis_down_fails_open(redis_server) -> None:
     assert (await limiter.admit("k", (1, None), 1)).allowed
     assert not (await limiter.admit("k", (1, None), 1)).allowed
     await client.aclose()
+
+
+def test_concurrent_requests_cannot_overrun_the_token_limit(tmp_path) -> None:
+    """Through the gateway with the openai SDK: each request reserves its prompt and its whole
+    max_tokens before it runs. Counting output only once it ended, all six would pass."""
+    import hashlib
+    import threading
+
+    import openai
+
+    from deepinfer_gateway.launch import Gateway, SimCluster
+
+    cluster = SimCluster("unified:sm100")
+    key = "sk-tokens"
+    toml = (f'[[api_keys]]\nname = "tokens"\nkey_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
+            "tokens_per_minute = 300\n")
+    gateway = Gateway(tmp_path, [(url, "unified", "sm100") for url in cluster.urls], extra_toml=toml)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=30)
+    start = threading.Barrier(6)
+    outcomes: list[str] = []
+
+    def ask() -> None:
+        start.wait()
+        try:
+            stream = client.chat.completions.create(
+                model="DeepSeek-V4.1-Flash", max_tokens=100, stream=True, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": "hi"}])
+            for _ in stream:  # all of it: the 100 tokens reserved are used, nothing comes back
+                pass
+            outcomes.append("served")
+        except openai.RateLimitError:
+            outcomes.append("429")
+
+    try:
+        gateway.wait_ready(1)
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        gateway.stop()
+        cluster.stop()
+    # Each reserves its prompt (a few tokens) + 100 of the 300 a minute: two fit, never six.
+    assert outcomes.count("served") == 2 and outcomes.count("429") == 4, outcomes

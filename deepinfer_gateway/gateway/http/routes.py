@@ -40,13 +40,13 @@ from deepinfer_gateway.errors import (
     Unauthorized,
 )
 from deepinfer_gateway.gateway.serving.auth import presented_key
-from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.body_bound import body_limit
 from deepinfer_gateway.gateway.serving.cache_salt import request_cache_salt
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
-from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.serving.key_slots import KeySlots
+from deepinfer_gateway.gateway.serving.ratelimit import Reservation
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
+from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
@@ -105,35 +105,46 @@ async def read_body(request: Request, limit: int, why: str = "") -> bytes:
     return b"".join(chunks)
 
 
-async def admit(state: GatewayState, key: ApiKey, prompt_tokens: int
-                ) -> tuple[dict[str, str], Callable[[int], None] | None]:
-    """Rate limits: (x-ratelimit headers, a callback debiting output tokens at the end), or 429."""
+async def admit(state: GatewayState, key: ApiKey) -> dict[str, str]:
+    """Rate limits before the body is prepared: one from the request bucket, and a token bucket
+    not in debt; the x-ratelimit headers, or 429."""
     limits = (key.requests_per_minute, key.tokens_per_minute)
     if limits == (None, None):
-        return {}, None
-    verdict = await state.limiter.admit(key.scope, limits, prompt_tokens)
+        return {}
+    verdict = await state.limiter.admit(key.scope, limits, 0)
     headers = verdict.headers()
     if not verdict.allowed:
         raise RateLimited(f"Rate limit reached for API key {key.name}; retry after {headers['retry-after']}s.",
                           headers=headers)
-    limiter = state.limiter
-
-    def debit(tokens: int) -> None:
-        run_in_background(limiter.debit(key.scope, tokens))
-
-    return headers, debit
+    return headers
 
 
-async def unless_disconnected(request: Request, serving: Awaitable[Response]) -> Response:
-def ended(release_slot: Callable[[], None], debit: Callable[[int], None] | None) -> Callable[[int], None]:
-    """A request's `on_done`: its slot back, its output tokens debited."""
+async def reserve(state: GatewayState, key: ApiKey, prompt_tokens: int, max_tokens: int
+                  ) -> tuple[dict[str, str], Reservation | None]:
+    """Once prepared: its prompt and its whole max_tokens taken from the key's token bucket (the
+    output it does not use comes back when it ends); the x-ratelimit headers, or 429."""
+    limits = (key.requests_per_minute, key.tokens_per_minute)
+    if key.tokens_per_minute is None:
+        return {}, None
+    verdict = await state.limiter.admit(key.scope, limits, prompt_tokens + max_tokens, requests=0)
+    headers = verdict.headers()
+    if not verdict.allowed:
+        raise RateLimited(f"Token rate limit reached for API key {key.name} (this request reserves its prompt and "
+                          f"max_tokens: {prompt_tokens + max_tokens}); retry after {headers['retry-after']}s.",
+                          headers=headers)
+    return headers, Reservation(state.limiter, key.scope, key.tokens_per_minute, max_tokens)
+
+
+def ended(release_slot: Callable[[], None], reservation: Reservation | None) -> Callable[[int], None]:
+    """A request's `on_done`: its slot back, its unused reserved tokens refunded."""
     def on_done(completion_tokens: int) -> None:
         release_slot()
-        if debit is not None:
-            debit(completion_tokens)
+        if reservation is not None:
+            reservation.settle(completion_tokens)
     return on_done
 
 
+async def unless_disconnected(request: Request, serving: Awaitable[Response]) -> Response:
     """Await `serving` (routing + waiting for the first token), but cancel it if the client
     leaves first, so a long prefill for a client that is gone is aborted on the worker.
     Streaming responses watch for disconnects themselves once they start."""
@@ -169,9 +180,9 @@ class ClientRoutes:
         self.settings = settings
         self.metrics = metrics
         self.preparer = preparer
-
         self.body_limit, self.body_limit_why = body_limit(settings)
         self.key_slots = KeySlots(settings.client_connections.max_requests_per_key)
+
     def fast_routes(self) -> dict[str, Endpoint]:
         """Path -> endpoint of every POST route the app's fast path serves."""
         routes = {path: self._generation_endpoint(protocol) for path, protocol in GENERATION_ROUTES.items()}
@@ -214,13 +225,14 @@ class ClientRoutes:
         state = gateway_state(request)
         request_id = request.headers.get(wp.REQUEST_ID_HEADER) or random_id()
         model = "unknown"
-        try:
         release_slot = None
+        reservation = None
+        try:
             key = await authenticate(request)
             body = await read_body(request, self.body_limit, self.body_limit_why)
             self.check_model_early(key, body)
             release_slot = self.key_slots.take(key)
-            headers, debit = await admit(state, key, 0)  # its prompt tokens are debited once counted
+            headers = await admit(state, key)  # its tokens are reserved once counted
             pending = None
             if protocol is ApiProtocol.RESPONSES:
                 body, pending = await state.responses.prepare(key.scope, body)
@@ -229,23 +241,23 @@ class ClientRoutes:
             self.metrics.preprocess.observe(time.perf_counter() - arrival)
             if not may_use(key, model, prepared.requested_model):
                 raise Forbidden(f"This API key may not use model {prepared.requested_model}.")
-            if debit is not None:
-                debit(prepared.prompt_tokens)
-            on_done = ended(release_slot, debit)
+            reserved, reservation = await reserve(state, key, prepared.prompt_tokens, prepared.sampling.max_tokens)
+            headers = {**headers, **reserved}
+            on_done = ended(release_slot, reservation)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session_key=session_key(request),
                                          cache_salt=request_cache_salt(key, prepared.cache_salt))
             response = await unless_disconnected(request, serving)
-            return response if pending is None else await state.responses.capture(pending, response)
-        except Exception as exc:  # any failure is answered in the protocol's error JSON
             if isinstance(response, RelayResponse):
                 release_slot = None  # the stream's end gives the slot back (`on_done`)
+            return response if pending is None else await state.responses.capture(pending, response)
+        except Exception as exc:  # any failure is answered in the protocol's error JSON
+            if reservation is not None:
+                reservation.settle(0)  # no-op when it reached a worker (its end settled it)
             if isinstance(exc, BridgeError) and exc.model:
                 model = exc.model
             return self.refuse(str(protocol), protocol, model, self.caught(exc, request_id), request_id)
-
-    async def count_tokens(self, request: Request) -> Response:
         finally:
             if release_slot is not None:
                 release_slot()
@@ -262,6 +274,8 @@ class ClientRoutes:
         target = self.preparer.catalog.resolve(requested) if isinstance(requested, str) else None
         if target is not None and not may_use(key, target.served, requested):
             raise Forbidden(f"This API key may not use model {requested}.")
+
+    async def count_tokens(self, request: Request) -> Response:
         """Anthropic's `POST /v1/messages/count_tokens`: the Messages body's prompt tokens.
 
         Rate limits: it takes one request from the key's request bucket and is refused while
@@ -272,7 +286,7 @@ class ClientRoutes:
             key = await authenticate(request)
             body = await read_body(request, self.body_limit, self.body_limit_why)
             self.check_model_early(key, body)
-            headers, _ = await admit(gateway_state(request), key, 0)
+            headers = await admit(gateway_state(request), key)
             counted = await self.preparer.count_tokens_async(body)
             model = counted.model
             if not may_use(key, model, counted.requested_model):
