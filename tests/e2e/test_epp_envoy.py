@@ -23,6 +23,7 @@ from tests.fault_doubles import scrape, total
 pytestmark = pytest.mark.timeout(300)  # each test may start sim clusters, an EPP and an Envoy of its own
 
 MODEL = "DeepSeek-V4.1-Flash"
+DESTINATION = "x-gateway-destination-endpoint"
 DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
 
 
@@ -240,8 +241,29 @@ def test_fail_open_still_serves_without_the_epp(tmp_path: Path, stack: Stack) ->
         # Failing open is no way around the EPP's refusal: the route itself serves the client APIs alone.
         r = httpx.get(envoy.url + "/v1/worker/kv_events", timeout=10)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        # Nor a way for a client to pin an engine: its own destination header is not where Envoy
+        # dials (only the EPP's metadata is), so least-request spreads the requests over both.
+        before = _requests_per_host(envoy)
+        for _ in range(16):
+            r = httpx.post(envoy.url + "/v1/chat/completions", json=chat("Pinned?"), timeout=10,
+                           headers={DESTINATION: stack.endpoints[0]})
+            assert r.status_code == 200, r.text
+        after = _requests_per_host(envoy)
+        assert after[stack.endpoints[1]] > before.get(stack.endpoints[1], 0)
     finally:
         envoy.stop()
+
+
+def _requests_per_host(envoy: Envoy) -> dict[str, int]:
+    """The pool's requests per engine as Envoy counted them (its admin `/clusters` page)."""
+    text = httpx.get(f"http://127.0.0.1:{envoy.admin_port}/clusters", timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        cluster, _, rest = line.partition("::")
+        host, _, stat = rest.rpartition("::rq_total::")
+        if cluster == "pool" and host:
+            out[host] = int(stat)
+    return out
 
 
 def test_client_disconnect_releases_the_booked_load(stack: Stack) -> None:
