@@ -251,13 +251,13 @@ class RequestStream:
             if isinstance(served, str) and served:
                 worker = self.service.picker.by_endpoint(served.strip())
                 if worker is not None:
-                    await self.pick.booking.move(worker)
+                    self.pick.booking.move(worker)
             mutation.set_headers.append(_header(names.WORKER, self.pick.booking.worker.worker_id))
         answer = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=mutation)))
         if message.response_headers.end_of_stream:
             if self.pick is not None:
-                await self.pick.booking.started()
+                self.pick.booking.on_ready()
             self.finish()
         return [answer]
 
@@ -265,7 +265,7 @@ class RequestStream:
         if self.first_chunk_at is None and body.body:
             self.first_chunk_at = time.perf_counter()
             if self.pick is not None:
-                await self.pick.booking.started()
+                self.pick.booking.on_ready()
         self.scanner.feed(body.body)
         if body.end_of_stream:
             self.finish()
@@ -277,7 +277,7 @@ class RequestStream:
         protocol = self.protocol or client_protocol(self.path, self.headers)
         self.service.metrics.gateway.count_request(str(self.protocol or "other"), self.model, error.status_code)
         if self.pick is not None:
-            self.pick.booking.end()
+            self.pick.end()
         return refusal(protocol, error)
 
     def finish(self, client_left: bool = False) -> None:
@@ -286,7 +286,7 @@ class RequestStream:
             return
         self.finished = True
         pick, metrics = self.pick, self.service.metrics.gateway
-        pick.booking.end()
+        pick.end()
         if client_left:
             metrics.client_disconnects.inc()
         status = "499" if client_left else (self.status or "502")

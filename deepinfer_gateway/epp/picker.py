@@ -10,10 +10,11 @@ records where the request went, not the fallbacks.
 PD pools are not served through the EPP: the data plane sends the client's body to one
 endpoint, and a PD hand-off needs the gateway between the two legs.
 
-A `Booking` holds the chosen worker's in-flight count from the pick to the end of the
-response, and its share of the worker's queue as the request path books it (shared across
-replicas through Redis) until the response starts; it follows the data plane's report of
-the endpoint that actually served.
+The pick's `Booking` (router/booking.py) holds the chosen worker's in-flight count from the
+pick to the end of the response, and its share of the worker's queue as the request path
+books it (shared across replicas through Redis); the response's first bytes stand for the
+engine's `ready`, which the EPP does not see. It moves to the endpoint the data plane
+reports as the one that served (a fallback).
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from urllib.parse import urlsplit
 
 from deepinfer_gateway.errors import NoHealthyWorker
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
-from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
-from deepinfer_gateway.router.inflight import Booking as QueueBooking
+from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Plan
 
 
@@ -41,92 +41,23 @@ def endpoint_of(url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Booking:
-    """One request's load on the worker serving it (module doc): its in-flight count until `end`
-    (idempotent), and in its queue what the request path books (router/inflight.py's rule:
-    the uncached prompt until a load report counts it, minus the cached part after, nothing
-    once it runs; the first response byte stands for the engine's `ready`, which the EPP
-    does not see)."""
-
-    __slots__ = ("worker", "request_id", "_routing", "_metrics", "_queue", "ended")
-
-    def __init__(self, worker: WorkerState, request_id: str, routing: RouteInputs, metrics: GatewayMetrics,
-                 queue: QueueBooking | None):
-        self.worker = worker
-        self.request_id = request_id
-        self._routing = routing
-        self._metrics = metrics
-        self._queue = queue
-        self.ended = False
-        worker.inflight += 1
-        metrics.inflight.inc()
-
-    async def book(self) -> None:
-        queue = self._queue
-        if queue is None:
-            return
-        amount = queue.amount()
-        assert amount is not None
-        await self._routing.inflight.reserve(self.worker.worker_id, self.request_id, amount)
-        if self.worker.upstream.reports_queue:  # a report probed from now on counts the request
-            registry = self._routing.registry
-            registry.after_report(self.worker, registry.loop_lag.now(), self._reported)
-
-    async def _reported(self) -> None:
-        if self._queue is not None:
-            self._queue.reported = True
-            await self._rebook()
-
-    async def _rebook(self) -> None:
-        queue = self._queue
-        if queue is None or queue.released:
-            return
-        amount = queue.amount()
-        if amount is None:
-            queue.released = True
-            await self._routing.inflight.release(self.worker.worker_id, self.request_id)
-        else:
-            await self._routing.inflight.reserve(self.worker.worker_id, self.request_id, amount)
-
-    async def started(self) -> None:
-        """The response's first bytes: the engine runs the request, its queue no longer holds it."""
-        if self._queue is not None and not self._queue.ready:
-            self._queue.ready = True
-            await self._rebook()
-
-    async def move(self, worker: WorkerState) -> None:
-        """The data plane reports that `worker` served (a fallback): the load is its."""
-        if worker is self.worker or self.ended:
-            return
-        if self._queue is not None and not self._queue.released:
-            self._queue.released = True
-            await self._routing.inflight.release(self.worker.worker_id, self.request_id)
-        self.worker.inflight -= 1
-        worker.inflight += 1
-        self.worker = worker
-
-    def end(self) -> None:
-        """Synchronous, so that a cancelled stream's `finally` releases the load for certain; a
-        queue booking still held goes in the background."""
-        if self.ended:
-            return
-        self.ended = True
-        self.worker.inflight -= 1
-        self._metrics.inflight.dec()
-        if self._queue is not None and not self._queue.released:
-            self._queue.released = True
-            run_in_background(self._routing.inflight.release(self.worker.worker_id, self.request_id))
-
-
 @dataclass(slots=True)
 class Pick:
     workers: list[WorkerState]  # preference order; the first is booked
     plan: Plan
-    booking: Booking
+    booking: Booking[WorkerState]  # moved to the worker the data plane reports, ended with the response
+    _metrics: GatewayMetrics
 
     @property
     def header(self) -> str:
         return ",".join(endpoint_of(w.url) for w in self.workers)
+
+    def end(self) -> None:
+        """The response's end, or the request's refusal: its load released (idempotent; synchronous, so
+        that a cancelled stream's `finally` releases it for certain)."""
+        if not self.booking.ended:
+            self.booking.end()
+            self._metrics.inflight.dec()
 
 
 class EndpointPicker:
@@ -173,11 +104,10 @@ class EndpointPicker:
         workers = [self.registry.workers[w] for w in chosen if w in self.registry.workers]
         if not workers:
             raise NoHealthyWorker("No eligible endpoint can serve this request; retry shortly.")
-        queue = QueueBooking(prompt_tokens, plan.decision.predicted_memory_tokens) if prompt_tokens else None
-        booking = Booking(workers[0], request_id, self.routing, self.metrics, queue)
-        try:
-            await booking.book()
-        except BaseException:
-            booking.end()
-            raise
-        return Pick(workers, plan, booking)
+        worker = workers[0]
+        booking = Booking(self.routing.inflight, worker, request_id, prompt_tokens,
+                          plan.decision.predicted_memory_tokens)
+        self.metrics.inflight.inc()
+        if booking.queued and worker.upstream.reports_queue:  # a report probed from now on counts the request
+            self.registry.after_report(worker, self.registry.loop_lag.now(), booking.on_report)
+        return Pick(workers, plan, booking, self.metrics)

@@ -20,17 +20,7 @@ replicas' reservations to the reported queue when it routes.
   direction, a busy worker looks a little busier). Redis errors degrade to the local view
   (counted, logged once), at once for every request while Redis is failing (outage.py).
 
-What a request books (`Booking`) follows what the worker's load reports already say of it,
-so that the sum "reported queue + bookings" is the prefill work the worker has ahead:
-- sent, not yet in a load report: its uncached part (prompt - predicted cached tokens), the
-  prefill it will add;
-- in a load report, still waiting in the worker's queue: minus its predicted cached tokens,
-  since engines report a waiting request's whole prompt (docs/worker-protocol.md) though
-  they will compute only its uncached part;
-- in a load report and scheduled (`ready`): nothing, the report counts its remaining prefill.
-Booking the whole prompt until the first token counted a follow-up turn's cached prefix up
-to twice (in the reservation and in the report): the workers holding conversations looked
-busier than they were, and the router left them for shorter-looking queues.
+What a request books and when: router/booking.py (`Booking`; these stores are its `Reservations`).
 """
 
 from __future__ import annotations
@@ -43,25 +33,6 @@ from typing import Any
 from deepinfer_gateway.outage import Outage
 
 
-class Booking:
-    """What one request adds to its worker's reported queue, as its life goes on (module doc)."""
-
-    __slots__ = ("prompt", "cached", "reported", "ready", "released")
-
-    def __init__(self, prompt: int, cached: int) -> None:
-        self.prompt = prompt
-        self.cached = min(cached, prompt)
-        self.reported = False  # a load report taken after the worker accepted it has arrived
-        self.ready = False  # the worker scheduled it (its `ready` event)
-        self.released = False  # nothing booked any more (set by whoever released it)
-
-    def amount(self) -> int | None:
-        """Tokens to add to the worker's reported queue; None: nothing (release)."""
-        if not self.reported:
-            return self.prompt - self.cached
-        return None if self.ready else -self.cached
-
-
 class MemoryInflight:
     def __init__(self) -> None:
         self._tokens: dict[str, dict[str, int]] = {}
@@ -69,10 +40,10 @@ class MemoryInflight:
     async def totals(self, workers: Sequence[str]) -> dict[str, int]:
         return {w: sum(self._tokens.get(w, {}).values()) for w in workers}
 
-    async def reserve(self, worker: str, request_id: str, tokens: int) -> None:
+    def reserve(self, worker: str, request_id: str, tokens: int) -> None:
         self._tokens.setdefault(worker, {})[request_id] = tokens
 
-    async def release(self, worker: str, request_id: str) -> None:
+    def release(self, worker: str, request_id: str) -> None:
         self._tokens.get(worker, {}).pop(request_id, None)
 
     async def flush(self) -> None:
@@ -156,13 +127,13 @@ class RedisInflight:
         return {w: int(s) + (sum(t - written.get((w, r), 0) for r, t in unsent[w].items()) if w in unsent else 0)
                 for w, s in zip(workers, sums, strict=True)}
 
-    async def reserve(self, worker: str, request_id: str, tokens: int) -> None:
-        await self._local.reserve(worker, request_id, tokens)
+    def reserve(self, worker: str, request_id: str, tokens: int) -> None:
+        self._local.reserve(worker, request_id, tokens)
         self._unsent.setdefault(worker, {})[request_id] = tokens
         self._queue(worker, request_id, tokens)
 
-    async def release(self, worker: str, request_id: str) -> None:
-        await self._local.release(worker, request_id)
+    def release(self, worker: str, request_id: str) -> None:
+        self._local.release(worker, request_id)
         self._landed(worker, request_id)
         key = (worker, request_id)
         if self._queued.get(key) is not None and key not in self._sent:

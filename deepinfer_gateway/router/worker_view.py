@@ -17,7 +17,7 @@ class WorkerView:
     kv_format: str
     model: str
     queued_prefill_tokens: int = 0  # reported + booked, at least 0
-    booked_tokens: int = 0  # of which the gateway's bookings (router/inflight.py `Booking`)
+    booked_tokens: int = 0  # of which the gateway's bookings (router/booking.py `Booking`)
     load_age_s: float = 0.0  # how old the load report is (since its probe began); the decision log reads it
     running: int = 0
     dp_ranks: int = 1

@@ -7,7 +7,7 @@ in-flight bookings and open legs, and the KV event feed cursor. `view()` builds 
 same `WorkerView` the live gateway's `route_inputs.worker_view` builds:
 
     queued_prefill_tokens = last load report's queued prefill + in-flight bookings (at least 0;
-                            router/inflight.py `Booking`: what the report does not yet say)
+                            router/booking.py `Booking`: what the report does not yet say)
     running               = last load report's running + this gateway's open legs
     dp_ranks              = DP ranks in the last load report
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deepinfer_gateway.protocol import Role
-from deepinfer_gateway.router.inflight import Booking
+from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import WorkerView
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.cruise import CruisingCore
@@ -30,7 +30,7 @@ from deepinfer_gateway.workers.sim.profiles import HardwareProfile, load_profile
 class SimWorker:
     __slots__ = (
         "_view",
-        "bookings",
+        "booked",
         "busy",
         "core",
         "cruise",
@@ -45,6 +45,7 @@ class SimWorker:
         "report_ranks",
         "report_running",
         "reserved",
+        "unreported",
         "role",
         "stale",
         "version",
@@ -63,9 +64,10 @@ class SimWorker:
         self.report_queued = 0  # the gateway's last load report of this worker
         self.report_running = 0
         self.report_ranks = profile.dp_ranks
-        self.reserved = 0  # in-flight bookings' sum (router/inflight.py `Booking`)
-        self.bookings: dict[str, Booking] = {}  # by request id, until its first token
-        self.inflight = 0  # open legs on this worker
+        self.reserved = 0  # in-flight bookings' sum (router/booking.py `Booking`)
+        self.booked: dict[str, int] = {}  # each booking's amount, by request id
+        self.unreported: list[Booking[SimWorker]] = []  # bookings the next load report counts
+        self.inflight = 0  # open legs on this worker (bookings)
         self.busy = False  # a step is under way (its end is on the event heap)
         self.pending: list[RequestUpdate] | None = None  # what the step under way produces
         self.cursor = 0  # KV event feed: next `after`
@@ -84,39 +86,32 @@ class SimWorker:
         worker accepted them does."""
         self.report_queued, self.report_running = self.core.load_totals()
         self.report_ranks = self.profile.dp_ranks  # len(rank_loads()), which has one per rank
-        for request_id, booking in list(self.bookings.items()):
-            if not booking.reported:
-                self._rebook(request_id, booking, reported=True)
+        unreported, self.unreported = self.unreported, []
+        for booking in unreported:
+            booking.on_report()
         self.changed()
 
-    def book(self, request_id: str, prompt: int, cached: int) -> None:
-        """A request sent here (the live gateway's `Legs._open`)."""
-        booking = self.bookings[request_id] = Booking(prompt, cached)
-        self.reserved += booking.amount() or 0
+    def book(self, request_id: str, prompt: int = 0, cached: int = 0) -> Booking[SimWorker]:
+        """A leg sent here (the live gateway's `Legs._open`): counted, and with a prompt booked
+        in the worker's queue until the next load report counts it."""
+        booking = Booking(self, self, request_id, prompt, cached)
+        if booking.queued:
+            self.unreported.append(booking)
+        self.changed()
+        return booking
+
+    # The worker's own bookings (router/booking.py `Reservations`).
+
+    def reserve(self, worker: str, request_id: str, tokens: int) -> None:
+        self.reserved += tokens - self.booked.get(request_id, 0)
+        self.booked[request_id] = tokens
         self.changed()
 
-    def ready(self, request_id: str) -> None:
-        """The request's `ready` arrived: the worker scheduled it."""
-        booking = self.bookings.get(request_id)
-        if booking is not None and not booking.ready:
-            self._rebook(request_id, booking, ready=True)
+    def release(self, worker: str, request_id: str) -> None:
+        tokens = self.booked.pop(request_id, None)
+        if tokens is not None:
+            self.reserved -= tokens
             self.changed()
-
-    def unbook(self, request_id: str) -> None:
-        """Its first token arrived (or it ended): nothing booked any more."""
-        booking = self.bookings.pop(request_id, None)
-        if booking is not None:
-            self.reserved -= booking.amount() or 0
-            self.changed()
-
-    def _rebook(self, request_id: str, booking: Booking, *, reported: bool = False, ready: bool = False) -> None:
-        before = booking.amount() or 0
-        booking.reported |= reported
-        booking.ready |= ready
-        after = booking.amount()
-        self.reserved += (after or 0) - before
-        if after is None:
-            del self.bookings[request_id]
 
     def changed(self) -> None:
         self._view = None

@@ -4,8 +4,8 @@ Mirrors the live request path: on arrival, views (load report + bookings, as
 `RouteInputs.views` in gateway/serving/route_inputs.py), hashes per KV format, one index lookup,
 `plan_first`, admission control, then `add_request` on the chosen worker with the leg's
 role (`pd` -> prefill, stop after the first token; `unified`/`bypass` -> unified),
-booking the request on its worker until the first token comes back (router/inflight.py
-`Booking`). At a prefill's hand-off:
+booking the request on its worker (router/booking.py `Booking`: the open leg, and the
+prompt in the worker's queue until the first token comes back). At a prefill's hand-off:
 `plan_decode` on fresh views, and the decode worker gets prompt + first token with the KV
 load cost the sim engine's `_decode_request` charges (store read bandwidth when there is a
 store, else the direct transfer bandwidth). `SimGateway` also holds the requests in flight.
@@ -22,6 +22,7 @@ from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
+from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.simulate.config import ClusterConfig
@@ -45,6 +46,7 @@ class RequestState:
     hashes: dict[str, list[int]] = field(default_factory=dict)
     plan: Plan | None = None
     worker: SimWorker | None = None  # the current leg's worker
+    booking: Booking[SimWorker] | None = None  # the current leg's
     last_token_t: float = -1.0
     emitted: int = 0
 
@@ -114,8 +116,7 @@ class SimGateway:
             self.fail(req, RecordError.HTTP_4XX, str(exc))
             return None
         req.worker = worker
-        worker.inflight += 1
-        worker.book(rid, len(req.tokens), plan.decision.predicted_memory_tokens)
+        req.booking = worker.book(rid, len(req.tokens), plan.decision.predicted_memory_tokens)
         return worker
 
     def current_views(self) -> ViewList:
@@ -173,8 +174,7 @@ class SimGateway:
             self.fail(req, RecordError.STREAM, str(exc))
             return None
         req.worker = worker
-        worker.inflight += 1
-        worker.changed()
+        req.booking = worker.book(str(req.trace.index))
         return worker
 
     def fail(self, req: RequestState, kind: str, detail: str) -> None:

@@ -233,7 +233,8 @@ class Simulator:
             return
         record = req.record
         if update.ready is not None and req.emitted == 0:  # the first leg's ready: cached tokens
-            worker.ready(update.request_id)
+            assert req.booking is not None
+            req.booking.on_ready()
             mem, store = update.ready
             record.cached_tokens = mem + store
             self.stats.memory_tokens += mem
@@ -242,14 +243,16 @@ class Simulator:
         if update.token_ids:
             if req.emitted == 0:
                 record.ttft_s = self.preparation.relayed(t) - record.arrival_s
-                worker.unbook(update.request_id)  # the first token ends the booking
+                assert req.booking is not None
+                req.booking.unqueue()  # the first token ends its share of the queue
             else:
                 record.itl_s.append(t - req.last_token_t)
             req.last_token_t = t
             req.emitted += len(update.token_ids)
         if update.finish is None:
             return
-        worker.inflight -= 1
+        assert req.booking is not None
+        req.booking.end()
         worker.changed()
         if update.handoff and req.plan is not None and req.plan.mode is Mode.PD:
             self._push(t + self.config.gateway.handoff_overhead_s, _HANDOFF, req)

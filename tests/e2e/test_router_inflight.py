@@ -19,10 +19,10 @@ from tests.fault_doubles import FaultyWorker
 
 async def test_memory_reserve_release() -> None:
     inflight = MemoryInflight()
-    await inflight.reserve("w1", "r1", 100)
-    await inflight.reserve("w1", "r2", 50)
+    inflight.reserve("w1", "r1", 100)
+    inflight.reserve("w1", "r2", 50)
     assert await inflight.totals(["w1", "w2"]) == {"w1": 150, "w2": 0}
-    await inflight.release("w1", "r1")
+    inflight.release("w1", "r1")
     assert await inflight.totals(["w1"]) == {"w1": 50}
 
 
@@ -33,12 +33,12 @@ async def test_replicas_share_reservations(backend: str, request: pytest.Fixture
     for worker in ("w1", "w2", "w3"):
         await clients[0].delete(f"{{dgw:inflight}}:{worker}:tok", f"{{dgw:inflight}}:{worker}:exp")
     a, b = (RedisInflight(c) for c in clients)
-    await a.reserve("w1", "ra", 1000)
-    await b.reserve("w2", "rb", 10)
+    a.reserve("w1", "ra", 1000)
+    b.reserve("w2", "rb", 10)
     for replica in (a, b):  # writes land one round trip later
         await replica.flush()
     assert await b.totals(["w1", "w2", "w3"]) == {"w1": 1000, "w2": 10, "w3": 0}
-    await a.release("w1", "ra")
+    a.release("w1", "ra")
     await a.flush()
     assert (await b.totals(["w1"]))["w1"] == 0
     for c in clients:
@@ -48,7 +48,7 @@ async def test_replicas_share_reservations(backend: str, request: pytest.Fixture
 async def test_lease_of_a_dead_replica_expires(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     dying = RedisInflight(client, lease_s=0.2)
-    await dying.reserve("w9", "lost", 500)  # this replica dies: no release ever comes
+    dying.reserve("w9", "lost", 500)  # this replica dies: no release ever comes
     await dying.flush()
     survivor = RedisInflight(client)
     assert (await survivor.totals(["w9"]))["w9"] == 500
@@ -62,7 +62,7 @@ async def test_redis_down_falls_back_to_local_view(redis_server) -> None:
     errors: list[int] = []
     inflight = RedisInflight(client, on_error=lambda: errors.append(1), retry_interval_s=0.1)
     redis_server.stop()
-    await inflight.reserve("w1", "r1", 70)
+    inflight.reserve("w1", "r1", 70)
     await inflight.flush()  # the write fails (counted); the reservation stays in the local view
     assert await inflight.totals(["w1"]) == {"w1": 70}
     assert errors
@@ -82,18 +82,18 @@ async def test_writes_are_batched_and_a_reservation_released_before_sending_is_n
         return sum(stats["calls"] for name, stats in (await client.info("commandstats")).items()
                    if name in ("cmdstat_evalsha", "cmdstat_eval"))
 
-    await inflight.reserve("w1", "fast", 100)
-    await inflight.release("w1", "fast")  # its first token came before the writer ran
+    inflight.reserve("w1", "fast", 100)
+    inflight.release("w1", "fast")  # its first token came before the writer ran
     await inflight.flush()
     assert await scripts_run() == 0
     for i in range(20):  # many requests in one event-loop turn: one call
-        await inflight.reserve("w1", f"r{i}", 10)
+        inflight.reserve("w1", f"r{i}", 10)
     await inflight.flush()
     assert await scripts_run() <= 2  # the write (and a script load if it was not cached)
     other = RedisInflight(client)
     assert await other.totals(["w1"]) == {"w1": 200}
     for i in range(20):
-        await inflight.release("w1", f"r{i}")
+        inflight.release("w1", f"r{i}")
     await inflight.flush()
     assert await other.totals(["w1"]) == {"w1": 0}
     await client.aclose()
@@ -103,31 +103,31 @@ async def test_own_reservation_counts_once_before_and_after_it_lands(redis_url: 
     client = aioredis.Redis.from_url(redis_url)
     await client.delete("{dgw:inflight}:w7:tok", "{dgw:inflight}:w7:exp")
     inflight = RedisInflight(client)
-    await inflight.reserve("w7", "r", 300)
+    inflight.reserve("w7", "r", 300)
     assert (await inflight.totals(["w7"]))["w7"] >= 300  # not in Redis yet: counted from the local view
     await inflight.flush()
     assert await inflight.totals(["w7"]) == {"w7": 300}
-    await inflight.release("w7", "r")
+    inflight.release("w7", "r")
     await inflight.flush()
     assert await inflight.totals(["w7"]) == {"w7": 0}
     await client.aclose()
 
 
 async def test_a_rebooking_replaces_the_landed_one_and_its_release_is_sent(redis_url: str) -> None:
-    """A booking changes while its request waits (router/inflight.py `Booking`): the new amount
+    """A booking changes while its request waits (router/booking.py `Booking`): the new amount
     replaces the one Redis holds, and a release queued right after a re-booking still reaches
     Redis (the landed amount would otherwise stay until its lease expired)."""
     client = aioredis.Redis.from_url(redis_url)
     await client.delete("{dgw:inflight}:w8:tok", "{dgw:inflight}:w8:exp")
     inflight, other = RedisInflight(client), RedisInflight(client)
-    await inflight.reserve("w8", "r", 900)
+    inflight.reserve("w8", "r", 900)
     await inflight.flush()
-    await inflight.reserve("w8", "r", -600)  # now in a load report: minus its cached part
+    inflight.reserve("w8", "r", -600)  # now in a load report: minus its cached part
     assert await inflight.totals(["w8"]) == {"w8": -600}  # not landed yet: replaces 900, not added to it
     await inflight.flush()
     assert await other.totals(["w8"]) == {"w8": -600}
-    await inflight.reserve("w8", "r", -100)
-    await inflight.release("w8", "r")  # before the writer ran
+    inflight.reserve("w8", "r", -100)
+    inflight.release("w8", "r")  # before the writer ran
     await inflight.flush()
     assert await other.totals(["w8"]) == {"w8": 0}
     await client.aclose()
@@ -137,7 +137,7 @@ async def test_a_gateway_stopping_mid_request_leaves_no_reservation_behind(redis
     """A request still waiting for its first token when the grace period ends is cancelled;
     its release is queued then, and must reach Redis before the gateway closes its client
     (else the other replicas count it until its lease expires). What the request books follows
-    the worker's load reports (router/inflight.py `Booking`; zero once a report shows it
+    the worker's load reports (router/booking.py `Booking`; zero once a report shows it
     queued with nothing cached), so the test watches the booking's entry, not its amount."""
     client = aioredis.Redis.from_url(redis_url)
     worker = FaultyWorker("hang-before-ready")

@@ -1,32 +1,31 @@
 """A request's booking follows what its worker's load reports say of it, so that a worker's
 queue as the router sees it (report + bookings) is the prefill it has ahead, its cached
-prefixes not counted (router/inflight.py `Booking`), live and in the simulator alike."""
+prefixes not counted (router/booking.py `Booking`), live and in the simulator alike."""
 
 from __future__ import annotations
 
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason, Role
-from deepinfer_gateway.router.inflight import Booking
+from deepinfer_gateway.router.booking import amount
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.workers.sim.core import SimRequest
 from deepinfer_gateway.workers.sim.profiles import load_profile
 
 
 def test_booking_amount_through_a_requests_life() -> None:
-    booking = Booking(prompt=10_000, cached=8_000)
-    assert booking.amount() == 2_000  # sent: the prefill it adds
-    booking.reported = True
-    assert booking.amount() == -8_000  # waiting, reported at its whole prompt: minus what is cached
-    booking.ready = True
-    assert booking.amount() is None  # scheduled: the report counts its remaining prefill
+    assert amount(10_000, 8_000, reported=False, ready=False) == 2_000  # sent: the prefill it adds
+    # waiting, reported at its whole prompt: minus what is cached
+    assert amount(10_000, 8_000, reported=True, ready=False) == -8_000
+    assert amount(10_000, 8_000, reported=True, ready=True) is None  # scheduled: the report counts its prefill
 
 
 def test_ready_before_any_report_keeps_the_uncached_part() -> None:
-    booking = Booking(prompt=5_000, cached=9_999)  # a prediction past the prompt counts as the prompt
-    booking.ready = True
+    booking = _worker().book("r", prompt=5_000, cached=9_999)  # a prediction past the prompt counts as the prompt
+    booking.on_ready()
     assert booking.amount() == 0
-    booking = Booking(prompt=5_000, cached=1_000)
-    booking.ready = True
+    booking = _worker().book("r", prompt=5_000, cached=1_000)
+    booking.on_ready()
     assert booking.amount() == 4_000  # the report in hand predates it: it still adds its prefill
+    assert booking.worker.reserved == 4_000
 
 
 def _worker() -> SimWorker:
@@ -47,10 +46,10 @@ def test_a_follow_up_turn_counts_its_uncached_part_once() -> None:
     assert worker.view().queued_prefill_tokens == 0
     blocker = [7] * (3 * KV_BLOCK_TOKENS)  # keeps the turn waiting behind it
     core.add_request(SimRequest("other", blocker, [1], FinishReason.LENGTH))
-    worker.book("other", len(blocker), 0)
+    other = worker.book("other", len(blocker), 0)
     turn = first + list(range(10**5, 10**5 + 4 * KV_BLOCK_TOKENS))
     core.add_request(SimRequest("t2", turn, [1], FinishReason.LENGTH))
-    worker.book("t2", len(turn), 16 * KV_BLOCK_TOKENS)
+    t2 = worker.book("t2", len(turn), 16 * KV_BLOCK_TOKENS)
     ahead = len(blocker) + 4 * KV_BLOCK_TOKENS
     assert worker.view().queued_prefill_tokens == ahead  # not in a report yet: the bookings
     worker.report()  # the worker reports both prompts whole while they wait
@@ -58,9 +57,10 @@ def test_a_follow_up_turn_counts_its_uncached_part_once() -> None:
     assert worker.view().queued_prefill_tokens == ahead
     assert worker.view().booked_tokens == -16 * KV_BLOCK_TOKENS
     _, updates = core.step(0.0)  # both scheduled
+    bookings = {"other": other, "t2": t2}
     for update in updates:
         if update.ready is not None:
-            worker.ready(update.request_id)
-    assert worker.bookings == {}
+            bookings[update.request_id].on_ready()
+    assert worker.booked == {} and worker.reserved == 0
     worker.report()
     assert worker.view().queued_prefill_tokens == core.load_totals()[0]

@@ -1,4 +1,4 @@
-"""A request's booking on the request path (gateway/serving/legs.py, router/inflight.py `Booking`):
+"""A request's booking on the request path (gateway/serving/legs.py, router/booking.py `Booking`):
 its uncached prompt until a load report counts it, then its reported whole prompt less its
 cached part while it waits, nothing once the worker scheduled it. On scripted worker calls
 (tests/unit/test_request_server.py's rig) with a worker that reports its queue; the registry,

@@ -16,7 +16,7 @@ follows every change of a worker's health or membership.
 
 `after_report(worker, at, hook)` runs `hook` once a load report whose probe began at or after
 `at` (loop time) has been taken in: the request path learns when a report counts a request
-it sent (router/inflight.py `Booking`).
+it sent (router/booking.py `Booking.on_report`).
 
 A draining worker (`drain`: its address left DNS discovery) takes no new request while
 those in flight finish; it stays checked and counted until it is removed.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deepinfer_gateway import protocol as wp
@@ -50,7 +50,7 @@ class WorkerState:
     load: wp.LoadReport | None = None
     load_probed_at: float = 0.0  # loop time when the probe that read `load` began
     # (at, hook): run `hook` once a load report probed at or after `at` is in
-    report_hooks: list[tuple[float, Callable[[], Awaitable[None]]]] = field(default_factory=list)
+    report_hooks: list[tuple[float, Callable[[], None]]] = field(default_factory=list)
     inflight: int = 0  # requests this gateway has open on the worker
     draining: bool = False  # no new requests: it is on its way out
 
@@ -161,14 +161,14 @@ class WorkerRegistry:
             due = [hook for at, hook in worker.report_hooks if at <= since]
             worker.report_hooks = [(at, hook) for at, hook in worker.report_hooks if at > since]
             for hook in due:
-                await hook()
+                hook()
         self._metrics.worker_queue_tokens.labels(worker.worker_id).set(load.queued_prefill_tokens)
         self._metrics.worker_running.labels(worker.worker_id).set(load.running)
         self._metrics.worker_kv_usage.labels(worker.worker_id).set(load.kv_usage)
         self.record_success(worker)
 
     @staticmethod
-    def after_report(worker: WorkerState, at: float, hook: Callable[[], Awaitable[None]]) -> None:
+    def after_report(worker: WorkerState, at: float, hook: Callable[[], None]) -> None:
         """Run `hook` once a load report of `worker` probed at or after `at` (loop time) is in."""
         worker.report_hooks.append((at, hook))
 

@@ -10,8 +10,9 @@ DeepInfer: relay.py follows the hand-off), or before any token when the prefill 
 without one (vLLM, gateway/upstream/vllm_pd.py: `first` follows it, so the client's response starts
 with the decode worker's first token).
 
-Each open leg holds a `Lease`: the worker's in-flight count, the process gauge, the
-connection and, unless the worker finished the request, an explicit abort. Its release
+Each open leg holds a `Lease`: its `Booking` (router/booking.py: the worker's in-flight
+count and the first leg's share of its queue), the process gauge, the connection and,
+unless the worker finished the request, an explicit abort. Its release
 is idempotent, so whoever owns the leg releases it in one `finally`.
 """
 
@@ -40,26 +41,34 @@ from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
-from deepinfer_gateway.router.inflight import Booking
+from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, WorkerView
 
 log = logging.getLogger(__name__)
 
 
 class Lease:
-    """One upstream leg's hold on a worker, taken when the call starts."""
+    """One upstream leg's hold on a worker, taken when the call starts: its `Booking` (the
+    worker's in-flight count; on a first leg, its share of the worker's queue until the
+    first token) and the process gauge."""
 
-    __slots__ = ("worker", "request_id", "_metrics", "stream", "ready_at", "released")
+    __slots__ = ("booking", "_metrics", "stream", "ready_at", "released")
 
-    def __init__(self, worker: WorkerState, request_id: str, metrics: GatewayMetrics):
-        self.worker = worker
-        self.request_id = request_id
+    def __init__(self, booking: Booking[WorkerState], metrics: GatewayMetrics):
+        self.booking = booking
         self._metrics = metrics
         self.stream: EventStream | None = None
         self.ready_at = 0.0  # perf_counter when the leg's `ready` event arrived
         self.released = False
-        worker.inflight += 1
         metrics.inflight.inc()
+
+    @property
+    def worker(self) -> WorkerState:
+        return self.booking.worker
+
+    @property
+    def request_id(self) -> str:
+        return self.booking.request_id
 
     def release(self, *, abort: bool) -> None:
         """Give the worker back; only the first call acts. `abort`: the worker has not finished
@@ -68,7 +77,7 @@ class Lease:
         if self.released:
             return
         self.released = True
-        self.worker.inflight -= 1
+        self.booking.end()
         self._metrics.inflight.dec()
         if self.stream is not None:
             self.stream.close()
@@ -212,24 +221,19 @@ class Legs:
 
     async def _open(self, worker: WorkerState, leg: LegRequest,
                     reserve: int = 0) -> tuple[Lease, dict[str, Any], dict[str, Any]]:
-        """Open `leg` on `worker`; return once its `ready` and first token (or finish) arrived.
+        """Open `leg` on `worker` (`reserve`: the prompt tokens a first leg books in the worker's
+        queue, router/booking.py); return once its `ready` and first token (or finish) arrived.
         On any failure, cancellation included, the lease is released before this returns."""
-        request_id = leg.request_id
-        lease = Lease(worker, request_id, self.metrics)
-        booking = Booking(reserve, leg.predicted_cached) if reserve else None
+        booking = Booking(self.routing.inflight, worker, leg.request_id, reserve, leg.predicted_cached)
+        lease = Lease(booking, self.metrics)
         try:
-            if booking is not None:  # inside the try: a Redis round trip is a point where a cancel can land
-                await self._book(worker, request_id, booking)
             lease.stream = await worker.upstream.generate(leg)
-            if booking is not None and worker.upstream.reports_queue:
+            if booking.queued and worker.upstream.reports_queue:
                 # The worker holds the request now: a report probed from here on counts it.
-                self.registry.after_report(worker, self.registry.loop_lag.now(),
-                                           lambda: self._reported(worker, request_id, booking))
+                self.registry.after_report(worker, self.registry.loop_lag.now(), booking.on_report)
             ready = await lease.next_event()
             lease.ready_at = time.perf_counter()
-            if booking is not None and not booking.ready:
-                booking.ready = True
-                await self._rebook(worker, request_id, booking)
+            booking.on_ready()
             if ready is not None and ready["event"] == "finish":
                 raise_if_error(ready)  # refused before scheduling: finish without ready
             if ready is None or ready["event"] != "ready":
@@ -247,29 +251,7 @@ class Legs:
             lease.release(abort=False)  # the closed connection is the abort
             raise
         finally:
-            if booking is not None and not booking.released:
-                booking.released = True
-                await self.routing.inflight.release(worker.worker_id, request_id)
-
-    async def _book(self, worker: WorkerState, request_id: str, booking: Booking) -> None:
-        amount = booking.amount()
-        assert amount is not None
-        await self.routing.inflight.reserve(worker.worker_id, request_id, amount)
-
-    async def _reported(self, worker: WorkerState, request_id: str, booking: Booking) -> None:
-        booking.reported = True
-        await self._rebook(worker, request_id, booking)
-
-    async def _rebook(self, worker: WorkerState, request_id: str, booking: Booking) -> None:
-        """The booking after a change of what the worker's reports say of the request."""
-        if booking.released:  # first token or failure: gone already
-            return
-        amount = booking.amount()
-        if amount is None:
-            booking.released = True
-            await self.routing.inflight.release(worker.worker_id, request_id)
-        else:
-            await self.routing.inflight.reserve(worker.worker_id, request_id, amount)
+            booking.unqueue()
 
     def _routable(self, worker_id: str) -> WorkerState | None:
         """The worker, if it may still take a new request (not removed, not draining)."""
