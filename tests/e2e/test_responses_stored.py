@@ -70,6 +70,8 @@ def test_a_streamed_response_is_stored_before_its_last_event(sim_gateway: Gatewa
             # The client holds the final event: the response is already retrievable.
             assert client.responses.retrieve(event.response.id).id == event.response.id
             final = event.response
+        if event.type in ("response.created", "response.in_progress", "response.completed", "response.incomplete"):
+            assert _says_stored(event.response) is True, event.type  # as the JSON answer says
     assert final is not None
     assert client.responses.retrieve(final.id).output_text == final.output_text
 
@@ -279,9 +281,12 @@ def test_a_keys_bytes_and_the_total_bound_what_is_stored(sim_cluster: SimCluster
         gateway.stop()
 
 
-async def test_redis_keeps_no_ttl_on_stored_responses_and_the_gateway_expires_them(redis_url: str) -> None:
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+async def test_redis_keeps_no_ttl_on_stored_responses_and_the_gateway_expires_them(
+        backend: str, request: pytest.FixtureRequest) -> None:
     # Redis's shipped volatile-lru evicts only keys with a TTL: stored responses carry none, and
-    # their expiry (and the byte budget it frees) is the gateway's own.
+    # their expiry (and the byte budget it frees) is the gateway's own. On a cluster too: every
+    # key the scripts touch is in one slot.
     import asyncio
 
     from deepinfer_gateway.gateway.serving.response_store import (
@@ -291,8 +296,9 @@ async def test_redis_keeps_no_ttl_on_stored_responses_and_the_gateway_expires_th
         StoredResponse,
     )
     from deepinfer_gateway.redis_conn import redis_client
+    from tests.conftest import redis_backend_url
 
-    client = redis_client(redis_url)
+    client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")
     store = RedisResponseStore(client, Quota(ttl_s=1, max_per_key=10, max_bytes=4096, max_bytes_per_key=8192,
                                              max_total_bytes=8192))
     try:
