@@ -1,4 +1,4 @@
-"""Fire-and-forget work of the request path (an explicit abort, a rate-limit debit).
+"""Fire-and-forget work of the request path (an explicit abort, a rate-limit refund).
 
 The event loop keeps only a weak reference to a task, so a task nobody holds may be
 garbage-collected before it finishes (asyncio's `create_task` documentation): each one is

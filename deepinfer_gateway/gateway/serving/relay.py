@@ -22,7 +22,7 @@ answer ended by a stop sequence. Every other event (`finish`, errors) goes to th
 
 `Relay.close` ends a request that reached a worker, whichever way it ends (finish,
 error, the client going away): it releases the current leg's lease, runs the request's
-`on_done` (rate-limit debit) and ends its `RequestOutcome` (outcome.py: every metric of
+`on_done` (rate-limit refund) and ends its `RequestOutcome` (outcome.py: every metric of
 the request, recorded there). It is idempotent: its owner calls it in one `finally`.
 """
 
