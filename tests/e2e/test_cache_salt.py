@@ -116,7 +116,8 @@ def test_a_bad_cache_salt_is_refused(gateway: Gateway, salt: object) -> None:
     with pytest.raises(openai.BadRequestError) as chat:
         _client(gateway, "sk-alice").chat.completions.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}], extra_body={"cache_salt": salt})
-    assert chat.value.body is not None and chat.value.body.get("param") == "cache_salt"  # type: ignore[union-attr]
+    body = chat.value.body
+    assert isinstance(body, dict) and body.get("param") == "cache_salt"
     with pytest.raises(openai.BadRequestError) as legacy:
         _client(gateway, "sk-alice").completions.create(model=MODEL, prompt="hi", max_tokens=4,
                                                         extra_body={"cache_salt": salt})

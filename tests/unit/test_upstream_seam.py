@@ -123,5 +123,5 @@ def test_the_direct_path_is_a_capability_the_transport_declares() -> None:
             pass
 
     assert direct(Plain()) is None
-    mux = MuxStream(None, "r1")  # type: ignore[arg-type]  # the connection is not used here
+    mux = MuxStream(None, "r1")  # type: ignore[arg-type,unused-ignore]  # no connection: not used here
     assert direct(mux) is mux and mux.sink is None
