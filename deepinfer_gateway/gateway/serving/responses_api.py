@@ -254,6 +254,9 @@ class ResponsesState:
         except GatewayError as exc:
             self.on_not_stored(REFUSED)
             log.warning("response %s not stored: %s", response.get("id"), exc.message)
+        except Exception:  # a bug here must not break an answer already on its way
+            self.on_not_stored(REFUSED)
+            log.exception("response %s not stored", response.get("id"))
         else:
             return True
         return False
