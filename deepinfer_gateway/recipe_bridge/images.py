@@ -16,9 +16,10 @@ reserved, unspecified and the cloud metadata addresses (169.254.169.254,
 fd00:ec2::254) are refused unless the host name or a CIDR in `allow` admits them.
 
 Decoding: memory grows with pixels, not encoded bytes (an 8 KiB PNG may declare 8192 x 8192).
-Each inline image's header is read first (image_header.py) and its declared pixels, and the
-request's total, are checked against `max_image_pixels` and `max_total_image_pixels` before
-anything is decoded; an image whose header is not one of the formats read there is refused.
+Each inline image's header is read first (the `imagesize` library: no decoding) and its declared
+pixels, and the request's total, are checked against `max_image_pixels` and
+`max_total_image_pixels` before anything is decoded; an image whose size its header does not
+tell is refused.
 A fetched image is decoded as fetched (its bytes are bounded by `max_image_bytes`).
 
 Cost: preprocessing is CPU-bound (~ms per image) and fetching blocks, so callers run
@@ -30,16 +31,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import ipaddress
+import struct
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
 import deepseek_recipe as dr
+import imagesize
 
 from deepinfer_gateway.config import ImageSettings
-from deepinfer_gateway.recipe_bridge.image_header import image_size
 
 METADATA_ADDRESSES = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
 
@@ -112,11 +115,14 @@ def _declared_pixels(source: dr.ImageSource, where: str) -> int:
         raise ImageRefused(f"{where}: invalid image: its data URL is not valid base64.") from None
     if data is None:
         return 0
-    size = image_size(data)
-    if size is None:
-        raise ImageRefused(f"{where}: unsupported image: not a PNG, JPEG, GIF, BMP or WebP image (or its header "
-                           "is cut short).")
-    return size[0] * size[1]
+    try:
+        width, height = imagesize.get(io.BytesIO(data))
+    except (ValueError, struct.error, IndexError, OSError):
+        width = height = -1
+    if width < 0 or height < 0:
+        raise ImageRefused(f"{where}: unsupported image: its header does not give its size (not an image, "
+                           "an unknown format, or cut short).")
+    return int(width) * int(height)
 
 
 def _estimated_bytes(source: dr.ImageSource) -> int:
