@@ -1,9 +1,9 @@
 """The EPP process: its composition root and its servers.
 
-`EppRuntime` builds what `serve`'s lifespan builds for routing (gateway/app.py), from the
-same settings: the upstream pool (health probes and KV event sources), Redis, the prefix
-index and its KV event feeder, the in-flight store, the worker registry, admin sync and DNS
-discovery, the planner; then the ext_proc server (extproc.py), the gRPC health services
+`EppRuntime` composes the routing core `serve`'s lifespan composes (gateway/routing_core.py,
+from the same settings: the upstreams, Redis, the prefix index and its KV event feeder, the
+in-flight store, the worker registry, the planner, admin sync and DNS discovery); then the
+ext_proc server (extproc.py), the gRPC health services
 (`liveness`; `readiness` and the ext_proc service's own once a unified worker is healthy)
 and `/metrics`. Each listens on loopback unless told otherwise: a deploy file that wants
 the pod's address says so (`--grpc-host 0.0.0.0`).
@@ -26,23 +26,12 @@ from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.epp.extproc import EndpointPickerService
 from deepinfer_gateway.epp.metrics import EppMetrics
 from deepinfer_gateway.epp.picker import EndpointPicker
-from deepinfer_gateway.gateway.fleet.admin_store import AdminStore
-from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
-from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
-from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.routing_core import RoutingCore
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
-from deepinfer_gateway.gateway.upstream.base import Timeouts
-from deepinfer_gateway.gateway.upstream.table import Upstreams
-from deepinfer_gateway.kvcache.events import KvEventFeeder
-from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.redis_conn import redis_client
-from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
-from deepinfer_gateway.router.planner import RoutePlanner
-from deepinfer_gateway.worker_auth import tokens_from
 
 log = logging.getLogger(__name__)
 
@@ -80,38 +69,10 @@ class EppRuntime:
 
     async def start(self) -> None:
         settings, metrics = self.settings, self.metrics.gateway
-        client = Upstreams(self.bundle, Timeouts(connect_s=settings.connect_timeout_s,
-                                                 first_event_s=settings.first_event_timeout_s,
-                                                 between_events_s=settings.between_events_timeout_s),
-                           tokens=tokens_from(settings.worker_token, settings.worker_token_file))
-        await client.start()
-        self.client = client
-        self.redis = None
-        if settings.redis_url:
-            self.redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
-                                      password=settings.redis_password, password_file=settings.redis_password_file,
-                                      timeout_s=settings.redis_timeout_s)
-        self.index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
-                                         redis_password=settings.redis_password,
-                                         redis_password_file=settings.redis_password_file,
-                                         redis_timeout_s=settings.redis_timeout_s,
-                                         registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
-        self.feeder = KvEventFeeder(self.index, client.session, interval_s=settings.router.kv_events_interval_s)
-        self.inflight = (RedisInflight(self.redis, settings.router.inflight_lease_s,
-                                       metrics.redis_errors.labels("inflight").inc)
-                         if self.redis else MemoryInflight())
-        self.registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
-        for worker in self.registry.workers.values():
-            self.feeder.add(worker.worker_id, worker.upstream.kv_source())
-        await self.registry.start()
-        planner = RoutePlanner(settings.router)
-        routing = RouteInputs(self.registry, planner, self.index, self.inflight, metrics, settings)
-        self.admin = AdminSync(AdminStore(self.redis) if self.redis else None, self.registry, self.feeder, planner,
-                               settings.workers, metrics.redis_errors.labels("admin").inc)
-        await self.admin.start()
-        self.discovery = WorkerDiscovery(settings.discovery, client, self.registry, self.admin.set_discovered)
-        await self.discovery.start()
-        self.picker = EndpointPicker(self.registry, routing, metrics, self.options.fallbacks)
+        self.core = core = RoutingCore(settings, self.bundle, metrics)
+        await core.start()
+        routing = RouteInputs(core.registry, core.planner, core.index, core.inflight, metrics, settings)
+        self.picker = EndpointPicker(core.registry, routing, metrics, self.options.fallbacks)
         service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings,
                                         self.options.subset_hint_header)
 
@@ -155,15 +116,7 @@ class EppRuntime:
         await self.grpc.stop(grace_s)
         await self.health_server.stop(0)
         self.http.shutdown()
-        await self.discovery.stop()
-        await self.admin.stop()
-        await self.registry.stop()
-        await self.feeder.aclose()
-        await self.index.aclose()
-        await self.client.close()
-        await self.inflight.flush()
-        if self.redis is not None:
-            await self.redis.aclose()
+        await self.core.stop()
 
 
 async def serve_epp(settings: GatewaySettings, options: EppOptions) -> None:

@@ -2,9 +2,10 @@
 no singletons).
 
 `create_app(settings)` loads the tokenizer, then builds everything else in the lifespan:
-the worker client, Redis, API keys, rate limiter, prefix index and its KV event feeder,
-in-flight counts, the registry with its health checks, and the request path
-(serving/server.py RequestServer). It mounts the client routes (routes.py), the admin API
+the routing core it shares with the EPP (routing_core.py: the worker client, Redis, the
+prefix index and its KV event feeder, in-flight counts, the registry with its health
+checks, admin sync, discovery), API keys, rate limiter, stored Responses, and the request
+path (serving/server.py RequestServer). It mounts the client routes (routes.py), the admin API
 (admin.py), /health, /ready and /metrics, and the error handlers. Tests build their own
 app from their own settings.
 """
@@ -31,14 +32,10 @@ from starlette.responses import JSONResponse, Response
 from deepinfer_gateway.config import GatewaySettings, WorkerSpec
 from deepinfer_gateway.config_models import ResponsesSettings
 from deepinfer_gateway.errors import GatewayError, InternalError
-from deepinfer_gateway.gateway.fleet.admin_store import AdminStore
-from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
-from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
-from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
-from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
 from deepinfer_gateway.gateway.http.admin import RoutingUpdate, admin_router
 from deepinfer_gateway.gateway.http.openapi_doc import REF, document
 from deepinfer_gateway.gateway.http.routes import MODELS, ClientRoutes, Endpoint
+from deepinfer_gateway.gateway.routing_core import RoutingCore
 from deepinfer_gateway.gateway.serving.auth import KeyStore
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter
@@ -53,18 +50,10 @@ from deepinfer_gateway.gateway.serving.server import RequestServer
 from deepinfer_gateway.gateway.state import GatewayState
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.telemetry.metrics_listener import MetricsListener
-from deepinfer_gateway.gateway.upstream.base import Timeouts
-from deepinfer_gateway.gateway.upstream.table import Upstreams
-from deepinfer_gateway.kvcache.events import KvEventFeeder
-from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.redis_conn import redis_client
-from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
-from deepinfer_gateway.router.planner import RoutePlanner
-from deepinfer_gateway.worker_auth import tokens_from
 
 log = logging.getLogger(__name__)
 
@@ -129,45 +118,19 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = Upstreams(bundle, Timeouts(connect_s=settings.connect_timeout_s,
-                                            first_event_s=settings.first_event_timeout_s,
-                                            between_events_s=settings.between_events_timeout_s),
-                           tokens=tokens_from(settings.worker_token, settings.worker_token_file),
-                           mux=settings.worker_protocol == "auto", mux_metrics=metrics)
-        await client.start()
-        redis = None
-        if settings.redis_url:
-            redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
-                                 password=settings.redis_password, password_file=settings.redis_password_file,
-                                 timeout_s=settings.redis_timeout_s)
+        core = RoutingCore(settings, bundle, metrics)
+        await core.start()
+        redis = core.redis
         keys = KeyStore(settings.api_keys, redis if settings.api_keys_in_redis else None,
                         on_error=metrics.redis_errors.labels("apikeys").inc)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
-        index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
-                                    redis_password=settings.redis_password,
-                                    redis_password_file=settings.redis_password_file,
-                                    redis_timeout_s=settings.redis_timeout_s,
-                                    registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
-        feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
-        inflight = (RedisInflight(redis, settings.router.inflight_lease_s, metrics.redis_errors.labels("inflight").inc)
-                    if redis else MemoryInflight())
-        registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
-        for worker in registry.workers.values():
-            feeder.add(worker.worker_id, worker.upstream.kv_source())
-        await registry.start()
-        server = RequestServer(registry, RoutePlanner(settings.router), index, inflight, bundle, metrics,
-                               settings)
-        admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, server.planner, settings.workers,
-                          metrics.redis_errors.labels("admin").inc,
-                          allow=WorkerAllowList.build(settings.admin_worker_hosts, settings.workers))
-        await admin.start()  # with Redis: the shared admin changes, before the first request
-        discovery = WorkerDiscovery(settings.discovery, client, registry, admin.set_discovered)
-        await discovery.start()  # the workers DNS names now, before the first request
+        server = RequestServer(core.registry, core.planner, core.index, core.inflight, bundle, metrics, settings)
         responses = ResponsesState(response_store(settings.responses, redis),
                                    on_error=metrics.redis_errors.labels("responses").inc,
                                    on_not_stored=lambda reason: metrics.responses_not_stored.labels(reason).inc())
-        app.state.gateway = GatewayState(registry, server, keys, limiter, feeder, int(time.time()), admin, responses)
+        app.state.gateway = GatewayState(core.registry, server, keys, limiter, core.feeder, int(time.time()),
+                                         core.admin, responses)
         listener = None
         if settings.metrics_port is not None:
             listener = MetricsListener(settings.host, settings.metrics_port, metrics.exposition)
@@ -177,15 +140,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         finally:
             if listener is not None:
                 await asyncio.to_thread(listener.stop)
-            await discovery.stop()
-            await admin.stop()
-            await registry.stop()
-            await feeder.aclose()
-            await index.aclose()
-            await client.close()
-            await inflight.flush()  # the drained requests' releases reach Redis, not their lease expiry
-            if redis is not None:
-                await redis.aclose()
+            await core.stop()
 
     docs: dict[str, Any] = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = GatewayApp(title="DeepInfer Gateway", version="0.1.0", lifespan=lifespan, **docs)

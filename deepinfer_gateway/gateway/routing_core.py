@@ -1,0 +1,99 @@
+"""The routing core both front ends compose: `serve`'s app lifespan (app.py) and the EPP
+(epp/runtime.py), built once from the settings.
+
+`RoutingCore.start` builds, in this order: the worker upstreams (health probes, KV event
+sources, the request legs; worker protocol v2 where `worker_protocol` allows it), the Redis
+client, the prefix index and its KV event feeder, the in-flight reservations, the worker
+registry with its health checks, the planner, the admin sync (the shared admin changes,
+before the first request) and DNS discovery (the workers its names have now, before the
+first request). `stop` tears them down in reverse, the in-flight releases flushed to Redis
+before its client closes. What a front end adds (the request server, API keys and rate
+limits; the ext_proc and health servers) it builds on these parts.
+"""
+
+from __future__ import annotations
+
+from redis import asyncio as aioredis
+
+from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.gateway.fleet.admin_store import AdminStore
+from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
+from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
+from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.gateway.upstream.base import Timeouts
+from deepinfer_gateway.gateway.upstream.table import Upstreams
+from deepinfer_gateway.kvcache.events import KvEventFeeder
+from deepinfer_gateway.kvcache.factory import create_prefix_index
+from deepinfer_gateway.kvcache.types import PrefixIndex
+from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
+from deepinfer_gateway.redis_conn import redis_client
+from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+from deepinfer_gateway.router.planner import RoutePlanner
+from deepinfer_gateway.worker_auth import tokens_from
+
+
+class RoutingCore:
+    """The parts of routing a front end shares (module doc); each attribute is set by `start`."""
+
+    client: Upstreams
+    redis: aioredis.Redis | None
+    index: PrefixIndex
+    feeder: KvEventFeeder
+    inflight: MemoryInflight | RedisInflight
+    registry: WorkerRegistry
+    planner: RoutePlanner
+    admin: AdminSync
+    discovery: WorkerDiscovery
+
+    def __init__(self, settings: GatewaySettings, bundle: TokenizerBundle, metrics: GatewayMetrics):
+        self.settings = settings
+        self.bundle = bundle
+        self.metrics = metrics
+
+    async def start(self) -> None:
+        settings, metrics = self.settings, self.metrics
+        self.client = client = Upstreams(
+            self.bundle, Timeouts(connect_s=settings.connect_timeout_s, first_event_s=settings.first_event_timeout_s,
+                                  between_events_s=settings.between_events_timeout_s),
+            tokens=tokens_from(settings.worker_token, settings.worker_token_file),
+            mux=settings.worker_protocol == "auto", mux_metrics=metrics)
+        await client.start()
+        self.redis = redis = None
+        if settings.redis_url:
+            self.redis = redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
+                                              password=settings.redis_password,
+                                              password_file=settings.redis_password_file,
+                                              timeout_s=settings.redis_timeout_s)
+        self.index = index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
+                                                 redis_password=settings.redis_password,
+                                                 redis_password_file=settings.redis_password_file,
+                                                 redis_timeout_s=settings.redis_timeout_s,
+                                                 registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
+        self.feeder = feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
+        self.inflight = (RedisInflight(redis, settings.router.inflight_lease_s,
+                                       metrics.redis_errors.labels("inflight").inc)
+                         if redis else MemoryInflight())
+        self.registry = registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
+        for worker in registry.workers.values():
+            feeder.add(worker.worker_id, worker.upstream.kv_source())
+        await registry.start()
+        self.planner = RoutePlanner(settings.router)
+        self.admin = admin = AdminSync(AdminStore(redis) if redis else None, registry, feeder, self.planner,
+                                       settings.workers, metrics.redis_errors.labels("admin").inc,
+                                       allow=WorkerAllowList.build(settings.admin_worker_hosts, settings.workers))
+        await admin.start()  # with Redis: the shared admin changes, before the first request
+        self.discovery = WorkerDiscovery(settings.discovery, client, registry, admin.set_discovered)
+        await self.discovery.start()  # the workers DNS names now, before the first request
+
+    async def stop(self) -> None:
+        await self.discovery.stop()
+        await self.admin.stop()
+        await self.registry.stop()
+        await self.feeder.aclose()
+        await self.index.aclose()
+        await self.client.close()
+        await self.inflight.flush()  # the drained requests' releases reach Redis, not their lease expiry
+        if self.redis is not None:
+            await self.redis.aclose()
