@@ -114,7 +114,8 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}',
               "redis_password": "pw", "redis_password_file": "/run/secrets/redis-password", "redis_timeout_s": "2",
               "worker_token": "tok", "worker_token_file": "/run/secrets/worker-token",
-              "responses": '{"max_per_key": 5}', "worker_protocol": "v1"}
+              "responses": '{"max_per_key": 5}', "worker_protocol": "v1",
+              "admin_worker_hosts": '["10.0.0.0/8"]', "metrics_port": "9100", "api_docs": "false"}
     assert set(values) == set(GatewaySettings.model_fields), "a new setting: add it here"
     for name, value in values.items():
         monkeypatch.setenv(f"DGW_{name.upper()}", value)
