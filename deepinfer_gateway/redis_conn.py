@@ -16,7 +16,9 @@ breaker (outage.py), another second of fallback.
 `unix:///path/redis.sock` (the server that `serve --processes N` starts for its own
 processes, supervisor.py). The password comes from the URL, `password`, or `password_file`
 (a mounted Secret), which is re-read at each new connection: after a rotation, connections
-opened from then on use the new password while open ones keep theirs.
+opened from then on use the new password while open ones keep theirs. The URL's user
+(`redis://gateway@redis:6379/0`) is the ACL user the password belongs to, whichever of the
+three gives it; without one it is Redis's `default` user.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -113,12 +115,14 @@ class _Cluster(RedisCluster):
 
 
 class PasswordFile(CredentialProvider):
-    """The Redis password as the first non-blank line of a file, read at each new connection."""
+    """The Redis password as the first non-blank line of a file, read at each new connection;
+    with `username`, that ACL user's (AUTH username password), else the `default` user's."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, username: str | None = None):
         self.path = path
+        self.username = username
 
-    def get_credentials(self) -> tuple[str]:
+    def get_credentials(self) -> tuple[str] | tuple[str, str]:
         from deepinfer_gateway.worker_auth import parse_tokens
 
         try:
@@ -127,9 +131,9 @@ class PasswordFile(CredentialProvider):
             raise RedisConnectionError(f"cannot read the Redis password file {self.path}: {e.strerror}") from None
         if not found:
             raise RedisConnectionError(f"the Redis password file {self.path} is empty")
-        return (found[0],)
+        return (self.username, found[0]) if self.username else (found[0],)
 
-    async def get_credentials_async(self) -> tuple[str]:
+    async def get_credentials_async(self) -> tuple[str] | tuple[str, str]:
         return self.get_credentials()
 
 
@@ -144,14 +148,17 @@ def redis_client(
     plain pool would raise at once, turning a burst of requests into a fake outage).
     """
     if password_file:
-        kwargs["credential_provider"] = PasswordFile(password_file)
+        kwargs["credential_provider"] = PasswordFile(password_file, _username(url))
         url = _without_credentials(url)  # redis-py refuses URL credentials beside a credential provider
     elif password:
         kwargs["password"] = password
     kwargs.setdefault("connection_class", GatewayTcpConnection)
     options: dict[str, Any] = dict(
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=max_connections,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **kwargs,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        # No CLIENT SETINFO on connect: the shipped ACL user (deploy/k8s/redis.yaml) is allowed
+        # only the commands the gateway needs, and a refused one would fill Redis's ACL LOG.
+        driver_info=None, **kwargs,
     )
     if cluster:
         # The cluster client has the Redis command API the callers use; typed as Redis for them.
@@ -161,7 +168,12 @@ def redis_client(
     return aioredis.Redis(connection_pool=pool)
 
 
+def _username(url: str) -> str | None:
+    """The URL's user (percent-decoded), None without one."""
+    return unquote(user) if (user := urlsplit(url).username) else None
+
+
 def _without_credentials(url: str) -> str:
-    """`url` without its user and password part (the password file's user is `default`)."""
+    """`url` without its user and password part (the password file's provider carries the user)."""
     parts = urlsplit(url)
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

@@ -66,11 +66,14 @@ class RedisProcess:
     SOCKET_NAME = "redis.sock"
 
     def __init__(self, *args: str, port: int | None = None, unix_socket: bool = False,
-                 dies_with_parent: bool = False, password: str | None = None,
+                 dies_with_parent: bool = False, password: str | None = None, username: str | None = None,
                  config_file: Path | None = None, data_dir: Path | None = None,
                  tls: tuple[Path, Path] | None = None) -> None:
         self.unix_socket = unix_socket
         self.password = password  # --requirepass; clients must AUTH
+        # The ACL user (defined in `args`) that answers the start-up PING with `password`: set
+        # where `args` turn the default user off; `password` then goes to that user, not --requirepass.
+        self.username = username
         self.config_file = config_file
         self.data_dir = data_dir
         # (certificate, key): TLS only on the port, the certificate its own CA (self-signed).
@@ -106,7 +109,7 @@ class RedisProcess:
         self.proc = subprocess.Popen(
             [binary, *persistence, *where,
              "--dir", str(self.data_dir or self._dir.name), "--logfile", str(log),
-             *(("--requirepass", self.password) if self.password else ()), *self.args],
+             *(("--requirepass", self.password) if self.password and not self.username else ()), *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             # A socket server belongs to its supervisor, which stops it last: a terminal's
             # Ctrl-C (sent to the whole foreground group) must not take it away mid-drain.
@@ -114,7 +117,8 @@ class RedisProcess:
             preexec_fn=_terminated_with(os.getpid()) if self.dies_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
-        while not _answers_ping(self.port, self.socket_path, self.password, self.tls[0] if self.tls else None):
+        while not _answers_ping(self.port, self.socket_path, self.password, self.tls[0] if self.tls else None,
+                                self.username):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""  # stop() removes it
                 self.stop()
@@ -157,12 +161,13 @@ def _terminated_with(parent: int) -> Callable[[], None] | None:
 
 
 def _answers_ping(port: int, unix_socket: Path | None = None, password: str | None = None,
-                  tls_ca: Path | None = None) -> bool:
+                  tls_ca: Path | None = None, username: str | None = None) -> bool:
     where: dict[str, Any] = {"unix_socket_path": str(unix_socket)} if unix_socket else {"port": port}
     if tls_ca is not None:
         where.update(host="127.0.0.1", ssl=True, ssl_ca_certs=str(tls_ca))
     try:
-        with redis.Redis(**where, password=password, socket_timeout=0.5, socket_connect_timeout=0.2) as client:
+        with redis.Redis(**where, username=username, password=password, socket_timeout=0.5,
+                         socket_connect_timeout=0.2) as client:
             return bool(client.ping())
     except redis.RedisError:  # not listening yet, or still loading
         return False

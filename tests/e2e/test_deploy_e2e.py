@@ -1,8 +1,8 @@
 """Shipped deployments, run for real on loopback: a gateway process started from a deploy
-file's own config and environment (only host, port, Redis URL, worker addresses and the
+file's own config and environment (only host, port, Redis address, worker addresses and the
 mounted Secrets' paths moved to loopback and temporary files), a real Redis started with the
-shipped redis.conf and a password, a real simulated cluster that requires the worker token,
-the real SDKs as clients."""
+shipped redis.conf and the shipped ACL users (deploy/k8s/redis.yaml, their passwords
+substituted), a real simulated cluster that requires the worker token, the real SDKs as clients."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 import redis
@@ -30,6 +31,8 @@ from deepinfer_gateway.config import load_settings
 from deepinfer_gateway.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
 from deepinfer_gateway.redis_process import RedisProcess
 from tests.conftest import _require_redis_server
+from tests.fault_doubles import scrape, total
+from tests.shipped_redis_users import acl_users, k8s_redis_args, server_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -55,7 +58,8 @@ def _compose_gateway() -> tuple[Path, dict[str, str]]:
 SHIPPED = {"k8s": _k8s_gateway, "compose": _compose_gateway}
 
 
-REDIS_PASSWORD = "e2e-" + secrets.token_hex(8)
+REDIS_PASSWORD = "e2e-" + secrets.token_hex(8)  # the gateway user's
+REDIS_ADMIN_PASSWORD = "e2e-admin-" + secrets.token_hex(8)
 WORKER_TOKEN = "e2e-" + secrets.token_hex(8)
 
 
@@ -70,10 +74,25 @@ def secret_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    """Redis as shipped: deploy/k8s/redis.conf, a password."""
+    """Redis as shipped: deploy/k8s/redis.conf and the ACL users of redis.yaml (no default user)."""
     _require_redis_server()
-    with RedisProcess(password=REDIS_PASSWORD, config_file=K8S / "redis.conf") as server:
+    users = server_args(acl_users(k8s_redis_args()), {"admin": REDIS_ADMIN_PASSWORD, "gateway": REDIS_PASSWORD})
+    with RedisProcess(*users, password=REDIS_ADMIN_PASSWORD, username="admin",
+                      config_file=K8S / "redis.conf") as server:
         yield server.url
+
+
+def _admin(redis_url: str) -> redis.Redis:
+    """The operator's connection: the shipped admin user."""
+    return redis.Redis.from_url(redis_url, username="admin", password=REDIS_ADMIN_PASSWORD)
+
+
+def _shipped_redis_url(shipped_url: str, redis_url: str) -> str:
+    """The deploy file's Redis URL (its user) with the address of the loopback Redis."""
+    address = redis_url.split("//")[1].split("/")[0]
+    moved, n = re.subn(r"(?<=@)redis:6379(?=/)", address, shipped_url)
+    assert n == 1, f"{shipped_url}: not redis://USER@redis:6379/DB"
+    return moved
 
 
 @pytest.fixture(scope="module")
@@ -110,19 +129,26 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     config = tmp_path_factory.mktemp(request.param) / "gateway.toml"
     config.write_text(text)
     port = free_port()
-    env = {**shipped_env, "DGW_HOST": "127.0.0.1", "DGW_PORT": str(port), "DGW_REDIS_URL": redis_url}
+    env = {**shipped_env, "DGW_HOST": "127.0.0.1", "DGW_PORT": str(port),
+           "DGW_REDIS_URL": _shipped_redis_url(shipped_env["DGW_REDIS_URL"], redis_url)}
     assert set(secret_files) <= set(env), "the deploy file mounts the Redis password and the worker token"
     env.update(secret_files)
     if "DGW_SECRETS_DIR" in env:  # the optional key Secret, not created: an empty mount
         env["DGW_SECRETS_DIR"] = str(tmp_path_factory.mktemp("secrets"))
-    proc = Proc(CLI + ["serve", "--config", str(config)], env=env)
-    try:
-        wait_for_port(port, timeout=30)
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, healthy=len(pd_cluster.urls))
-        yield url
-    finally:
-        proc.stop()
+    log = config.with_name("gateway.log")
+    with log.open("wb") as log_file:
+        proc = Proc(CLI + ["serve", "--config", str(config)], env=env, stderr=log_file)
+        try:
+            wait_for_port(port, timeout=30)
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(url, healthy=len(pd_cluster.urls))
+            GATEWAY_LOGS[url] = log
+            yield url
+        finally:
+            proc.stop()
+
+
+GATEWAY_LOGS: dict[str, Path] = {}  # a shipped gateway's URL: its stderr
 
 
 def _wait_ready(url: str, healthy: int, timeout: float = 20.0) -> None:
@@ -146,7 +172,7 @@ def redis_key(redis_url: str) -> Iterator[str]:
     """A fresh API key stored in Redis the way docs/deploy.md says to add one."""
     key = "dgw-" + secrets.token_urlsafe(16)
     name = f"dgw:apikey:{hashlib.sha256(key.encode()).hexdigest()}"
-    client = redis.Redis.from_url(redis_url, password=REDIS_PASSWORD)
+    client = _admin(redis_url)
     client.hset(name, mapping={"name": "e2e-deploy", "workload_class": "chat"})
     yield key
     client.delete(name)
@@ -262,3 +288,72 @@ def test_shipped_workers_refuse_calls_without_the_gateway_token(shipped_gateway:
             conn.request("GET", INFO_PATH, headers=headers)
             assert conn.getresponse().status == 401
             conn.close()
+
+
+def test_shipped_redis_refuses_the_default_user_and_commands_outside_the_gateways(redis_url: str) -> None:
+    """No default user: a connection that names no user is refused whatever password it gives;
+    the gateway's user runs its commands on its keys only, never an admin command, never a
+    write to the API keys."""
+    for password in (None, REDIS_PASSWORD, REDIS_ADMIN_PASSWORD):
+        with redis.Redis.from_url(redis_url, password=password) as anonymous, \
+                pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+    with redis.Redis.from_url(redis_url, username="gateway", password=REDIS_PASSWORD) as gateway:
+        assert gateway.ping()
+        assert gateway.hgetall("dgw:apikey:" + "0" * 64) == {}  # reads keys
+        for refused in (("FLUSHALL",), ("CONFIG", "GET", "requirepass"), ("CONFIG", "SET", "appendonly", "no"),
+                        ("KEYS", "*"), ("ACL", "LIST"), ("SCRIPT", "FLUSH"), ("SHUTDOWN",),
+                        ("HSET", "dgw:apikey:" + "0" * 64, "admin", "true"),  # minting a key
+                        ("SET", "not-the-gateways", "1"), ("SUBSCRIBE", "another-channel")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                gateway.execute_command(*refused)
+    with _admin(redis_url) as admin:
+        admin.acl_log_reset()
+
+
+def test_shipped_gateway_runs_on_its_redis_user_without_a_refused_command(shipped_gateway: str,
+                                                                          redis_url: str) -> None:
+    """Everything the gateway keeps in Redis, through its shipped user: API keys, rate limits and
+    token budgets, the prefix index fed by KV events, in-flight bookings, stored Responses, an
+    admin change; Redis's ACL LOG stays empty, no Redis error is counted or logged."""
+    admin = _admin(redis_url)
+    admin.acl_log_reset()
+    key = "dgw-" + secrets.token_urlsafe(16)
+    name = f"dgw:apikey:{hashlib.sha256(key.encode()).hexdigest()}"
+    admin.hset(name, mapping={"name": "e2e-acl", "requests_per_minute": "1000", "tokens_per_minute": "1000000",
+                              "admin": "true"})
+    try:
+        prompt = "You are a careful assistant. " * 40 + "Say hello."  # several KV blocks, sent twice
+        with openai.OpenAI(base_url=shipped_gateway + "/v1", api_key=key, max_retries=0) as client:
+            for _ in range(2):
+                answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                        max_tokens=8)
+                assert answer.usage.completion_tokens == 8
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=8, stream=True)
+            assert sum(1 for _ in stream) > 1
+            stored = client.responses.create(model=MODEL, input="Remember me.", max_output_tokens=8, store=True)
+            assert stored.store is True  # kept in Redis, not served unstored
+            assert client.responses.retrieve(stored.id).id == stored.id
+            # The stored turn read back (a refused read answers 503 store_unavailable, raised here).
+            chained = client.responses.create(model=MODEL, input="And now?", max_output_tokens=8,
+                                              previous_response_id=stored.id)
+            assert chained.store is True
+            client.responses.delete(chained.id)
+        with httpx.Client(base_url=shipped_gateway, headers={"authorization": f"Bearer {key}"}, timeout=10) as http:
+            routing = http.get("/admin/routing")
+            assert routing.status_code == 200, routing.text
+            policy = routing.json()["policy"]  # set again as it is: other tests share this Redis
+            policy = policy["name"] if isinstance(policy, dict) else policy
+            changed = http.put("/admin/routing", json={"policy": policy})
+            assert changed.status_code == 200, changed.text
+        kept = {k.decode().split("}")[0] + "}" if k.startswith(b"{") else k.decode().split(":")[1]
+                for k in admin.scan_iter(count=1000)}
+        assert {"{dgw:kv}", "{dgw:resp}", "{dgw:admin}", "rl", "apikey"} <= kept, kept
+        assert admin.acl_log() == []
+        assert total(scrape(shipped_gateway), "dgw_redis_errors_total") == 0
+        logged = GATEWAY_LOGS[shipped_gateway].read_text(errors="replace")
+        assert "NOPERM" not in logged and "no permissions" not in logged, logged[-2000:]
+    finally:
+        admin.delete(name)
+        admin.close()

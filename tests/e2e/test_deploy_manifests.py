@@ -26,6 +26,7 @@ from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
 from deepinfer_gateway.gateway.serving.auth import KeyStore
 from deepinfer_gateway.gateway.telemetry.metrics_reference import exposed_names
+from tests.shipped_redis_users import acl_users, compose_redis_args, k8s_redis_args, without_passwords
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -516,7 +517,7 @@ def test_compose_commands_are_real_cli_invocations() -> None:
             seen[(args.role, args.hardware)] = seen.get((args.role, args.hardware), 0) + 1
         else:
             assert args.command == "serve" and name.startswith("gateway-"), name
-            assert svc["environment"]["DGW_REDIS_URL"].startswith("redis://redis:")
+            assert svc["environment"]["DGW_REDIS_URL"].startswith("redis://gateway@redis:")
     assert seen == POOL
 
 
@@ -679,7 +680,7 @@ def test_k8s_gateway_probes_command_and_config() -> None:
     args = parse_cli(c["args"])
     assert args.command == "serve"
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["DGW_REDIS_URL"].startswith("redis://redis:")
+    assert env["DGW_REDIS_URL"].startswith("redis://gateway@redis:")
     (redis_svc,) = [s for s in by_kind("Service") if s["metadata"]["name"] == "redis"]
     assert redis_svc["spec"]["ports"][0]["port"] == int(env["DGW_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
     mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
@@ -784,10 +785,15 @@ def _secret_mounted_at(workload: dict[str, Any], container: dict[str, Any], path
 def test_k8s_redis_is_durable_and_requires_the_password() -> None:
     (sts,) = [s for s in by_kind("StatefulSet") if s["metadata"]["name"] == "redis"]
     (c,) = sts["spec"]["template"]["spec"]["containers"]
-    assert c["args"][:2] == ["redis-server", "/etc/redis/redis.conf"]
-    assert c["args"][2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    users = acl_users(k8s_redis_args())
+    assert users["default"] == ["off"] and set(users) == {"default", "admin", "gateway"}
+    assert users["admin"][:2] == ["on", ">$(REDIS_ADMIN_PASSWORD)"]
+    assert users["gateway"][:2] == ["on", ">$(REDIS_PASSWORD)"] and "-@all" in users["gateway"]
+    assert "allkeys" not in users["gateway"] and "+@all" not in users["gateway"]
     assert _env(c)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
-    assert _env(c)["REDISCLI_AUTH"] == _env(c)["REDIS_PASSWORD"]  # the probe authenticates
+    assert _env(c)["REDIS_ADMIN_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "admin-password"}}
+    assert _env(c)["REDISCLI_AUTH"] == _env(c)["REDIS_ADMIN_PASSWORD"]  # the probe authenticates
+    assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "--user", "admin", "ping"]
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in c["volumeMounts"]
     conf = (K8S / "redis.conf").read_text()
@@ -807,8 +813,10 @@ def test_k8s_gateways_and_workers_share_the_token_and_gateways_the_password() ->
             assert env["DGW_WORKER_TOKEN_FILE"] == "/run/secrets/worker-token/tokens"
             assert _secret_mounted_at(workload, c, env["DGW_WORKER_TOKEN_FILE"]) == "worker-token"
             if command == "serve":
-                assert env["DGW_REDIS_URL"].startswith("redis://redis:")
+                assert env["DGW_REDIS_URL"].startswith("redis://gateway@redis:")  # the ACL user
                 assert _secret_mounted_at(workload, c, env["DGW_REDIS_PASSWORD_FILE"]) == "redis-auth"
+                volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "redis-auth")
+                assert volume["secret"]["items"] == [{"key": "password", "path": "password"}]  # not the admin's
     assert seen == {"serve", "worker"}
 
 
@@ -837,7 +845,12 @@ def test_compose_redis_is_durable_and_closed() -> None:
     redis_svc = services["redis"]
     assert "./k8s/redis.conf:/usr/local/etc/redis/redis.conf:ro" in redis_svc["volumes"]
     assert "redis-data:/data" in redis_svc["volumes"] and "redis-data" in doc["volumes"]
-    assert "--requirepass" in redis_svc["command"][-1] and "/run/dgw-secrets/redis-password" in redis_svc["command"][-1]
+    users = acl_users(compose_redis_args())
+    assert without_passwords(users) == without_passwords(acl_users(k8s_redis_args()))  # k8s's users
+    assert users["gateway"][1] == ">$$(cat /run/dgw-secrets/redis-password)"
+    assert users["admin"][1] == ">$$(cat /run/dgw-secrets/redis-admin-password)"
+    assert "redis-admin-password" in services["secrets"]["command"][0]  # written on the first `up`
+    assert "--user admin ping" in redis_svc["healthcheck"]["test"][1]
     for name, svc in services.items():
         if "deepinfer-gateway" not in str(svc.get("image", "")):
             continue
