@@ -50,6 +50,7 @@ from deepinfer_gateway.epp.client_routes import client_route_refusal
 from deepinfer_gateway.epp.metrics import EppMetrics
 from deepinfer_gateway.epp.picker import EndpointPicker, Pick, endpoint_of
 from deepinfer_gateway.errors import GatewayError, InternalError
+from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_payload
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, PreparedRequest
@@ -252,7 +253,8 @@ class RequestStream:
                 worker = self.service.picker.by_endpoint(served.strip())
                 if worker is not None:
                     self.pick.booking.move(worker)
-            mutation.set_headers.append(_header(names.WORKER, self.pick.booking.worker.worker_id))
+            # The worker as clients see it (its id, or a digest of its address): never the address.
+            mutation.set_headers.append(_header(names.WORKER, client_worker_id(self.pick.booking.worker.spec)))
         answer = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=mutation)))
         if message.response_headers.end_of_stream:

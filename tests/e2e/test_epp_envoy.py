@@ -17,6 +17,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from deepinfer_gateway.launch import Envoy, Epp, SimCluster, free_port
 from tests.fault_doubles import scrape, total
 
@@ -35,6 +36,19 @@ class Stack:
 
     def metric(self, name: str, **labels: str) -> float:
         return total(scrape(self.epp.url), name, **labels)
+
+    def served(self, headers: httpx.Headers) -> str:
+        return served_by(headers, self.endpoints)
+
+
+def served_by(headers: httpx.Headers, endpoints: list[str]) -> str:
+    """The endpoint behind the response's `x-dgw-worker`: clients get an opaque id (the worker's
+    `id`, here a digest of its address, as GET /admin/workers's `client_id`), never the address."""
+    client_id = headers["x-dgw-worker"]
+    assert client_id not in endpoints, f"{client_id}: an endpoint's address shown to clients"
+    by_client_id = {digest_of(e): e for e in endpoints}
+    assert client_id in by_client_id, f"{client_id} is none of {endpoints}' client ids"
+    return by_client_id[client_id]
 
 
 def wait_ready(epp: Epp, timeout: float = 20.0) -> None:
@@ -94,7 +108,7 @@ def test_openai_sdk_through_envoy_streamed_and_not(stack: Stack) -> None:
     raw = stack.client.chat.completions.with_raw_response.create(**chat("Hi there"))
     completion = raw.parse()
     assert completion.object == "chat.completion" and completion.choices[0].finish_reason in ("stop", "length")
-    assert raw.headers["x-dgw-worker"] in stack.endpoints
+    assert stack.served(raw.headers) in stack.endpoints
     assert "x-gateway-destination-endpoint-served" not in raw.headers  # read by the EPP, not leaked
     chunks = list(stack.client.chat.completions.create(**chat("Hi again", stream=True,
                                                               stream_options={"include_usage": True})))
@@ -109,7 +123,7 @@ def test_anthropic_sdk_through_envoy_streamed_and_not(stack: Stack) -> None:
     message = raw.parse()
     assert message.type == "message" and message.stop_reason in ("end_turn", "max_tokens")
     assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
-    assert raw.headers["x-dgw-worker"] in stack.endpoints
+    assert stack.served(raw.headers) in stack.endpoints
     with client.messages.stream(model=MODEL, max_tokens=8,
                                 messages=[{"role": "user", "content": "Hi again"}]) as stream:
         events = [event.type for event in stream]
@@ -122,13 +136,13 @@ def test_shared_prefix_goes_back_to_its_holder_and_matches_the_prediction(stack:
     prefix = "You are a careful assistant for the EPP test. " * 60
     first = stack.client.chat.completions.with_raw_response.create(
         **chat(prefix + "First question?"))
-    holder = first.headers["x-dgw-worker"]
+    holder = stack.served(first.headers)
     time.sleep(0.5)  # the worker's KV events reach the EPP's index
     predicted = stack.metric("dgw_predicted_cached_tokens_total", tier="memory")
     cached = stack.metric("dgw_cached_prompt_tokens_total", tier="memory")
     second = stack.client.chat.completions.with_raw_response.create(
         **chat(prefix + "Second question?"))
-    assert second.headers["x-dgw-worker"] == holder
+    assert stack.served(second.headers) == holder
     reported = second.parse().usage.prompt_tokens_details.cached_tokens
     assert reported >= 256
     deadline = time.monotonic() + 5
@@ -143,14 +157,14 @@ def test_subset_hint_restricts_the_pick(trusting: Stack) -> None:
         for _ in range(2):
             raw = trusting.client.chat.completions.with_raw_response.create(
                 **chat("Which one?"), extra_headers={DESTINATION_SUBSET: endpoint})
-            assert raw.headers["x-dgw-worker"] == endpoint
+            assert trusting.served(raw.headers) == endpoint
 
 
 def test_a_client_subset_header_pins_nothing_by_default(stack: Stack) -> None:
     gone = f"127.0.0.1:{free_port()}"
     raw = stack.client.chat.completions.with_raw_response.create(**chat("Pin me?"),
                                                                   extra_headers={DESTINATION_SUBSET: gone})
-    assert raw.headers["x-dgw-worker"] in stack.endpoints  # served: the header named no endpoint it has
+    assert stack.served(raw.headers) in stack.endpoints  # served: the header named no endpoint it has
 
 
 def upstream_requests(stack: Stack) -> int:
@@ -299,12 +313,12 @@ def test_endpoint_gone_between_pick_and_dispatch_is_retried_on_the_next_listed(t
         prefix = "A long shared system prompt about retries. " * 120
         r = httpx.post(envoy.url + "/v1/chat/completions", json=chat(prefix + "One?"), timeout=30,
                        headers={DESTINATION_SUBSET: endpoints[0]})
-        assert r.status_code == 200 and r.headers["x-dgw-worker"] == endpoints[0]
+        assert r.status_code == 200 and served_by(r.headers, endpoints) == endpoints[0]
         time.sleep(0.5)  # its KV events reach the EPP: the holder is now the first choice for the prefix
         holder.stop()
         r = httpx.post(envoy.url + "/v1/chat/completions", json=chat(prefix + "Two?"), timeout=30)
         assert r.status_code == 200, r.text
-        assert r.headers["x-dgw-worker"] == endpoints[1]  # the served endpoint took the booked load
+        assert served_by(r.headers, endpoints) == endpoints[1]  # the served endpoint took the booked load
         stats = httpx.get(f"http://127.0.0.1:{envoy.admin_port}/stats?filter=^cluster.pool.upstream_rq_retry$").text
         assert stats.strip() == "cluster.pool.upstream_rq_retry: 1"  # the holder was listed first, and dialled
         assert total(scrape(epp.url), "dgw_inflight_requests") == 0
