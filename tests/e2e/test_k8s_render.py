@@ -139,3 +139,78 @@ def test_each_pool_size_is_one_replicas_count_in_the_overlay(rendered: dict[str,
     for name, statefulset in pools.items():
         namespace = statefulset["metadata"]["namespace"]
         assert f"{statefulset['spec']['serviceName']}.{namespace}.svc.cluster.local." in found, name
+
+
+DNS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+       "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # matchExpressions would need evaluating
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _pods(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _dials(policies: list[dict[str, Any]], source: dict[str, str], port: int, protocol: str = "TCP",
+           target: dict[str, str] | None = None, peer: dict[str, Any] | None = None) -> bool:
+    """Some egress rule of a policy selecting `source` lets it dial `port`: at a pod of this
+    namespace labelled `target`, or at `peer` (a `to` entry as written), or anywhere (no `to`)."""
+    for policy in policies:
+        if not _selects(policy["podSelector"], source):
+            continue
+        for rule in policy.get("egress", []):
+            if not any(p["port"] == port and p.get("protocol", "TCP") == protocol for p in rule.get("ports", [])):
+                continue
+            to = rule.get("to")
+            if to is None or (peer is not None and peer in to) or (target is not None and any(
+                    set(entry) == {"podSelector"} and _selects(entry["podSelector"], target) for entry in to)):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_every_pod_is_under_an_egress_policy_and_dials_only_what_it_needs(rendered: dict[str, Path],
+                                                                         tree: str) -> None:
+    """Egress denied by default; each pod selected by a policy of its own with Egress; the gateway
+    may dial every port its config names (each discovery pool's port on the worker pods, Redis's
+    on Redis, the DNS), workers only the DNS, Redis nothing; the EPP its pool, Redis, the DNS
+    and the API server."""
+    docs = objects(rendered[tree].read_text())
+    policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy"]
+    assert {"podSelector": {}, "policyTypes": ["Egress"]} in policies  # default-deny-egress
+    pods = _pods(docs)
+    for name, labels in pods.items():
+        own = [p for p in policies if p["podSelector"] and _selects(p["podSelector"], labels)]
+        assert any("Egress" in p["policyTypes"] for p in own), f"{name}: no egress policy of its own"
+    gateway = pods["gateway"]
+    redis = pods["redis"]
+    workers = [labels for labels in pods.values() if labels.get("app.kubernetes.io/component") == "worker"]
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("gateway-config")]
+    config = tomllib.loads(config_map["data"]["gateway.toml"])
+    (gateway_deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"]
+    env = {e["name"]: e.get("value") for e in containers(gateway_deployment)[0]["env"]}
+    redis_port = int(env["DGW_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    assert _dials(policies, gateway, redis_port, target=redis)
+    for pool in config["discovery"]:
+        service = pool["name"].split(".")[0]
+        (selected,) = [d["spec"]["selector"] for d in docs if d["kind"] == "Service"
+                       and d["metadata"]["name"] == service]
+        assert any(_selects({"matchLabels": selected}, w) and _dials(policies, gateway, pool["port"], target=w)
+                   for w in workers), pool
+    for protocol in ("UDP", "TCP"):
+        assert _dials(policies, gateway, 53, protocol, peer=DNS)
+        assert all(_dials(policies, w, 53, protocol, peer=DNS) for w in workers)
+    for worker in workers:  # nothing but the DNS
+        assert not _dials(policies, worker, redis_port, target=redis)
+        assert not any(_dials(policies, worker, 8100, target=w) for w in workers)
+    assert not any(p.get("egress") for p in policies if _selects(p["podSelector"], redis) and p["podSelector"])
+    if "epp" in pods:
+        epp = pods["epp"]
+        pool = [w for w in workers if "deepinfer.ai/inference-pool" in w]
+        assert pool and all(_dials(policies, epp, 8100, target=w) for w in pool)
+        assert _dials(policies, epp, redis_port, target=redis) and _dials(policies, epp, 53, "UDP", peer=DNS)
+        assert _dials(policies, epp, 443)  # the API server: the pool's pods are watched
