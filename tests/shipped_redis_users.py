@@ -15,7 +15,7 @@ def k8s_redis_container() -> dict[str, object]:
     docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "redis.yaml").read_text()) if d]
     (sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "redis"]
     (container,) = sts["spec"]["template"]["spec"]["containers"]
-    return container  # type: ignore[no-any-return]
+    return container
 
 
 def k8s_redis_args() -> list[str]:

@@ -333,12 +333,12 @@ def test_shipped_gateway_runs_on_its_redis_user_without_a_refused_command(shippe
                                                     max_tokens=8, stream=True)
             assert sum(1 for _ in stream) > 1
             stored = client.responses.create(model=MODEL, input="Remember me.", max_output_tokens=8, store=True)
-            assert stored.store is True  # kept in Redis, not served unstored
+            assert stored.to_dict()["store"] is True  # kept in Redis, not served unstored
             assert client.responses.retrieve(stored.id).id == stored.id
             # The stored turn read back (a refused read answers 503 store_unavailable, raised here).
             chained = client.responses.create(model=MODEL, input="And now?", max_output_tokens=8,
                                               previous_response_id=stored.id)
-            assert chained.store is True
+            assert chained.to_dict()["store"] is True
             client.responses.delete(chained.id)
         with httpx.Client(base_url=shipped_gateway, headers={"authorization": f"Bearer {key}"}, timeout=10) as http:
             routing = http.get("/admin/routing")
