@@ -370,6 +370,28 @@ class ImageSettings(_Frozen):
     allow: tuple[str, ...] = Field((), description="Hosts or CIDRs fetched even when not globally routable.")
 
 
+class ClientConnectionSettings(_Frozen):
+    """Bounds on client connections (http_bounds.py) and each key's requests in flight (serving/key_slots.py)."""
+
+    header_timeout_s: float = Field(
+        10.0, gt=0,
+        description="A request's headers must arrive whole this long after the connection opens (or the request "
+                    "starts); else 408 and the connection closes.")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Request line and headers, in bytes; beyond it 431 and the connection closes.")
+    max_connections: int = Field(
+        8192, ge=1,
+        description="Open client connections (idle ones too); a request on a connection beyond it is answered 503.")
+    write_timeout_s: float = Field(
+        30.0, gt=0,
+        description="A streaming client that takes no bytes for this long is cut off: its stream ends and its "
+                    "request is released (aborted on the worker).")
+    max_requests_per_key: int | None = Field(
+        256, ge=1,
+        description="Generation requests one API key may have in flight (streams included); beyond it 429. None: "
+                    "no cap. Without API keys (authentication off) there is no key to cap.")
+
+
 class ResponsesSettings(_Frozen):
     store: bool = Field(
         True,
@@ -393,28 +415,6 @@ class ResponsesSettings(_Frozen):
         if not self.max_bytes <= self.max_bytes_per_key <= self.max_total_bytes:
             raise ValueError("needs max_bytes <= max_bytes_per_key <= max_total_bytes")
         return self
-class ClientConnectionSettings(_Frozen):
-    """Bounds on client connections (http_bounds.py) and each key's requests in flight (serving/key_slots.py)."""
-
-    header_timeout_s: float = Field(
-        10.0, gt=0,
-        description="A request's headers must arrive whole this long after the connection opens (or the request "
-                    "starts); else 408 and the connection closes.")
-    max_header_bytes: int = Field(
-        64 * 1024, ge=1024, description="Request line and headers, in bytes; beyond it 431 and the connection closes.")
-    max_connections: int = Field(
-        8192, ge=1,
-        description="Open client connections (idle ones too); a request on a connection beyond it is answered 503.")
-    write_timeout_s: float = Field(
-        30.0, gt=0,
-        description="A streaming client that takes no bytes for this long is cut off: its stream ends and its "
-                    "request is released (aborted on the worker).")
-    max_requests_per_key: int | None = Field(
-        256, ge=1,
-        description="Generation requests one API key may have in flight (streams included); beyond it 429. None: "
-                    "no cap. Without API keys (authentication off) there is no key to cap.")
-
-
 
 
 class GatewaySettings(_Frozen):
@@ -438,6 +438,8 @@ class GatewaySettings(_Frozen):
     context_limit: int = Field(131_072, ge=1, description="Prompt + output tokens per request (max_model_len).")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     images: ImageSettings = Field(ImageSettings(), description="Image input limits.")
+    client_connections: ClientConnectionSettings = Field(
+        ClientConnectionSettings(), description="Client connection and stream bounds.")
     redis_url: str | None = Field(
         None,
         description="Shared prefix index, in-flight reservations, rate limits and keys; none: this process's memory.")
@@ -463,8 +465,6 @@ class GatewaySettings(_Frozen):
     kv_writer_lease_s: float = Field(
         3.0, ge=0,
         description="One replica per worker writes its KV events to Redis for this long, renewed; 0: all do.")
-    client_connections: ClientConnectionSettings = Field(
-        ClientConnectionSettings(), description="Client connection and stream bounds.")
     workers: tuple[WorkerSpec, ...] = Field((), description="Engine workers at start-up (more via /admin/workers).")
     discovery: tuple[DiscoverySpec, ...] = Field(
         (), description="Worker pools followed as they scale: DNS names whose addresses are workers, or "
