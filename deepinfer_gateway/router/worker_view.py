@@ -20,5 +20,7 @@ class WorkerView:
     booked_tokens: int = 0  # of which the gateway's bookings (router/booking.py `Booking`)
     load_age_s: float = 0.0  # how old the load report is (since its probe began); the decision log reads it
     running: int = 0
+    waiting: int = 0  # requests the engine holds, not yet running (last load report): flow control reads it
+    kv_usage: float = 0.0  # of its KV memory, 0..1 (last load report)
     dp_ranks: int = 1
     prefills: bool = True  # a decode worker that can take a PD bypass

@@ -1,0 +1,328 @@
+"""Flow control as pure code: which queued request a saturated pool starts next, and which it refuses.
+
+The gateway (gateway/serving/flow_gate.py) holds requests between admission and placement
+with it; the same code runs anywhere a clock and the pools' load views are at hand.
+
+- Saturation, per pool, from the load view: a worker can start a request now while its
+  estimated queue wait (queued prefill tokens / prefill speed) is under `max_engine_wait_s`,
+  its engine holds fewer than `max_engine_waiting` requests waiting per DP rank and its KV
+  usage is under `kv_usage_limit`. A pool with one such worker is not saturated: the engines'
+  own queues stay short and the ordering below decides who goes first.
+- Bands: `priority` before `default` before `flex`; a lower band starts only when no higher
+  band waits.
+- Fair share within a band: start-time fair queuing by tokens. A tenant's request is tagged
+  `start = max(V, the tenant's last finish)`, `finish = start + cost / weight` (cost: prompt
+  plus expected output tokens); the least start tag goes first and V moves to it. A tenant
+  flooding the band advances its own tags only, so another tenant's next request overtakes
+  its backlog, and an agent's sessions share their tenant's tags.
+- Deadlines: each request has a TTFT target (its tier's, or the request's own). One that
+  cannot start before it is refused on arrival with a Retry-After (the wait ahead of it:
+  higher bands' and its own band's earlier tags, at the pool's drain rate), and one still
+  queued at its deadline is refused then: always before any token was sent.
+- Bounds: a pool's queue and a tenant's share of it are bounded. A full pool makes room by
+  refusing the newest request of the lowest band below the arriving one (flex first,
+  priority last); otherwise the arriving request is refused.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+from deepinfer_gateway.router.worker_view import WorkerView
+
+
+class Tier(IntEnum):
+    """A request's priority band; a lower value starts first."""
+
+    PRIORITY = 0
+    DEFAULT = 1
+    FLEX = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class ShedReason(StrEnum):
+    """Why a request was refused (a bounded metrics label)."""
+
+    DEADLINE = "deadline"  # could not start before its TTFT target
+    QUEUE_FULL = "queue_full"  # the pool's queue was full of requests of its band or above
+    TENANT_FULL = "tenant_full"  # its tenant's share of the pool's queue was full
+    DISPLACED = "displaced"  # queued, then refused to make room for a request of a higher band
+
+
+@dataclass(frozen=True)
+class FlowLimits:
+    max_engine_wait_s: float = 0.2
+    max_engine_waiting: int = 4  # per DP rank
+    kv_usage_limit: float = 0.95
+    max_queued_per_pool: int = 1024
+    max_queued_per_tenant: int = 256
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    wait_s: float  # queued prefill tokens / prefill tokens per second
+    prefill_tokens_per_s: float
+    waiting: int
+    dp_ranks: int
+    kv_usage: float
+
+    def can_start(self, limits: FlowLimits) -> bool:
+        return (self.wait_s < limits.max_engine_wait_s and self.waiting < limits.max_engine_waiting * self.dp_ranks
+                and self.kv_usage < limits.kv_usage_limit)
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """A pool's workers as flow control sees them."""
+
+    workers: tuple[WorkerLoad, ...]
+
+    def can_start(self, limits: FlowLimits) -> bool:
+        return any(w.can_start(limits) for w in self.workers)
+
+    @property
+    def drain_tokens_per_s(self) -> float:
+        return sum(w.prefill_tokens_per_s for w in self.workers)
+
+    def wait_past(self, limits: FlowLimits) -> float:
+        """Seconds until the least loaded worker's queue is back under the bound (0: now)."""
+        if not self.workers:
+            return math.inf
+        return max(0.0, min(w.wait_s for w in self.workers) - limits.max_engine_wait_s)
+
+    def placed(self, tokens: int, limits: FlowLimits) -> PoolLoad:
+        """The load once `tokens` more are queued on the worker that can start them soonest: what a
+        second placement in the same pass sees before any load report or booking shows the first."""
+        startable = [i for i, w in enumerate(self.workers) if w.can_start(limits)] or list(range(len(self.workers)))
+        if not startable:
+            return self
+        i = min(startable, key=lambda k: self.workers[k].wait_s)
+        w = self.workers[i]
+        moved = WorkerLoad(w.wait_s + tokens / w.prefill_tokens_per_s, w.prefill_tokens_per_s, w.waiting + 1,
+                           w.dp_ranks, w.kv_usage)
+        return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:])
+
+
+def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
+              granted_tokens: int = 0) -> PoolLoad:
+    """`pool`'s load from the views; `granted_tokens`: placed by flow control and not yet in any
+    view (no booking yet), spread over the pool's speed. `prefill_tokens_per_s`: by hardware."""
+    members = [v for v in views if v.pool == pool]
+    speed = sum(prefill_tokens_per_s[v.hardware] for v in members) or 1.0
+    extra = granted_tokens / speed
+    return PoolLoad(tuple(
+        WorkerLoad(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra,
+                   prefill_tokens_per_s[v.hardware], v.waiting, max(1, v.dp_ranks), v.kv_usage)
+        for v in members))
+
+
+@dataclass(eq=False)
+class FlowRequest:
+    """One request under flow control. `handle`: the caller's (e.g. the waiter to wake)."""
+
+    tenant: str
+    tier: Tier
+    prompt_tokens: int
+    cost: int  # prompt + expected output tokens: the fair share's unit
+    arrival: float
+    deadline: float  # when it must have started (arrival + TTFT target)
+    weight: float = 1.0
+    handle: object = None
+    start_tag: float = field(default=0.0, init=False)
+    seq: int = field(default=0, init=False)
+    queued: bool = field(default=False, init=False)
+
+
+@dataclass(frozen=True)
+class Shed:
+    reason: ShedReason
+    retry_after_s: int
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What became of an arriving request: `start` now, or queued (neither set), or `shed`;
+    `displaced`: queued requests refused to make room for it."""
+
+    start: bool = False
+    shed: Shed | None = None
+    displaced: tuple[FlowRequest, ...] = ()
+
+
+class _Band:
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, FlowRequest]] = []
+        self.virtual = 0.0
+        self.finish: dict[str, float] = {}  # tenant -> its last finish tag
+        self.count = 0
+        self.tokens = 0
+
+
+class PoolQueue:
+    """One pool's waiting requests (module doc)."""
+
+    def __init__(self, limits: FlowLimits) -> None:
+        self.limits = limits
+        self.bands = [_Band() for _ in Tier]
+        self.per_tenant: dict[str, int] = {}
+        self._seq = itertools.count()
+        self._drained: deque[tuple[float, int]] = deque()  # (when, tokens) started from a non-empty queue
+
+    def __len__(self) -> int:
+        return sum(b.count for b in self.bands)
+
+    def depth(self, tier: Tier) -> int:
+        return self.bands[tier].count
+
+    def arrive(self, request: FlowRequest, load: PoolLoad, now: float) -> Arrival:
+        if not len(self) and load.can_start(self.limits):
+            return Arrival(start=True)
+        ahead = self.tokens_ahead(request)
+        wait = load.wait_past(self.limits) + ahead / self.drain_rate(load, now)
+        if now + wait > request.deadline:
+            return Arrival(shed=Shed(ShedReason.DEADLINE, retry_after(wait)))
+        if self.per_tenant.get(request.tenant, 0) >= self.limits.max_queued_per_tenant:
+            return Arrival(shed=Shed(ShedReason.TENANT_FULL, retry_after(wait)))
+        displaced: tuple[FlowRequest, ...] = ()
+        if len(self) >= self.limits.max_queued_per_pool:
+            victim = self._newest_below(request.tier)
+            if victim is None:
+                return Arrival(shed=Shed(ShedReason.QUEUE_FULL, retry_after(wait)))
+            self.remove(victim)
+            displaced = (victim,)
+        self._push(request)
+        return Arrival(displaced=displaced)
+
+    def tokens_ahead(self, request: FlowRequest) -> int:
+        """Tokens that start before `request` would: every higher band's, and those of its band
+        tagged no later than it would be."""
+        band = self.bands[request.tier]
+        tag = max(band.virtual, band.finish.get(request.tenant, 0.0))
+        return (sum(b.tokens for b in self.bands[:request.tier])
+                + sum(r.prompt_tokens for t, _, r in band.heap if r.queued and t <= tag))
+
+    def drain_rate(self, load: PoolLoad, now: float, window_s: float = 5.0) -> float:
+        """Prompt tokens per second the pool takes from this queue: measured over the last
+        `window_s` while it had a backlog, else the pool's prefill speed."""
+        while self._drained and self._drained[0][0] < now - window_s:
+            self._drained.popleft()
+        if len(self._drained) >= 3:
+            span = max(now - self._drained[0][0], 1e-3)
+            return max(sum(t for _, t in self._drained) / span, 1.0)
+        return max(load.drain_tokens_per_s, 1.0)
+
+    def _push(self, request: FlowRequest) -> None:
+        band = self.bands[request.tier]
+        request.start_tag = max(band.virtual, band.finish.get(request.tenant, 0.0))
+        band.finish[request.tenant] = request.start_tag + request.cost / request.weight
+        request.seq = next(self._seq)
+        request.queued = True
+        heapq.heappush(band.heap, (request.start_tag, request.seq, request))
+        band.count += 1
+        band.tokens += request.prompt_tokens
+        self.per_tenant[request.tenant] = self.per_tenant.get(request.tenant, 0) + 1
+
+    def remove(self, request: FlowRequest) -> bool:
+        """Take a queued request out (its client left, or it is refused); False if not queued.
+        Its heap entry goes lazily."""
+        if not request.queued:
+            return False
+        request.queued = False
+        band = self.bands[request.tier]
+        band.count -= 1
+        band.tokens -= request.prompt_tokens
+        left = self.per_tenant[request.tenant] - 1
+        if left:
+            self.per_tenant[request.tenant] = left
+        else:
+            del self.per_tenant[request.tenant]
+        if not band.count:
+            # An idle band forgets its tags: a tenant's history counts only while others wait.
+            band.heap.clear()
+            band.finish.clear()
+        return True
+
+    def _newest_below(self, tier: Tier) -> FlowRequest | None:
+        for band in reversed(self.bands[tier + 1:]):
+            live = [r for _, _, r in band.heap if r.queued]
+            if live:
+                return max(live, key=lambda r: r.seq)
+        return None
+
+    def expired(self, now: float) -> list[FlowRequest]:
+        """Queued requests whose deadline has passed, taken out (the caller refuses them)."""
+        late = [r for b in self.bands for _, _, r in b.heap if r.queued and r.deadline <= now]
+        for r in late:
+            self.remove(r)
+        return late
+
+    def next_start(self, load: PoolLoad, now: float) -> FlowRequest | None:
+        """The request to start now, taken out; None while the pool is saturated or none waits."""
+        if not len(self) or not load.can_start(self.limits):
+            return None
+        for band in self.bands:
+            while band.heap:
+                tag, _, request = heapq.heappop(band.heap)
+                if not request.queued:
+                    continue
+                band.virtual = max(band.virtual, tag)
+                self.remove(request)
+                self._drained.append((now, request.prompt_tokens))
+                return request
+        return None
+
+
+def retry_after(wait_s: float) -> int:
+    """Retry-After seconds for an expected wait: at least 1."""
+    return max(1, math.ceil(wait_s)) if math.isfinite(wait_s) else 60
+
+
+class FlowPolicy:
+    """Every pool's `PoolQueue`."""
+
+    def __init__(self, limits: FlowLimits) -> None:
+        self.limits = limits
+        self.pools: dict[str, PoolQueue] = {}
+
+    def pool(self, name: str) -> PoolQueue:
+        queue = self.pools.get(name)
+        if queue is None:
+            queue = self.pools[name] = PoolQueue(self.limits)
+        return queue
+
+    def waiting_pools(self) -> list[str]:
+        return [name for name, q in self.pools.items() if len(q)]
+
+    def starts(self, pool: str, load: PoolLoad, now: float) -> list[FlowRequest]:
+        """Every request `pool` can start now, in order, each seeing the load its predecessors add."""
+        queue = self.pool(pool)
+        started = []
+        while (request := queue.next_start(load, now)) is not None:
+            started.append(request)
+            load = load.placed(request.prompt_tokens, self.limits)
+        return started
+
+
+def resolve_tier(requested: str | None, ceiling: Tier, protocol_anthropic: bool = False) -> Tier:
+    """The tier a request runs at: what it asked for (OpenAI `auto|default|flex|priority`,
+    Anthropic `auto|standard_only`), never above its key's `ceiling` (which `auto` and an absent
+    field get)."""
+    if requested is None or requested == "auto":
+        return ceiling
+    if protocol_anthropic:  # standard_only: not priority capacity
+        return max(ceiling, Tier.DEFAULT)
+    asked = Tier[requested.upper()]
+    return max(asked, ceiling)
+
+
+def tier_of(name: str) -> Tier:
+    return Tier[name.upper()]

@@ -1,0 +1,165 @@
+"""router/flow.py: saturation, bands, fair share by tokens, deadlines and bounds."""
+
+from __future__ import annotations
+
+from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.router.flow import (
+    FlowLimits,
+    FlowPolicy,
+    FlowRequest,
+    PoolLoad,
+    PoolQueue,
+    ShedReason,
+    Tier,
+    WorkerLoad,
+    pool_load,
+    resolve_tier,
+)
+from deepinfer_gateway.router.worker_view import WorkerView
+
+LIMITS = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=4, kv_usage_limit=0.95,
+                    max_queued_per_pool=8, max_queued_per_tenant=5)
+IDLE = PoolLoad((WorkerLoad(0.0, 10_000.0, 0, 1, 0.1),))
+BUSY = PoolLoad((WorkerLoad(0.5, 10_000.0, 0, 1, 0.1),))
+
+
+def request(tenant: str = "a", tier: Tier = Tier.DEFAULT, tokens: int = 100, deadline: float = 100.0,
+            arrival: float = 0.0, weight: float = 1.0) -> FlowRequest:
+    return FlowRequest(tenant, tier, tokens, tokens, arrival, deadline, weight)
+
+
+def view(queued: int = 0, waiting: int = 0, kv: float = 0.0, pool: str = "p") -> WorkerView:
+    return WorkerView(worker_id=f"w{queued}{waiting}{kv}", role=Role.UNIFIED, pool=pool, hardware="sm100",
+                      kv_format="f", model="m", queued_prefill_tokens=queued, waiting=waiting, kv_usage=kv)
+
+
+def test_saturation_from_queue_wait_waiting_requests_and_kv_usage() -> None:
+    speed = {"sm100": 10_000.0}
+    assert pool_load([view()], "p", speed).can_start(LIMITS)
+    assert not pool_load([view(queued=3_000)], "p", speed).can_start(LIMITS)  # 0.3 s of queue
+    assert not pool_load([view(waiting=4)], "p", speed).can_start(LIMITS)
+    assert not pool_load([view(kv=0.97)], "p", speed).can_start(LIMITS)
+    # one worker that can start is enough; another pool's load is not this pool's
+    assert pool_load([view(queued=3_000), view(), view(queued=9_000, pool="q")], "p", speed).can_start(LIMITS)
+    # tokens placed but not yet booked count
+    assert not pool_load([view()], "p", speed, granted_tokens=2_500).can_start(LIMITS)
+
+
+def test_unsaturated_empty_queue_starts_at_once() -> None:
+    queue = PoolQueue(LIMITS)
+    assert queue.arrive(request(), IDLE, 0.0).start
+    assert len(queue) == 0
+
+
+def test_saturated_pool_queues_then_starts_by_band() -> None:
+    queue = PoolQueue(LIMITS)
+    flex, default, priority = request("f", Tier.FLEX), request("d", Tier.DEFAULT), request("p", Tier.PRIORITY)
+    for r in (flex, default, priority):
+        arrival = queue.arrive(r, BUSY, 0.0)
+        assert not arrival.start and arrival.shed is None
+    assert queue.next_start(BUSY, 0.0) is None  # still saturated: nothing starts
+    assert [queue.next_start(IDLE, 1.0) for _ in range(3)] == [priority, default, flex]
+    assert len(queue) == 0
+
+
+def test_a_flooding_tenant_does_not_starve_another_in_its_band() -> None:
+    queue = PoolQueue(LIMITS.__class__(max_queued_per_pool=100, max_queued_per_tenant=100))
+    flood = [request("flood", tokens=1000) for _ in range(20)]
+    for r in flood:
+        queue.arrive(r, BUSY, 0.0)
+    # The flood's first request starts; the other tenant, arriving later, goes next.
+    assert queue.next_start(IDLE, 0.1) is flood[0]
+    light = request("light", tokens=1000)
+    queue.arrive(light, BUSY, 0.2)
+    assert queue.next_start(IDLE, 0.3) is light
+
+
+def test_fair_share_is_by_tokens_and_weight() -> None:
+    queue = PoolQueue(FlowLimits(max_queued_per_pool=100, max_queued_per_tenant=100))
+    big = [request("big", tokens=4000) for _ in range(3)]
+    small = [request("small", tokens=1000) for _ in range(12)]
+    heavy = [request("heavy", tokens=4000, weight=4.0) for _ in range(3)]
+    for r in [*big, *small, *heavy]:
+        queue.arrive(r, BUSY, 0.0)
+    order = [queue.next_start(IDLE, 1.0) for _ in range(8)]
+    tokens = {t: sum(r.prompt_tokens for r in order if r is not None and r.tenant == t) for t in ("big", "small")}
+    # In the first 8 starts, "small" (1000-token requests) gets several for each of "big"'s,
+    # and the weight-4 tenant all three of its own.
+    assert sum(1 for r in order if r is not None and r.tenant == "small") >= 3
+    assert tokens["big"] <= 2 * 4000
+    assert sum(1 for r in order if r is not None and r.tenant == "heavy") == 3
+
+
+def test_request_that_cannot_start_before_its_deadline_is_refused_on_arrival() -> None:
+    queue = PoolQueue(LIMITS)
+    # 2 s past the bound at 10k tokens/s: a 1 s deadline cannot be met
+    slow = PoolLoad((WorkerLoad(2.2, 10_000.0, 0, 1, 0.1),))
+    arrival = queue.arrive(request(deadline=1.0), slow, 0.0)
+    assert arrival.shed is not None and arrival.shed.reason is ShedReason.DEADLINE
+    assert arrival.shed.retry_after_s == 2
+    # the backlog ahead counts: 30k tokens of priority work ahead of a default request
+    queue.arrive(request("p", Tier.PRIORITY, tokens=30_000, deadline=100.0), BUSY, 0.0)
+    late = queue.arrive(request("d", Tier.DEFAULT, deadline=2.0), BUSY, 0.0)
+    assert late.shed is not None and late.shed.reason is ShedReason.DEADLINE and late.shed.retry_after_s >= 3
+    # ... but not a flex backlog behind it
+    behind = PoolQueue(LIMITS)
+    behind.arrive(request("f", Tier.FLEX, tokens=30_000), BUSY, 0.0)
+    assert behind.arrive(request("p2", Tier.PRIORITY, deadline=2.0), BUSY, 0.0).shed is None
+
+
+def test_queued_request_past_its_deadline_expires() -> None:
+    queue = PoolQueue(LIMITS)
+    early, later = request(deadline=1.0), request(deadline=5.0)
+    queue.arrive(early, BUSY, 0.0)
+    queue.arrive(later, BUSY, 0.0)
+    assert queue.expired(0.5) == []
+    assert queue.expired(1.0) == [early]
+    assert len(queue) == 1 and queue.next_start(IDLE, 1.0) is later
+
+
+def test_bounds_per_tenant_and_pool_shed_flex_first() -> None:
+    queue = PoolQueue(LIMITS)  # 8 per pool, 5 per tenant
+    for _ in range(5):
+        assert queue.arrive(request("a", Tier.FLEX), BUSY, 0.0).shed is None
+    tenant_full = queue.arrive(request("a", Tier.FLEX), BUSY, 0.0).shed
+    assert tenant_full is not None and tenant_full.reason is ShedReason.TENANT_FULL
+    for _ in range(3):
+        assert queue.arrive(request("b", Tier.DEFAULT), BUSY, 0.0).shed is None
+    assert len(queue) == 8
+    # full: a default request displaces the newest flex one
+    arrival = queue.arrive(request("c", Tier.DEFAULT), BUSY, 0.0)
+    assert arrival.shed is None and len(arrival.displaced) == 1 and arrival.displaced[0].tier is Tier.FLEX
+    # a flex request finds nothing below it: refused
+    full = queue.arrive(request("d", Tier.FLEX), BUSY, 0.0).shed
+    assert full is not None and full.reason is ShedReason.QUEUE_FULL
+    assert queue.depth(Tier.FLEX) == 4 and queue.depth(Tier.DEFAULT) == 4
+
+
+def test_removed_request_leaves_no_trace() -> None:
+    queue = PoolQueue(LIMITS)
+    gone, stays = request("a"), request("b")
+    queue.arrive(gone, BUSY, 0.0)
+    queue.arrive(stays, BUSY, 0.0)
+    assert queue.remove(gone) and not queue.remove(gone)
+    assert queue.per_tenant == {"b": 1}
+    assert queue.next_start(IDLE, 0.0) is stays and queue.next_start(IDLE, 0.0) is None
+
+
+def test_one_pass_starts_only_what_the_pool_can_take() -> None:
+    policy = FlowPolicy(LIMITS)
+    queue = policy.pool("p")
+    for _ in range(4):
+        queue.arrive(request(tokens=1000), BUSY, 0.0)
+    # 0.1 s of queue on one worker at 10k tok/s: one 1000-token start brings it to 0.2 s, the bound
+    started = policy.starts("p", PoolLoad((WorkerLoad(0.1, 10_000.0, 0, 1, 0.1),)), 0.0)
+    assert len(started) == 1 and len(queue) == 3
+
+
+def test_tier_resolution_never_exceeds_the_key() -> None:
+    assert resolve_tier(None, Tier.DEFAULT) is Tier.DEFAULT
+    assert resolve_tier("auto", Tier.PRIORITY) is Tier.PRIORITY
+    assert resolve_tier("priority", Tier.DEFAULT) is Tier.DEFAULT
+    assert resolve_tier("priority", Tier.PRIORITY) is Tier.PRIORITY
+    assert resolve_tier("flex", Tier.PRIORITY) is Tier.FLEX
+    assert resolve_tier("default", Tier.FLEX) is Tier.FLEX
+    assert resolve_tier("standard_only", Tier.PRIORITY, protocol_anthropic=True) is Tier.DEFAULT
