@@ -18,7 +18,7 @@ run: $(BIN)/.installed
 
 # Lint, types and the import contracts (all configured in pyproject.toml).
 lint: $(BIN)/.installed
-	$(BIN)/ruff check deepinfer_gateway tests bench
+	$(BIN)/ruff check deepinfer_gateway harness tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

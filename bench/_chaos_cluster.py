@@ -29,6 +29,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -37,11 +38,13 @@ from typing import IO, Any
 
 import redis
 import yaml
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from _netns import Lab
 
-from deepinfer_gateway.dnsmasq import dnsmasq_binary
-from deepinfer_gateway.launch import CLI, Proc
 from deepinfer_gateway.redis_process import redis_server_binary
+from harness.dnsmasq import dnsmasq_binary
+from harness.launch import CLI, Proc
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "deploy" / "docker-compose.yml"
@@ -173,7 +176,7 @@ class Cluster:
         done = subprocess.run(["sh", "-c", self.compose.script("secrets")], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the compose secrets script failed: {done.stderr}")
-        self.redis_password = self._secret("DGW_REDIS_PASSWORD_FILE", GATEWAY_SERVICE)
+        self.redis_password = self._secret("DGW_REDIS__PASSWORD_FILE", GATEWAY_SERVICE)
         self.worker_token = self._secret("DGW_WORKER_TOKEN_FILE", WORKER_SERVICE)
         self.redis_dir = next((host for target, host in self.compose.mounts("redis") if target == "/data"),
                               workdir / "volumes" / "redis-data")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from importlib import resources
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import aiohttp
 
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from deepinfer_gateway.protocol import DEFAULT_MODEL
+from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 MODEL = DEFAULT_MODEL
 

@@ -22,14 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from deepinfer_gateway.launch import SimCluster
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from harness.launch import SimCluster
 
 
 def process_cpu_s(pid: int) -> float:

@@ -89,6 +89,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from _harness import (
     chat_body,
     closed_loop,
@@ -97,7 +99,7 @@ from _harness import (
     start_worker,
 )
 
-from deepinfer_gateway.launch import Gateway
+from harness.launch import Gateway
 
 TOKENS_PER_S = 50.0
 ITL_BUDGET_MS = 5.0

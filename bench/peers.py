@@ -121,7 +121,6 @@ from peer_venvs import PEER_ROUTERS, ensure_venv
 from policies import memory_blocks_for
 from repeat_stats import summarise
 
-from deepinfer_gateway.launch import Envoy, Epp, Gateway, SimCluster, free_port, wait_for_port
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.protocol import DEFAULT_MODEL
@@ -129,6 +128,7 @@ from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.sessions import is_session_spec
 from deepinfer_gateway.workload.traces import load_trace
 from deepinfer_gateway.workload.types import read_records
+from harness.launch import Envoy, Epp, Gateway, SimCluster, free_port, wait_for_port
 from tests.vllm_server import KV_TOPIC, VllmServer
 from tests.vllm_venv import ensure_vllm_venv
 

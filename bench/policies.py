@@ -111,16 +111,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
+from deepinfer_gateway.config.policies import POLICIES
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
-from deepinfer_gateway.router.policy_config import POLICIES
 from deepinfer_gateway.workers.sim.profiles import load_profiles
 from deepinfer_gateway.workers.sim.step_model import prefill_seconds
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.traces import load_trace
 from deepinfer_gateway.workload.types import read_records
+from harness.launch import Gateway, SimCluster
 
 DEFAULT_TRACE = "mooncake:conversation"  # downloaded once into the cache (docs/bench.md)
 PD_WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"

@@ -27,14 +27,17 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from _harness import flat_decode_profiles, start_worker
 from gateway_capacity import TOKENS_PER_S, start_gateway, streams, tree_cpu_s
 from peer_venvs import SGLANG_ROUTER, ensure_venv
 from peers import peer_command
 
-from deepinfer_gateway.launch import free_port, wait_for_port
+from harness.launch import free_port, wait_for_port
 
 
 def main() -> None:

@@ -58,10 +58,12 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from _harness import MODEL, chat_body, flat_decode_profiles, pct_ms, start_worker
 
-from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.recipe_bridge.prepare import OFFLOAD_ENV, parse_offload
+from harness.launch import Gateway
 
 TOKENS_PER_S = 50.0
 CONTEXT_LIMIT = 131_072

@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import tempfile
 import time
 import urllib.request
@@ -60,9 +61,10 @@ import openai
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from deepinfer_gateway.protocol import DEFAULT_MODEL, LOAD_PATH
 from deepinfer_gateway.redis_process import RedisProcess
+from harness.launch import Gateway, SimCluster
 
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:sm100"
 MODES = ("shared", "per_replica")
@@ -184,7 +186,7 @@ def _hit(outs: list[Outcome]) -> float | None:
 
 def start_gateways(tmp: Path, cluster: SimCluster, n: int, redis_url: str | None) -> list[Gateway]:
     workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
-    toml = (f'redis_url = "{redis_url}"\n' if redis_url else "") + "[router]\nkv_events_interval_s = 0.2\n"
+    toml = (f'redis.url = "{redis_url}"\n' if redis_url else "") + "[router]\nkv_events_interval_s = 0.2\n"
     def start() -> Gateway:
         return Gateway(tmp, workers, extra_toml=toml, health_interval_s=1.0)  # type: ignore[arg-type]
 

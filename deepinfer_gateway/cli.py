@@ -138,7 +138,7 @@ workers and keys. A configuration error prints `config error: FIELD: REASON` and
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deepinfer_gateway.router.policy_config import POLICIES
+    from deepinfer_gateway.config.policies import POLICIES
 
     parser = CommandParser(prog="deepinfer-gateway", description=DESCRIPTION, epilog=EPILOG)
     _add_logging_arguments(parser, top_level=True)

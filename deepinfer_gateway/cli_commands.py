@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key:
         digests = [hash_key(key) for key in args.api_key]
         api_keys = [{"name": f"cli-{digest[:8]}", "key_sha256": digest} for digest in digests]
-    overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url, "workers": args.worker_url,
+    overrides = {"host": args.host, "port": args.port, "redis": {"url": args.redis_url}, "workers": args.worker_url,
                  "api_keys": api_keys, "router": {"policy": args.policy}, "processes": args.processes,
                  "allow_unauthenticated": args.allow_unauthenticated or None}
     settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
@@ -76,7 +76,7 @@ def cmd_epp(args: argparse.Namespace) -> int:
     from deepinfer_gateway.epp.runtime import EppOptions, run_epp
     from deepinfer_gateway.gateway_process import configure_logging
 
-    overrides = {"redis_url": args.redis_url, "workers": args.worker_url, "router": {"policy": args.policy}}
+    overrides = {"redis": {"url": args.redis_url}, "workers": args.worker_url, "router": {"policy": args.policy}}
     settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
     _check_worker_token(settings)
     if args.log_format is None and settings.log_format != "text":
@@ -105,7 +105,7 @@ def parse_worker_list(text: str) -> list[tuple[str, str]]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deepinfer_gateway.config import ApiKey, DgwWorkerSpec, GatewaySettings
+    from deepinfer_gateway.config import ApiKey, DgwWorkerSpec, GatewaySettings, RedisSettings
     from deepinfer_gateway.gateway.serving.auth import hash_key
     from deepinfer_gateway.protocol import DEFAULT_MODEL
     from deepinfer_gateway.worker_auth import is_loopback
@@ -132,7 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # Beyond loopback (the image's default command) the demo is keyed: a key of its own, printed below.
     api_key = args.api_key or (None if is_loopback(args.host) else secrets.token_urlsafe(24))
     api_keys = (ApiKey(name="demo", key_sha256=hash_key(api_key)),) if api_key else ()
-    settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis_url=args.redis_url,
+    settings = GatewaySettings(host=args.host, port=args.port, workers=workers, redis=RedisSettings(url=args.redis_url),
                                processes=demo_processes(args.processes, args.redis_url), worker_token=token,
                                api_keys=api_keys)
     base = f"http://{args.host}:{args.port}/v1"

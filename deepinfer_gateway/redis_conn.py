@@ -27,7 +27,7 @@ import asyncio
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -40,6 +40,9 @@ from redis.credentials import CredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.config import RedisSettings
 
 # asyncio.wait_for drops a cancellation that lands as the awaited call completes, before 3.12.
 _WAIT_FOR_DROPS_CANCELS = sys.version_info < (3, 12)
@@ -166,6 +169,14 @@ def redis_client(
     pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **options)
     pool.connection_class = _GATEWAY_CLASS.get(pool.connection_class, pool.connection_class)
     return aioredis.Redis(connection_pool=pool)
+
+
+def redis_client_for(settings: RedisSettings, **kwargs: Any) -> aioredis.Redis:
+    """A client for the `[redis]` settings (their url set)."""
+    if not settings.url:
+        raise ValueError("redis.url is not set")
+    return redis_client(settings.url, cluster=settings.cluster, timeout_s=settings.timeout_s,
+                        password=settings.password, password_file=settings.password_file, **kwargs)
 
 
 def _username(url: str) -> str | None:

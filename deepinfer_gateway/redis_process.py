@@ -12,6 +12,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,9 +25,15 @@ from typing import Any
 
 import redis
 
-from deepinfer_gateway.launch import free_port
-
 PATH_NAMES = ("redis-server", "valkey-server")
+
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now, picked by the kernel."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class NoRedisServerBinary(RuntimeError):

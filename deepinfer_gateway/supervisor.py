@@ -31,7 +31,7 @@ handling (no `/ready` 503 and no drain delay), it restarts a dead child at once 
 loop spins), it waits for children without a deadline at shutdown, and it has no hook
 where a child exits (prometheus-client's `mark_process_dead`).
 
-What the processes share goes through Redis: `redis_url`, else a Redis-compatible server
+What the processes share goes through Redis: `redis.url`, else a Redis-compatible server
 that the supervisor starts on a Unix socket in a private directory (redis_process.py),
 hands to the children as `unix://…/redis.sock`, and stops after the last child. With
 neither, N > 1 is a configuration error: per-process rate limits and indexes would
@@ -197,9 +197,9 @@ class Supervisor:
     def _shared_state(self, stack: contextlib.ExitStack) -> GatewaySettings:
         """The children's settings: the configured Redis, else one started here for them."""
         updates: dict[str, Any] = {"processes": 1}
-        if not self.settings.redis_url:
-            if self.settings.redis_cluster:
-                raise ConfigError([("redis_cluster", "needs redis_url")])
+        if not self.settings.redis.url:
+            if self.settings.redis.cluster:
+                raise ConfigError([("redis.cluster", "needs redis.url")])
             from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisProcess
 
             server = RedisProcess(unix_socket=True, dies_with_parent=True)
@@ -207,10 +207,12 @@ class Supervisor:
                 server.start()
             except NoRedisServerBinary as e:
                 raise ConfigError([("processes", f"{self.processes} processes share their state through Redis: "
-                                                 f"set redis_url, or make a Redis server available ({e})")]) from None
+                                                 f"set redis.url, or make a Redis server available ({e})")]) from None
             stack.callback(server.stop)
             log.info("shared state: Redis at %s (pid %s)", server.url, server.proc.pid if server.proc else "?")
-            updates.update(redis_url=server.url, redis_password=None, redis_password_file=None)  # a private socket
+            # A private socket: no password.
+            updates["redis"] = self.settings.redis.model_copy(update=dict(url=server.url, password=None,
+                                                                          password_file=None))
         return self.settings.model_copy(update=updates)
 
     @contextlib.contextmanager

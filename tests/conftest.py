@@ -25,7 +25,7 @@ from tests.vllm_venv import VllmInstallError, ensure_vllm_venv
 if TYPE_CHECKING:
     import openai
 
-    from deepinfer_gateway.launch import Gateway, SimCluster
+    from harness.launch import Gateway, SimCluster
 
 
 UNIT = Path(__file__).resolve().parent / "unit"
@@ -157,7 +157,7 @@ DEMO_WORKERS = "unified:sm100,unified:sm100,unified:ascend950"
 @pytest.fixture(scope="session")
 def sim_cluster() -> Iterator[SimCluster]:
     """The demo's unified cluster (2 sm100 + 1 ascend950) in one process, 20x faster than real time."""
-    from deepinfer_gateway.launch import SimCluster
+    from harness.launch import SimCluster
 
     cluster = SimCluster(DEMO_WORKERS, time_scale=20.0)
     yield cluster
@@ -166,7 +166,7 @@ def sim_cluster() -> Iterator[SimCluster]:
 
 @pytest.fixture(scope="session")
 def sim_gateway(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    from deepinfer_gateway.launch import Gateway
+    from harness.launch import Gateway
 
     roles = [spec.split(":") for spec in sim_cluster.specs]
     gw = Gateway(tmp_path_factory.mktemp("gw"),
@@ -194,7 +194,7 @@ def deepinfer_workers() -> Iterator[list[tuple[str, str, str]]]:
 @pytest.fixture(scope="session")
 def deepinfer_gateway(deepinfer_workers: list[tuple[str, str, str]],
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    from deepinfer_gateway.launch import Gateway
+    from harness.launch import Gateway
 
     gw = Gateway(tmp_path_factory.mktemp("gw-deepinfer"), deepinfer_workers)
     try:

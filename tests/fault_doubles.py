@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.launch import Proc, free_port, wait_for_port
+from harness.launch import Proc, free_port, wait_for_port
 
 DOUBLE_MODES = ("ok", "hang-before-ready", "hang-after", "garbage-before", "garbage-after", "html", "reset-after",
                 "http-500", "bad-ready")

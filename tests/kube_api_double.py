@@ -22,7 +22,7 @@ from typing import Any
 import trustme
 from aiohttp import web
 
-from deepinfer_gateway.launch import free_port
+from harness.launch import free_port
 
 NAMESPACE = "ns"
 POOL = "deepseek-flash"

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.launch import free_port
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from harness.launch import free_port
 from tests.vllm_venv import VllmInstallError, ensure_vllm_venv
 
 MODEL_NAME = "tiny-llama-dsv4-vocab"

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.config import GatewaySettings, WorkerSpec
-from deepinfer_gateway.config_models import ResponsesSettings
+from deepinfer_gateway.config.models import ResponsesSettings
 from deepinfer_gateway.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.http.admin import RoutingUpdate, admin_router
 from deepinfer_gateway.gateway.http.openapi_doc import REF, document

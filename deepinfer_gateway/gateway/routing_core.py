@@ -28,7 +28,7 @@ from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
-from deepinfer_gateway.redis_conn import redis_client
+from deepinfer_gateway.redis_conn import redis_client_for
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
 from deepinfer_gateway.worker_auth import tokens_from
@@ -60,17 +60,9 @@ class RoutingCore:
             tokens=tokens_from(settings.worker_token, settings.worker_token_file),
             mux=settings.worker_protocol == "auto", mux_metrics=metrics)
         await client.start()
-        self.redis = redis = None
-        if settings.redis_url:
-            self.redis = redis = redis_client(settings.redis_url, cluster=settings.redis_cluster,
-                                              password=settings.redis_password,
-                                              password_file=settings.redis_password_file,
-                                              timeout_s=settings.redis_timeout_s)
-        self.index = index = create_prefix_index(settings.redis_url, redis_cluster=settings.redis_cluster,
-                                                 redis_password=settings.redis_password,
-                                                 redis_password_file=settings.redis_password_file,
-                                                 redis_timeout_s=settings.redis_timeout_s,
-                                                 registry=metrics.registry, writer_lease_s=settings.kv_writer_lease_s)
+        self.redis = redis = redis_client_for(settings.redis) if settings.redis.url else None
+        self.index = index = create_prefix_index(settings.redis, registry=metrics.registry,
+                                                 writer_lease_s=settings.kv_writer_lease_s)
         self.feeder = feeder = KvEventFeeder(index, client.session, interval_s=settings.router.kv_events_interval_s)
         self.inflight = (RedisInflight(redis, settings.router.inflight_lease_s,
                                        metrics.redis_errors.labels("inflight").inc)

@@ -3,7 +3,7 @@
     from deepinfer_gateway.kvcache.factory import create_prefix_index
     from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 
-    index = create_prefix_index(redis_url)          # None: in-memory
+    index = create_prefix_index(settings.redis)    # no url: in-memory
     hashes = {fmt: block_hashes(token_ids, kv_salt(model, fmt)) for fmt in formats}
     overlap = await index.lookup(hashes, {worker_id: kv_format, ...})
     overlap.memory[worker_id], overlap.store[kv_format]   # leading blocks

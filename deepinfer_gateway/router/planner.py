@@ -23,13 +23,13 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from deepinfer_gateway.config import HardwareCost, RouterSettings
+from deepinfer_gateway.config.policies import POLICIES, PolicyInput
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.planner_caches import Group, PlannerCaches, PoolCandidates, RoleSplit
 from deepinfer_gateway.router.policies import make_policy
 from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
-from deepinfer_gateway.router.policy_config import POLICIES, PolicyInput
 from deepinfer_gateway.router.worker_view import WorkerView
 
 __all__ = ["Mode", "NoCandidate", "Plan", "RoutePlanner", "WorkerView", "prompt_hashes"]

@@ -26,7 +26,7 @@ P = prompt tokens, B = 128-token blocks. Two adjustments on top of the cheapest 
   the cheapest candidate under that bound wins instead (reason load_fallback), so a stale
   load report cannot pile a popular prefix onto one worker.
 
-Each policy's parameters and their defaults are its variant in router/policy_config.py;
+Each policy's parameters and their defaults are its variant in config/policies.py;
 `make_policy` builds a policy from one.
 """
 
@@ -39,17 +39,7 @@ from itertools import compress, repeat
 from operator import add, and_, attrgetter, eq, le
 from typing import assert_never
 
-from deepinfer_gateway.router.policy import (
-    Candidate,
-    Columns,
-    Decision,
-    LazyCosts,
-    Policy,
-    Reason,
-    RoutingView,
-    columns_of,
-)
-from deepinfer_gateway.router.policy_config import (
+from deepinfer_gateway.config.policies import (
     CacheAwareConfig,
     EstimatedTtftConfig,
     LeastLoadConfig,
@@ -59,6 +49,16 @@ from deepinfer_gateway.router.policy_config import (
     RoundRobinConfig,
     SessionAffinityConfig,
     parse_policy,
+)
+from deepinfer_gateway.router.policy import (
+    Candidate,
+    Columns,
+    Decision,
+    LazyCosts,
+    Policy,
+    Reason,
+    RoutingView,
+    columns_of,
 )
 
 

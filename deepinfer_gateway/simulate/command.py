@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from deepinfer_gateway.router.policy_config import PolicyVariant, parse_policy
+from deepinfer_gateway.config.policies import PolicyVariant, parse_policy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ def start_workers(specs: Sequence[tuple[str, str, Sequence[str]]], env: dict[str
     """Worker processes for (role, hardware, extra flags), all started before waiting on any;
     yields their (url, role, hardware) once each listens, and stops them on exit. `env`: more
     environment (e.g. DGW_WORKER_TOKEN)."""
-    from deepinfer_gateway.launch import Proc, free_port, wait_for_port
+    from harness.launch import Proc, free_port, wait_for_port
 
     root = Path(__file__).resolve().parents[2]  # the checkout, so `tests` imports in the child
     procs: list[Proc] = []

@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 

@@ -17,8 +17,8 @@ import redis
 from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.gateway.fleet.admin_store import KEPT_KEY, ROUTING_KEY, WORKERS_KEY, WorkerEntry
 from deepinfer_gateway.gateway.fleet.admin_sync import RECONCILE_INTERVAL_S
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
+from harness.launch import Gateway, SimCluster
 from tests.conftest import redis_backend_url
 from tests.fault_doubles import scrape, total
 
@@ -54,7 +54,7 @@ def shared_redis(request: pytest.FixtureRequest) -> Iterator[tuple[str, bool]]:
 def _toml(redis_url: str, cluster: bool = False) -> str:
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
     # A generous Redis timeout: these tests count Redis errors, and a busy machine can pass the 0.5 s default.
-    return (f'redis_url = "{redis_url}"\nredis_cluster = {str(cluster).lower()}\nredis_timeout_s = 10\n'
+    return (f'redis.url = "{redis_url}"\nredis.cluster = {str(cluster).lower()}\nredis.timeout_s = 10\n'
             'admin_worker_hosts = ["127.0.0.1"]\n'  # the second sim worker is added at run time
             f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{digest}"\nadmin = true\n')
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port
+from harness.launch import Gateway, SimCluster, free_port
 
 ADMIN_KEY = "admin-secret-allow"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total
 
 pytestmark = pytest.mark.e2e

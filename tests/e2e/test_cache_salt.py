@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 KEYS = {  # key -> its [[api_keys]] fields

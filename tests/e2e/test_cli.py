@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from deepinfer_gateway.cli import build_parser
-from deepinfer_gateway.launch import SimCluster, free_port, wait_for_healthy_workers, wait_for_port
+from harness.launch import SimCluster, free_port, wait_for_healthy_workers, wait_for_port
 
 CLI = [sys.executable, "-m", "deepinfer_gateway.cli"]
 MODEL = "DeepSeek-V4.1-Flash"
@@ -103,7 +103,7 @@ def test_logging_flags_go_before_or_after_the_command() -> None:
      "config error: router.decode_policy: unknown routing policy 'fastest'"),
     ("", {"DGW_WORKERS": "http://10.0.0.5:8100"}, "config error: workers: DGW_WORKERS is not valid JSON"),
     ("", {"DGW_PROCESSES": "many"}, 'config error: processes: expected a number of processes, or "auto"'),
-    ("processes = 2\nredis_cluster = true\n", {}, "config error: redis_cluster: needs redis_url"),
+    ("processes = 2\nredis.cluster = true\n", {}, "config error: redis.cluster: needs redis.url"),
     (None, {}, "no such file"),
 ])
 def test_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path: Path, toml: str | None,

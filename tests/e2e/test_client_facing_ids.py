@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from deepinfer_gateway.gateway.fleet.client_ids import digest_of
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import Gateway
+from harness.launch import Gateway
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from deepinfer_gateway.gateway.fleet.client_ids import digest_of
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 REPORT = Path(__file__).resolve().parents[2] / "bench" / "decision_report.py"
 

@@ -28,8 +28,8 @@ import redis
 import yaml
 
 from deepinfer_gateway.config import load_settings
-from deepinfer_gateway.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
 from deepinfer_gateway.redis_process import RedisProcess
+from harness.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
 from tests.conftest import _require_redis_server
 from tests.fault_doubles import scrape, total
 from tests.shipped_redis_users import acl_users, k8s_redis_args, server_args
@@ -69,7 +69,7 @@ def secret_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("secrets-mounted")
     (tmp / "redis-password").write_text(REDIS_PASSWORD + "\n")
     (tmp / "worker-token").write_text(WORKER_TOKEN + "\n")
-    return {"DGW_REDIS_PASSWORD_FILE": str(tmp / "redis-password"), "DGW_WORKER_TOKEN_FILE": str(tmp / "worker-token")}
+    return {"DGW_REDIS__PASSWORD_FILE": str(tmp / "redis-password"), "DGW_WORKER_TOKEN_FILE": str(tmp / "worker-token")}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     free: dict[str, list[str]] = {}
     for url, spec in zip(pd_cluster.urls, pd_cluster.specs, strict=True):
         free.setdefault(spec, []).append(url)
-    settings = load_settings(shipped, {"redis_url": redis_url})
+    settings = load_settings(shipped, {"redis": {"url": redis_url}})
     for worker in settings.workers:
         text, n = re.subn(rf'(?m)^url = "{re.escape(worker.url)}"$',
                           f'url = "{free[f"{worker.role}:{worker.hardware}"].pop(0)}"', text)
@@ -130,7 +130,7 @@ def shipped_gateway(request: pytest.FixtureRequest, pd_cluster: SimCluster, redi
     config.write_text(text)
     port = free_port()
     env = {**shipped_env, "DGW_HOST": "127.0.0.1", "DGW_PORT": str(port),
-           "DGW_REDIS_URL": _shipped_redis_url(shipped_env["DGW_REDIS_URL"], redis_url)}
+           "DGW_REDIS__URL": _shipped_redis_url(shipped_env["DGW_REDIS__URL"], redis_url)}
     assert set(secret_files) <= set(env), "the deploy file mounts the Redis password and the worker token"
     env.update(secret_files)
     if "DGW_SECRETS_DIR" in env:  # the optional key Secret, not created: an empty mount

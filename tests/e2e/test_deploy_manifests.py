@@ -138,8 +138,8 @@ def test_every_deploy_file_parses() -> None:
             assert yaml_docs(path), f"{path} holds no YAML document"
 
 
-# Keys in Redis need a Redis URL; the shipped TOMLs leave it to their deploy file's DGW_REDIS_URL.
-DEPLOYED_REDIS = {"redis_url": "redis://redis:6379/0"}
+# Keys in Redis need a Redis URL; the shipped TOMLs leave it to their deploy file's DGW_REDIS__URL.
+DEPLOYED_REDIS = {"redis": {"url": "redis://redis:6379/0"}}
 
 
 def test_gateway_toml_configs_validate_with_load_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,7 +271,7 @@ def shipped_gateways() -> list[ShippedGateway]:
 def serves_without_keys(settings: GatewaySettings) -> bool:
     """The gateway's own rule: app.py's lifespan hands KeyStore its Redis client when
     api_keys_in_redis is on and a Redis is configured (a URL stands in for the client)."""
-    redis = settings.redis_url if settings.api_keys_in_redis else None
+    redis = settings.redis.url if settings.api_keys_in_redis else None
     return not KeyStore(settings.api_keys, redis).enabled
 
 
@@ -517,12 +517,12 @@ def test_compose_commands_are_real_cli_invocations() -> None:
             seen[(args.role, args.hardware)] = seen.get((args.role, args.hardware), 0) + 1
         else:
             assert args.command == "serve" and name.startswith("gateway-"), name
-            assert svc["environment"]["DGW_REDIS_URL"].startswith("redis://gateway@redis:")
+            assert svc["environment"]["DGW_REDIS__URL"].startswith("redis://gateway@redis:")
     assert seen == POOL
 
 
 def test_compose_gateway_config_discovers_the_compose_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DGW_REDIS_URL", raising=False)
+    monkeypatch.delenv("DGW_REDIS__URL", raising=False)
     services = compose()["services"]
     gateway = services["gateway-1"]
     config_path = parse_cli(gateway["command"]).config
@@ -547,7 +547,7 @@ def test_compose_gateway_config_discovers_the_compose_workers(monkeypatch: pytes
 
 
 def test_unified_override_switches_workers_and_gateway_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DGW_REDIS_URL", raising=False)
+    monkeypatch.delenv("DGW_REDIS__URL", raising=False)
     base = compose()["services"]
     override = yaml.safe_load(UNIFIED_OVERRIDE.read_text())["services"]
     assert set(override) <= set(base)
@@ -680,9 +680,9 @@ def test_k8s_gateway_probes_command_and_config() -> None:
     args = parse_cli(c["args"])
     assert args.command == "serve"
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["DGW_REDIS_URL"].startswith("redis://gateway@redis:")
+    assert env["DGW_REDIS__URL"].startswith("redis://gateway@redis:")
     (redis_svc,) = [s for s in by_kind("Service") if s["metadata"]["name"] == "redis"]
-    assert redis_svc["spec"]["ports"][0]["port"] == int(env["DGW_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    assert redis_svc["spec"]["ports"][0]["port"] == int(env["DGW_REDIS__URL"].rsplit(":", 1)[1].split("/")[0])
     mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
     volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
@@ -813,8 +813,8 @@ def test_k8s_gateways_and_workers_share_the_token_and_gateways_the_password() ->
             assert env["DGW_WORKER_TOKEN_FILE"] == "/run/secrets/worker-token/tokens"
             assert _secret_mounted_at(workload, c, env["DGW_WORKER_TOKEN_FILE"]) == "worker-token"
             if command == "serve":
-                assert env["DGW_REDIS_URL"].startswith("redis://gateway@redis:")  # the ACL user
-                assert _secret_mounted_at(workload, c, env["DGW_REDIS_PASSWORD_FILE"]) == "redis-auth"
+                assert env["DGW_REDIS__URL"].startswith("redis://gateway@redis:")  # the ACL user
+                assert _secret_mounted_at(workload, c, env["DGW_REDIS__PASSWORD_FILE"]) == "redis-auth"
                 volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "redis-auth")
                 assert volume["secret"]["items"] == [{"key": "password", "path": "password"}]  # not the admin's
     assert seen == {"serve", "worker"}
@@ -857,7 +857,7 @@ def test_compose_redis_is_durable_and_closed() -> None:
         assert svc["environment"]["DGW_WORKER_TOKEN_FILE"] == "/run/dgw-secrets/worker-token", name
         assert "dgw-secrets:/run/dgw-secrets:ro" in svc["volumes"], name
         if name.startswith("gateway-"):
-            assert svc["environment"]["DGW_REDIS_PASSWORD_FILE"] == "/run/dgw-secrets/redis-password"
+            assert svc["environment"]["DGW_REDIS__PASSWORD_FILE"] == "/run/dgw-secrets/redis-password"
 
 
 def test_compose_observability_has_no_default_credentials_or_open_lifecycle_api() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.launch import CLI, Gateway, SimCluster
 from deepinfer_gateway.recipe_bridge import derived_cache, detokenizer, segment_tokenizer, tokenizer
 from deepinfer_gateway.recipe_bridge.segment_tokenizer import FastokensPlain, HfPlain, TiktokenPlain
+from harness.launch import CLI, Gateway, SimCluster
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_gateway.dnsmasq import Dnsmasq, NoDnsmasq
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+from harness.dnsmasq import Dnsmasq, NoDnsmasq
+from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 ADMIN_KEY = "discovery-admin"

@@ -24,8 +24,8 @@ import httpx
 import redis
 
 from deepinfer_gateway.gateway.fleet.admin_store import KEPT_KEY, WORKERS_KEY
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
+from harness.launch import Gateway, SimCluster
 from tests.conftest import _require_redis_server
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -75,8 +75,8 @@ def test_redis_crash_and_volume_loss(tmp_path: Path) -> None:
     (tmp_path / "redis-password").write_text(PASSWORD + "\n")
     (tmp_path / "worker-token").write_text("cluster-token\n")
     closed = {"DGW_WORKER_TOKEN_FILE": str(tmp_path / "worker-token"),
-              "DGW_REDIS_PASSWORD_FILE": str(tmp_path / "redis-password")}
-    toml = (f'redis_url = "{server.url}"\napi_keys_in_redis = true\nadmin_worker_hosts = ["127.0.0.1"]\n'
+              "DGW_REDIS__PASSWORD_FILE": str(tmp_path / "redis-password")}
+    toml = (f'redis.url = "{server.url}"\napi_keys_in_redis = true\nadmin_worker_hosts = ["127.0.0.1"]\n'
             f'[[api_keys]]\nname = "admin"\nkey_sha256 = "{_digest(ADMIN_KEY)}"\nadmin = true\n')
     server.start()
     cluster = SimCluster("unified:sm100,unified:sm100", time_scale=20.0, env=closed)

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deepinfer_gateway.gateway.fleet.client_ids import digest_of
-from deepinfer_gateway.launch import Envoy, Epp, SimCluster, free_port
+from harness.launch import Envoy, Epp, SimCluster, free_port
 from tests.fault_doubles import scrape, total
 
 pytestmark = pytest.mark.timeout(300)  # each test may start sim clusters, an EPP and an Envoy of its own

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import Epp, SimCluster
+from harness.launch import Epp, SimCluster
 from tests.e2e.test_admin_shared import ADMIN, PROPAGATION_S, _clear_admin_state, _replica, _toml
 from tests.e2e.test_epp_envoy import wait_ready
 from tests.e2e.test_epp_stream import chat

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.launch import Epp, SimCluster, free_port
+from harness.launch import Epp, SimCluster, free_port
 from tests.e2e.test_epp_envoy import wait_ready
 from tests.epp_stream import SUBSET, ExtProcClient
 from tests.fault_doubles import scrape, total

@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from deepinfer_gateway.launch import Envoy, Epp
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from harness.launch import Envoy, Epp
 from tests.e2e.test_epp_envoy import wait_ready
 from tests.e2e.test_vllm_gateway import vllm_worker_toml
 from tests.fault_doubles import scrape, total

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.e2e.test_faults_workers import gateway_alive
 from tests.fault_doubles import scrape, stream_chat, total
 
@@ -234,7 +234,7 @@ def test_redis_killed_and_restarted(cluster: SimCluster, gateway_factory, redis_
         digest = hashlib.sha256(key.encode()).hexdigest()
         return f'[[api_keys]]\nname = "{name}"\nkey_sha256 = "{digest}"\nrequests_per_minute = {rpm}\n'
 
-    extra = f'redis_url = "{redis_server.url}"\n' + key_toml("tight", "sk-tight", 3)
+    extra = f'redis.url = "{redis_server.url}"\n' + key_toml("tight", "sk-tight", 3)
     # api_keys tables must follow the top-level keys; Gateway appends [health] after extra_toml.
     gw = gateway_factory(cluster, extra)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 from tests.fault_doubles import (
     PROTOCOLS,
     FaultyWorker,

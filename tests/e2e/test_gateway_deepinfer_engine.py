@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from deepinfer_gateway.gateway.fleet.client_ids import digest_of
-from deepinfer_gateway.launch import Gateway
+from harness.launch import Gateway
 from tests.deepinfer_double.serve import start_workers
 from tests.e2e.test_gateway_openai import MODEL
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 

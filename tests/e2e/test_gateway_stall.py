@@ -16,7 +16,7 @@ from pathlib import Path
 
 import openai
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 
 def _metric(url: str, name: str) -> list[float]:

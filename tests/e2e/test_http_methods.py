@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import Gateway
+from harness.launch import Gateway
 
 
 @pytest.mark.parametrize(("method", "path", "allow", "anthropic"), [

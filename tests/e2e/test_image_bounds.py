@@ -17,7 +17,7 @@ import pytest
 from openai.types.chat import ChatCompletionContentPartParam
 from PIL import Image
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 pytestmark = pytest.mark.e2e
 

@@ -173,7 +173,7 @@ def test_epp_config_follows_the_pool_through_the_api(docs: list[dict[str, Any]],
     text = config_map["data"]["epp.toml"]
     assert text == (EPP / "epp.toml").read_text()
     tomllib.loads(text)
-    settings = load_settings(EPP / "epp.toml", {"redis_url": "redis://redis:6379/0"})
+    settings = load_settings(EPP / "epp.toml", {"redis": {"url": "redis://redis:6379/0"}})
     (entry,) = settings.discovery
     assert entry.kind == "kubernetes" and entry.name == one(docs, "InferencePool")["metadata"]["name"]
     assert not settings.workers

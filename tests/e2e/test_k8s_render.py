@@ -193,7 +193,7 @@ def test_every_pod_is_under_an_egress_policy_and_dials_only_what_it_needs(render
     config = tomllib.loads(config_map["data"]["gateway.toml"])
     (gateway_deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"]
     env = {e["name"]: e.get("value") for e in containers(gateway_deployment)[0]["env"]}
-    redis_port = int(env["DGW_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    redis_port = int(env["DGW_REDIS__URL"].rsplit(":", 1)[1].split("/")[0])
     assert _dials(policies, gateway, redis_port, target=redis)
     for pool in config["discovery"]:
         service = pool["name"].split(".")[0]

@@ -22,7 +22,7 @@ from deepinfer_gateway.config import DiscoverySpec
 from deepinfer_gateway.gateway.fleet.endpoints import Endpoint, LookupFailed
 from deepinfer_gateway.gateway.fleet.kube_api import ApiAccess, Backoff
 from deepinfer_gateway.gateway.fleet.kube_discovery import KubernetesLookup
-from deepinfer_gateway.launch import CLI, Epp, Gateway, Proc, free_port
+from harness.launch import CLI, Epp, Gateway, Proc, free_port
 from tests.e2e.test_discovery import wait_for_port_at
 from tests.kube_api_double import NAMESPACE, PODS_PATH, POOL, POOLS_PATH, FakeApiServer, inference_pool, pod
 

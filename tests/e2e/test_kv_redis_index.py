@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from deepinfer_gateway.config import RedisSettings
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
@@ -340,7 +341,7 @@ async def test_wiped_redis_is_refilled_without_an_observed_failure(redis_server:
 
 async def test_factory_picks_the_backend(redis_url: str) -> None:
     memory = create_prefix_index(None)
-    shared = create_prefix_index(redis_url, namespace=f"f:{uuid.uuid4().hex[:6]}")
+    shared = create_prefix_index(RedisSettings(url=redis_url), namespace=f"f:{uuid.uuid4().hex[:6]}")
     assert type(memory).__name__ == "InMemoryPrefixIndex"
     assert isinstance(shared, RedisPrefixIndex)
     await memory.aclose()

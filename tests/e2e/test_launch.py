@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from deepinfer_gateway import launch
-from deepinfer_gateway.launch import START_TIMEOUT_S, Proc, SimCluster, free_port, wait_for_port
+from harness import launch
+from harness.launch import START_TIMEOUT_S, Proc, SimCluster, free_port, wait_for_port
 
 
 def test_a_process_that_exits_before_listening_ends_the_wait_at_once() -> None:

@@ -19,7 +19,7 @@ from deepinfer_gateway.gateway.telemetry.logs import (
     configure_logging,
     valid_request_id,
 )
-from deepinfer_gateway.launch import free_port, wait_for_port
+from harness.launch import free_port, wait_for_port
 from tests.fault_doubles import FaultyWorker
 
 

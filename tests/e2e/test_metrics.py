@@ -30,8 +30,8 @@ from deepinfer_gateway.gateway.telemetry.metrics_reference import (
     reference_registry,
     render,
 )
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.protocol import V1Fallback
+from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, scrape_until, total
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.multiprocess import mark_process_dead
 
 from deepinfer_gateway.gateway.telemetry.metrics_host import MULTIPROC_ENV
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, scrape_until, total
 
 MODEL = "DeepSeek-V4.1-Flash"

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port
+from harness.launch import Gateway, SimCluster, free_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from deepinfer_gateway.launch import Gateway
+from harness.launch import Gateway
 
 
 def _chat(gateway: Gateway, **extra: object) -> openai.types.chat.ChatCompletion:

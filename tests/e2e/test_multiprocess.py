@@ -24,8 +24,8 @@ import openai
 import pytest
 import redis
 
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.supervisor import PROCESS_HEADER
+from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 KEY, LIMITED_KEY = "mp-test-key", "mp-limited-key"

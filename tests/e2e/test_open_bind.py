@@ -12,7 +12,7 @@ import tempfile
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import CLI, START_TIMEOUT_S, Proc, free_port, wait_for_port
+from harness.launch import CLI, START_TIMEOUT_S, Proc, free_port, wait_for_port
 
 pytestmark = pytest.mark.e2e
 

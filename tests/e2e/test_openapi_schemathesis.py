@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deepinfer_gateway.gateway.serving.auth import hash_key
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
           "response_schema_conformance,response_headers_conformance")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import CLI, free_port, wait_for_port
+from harness.launch import CLI, free_port, wait_for_port
 
 
 def require_namespaces() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
+from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 from PIL import Image
 
-from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.recipe_bridge.images import AllowList, destination_allowed
+from harness.launch import Gateway
 
 MODEL = "DeepSeek-V4.1-Flash"
 CONTEXT = 2048

@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.gateway.app import create_app
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port, wait_for_port
+from harness.launch import Gateway, SimCluster, free_port, wait_for_port
 from tests.fault_doubles import FaultyWorker, scrape, total
 
 MODEL = "DeepSeek-V4.1-Flash"

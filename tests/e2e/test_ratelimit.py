@@ -150,7 +150,7 @@ def test_concurrent_requests_cannot_overrun_the_token_limit(tmp_path) -> None:
 
     import openai
 
-    from deepinfer_gateway.launch import Gateway, SimCluster
+    from harness.launch import Gateway, SimCluster
 
     cluster = SimCluster("unified:sm100")
     key = "sk-tokens"

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import redis
 
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.redis_process import RedisProcess, redis_server_binary
+from harness.launch import Gateway, SimCluster
 from tests.conftest import _require_redis_server
 from tests.fault_doubles import scrape, total
 
@@ -78,9 +78,9 @@ def test_a_gateway_uses_the_password_for_its_keys(locked_redis: RedisProcess, tm
     try:
         gateway = Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")],
                           # 10 s: an error counted below must be a refused password, not a busy machine's slow reply
-                          extra_toml=f'redis_url = "{locked_redis.url}"\napi_keys_in_redis = true\n'
-                                     'redis_timeout_s = 10\n',
-                          env={"DGW_REDIS_PASSWORD_FILE": str(password_file)})
+                          extra_toml=f'redis.url = "{locked_redis.url}"\napi_keys_in_redis = true\n'
+                                     'redis.timeout_s = 10\n',
+                          env={"DGW_REDIS__PASSWORD_FILE": str(password_file)})
         gateway.wait_ready(1)
         body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         ok = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30,

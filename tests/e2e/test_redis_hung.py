@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.conftest import RedisServer
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -26,7 +26,7 @@ LIMIT_RPM = 3
 @pytest.fixture
 def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[Gateway]:
     cluster = SimCluster("unified:sm100")
-    keys = (f'redis_url = "{redis_server.url}"\n[[api_keys]]\nname = "limited"\n'
+    keys = (f'redis.url = "{redis_server.url}"\n[[api_keys]]\nname = "limited"\n'
             f'key_sha256 = "{hashlib.sha256(KEY.encode()).hexdigest()}"\nrequests_per_minute = {LIMIT_RPM}\n')
     gw = Gateway(tmp_path, [(url, "unified", "sm100") for url in cluster.urls], extra_toml=keys)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.conftest import redis_backend_url
 from tests.fault_doubles import scrape, total
 
@@ -29,7 +29,7 @@ def _replicas(tmp: Path, cluster: SimCluster, redis_url: str, health_interval_s:
               redis_cluster: bool = False) -> list[Gateway]:
     workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
     # A generous Redis timeout: the tests count Redis errors, and a busy machine can pass the 0.5 s default.
-    toml = f'redis_url = "{redis_url}"\nredis_cluster = {str(redis_cluster).lower()}\nredis_timeout_s = 10'
+    toml = f'redis.url = "{redis_url}"\nredis.cluster = {str(redis_cluster).lower()}\nredis.timeout_s = 10'
     gateways = [Gateway(tmp, workers, extra_toml=toml, health_interval_s=health_interval_s) for _ in range(2)]
     for gw in gateways:
         gw.wait_ready(len(workers))

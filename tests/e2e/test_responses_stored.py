@@ -16,10 +16,10 @@ import openai
 import pytest
 import redis as redis_lib
 
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.redis_process import RedisProcess
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 from deepinfer_gateway.workload.types import TraceRequest
+from harness.launch import Gateway, SimCluster
 
 MODEL = "deepseek-chat"  # without thinking: the whole answer is part of the follow-up's prompt
 
@@ -103,7 +103,7 @@ def keyed_redis_gateway(sim_cluster: SimCluster, redis_server: RedisProcess,
                         tmp_path: Path) -> Iterator[tuple[Gateway, Path]]:
     roles = [spec.split(":") for spec in sim_cluster.specs]
     workers = [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)]
-    toml = f'redis_url = "{redis_server.url}"\n[responses]\nmax_per_key = 3\n' + _key_toml("alice", "bob")
+    toml = f'redis.url = "{redis_server.url}"\n[responses]\nmax_per_key = 3\n' + _key_toml("alice", "bob")
     gateway = Gateway(tmp_path, workers, extra_toml=toml.replace("[responses]", "\n[responses]"))
     gateway.wait_ready(len(workers))
     yield gateway, tmp_path
@@ -129,7 +129,7 @@ def test_responses_are_per_key_bounded_and_survive_a_gateway_restart(
     gateway.stop()  # a new gateway process on the same Redis
     roles = [spec.split(":") for spec in sim_cluster.specs]
     workers = [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)]
-    again = Gateway(tmp, workers, extra_toml=f'redis_url = "{redis_server.url}"\n' + _key_toml("alice", "bob"))
+    again = Gateway(tmp, workers, extra_toml=f'redis.url = "{redis_server.url}"\n' + _key_toml("alice", "bob"))
     try:
         again.wait_ready(len(workers))
         assert _client(again, "sk-alice").responses.retrieve(kept.id).output_text == kept.output_text
@@ -174,7 +174,7 @@ def test_a_stored_response_survives_a_redis_crash_on_the_shipped_config(sim_clus
     server.start()
     roles = [spec.split(":") for spec in sim_cluster.specs]
     workers = [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)]
-    gateway = Gateway(tmp_path, workers, extra_toml=f'redis_url = "{server.url}"\n')
+    gateway = Gateway(tmp_path, workers, extra_toml=f'redis.url = "{server.url}"\n')
     try:
         gateway.wait_ready(len(workers))
         kept = _client(gateway).responses.create(model=MODEL, input="remember me", max_output_tokens=4)
@@ -201,7 +201,7 @@ def _redis_keyed_gateway(sim_cluster: SimCluster, redis: RedisProcess, tmp: Path
                          stderr: Any = None) -> Gateway:
     roles = [spec.split(":") for spec in sim_cluster.specs]
     workers = [(url, role, hw) for url, (role, hw) in zip(sim_cluster.urls, roles, strict=True)]
-    gateway = Gateway(tmp, workers, extra_toml=f'redis_url = "{redis.url}"\n' + toml, stderr=stderr)
+    gateway = Gateway(tmp, workers, extra_toml=f'redis.url = "{redis.url}"\n' + toml, stderr=stderr)
     gateway.wait_ready(len(workers))
     return gateway
 

@@ -10,9 +10,9 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
+from harness.launch import Gateway
 from tests.conftest import redis_backend_url
 from tests.fault_doubles import FaultyWorker
 
@@ -144,7 +144,7 @@ async def test_a_gateway_stopping_mid_request_leaves_no_reservation_behind(redis
     worker_id = worker.url.split("://", 1)[1]  # the gateway's id of a worker configured without one
     tok, exp = f"{{dgw:inflight}}:{worker_id}:tok", f"{{dgw:inflight}}:{worker_id}:exp"
     await client.delete(tok, exp)
-    gateway = Gateway(tmp_path, [worker.spec()], extra_toml=f'redis_url = "{redis_url}"\n'
+    gateway = Gateway(tmp_path, [worker.spec()], extra_toml=f'redis.url = "{redis_url}"\n'
                       "shutdown_delay_s = 0.0\nshutdown_grace_s = 0.5\nfirst_event_timeout_s = 60.0")
     outcome: list[BaseException] = []
     try:

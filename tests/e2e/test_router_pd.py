@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from deepinfer_gateway.cli import main as cli_main
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.shared_data import CONVERSATION, needs_shared
 
 MODEL = "DeepSeek-V4.1-Flash"

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
 from deepinfer_gateway.simulate import ClusterConfig, run_simulation
 from deepinfer_gateway.simulate.calibrate import measure_gateway_cost
 from deepinfer_gateway.simulate.config import GatewayCost, WorkerGroup
+from harness.launch import Gateway, SimCluster
 from tests.shared_data import CONVERSATION, require
 
 WORKERS = "prefill:sm100,prefill:sm100,prefill:ascend950,decode:sm100,decode:sm100,decode:ascend950"

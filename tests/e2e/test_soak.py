@@ -24,11 +24,11 @@ import aiohttp
 import pytest
 
 from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.launch import Gateway, SimCluster
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total
 
 MODEL = "DeepSeek-V4.1-Flash"

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from deepinfer_gateway.gateway.upstream.http import LineStream
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
 WEATHER = {"type": "function", "function": {

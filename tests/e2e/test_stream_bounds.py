@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster
+from harness.launch import Gateway, SimCluster
 from tests.e2e.test_faults_clients import ClusterLoads, body, raw_stream_request, wait_metric
 from tests.fault_doubles import scrape, total
 

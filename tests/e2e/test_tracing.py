@@ -21,8 +21,8 @@ from starlette.routing import Route
 from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings, TracingSettings
 from deepinfer_gateway.gateway.telemetry.logs import RequestContext, current_request_id
-from deepinfer_gateway.launch import CLI, Gateway, Proc, free_port, wait_for_port
 from deepinfer_gateway.workers.mux import SPAN_NAME
+from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 
 @pytest.fixture

@@ -23,11 +23,11 @@ import openai
 import orjson
 import pytest
 
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from harness.launch import Gateway, SimCluster, free_port
 from tests.fault_doubles import scrape, total
 from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer
 

@@ -14,13 +14,14 @@ import httpx
 import openai
 import pytest
 
+from deepinfer_gateway.config import RedisSettings
 from deepinfer_gateway.gateway.upstream.vllm import vllm_kv_format
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
-from deepinfer_gateway.launch import Gateway
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from harness.launch import Gateway
 from tests.e2e.test_vllm_gateway import ADMIN, ADMIN_KEY, admin_key_toml, vllm_worker_toml
 from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer
 
@@ -58,7 +59,7 @@ async def complete(server: VllmServer, prompt: list[int]) -> int:
 @pytest.fixture(params=["memory", "redis"])
 async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
     url = None if request.param == "memory" else request.getfixturevalue("redis_url")
-    idx = create_prefix_index(url, namespace=f"vllm-test:{uuid.uuid4().hex[:8]}")
+    idx = create_prefix_index(RedisSettings(url=url), namespace=f"vllm-test:{uuid.uuid4().hex[:8]}")
     yield idx
     await idx.aclose()
 
@@ -101,12 +102,13 @@ async def test_blocks_stored_before_subscribing_come_from_replay(vllm_server: Vl
 async def test_restarted_vllm_is_resynced(vllm_server: VllmServer, redis_url: str, tmp_path: Path) -> None:
     """One restart (the costly part: a new vLLM process) checked on both backends at once, and
     behind a gateway whose Redis index its KV events feed (under the gateway's own salt)."""
-    indexes = [create_prefix_index(None), create_prefix_index(redis_url, namespace=f"vllm-test:{uuid.uuid4().hex[:8]}")]
+    shared = create_prefix_index(RedisSettings(url=redis_url), namespace=f"vllm-test:{uuid.uuid4().hex[:8]}")
+    indexes = [create_prefix_index(None), shared]
     subs = [subscriber(idx, vllm_server) for idx in indexes]
     for sub in subs:
         await sub.start()
-    gateway_index = create_prefix_index(redis_url)  # the namespace the gateway below writes
-    toml = f'redis_url = "{redis_url}"\n' + admin_key_toml() + vllm_worker_toml(vllm_server, worker_id=WORKER)
+    gateway_index = create_prefix_index(RedisSettings(url=redis_url))  # the namespace the gateway below writes
+    toml = f'redis.url = "{redis_url}"\n' + admin_key_toml() + vllm_worker_toml(vllm_server, worker_id=WORKER)
     gw = Gateway(tmp_path, [], extra_toml=toml)
     try:
         await asyncio.to_thread(gw.wait_ready, 1, 30)

@@ -23,8 +23,8 @@ from deepinfer_gateway.kvcache.vllm_translate import (
     VllmEventBatch,
     VllmKvTranslator,
 )
-from deepinfer_gateway.launch import free_port
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, KvEventKind
+from harness.launch import free_port
 
 SALT = kv_salt("m", "f")
 B = KV_BLOCK_TOKENS

@@ -21,11 +21,11 @@ import openai
 import orjson
 import pytest
 
-from deepinfer_gateway.launch import Gateway, free_port
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
+from harness.launch import Gateway, free_port
 from tests.e2e.test_vllm_gateway import vllm_worker_toml
 from tests.vllm_server import VllmServer
 from tests.vllm_venv import VllmInstallError, ensure_vllm_venv

@@ -16,7 +16,6 @@ import deepseek_recipe as dr
 import pytest
 from openai import AsyncOpenAI
 
-from deepinfer_gateway.launch import CLI, free_port, wait_for_port
 from deepinfer_gateway.recipe_bridge.encoder import ReferencePromptEncoder
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.sim.cluster import (
@@ -25,6 +24,7 @@ from deepinfer_gateway.workers.sim.cluster import (
     serve_sim_cluster,
 )
 from deepinfer_gateway.workers.sim.compat import shared_encoder
+from harness.launch import CLI, free_port, wait_for_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -10,7 +10,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from deepinfer_gateway.launch import free_port, wait_for_port
+from harness.launch import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

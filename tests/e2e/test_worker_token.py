@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from deepinfer_gateway.gateway.upstream.http import TOKEN_REFRESH_S
-from deepinfer_gateway.launch import Gateway, SimCluster, free_port
 from deepinfer_gateway.protocol import GENERATE_PATH, HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
+from harness.launch import Gateway, SimCluster, free_port
 
 MODEL = "DeepSeek-V4.1-Flash"
 ADMIN_KEY = "admin-secret"
@@ -127,7 +127,7 @@ def test_a_tokenless_worker_beyond_loopback_refuses_to_start() -> None:
 def test_every_worker_kind_enforces_the_token(tmp_path: Path) -> None:
     """`worker --engine deepinfer` (on the LLMEngine double) and `worker --engine sim`, token
     from DGW_WORKER_TOKEN: 401 without it, /health open, and a gateway with it serves."""
-    from deepinfer_gateway.launch import CLI, Proc, wait_for_port
+    from harness.launch import CLI, Proc, wait_for_port
     from tests.deepinfer_double.serve import start_workers
 
     env = {"DGW_WORKER_TOKEN": "kind-token"}

@@ -151,7 +151,7 @@ services:
     volumes: ["./r.conf:/etc/r.conf:ro", "data:/data", "vault:/run/s:ro"]
   gateway-1:
     environment:
-      DGW_REDIS_PASSWORD_FILE: /run/s/pw
+      DGW_REDIS__PASSWORD_FILE: /run/s/pw
       DGW_LOG_LEVEL: ${DGW_LOG_LEVEL:-info}
     volumes: ["vault:/run/s:ro"]
 """
@@ -161,7 +161,7 @@ def test_compose_paths_become_host_paths(tmp_path: Path) -> None:
     (tmp_path / "compose.yml").write_text(COMPOSE)
     compose = cluster.ComposeFile(tmp_path / "volumes", {"DGW_LOG_LEVEL": "warning"}, tmp_path / "compose.yml")
     vault = tmp_path / "volumes" / "vault"
-    assert compose.environment("gateway-1") == {"DGW_REDIS_PASSWORD_FILE": f"{vault}/pw", "DGW_LOG_LEVEL": "warning"}
+    assert compose.environment("gateway-1") == {"DGW_REDIS__PASSWORD_FILE": f"{vault}/pw", "DGW_LOG_LEVEL": "warning"}
     assert dict(compose.mounts("redis")) == {"/etc/r.conf": tmp_path / "r.conf", "/data": tmp_path / "volumes" / "data",
                                             "/run/s": vault}
     assert compose.script("secrets").strip() == f"[ -s {vault}/pw ] || printf 'pw%s' $((6*7)) > {vault}/pw"
@@ -181,7 +181,7 @@ def test_the_shipped_compose_file_gives_redis_its_config_and_password(tmp_path: 
     compose = cluster.ComposeFile(tmp_path, {})
     script = cluster.redis_script(compose, "redis-server", tmp_path, tmp_path / "log")
     assert str(cluster.REPO / "deploy") in script and "--requirepass" in script
-    assert compose.environment(cluster.GATEWAY_SERVICE)["DGW_REDIS_PASSWORD_FILE"].startswith(str(tmp_path))
+    assert compose.environment(cluster.GATEWAY_SERVICE)["DGW_REDIS__PASSWORD_FILE"].startswith(str(tmp_path))
     assert compose.environment(cluster.WORKER_SERVICE)["DGW_WORKER_TOKEN_FILE"].startswith(str(tmp_path))
 
 

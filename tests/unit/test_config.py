@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 from pydantic import Field, ValidationError
 
-from deepinfer_gateway import config_reference
 from deepinfer_gateway.config import (
     ConfigError,
     GatewaySettings,
+    RedisSettings,
     RouterSettings,
     load_settings,
+    reference,
     unknown_environment,
 )
-from deepinfer_gateway.config_reference import render
-from deepinfer_gateway.router.policy_config import (
+from deepinfer_gateway.config.policies import (
     CacheAwareConfig,
     EstimatedTtftConfig,
     LeastLoadConfig,
@@ -31,6 +31,7 @@ from deepinfer_gateway.router.policy_config import (
     RoundRobinConfig,
     SessionAffinityConfig,
 )
+from deepinfer_gateway.config.reference import render
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +105,7 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "model_aliases": '{"x": "m"}',
               "tokenizer_path": "/t", "context_limit": "7", "max_body_bytes": "4096", "images": '{"max_images": 1}',
               "client_connections": '{"max_connections": 9}',
-              "redis_url": "redis://r:6379/0", "redis_cluster": "true", "kv_writer_lease_s": "9",
+              "redis": '{"url": "redis://r:6379/0", "cluster": true}', "kv_writer_lease_s": "9",
               "workers": '[{"url": "http://w:1"}]', "discovery": '[{"name": "pool.example"}]', "max_attempts": "9",
               "router": '{"policy": "least_load"}',
               "admin_keys_required": "false", "health": '{"interval_s": 9}', "connect_timeout_s": "9",
@@ -112,7 +113,6 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "shutdown_grace_s": "9", "api_keys": json.dumps([key_record("a", "k")]), "api_keys_in_redis": "true",
               "allow_unauthenticated": "true",
               "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}',
-              "redis_password": "pw", "redis_password_file": "/run/secrets/redis-password", "redis_timeout_s": "2",
               "worker_token": "tok", "worker_token_file": "/run/secrets/worker-token",
               "responses": '{"max_per_key": 5}', "worker_protocol": "v1",
               "admin_worker_hosts": '["10.0.0.0/8"]', "metrics_port": "9100", "api_docs": "false"}
@@ -155,12 +155,12 @@ def test_constructing_settings_directly_reads_no_environment(monkeypatch: pytest
 
 def test_precedence_flags_over_environment_over_secrets_over_toml_over_defaults(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = toml(tmp_path, 'port = 1\nredis_url = "redis://toml:1"\nshutdown_grace_s = 5.0\n'
+    path = toml(tmp_path, 'port = 1\nredis.url = "redis://toml:1"\nshutdown_grace_s = 5.0\n'
                           'context_limit = 11\n'
                           '[router]\npolicy = "round_robin"\ndecode_policy = "round_robin"\n')
     secrets = tmp_path / "secrets"
     secrets.mkdir()
-    (secrets / "redis_url").write_text("redis://secret:1\n")
+    (secrets / "redis").write_text('{"url": "redis://secret:1"}\n')
     (secrets / "context_limit").write_text("12")
     (secrets / "shutdown_grace_s").write_text("6")
     monkeypatch.setenv("DGW_PORT", "2")
@@ -170,14 +170,14 @@ def test_precedence_flags_over_environment_over_secrets_over_toml_over_defaults(
     s = load_settings(path, secrets_dir=secrets)
     assert s.port == 2  # environment over TOML
     assert s.context_limit == 13  # environment over secrets
-    assert s.redis_url == "redis://secret:1" and s.shutdown_grace_s == 6.0  # secrets over TOML
+    assert s.redis.url == "redis://secret:1" and s.shutdown_grace_s == 6.0  # secrets over TOML
     assert (s.router.policy.name, s.router.decode_policy.name) == ("least_load", "round_robin")  # tables merge
     assert s.max_attempts == GatewaySettings().max_attempts  # nobody set it: the default
 
-    flags = {"port": 3, "redis_url": None, "router": {"policy": "power_of_two", "decode_policy": None}}
+    flags = {"port": 3, "redis": {"url": None}, "router": {"policy": "power_of_two", "decode_policy": None}}
     s = load_settings(path, flags, secrets_dir=secrets)
     assert s.port == 3 and s.router.policy.name == "power_of_two"  # flags over everything
-    assert s.redis_url == "redis://secret:1" and s.router.decode_policy.name == "round_robin"  # None: no flag
+    assert s.redis.url == "redis://secret:1" and s.router.decode_policy.name == "round_robin"  # None: no flag
 
 
 def test_loaded_settings_are_plain_frozen_gateway_settings(tmp_path: Path) -> None:
@@ -253,7 +253,7 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
     ('[router.session_affinity]\nenabled = true\nmax_queue_tokens = -1\n', "router.session_affinity.max_queue_tokens",
      "Input should be greater than or equal to 0"),
     ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
-    ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis_url"),
+    ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis.url"),
     # two keys of one name (stored state was once the name's) or two records of one key
     (f'[[api_keys]]\nname = "a"\nkey_sha256 = "{"1" * 64}"\n[[api_keys]]\nname = "a"\nkey_sha256 = "{"2" * 64}"\n',
      "api_keys", "each key needs its own name; repeated: a"),
@@ -304,13 +304,78 @@ def test_a_plain_key_put_where_its_digest_belongs_stays_out_of_the_message(monke
     assert list(problems(e)) == ["api_keys[0].key_sha256"] and "sk-live-1234" not in str(e.value)
 
 
+# ------------------------------------------------------------------------------ the [redis] section and its old keys
+
+REDIS_TOML = ('[redis]\nurl = "redis://gateway@r:6379/0"\ncluster = true\npassword = "pw"\npassword_file = "/run/p"\n'
+              'timeout_s = 2\n')
+OLD_REDIS_TOML = ('redis_url = "redis://gateway@r:6379/0"\nredis_cluster = true\nredis_password = "pw"\n'
+                  'redis_password_file = "/run/p"\nredis_timeout_s = 2\n')
+
+
+def test_the_redis_section_from_file_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = toml(tmp_path, REDIS_TOML)
+    assert load_settings(path).redis == RedisSettings(url="redis://gateway@r:6379/0", cluster=True, password="pw",
+                                                      password_file="/run/p", timeout_s=2)
+    monkeypatch.setenv("DGW_REDIS__TIMEOUT_S", "3")  # one key of the file's table
+    s = load_settings(path)
+    assert s.redis.timeout_s == 3 and s.redis.url == "redis://gateway@r:6379/0"
+
+
+def test_old_flat_redis_keys_load_the_same_settings_and_warn_once(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    new = toml(tmp_path, REDIS_TOML)
+    old = tmp_path / "old.toml"
+    old.write_text(OLD_REDIS_TOML)
+    with caplog.at_level(logging.WARNING, logger="deepinfer_gateway.config"):
+        assert load_settings(new) == load_settings(old)
+    assert [r.getMessage() for r in caplog.records] == [
+        "renamed settings, read under their old names; use the new ones (docs/config.md): redis_url -> redis.url, "
+        "redis_cluster -> redis.cluster, redis_password -> redis.password, redis_password_file -> "
+        "redis.password_file, redis_timeout_s -> redis.timeout_s"]
+
+
+def test_old_redis_variables_and_secret_files_still_read_at_their_rank(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    path = toml(tmp_path, '[redis]\nurl = "redis://file:1"\n')
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "redis_password").write_text("s3cret\n")
+    monkeypatch.setenv("DGW_REDIS_URL", "redis://env:1")
+    monkeypatch.setenv("DGW_REDIS_TIMEOUT_S", "4")
+    with caplog.at_level(logging.WARNING, logger="deepinfer_gateway.config"):
+        s = load_settings(path, secrets_dir=secrets)
+    assert (s.redis.url, s.redis.timeout_s, s.redis.password) == ("redis://env:1", 4, "s3cret")  # env over the file
+    assert unknown_environment(os.environ) == []  # an old name is no unknown variable
+    assert caplog.records[-1].getMessage().endswith(
+        "DGW_REDIS_URL -> DGW_REDIS__URL, DGW_REDIS_TIMEOUT_S -> DGW_REDIS__TIMEOUT_S, "
+        'secrets file redis_password -> secrets file redis holding {"password": ...}')
+    assert load_settings(path, {"redis": {"url": "redis://flag:1"}}).redis.url == "redis://flag:1"  # a flag over both
+    monkeypatch.setenv("DGW_REDIS_TIMEOUT_S", "-1")  # a bad value names the variable it came from
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert problems(e) == {"redis.timeout_s": "Input should be greater than 0 (got '-1') (from DGW_REDIS_TIMEOUT_S)"}
+
+
+def test_one_source_giving_a_setting_under_both_names_is_an_error(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(toml(tmp_path, 'redis_url = "redis://a:1"\n[redis]\nurl = "redis://b:1"\n'))
+    assert problems(e) == {"redis.url": "also given as redis_url, its old name: keep redis.url"}
+    monkeypatch.setenv("DGW_REDIS_URL", "redis://a:1")
+    monkeypatch.setenv("DGW_REDIS__URL", "redis://b:1")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    assert problems(e) == {"redis.url": "also given as redis_url, its old name: keep redis.url"}
+
+
 # ------------------------------------------------------------------------------ generated reference
 
 def test_docs_config_md_is_generated_from_the_settings_models() -> None:
     committed = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     assert committed == render(), (
         "docs/config.md drifted from the settings models: "
-        "python -m deepinfer_gateway.config_reference > docs/config.md")
+        "python -m deepinfer_gateway.config.reference > docs/config.md")
 
 
 def test_the_reference_names_every_setting_with_its_variable() -> None:
@@ -329,4 +394,4 @@ def test_a_setting_without_a_description_stops_the_generator() -> None:
         bare: int = 2
 
     with pytest.raises(ValueError, match=r"bare has no description"):
-        list(config_reference._sections(Undocumented, ()))
+        list(reference._sections(Undocumented, ()))

@@ -6,6 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer_gateway.config.policies import (
+    POLICIES,
+    EstimatedTtftConfig,
+    PrefixApproxConfig,
+    SessionAffinityConfig,
+    parse_policy,
+)
 from deepinfer_gateway.router.policies import (
     CacheAware,
     EstimatedTtft,
@@ -18,13 +25,6 @@ from deepinfer_gateway.router.policies import (
     make_policy,
 )
 from deepinfer_gateway.router.policy import Candidate, Reason, RoutingView
-from deepinfer_gateway.router.policy_config import (
-    POLICIES,
-    EstimatedTtftConfig,
-    PrefixApproxConfig,
-    SessionAffinityConfig,
-    parse_policy,
-)
 
 
 def cand(wid: str, **kw: object) -> Candidate:

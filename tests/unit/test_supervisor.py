@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_gateway import redis_process
-from deepinfer_gateway.config import ConfigError, GatewaySettings
+from deepinfer_gateway.config import ConfigError, GatewaySettings, RedisSettings
 from deepinfer_gateway.supervisor import MAX_RESTART_DELAY_S, Supervisor, resolve_processes, restart_delay_s
 
 
@@ -32,13 +32,14 @@ def test_several_processes_without_redis_or_a_server_binary_is_a_config_error(
     with pytest.raises(ConfigError) as e:
         Supervisor(GatewaySettings(processes=2), 2, log_level="info", log_format="text").run()
     ((where, reason),) = e.value.problems
-    assert where == "processes" and "redis_url" in reason and "valkey-server" in reason
+    assert where == "processes" and "redis.url" in reason and "valkey-server" in reason
 
 
 def test_several_processes_on_redis_cluster_need_its_url() -> None:
     with pytest.raises(ConfigError) as e:
-        Supervisor(GatewaySettings(processes=2, redis_cluster=True), 2, log_level="info", log_format="text").run()
-    assert e.value.problems == [("redis_cluster", "needs redis_url")]
+        settings = GatewaySettings(processes=2, redis=RedisSettings(cluster=True))
+        Supervisor(settings, 2, log_level="info", log_format="text").run()
+    assert e.value.problems == [("redis.cluster", "needs redis.url")]
 
 
 @pytest.mark.parametrize("value", [-1, "-2", "many", 1.5, True])

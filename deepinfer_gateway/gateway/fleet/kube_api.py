@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from deepinfer_gateway.config import DiscoverySpec
-from deepinfer_gateway.config_models import KUBERNETES_SERVICE_ACCOUNT
+from deepinfer_gateway.config.models import KUBERNETES_SERVICE_ACCOUNT
 from deepinfer_gateway.gateway.fleet.kube_pool import GONE, WatchEvent
 
 REQUEST_TIMEOUT_S = 10.0  # a GET (a list of a pool's pods is small)

@@ -3,7 +3,7 @@ and the prefix index's stats.
 
 Every route needs a valid API key, one with admin rights when `admin_keys_required`.
 Changes (workers added or removed, routing policies) go through `AdminSync` (admin_sync.py):
-with `redis_url` every replica applies them, and a refused Redis write answers 503 with
+with `redis.url` every replica applies them, and a refused Redis write answers 503 with
 nothing changed; without Redis they apply to the process that receives them. Reads
 (`GET`) show this replica's view. Errors are GatewayErrors, rendered by the app's handler.
 

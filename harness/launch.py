@@ -1,4 +1,4 @@
-"""Starting real processes on loopback: sim workers and gateways (tests, benchmarks, bench CLI)."""
+"""Starting real processes on loopback: sim workers, gateways, the EPP and Envoy (tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from deepinfer_gateway.redis_process import free_port as free_port
 
 
 class ProcessExited(RuntimeError):
@@ -108,7 +104,7 @@ class Gateway:
                  processes: int | str = 1, stderr: IO[bytes] | None = None):
         """workers: (url, role, hardware). processes: `serve --processes` (N or "auto"); above 1 a
         supervisor with N gateway processes on the port, sharing a Redis of their own unless
-        `extra_toml` sets redis_url. The port answers once a process has started; wait_ready waits for all."""
+        `extra_toml` sets redis.url. The port answers once a process has started; wait_ready waits for all."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"gateway-{self.port}.toml"

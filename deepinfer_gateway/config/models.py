@@ -1,5 +1,5 @@
 """The gateway's settings models: one frozen, validated pydantic object per table, passed in
-(never a global). `GatewaySettings` is the whole configuration; `config.load_settings` layers
+(never a global). `GatewaySettings` is the whole configuration; `loading.load_settings` layers
 the TOML file, secrets directory, `DGW_*` environment and CLI flags into it. The reference of
 every field, generated from these models, is docs/config.md.
 """
@@ -13,9 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
-from deepinfer_gateway.router.policy_config import (
+from deepinfer_gateway.config.policies import (
     EstimatedTtftConfig,
     LeastLoadConfig,
     PolicyConfig,
@@ -24,6 +22,8 @@ from deepinfer_gateway.router.policy_config import (
     SessionAffinityConfig,
     parse_policy,
 )
+from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
+from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
 
 
 class _Frozen(BaseModel):
@@ -160,7 +160,7 @@ def _variant_keys() -> dict[str, frozenset[str]]:
 
 
 # A worker entry: one variant per engine kind, told apart by `engine` (as routing policies by
-# `name`, router/policy_config.py). A variant holds only its engine's fields.
+# `name`, policies.py). A variant holds only its engine's fields.
 WorkerSpec = Annotated[WorkerSpecVariant, Field(discriminator="engine"), BeforeValidator(_engine_or_dgw)]
 _WORKER_SPEC: TypeAdapter[WorkerSpecVariant] = TypeAdapter(WorkerSpec)
 
@@ -396,7 +396,7 @@ class ResponsesSettings(_Frozen):
     store: bool = Field(
         True,
         description="Keep answered Responses (their `store`, default true as OpenAI's) for previous_response_id "
-                    "and GET /v1/responses/{id}, in Redis with redis_url (durable), else in memory; off: "
+                    "and GET /v1/responses/{id}, in Redis with redis.url (durable), else in memory; off: "
                     "store: true is refused.")
     ttl_s: int = Field(30 * 86_400, ge=60, description="How long a stored response is kept.")
     max_per_key: int = Field(1_000, ge=1, description="Stored responses per API key (per tenant); beyond it store: "
@@ -417,13 +417,38 @@ class ResponsesSettings(_Frozen):
         return self
 
 
+class RedisSettings(_Frozen):
+    """The Redis that gateway replicas (and serve --processes) share their state through.
+
+    The prefix index, in-flight reservations, rate limits, API keys in Redis, admin changes and
+    stored Responses. Without a url each process keeps them in its own memory.
+    """
+
+    url: str | None = Field(
+        None,
+        description="redis://, rediss:// (TLS) or unix://; its user is the ACL user the password belongs to "
+                    "(redis://gateway@redis:6379/0). None: this process's memory.")
+    cluster: bool = Field(False, description="url names a node of a Redis Cluster.")
+    password: str | None = Field(
+        None, repr=False,
+        description="Redis AUTH password (DGW_REDIS__PASSWORD); none: the URL's, if any.")
+    password_file: str | None = Field(
+        None,
+        description="File holding the Redis password (first line), re-read at each new connection; wins over "
+                    "password.")
+    timeout_s: float = Field(
+        0.5, gt=0,
+        description="Connecting to Redis, a reply, and waiting for a free connection; past it the call fails "
+                    "(counted, and the shared state degrades as documented for a Redis outage).")
+
+
 class GatewaySettings(_Frozen):
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 only where a deployment means it.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     processes: int | Literal["auto"] = Field(
         1,
         description='Gateway processes behind the one port (supervisor.py); "auto" or 0: one per CPU this process '
-                    "may run on. Above 1 they share state through redis_url, else through a Redis of their own on "
+                    "may run on. Above 1 they share state through redis.url, else through a Redis of their own on "
                     "a Unix socket (docs/deploy.md).")
     model_names: tuple[str, ...] = Field(
         (DEFAULT_MODEL,),
@@ -440,21 +465,7 @@ class GatewaySettings(_Frozen):
     images: ImageSettings = Field(ImageSettings(), description="Image input limits.")
     client_connections: ClientConnectionSettings = Field(
         ClientConnectionSettings(), description="Client connection and stream bounds.")
-    redis_url: str | None = Field(
-        None,
-        description="Shared prefix index, in-flight reservations, rate limits and keys; none: this process's memory.")
-    redis_cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster.")
-    redis_password: str | None = Field(
-        None, repr=False,
-        description="Redis AUTH password (DGW_REDIS_PASSWORD); none: the URL's, if any.")
-    redis_password_file: str | None = Field(
-        None,
-        description="File holding the Redis password (first line), re-read at each new connection; wins over "
-                    "redis_password.")
-    redis_timeout_s: float = Field(
-        0.5, gt=0,
-        description="Connecting to Redis, a reply, and waiting for a free connection; past it the call fails "
-                    "(counted, and the shared state degrades as documented for a Redis outage).")
+    redis: RedisSettings = Field(RedisSettings(), description="The Redis that replicas share their state through.")
     worker_token: str | None = Field(
         None, repr=False,
         description="Token sent to workers as Authorization: Bearer (DGW_WORKER_TOKEN); vLLM's --api-key.")
@@ -540,6 +551,6 @@ class GatewaySettings(_Frozen):
     @model_validator(mode="after")
     def _keys_in_redis_need_redis(self) -> GatewaySettings:
         # Without Redis there is nowhere to look keys up: the gateway would serve everyone.
-        if self.api_keys_in_redis and not self.redis_url:
-            raise ValueError("api_keys_in_redis: needs redis_url (keys are looked up there)")
+        if self.api_keys_in_redis and not self.redis.url:
+            raise ValueError("api_keys_in_redis: needs redis.url (keys are looked up there)")
         return self

@@ -4,7 +4,7 @@ A policy is configured by name alone (`policy = "round_robin"`: every parameter 
 default) or as a table naming it (`[router.policy] name = "cache_aware"`, `min_match =
 0.2`). `PolicyConfig` is the discriminated union of the variants on `name`; a string is
 read as the table `{name = string}`. The defaults are the values the policies were tuned
-with (docs/policies.md). Pydantic only: config.py and the admin API import this module,
+with (docs/policies.md). Pydantic only: the settings models (models.py) and the admin API import it,
 router/policies.py builds a policy from it (`make_policy`).
 """
 

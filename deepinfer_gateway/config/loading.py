@@ -1,4 +1,4 @@
-"""Gateway configuration: loading the settings models (config_models.py) from their sources.
+"""Loading the settings models (models.py) from their sources.
 
 `load_settings` layers its sources, highest first: explicit overrides (the CLI flags),
 `DGW_*` environment variables, files in the secrets directory, the TOML file, defaults.
@@ -6,8 +6,8 @@ Every setting has an environment variable: `DGW_<FIELD>`, nested fields joined b
 (`DGW_ROUTER__POLICY=round_robin`), lists and tables as JSON
 (`DGW_MODEL_NAMES='["a","b"]'`, `DGW_WORKERS='[{"url": "http://10.0.0.5:8100"}]'`).
 Problems come back as one `ConfigError` naming each field (and the variable it came from);
-unknown `DGW_*` names draw a warning. The models are importable from here too, so the rest of
-the program has one place to import its configuration from.
+unknown `DGW_*` names draw a warning. A setting that moved into a section is still read under
+its old name, with a warning (renamed.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import logging
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -30,33 +31,9 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from deepinfer_gateway.config_models import (
-    DEFAULT_HARDWARE_COSTS,
-    ApiKey,
-    DgwWorkerSpec,
-    DiscoverySpec,
-    GatewaySettings,
-    HardwareCost,
-    HealthSettings,
-    ImageSettings,
-    OpenAIWorkerSpec,
-    RouterSettings,
-    TracingSettings,
-    VllmWorkerSpec,
-    WorkerEngine,
-    WorkerSpec,
-    WorkerSpecVariant,
-    parse_worker_spec,
-)
-from deepinfer_gateway.router.policy_config import POLICIES
-
-__all__ = [
-    "DEFAULT_HARDWARE_COSTS", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "PROCESS_ENV", "SECRETS_DIR_ENV",
-    "ApiKey", "ConfigError", "DiscoverySpec", "GatewaySettings", "HardwareCost", "HealthSettings", "ImageSettings",
-    "RouterSettings", "TracingSettings", "WorkerEngine", "WorkerSpec", "WorkerSpecVariant", "DgwWorkerSpec",
-    "VllmWorkerSpec", "OpenAIWorkerSpec", "parse_worker_spec",
-    "env_name", "load_settings", "unknown_environment",
-]
+from deepinfer_gateway.config.models import GatewaySettings, WorkerEngine
+from deepinfer_gateway.config.policies import POLICIES
+from deepinfer_gateway.config.renamed import RENAMED, GivenTwice, into_sections, new_name
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +60,54 @@ class _Layered(BaseSettings, GatewaySettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER,
                                       env_parse_none_str="null", extra="forbid", frozen=True)
 
+    # The old names of settings now in a section (renamed.py), declared so that every source
+    # reads them; _Renamed moves each into its section, so they stay None here.
+    redis_url: Any = None
+    redis_cluster: Any = None
+    redis_password: Any = Field(None, repr=False)
+    redis_password_file: Any = None
+    redis_timeout_s: Any = None
 
-def _layers(toml: dict[str, Any], secrets_dir: Path | None) -> type[_Layered]:
+
+assert set(RENAMED) <= set(_Layered.model_fields), "declare each renamed key on _Layered"
+
+
+class _Renamed(PydanticBaseSettingsSource):
+    """A source with the old keys it gives moved into their sections (renamed.py); each old
+    name found is added to `found` as (old, new), spelled as `name` spells a key in that source."""
+
+    def __init__(self, source: PydanticBaseSettingsSource, found: list[tuple[str, str]],
+                 name: Callable[[str], str] = str):
+        super().__init__(source.settings_cls)
+        self.source, self.found, self.name = source, found, name
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self.source.get_field_value(field, field_name)
+
+    def _set_current_state(self, state: dict[str, Any]) -> None:
+        self.source._set_current_state(state)
+
+    def _set_settings_sources_data(self, states: dict[str, dict[str, Any]]) -> None:
+        self.source._set_settings_sources_data(states)
+
+    def __call__(self) -> dict[str, Any]:
+        values, old = into_sections(self.source())
+        self.found += [(self.name(key), self.name(new_name(key))) for key in old]
+        return values
+
+
+def _env_spelling(key: str) -> str:
+    """A key as its environment variable: `redis.url` -> DGW_REDIS__URL."""
+    return env_name(*key.split("."))
+
+
+def _secret_spelling(key: str) -> str:
+    """A key as the secrets directory holds it: a file per top-level setting, a section as JSON."""
+    section, _, inner = key.partition(".")
+    return f'secrets file {section} holding {{"{inner}": ...}}' if inner else f"secrets file {key}"
+
+
+def _layers(toml: dict[str, Any], secrets_dir: Path | None, found: list[tuple[str, str]]) -> type[_Layered]:
     """The sources, highest first: init arguments (CLI flags), DGW_* environment, secrets, TOML."""
 
     class Layers(_Layered):
@@ -96,9 +119,11 @@ def _layers(toml: dict[str, Any], secrets_dir: Path | None) -> type[_Layered]:
                                        ) -> tuple[PydanticBaseSettingsSource, ...]:
             # Secret files are named after the field alone (`api_keys`), as a Kubernetes
             # Secret's keys are, not after the environment variable.
-            secrets = ((SecretsSettingsSource(settings_cls, secrets_dir=secrets_dir, env_prefix=""),)
+            secrets = ((_Renamed(SecretsSettingsSource(settings_cls, secrets_dir=secrets_dir, env_prefix=""), found,
+                                 _secret_spelling),)
                        if secrets_dir else ())
-            return (init_settings, env_settings, *secrets, InitSettingsSource(settings_cls, init_kwargs=toml))
+            return (_Renamed(init_settings, found), _Renamed(env_settings, found, _env_spelling), *secrets,
+                    _Renamed(InitSettingsSource(settings_cls, init_kwargs=toml), found))
 
     return Layers
 
@@ -115,18 +140,25 @@ def load_settings(path: str | Path | None = None, overrides: Mapping[str, Any] |
     unknown = unknown_environment(os.environ)
     if unknown:
         log.warning("ignored environment variables, not settings (docs/config.md): %s", ", ".join(unknown))
+    found: list[tuple[str, str]] = []
     try:
-        layered = _layers(toml, Path(secrets) if secrets else None)(**_without_none(overrides or {}))
+        layered = _layers(toml, Path(secrets) if secrets else None, found)(**_without_none(overrides or {}))
     except ValidationError as e:
         raise ConfigError([_problem(error) for error in e.errors()]) from None
     except SettingsError as e:
         raise ConfigError([_settings_problem(e)]) from None
-    return GatewaySettings.model_validate(dict(layered))
+    except GivenTwice as e:
+        raise ConfigError([(e.new, f"also given as {e.old}, its old name: keep {e.new}")]) from None
+    finally:
+        if found:
+            log.warning("renamed settings, read under their old names; use the new ones (docs/config.md): %s",
+                        ", ".join(f"{old} -> {new}" for old, new in dict.fromkeys(found)))
+    return GatewaySettings.model_validate({name: value for name, value in layered if name not in RENAMED})
 
 
 def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     """DGW_* variable names that name no setting and are not read elsewhere."""
-    fields = {name.upper() for name in GatewaySettings.model_fields}
+    fields = {name.upper() for name in (*GatewaySettings.model_fields, *RENAMED)}
     unknown = []
     for name in environ:
         upper = name.upper()
@@ -177,7 +209,9 @@ def _problem(error: Any) -> tuple[str, str]:
                 and repr(given) not in reason:
             reason += f" (got {given!r})"
     names = [str(part) for part in loc if not isinstance(part, int)]
-    from_env = [env_name(*names[:n]) for n in range(len(names), 0, -1) if env_name(*names[:n]) in _upper_environ()]
+    environ = _upper_environ()
+    from_env = [env_name(*names[:n]) for n in range(len(names), 0, -1) if env_name(*names[:n]) in environ]
+    from_env += [env_name(old) for old in RENAMED if new_name(old) == ".".join(names) and env_name(old) in environ]
     if from_env:
         reason += f" (from {from_env[0]})"
     if not where and ": " in reason:  # a model-level check names its field as "field: reason"
