@@ -88,13 +88,23 @@ class EstimatedTtftConfig(_Variant):
 
 
 class SessionAffinityConfig(_Variant):
-    """Keeps a session (the request's `user`, or the x-session-id or x-correlation-id header) on its last worker."""
+    """Keeps a session on its last worker, and a subagent's first request on its parent's (docs/api.md "Sessions")."""
 
     enabled: bool = Field(False, description="Keep a session on its worker while load allows.")
     max_queue_tokens: int = Field(
         65_536, ge=0,
         description="A session leaves its worker once that worker's queue exceeds this many tokens.")
     capacity: int = Field(100_000, ge=1, description="Sessions remembered per pool; the least recent forgotten first.")
+    lineage_max_queue_tokens: int = Field(
+        8_192, ge=0,
+        description="A subagent's first request goes to its parent's worker (where their shared system prompt "
+                    "and tools are cached) while that worker's queue is at most this many tokens; past it (the "
+                    "parent's worker loaded, or its parallel subagents would queue behind each other) the pool "
+                    "policy places it. 0: only onto an idle queue.")
+    ttl_s: float = Field(
+        3_600.0, gt=0,
+        description="With Redis: how long the replicas' shared store remembers a session's worker after its "
+                    "last request.")
 
 
 PolicyVariant = (RoundRobinConfig | LeastLoadConfig | PowerOfTwoConfig | PrefixApproxConfig | CacheAwareConfig

@@ -54,8 +54,11 @@ from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_payload
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, PreparedRequest
+from deepinfer_gateway.session_identity import identity_from, scoped
 
 log = logging.getLogger(__name__)
+
+EPP_SCOPE = "epp"  # the one scope of the sessions the EPP sees (session_identity.scoped)
 
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
@@ -231,9 +234,8 @@ class RequestStream:
         body = b"".join(self.body)
         if self.protocol is not None:
             self.prepared = await service.preparer.prepare_async(self.protocol, body)
-        session = next((self.headers[h] for h in names.SESSIONS if self.headers.get(h)), None)
-        if session is None and self.prepared is not None:
-            session = self.prepared.user
+        # No API key here (Envoy authenticates): sessions are keyed in one scope of the EPP's own.
+        session = scoped(identity_from(self.headers, self.prepared.user if self.prepared else None), EPP_SCOPE)
         self.pick = await service.picker.pick(self.prepared, self.subset, self.request_id, session)
         if end_of_stream is not None and not self.duplex:
             return [route_answer(self.pick, in_body=True)]

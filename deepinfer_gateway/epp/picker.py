@@ -31,6 +31,7 @@ from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Plan
+from deepinfer_gateway.session_identity import SessionIdentity
 
 
 def endpoint_of(url: str) -> str:
@@ -79,7 +80,7 @@ class EndpointPicker:
         return any(w.spec.role == Role.UNIFIED for w in self.registry.healthy())
 
     async def pick(self, prepared: PreparedRequest | None, subset: frozenset[str] | None, request_id: str,
-                   session_key: str | None = None) -> Pick:
+                   session: SessionIdentity | None = None) -> Pick:
         """The endpoints for a request (`prepared`: None when the path carries no generation body);
         NoHealthyWorker (503) when none is eligible, Overloaded (429) when admission sheds it."""
         views = [v for v in await self.routing.views() if v.role == Role.UNIFIED]
@@ -95,11 +96,14 @@ class EndpointPicker:
         if prepared is not None:
             prompt_tokens = prepared.prompt_tokens
             hashes, overlap = await self.routing.overlap(prepared, views)
-        plan = self.routing.planner.plan_first(views, prompt_tokens, hashes, overlap, session_key,
-                                               fallbacks=self.fallbacks)
+        session = session or SessionIdentity()
+        lineage = await self.routing.lineage(session)
+        plan = self.routing.planner.plan_first(views, prompt_tokens, hashes, overlap, session.session,
+                                               fallbacks=self.fallbacks, lineage=lineage)
         if prepared is not None:
             self.routing.admit(plan, views)
         self.routing.record(plan, request_id)
+        await self.routing.remember(session, plan)
         chosen = [plan.worker.worker_id, *(w.worker_id for w in plan.fallbacks)]
         workers = [self.registry.workers[w] for w in chosen if w in self.registry.workers]
         if not workers:

@@ -71,7 +71,8 @@ class EppRuntime:
         settings, metrics = self.settings, self.metrics.gateway
         self.core = core = RoutingCore(settings, self.bundle, metrics)
         await core.start()
-        routing = RouteInputs(core.registry, core.planner, core.index, core.inflight, metrics, settings)
+        routing = RouteInputs(core.registry, core.planner, core.index, core.inflight, metrics, settings,
+                              core.affinity)
         self.picker = EndpointPicker(core.registry, routing, metrics, self.options.fallbacks)
         service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings,
                                         self.options.subset_hint_header)

@@ -125,7 +125,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                         on_error=metrics.redis_errors.labels("apikeys").inc)
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
-        server = RequestServer(core.registry, core.planner, core.index, core.inflight, bundle, metrics, settings)
+        server = RequestServer(core.registry, core.planner, core.index, core.inflight, bundle, metrics, settings,
+                               core.affinity)
         responses = ResponsesState(response_store(settings.responses, redis),
                                    on_error=metrics.redis_errors.labels("responses").inc,
                                    on_not_stored=lambda reason: metrics.responses_not_stored.labels(reason).inc())

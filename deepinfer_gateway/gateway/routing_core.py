@@ -21,6 +21,7 @@ from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
 from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
+from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import Timeouts
 from deepinfer_gateway.gateway.upstream.table import Upstreams
@@ -42,6 +43,7 @@ class RoutingCore:
     index: PrefixIndex
     feeder: KvEventFeeder
     inflight: MemoryInflight | RedisInflight
+    affinity: SharedAffinity | None  # sessions' workers, shared by the replicas (Redis, affinity on)
     registry: WorkerRegistry
     planner: RoutePlanner
     admin: AdminSync
@@ -67,6 +69,9 @@ class RoutingCore:
         self.inflight = (RedisInflight(redis, settings.router.inflight_lease_s,
                                        metrics.redis_errors.labels("inflight").inc)
                          if redis else MemoryInflight())
+        affinity = settings.router.session_affinity
+        self.affinity = (SharedAffinity(redis, affinity.ttl_s, metrics.redis_errors.labels("affinity").inc)
+                         if redis and affinity.enabled else None)
         self.registry = registry = WorkerRegistry(settings.workers, client, settings.health, metrics)
         for worker in registry.workers.values():
             feeder.add(worker.worker_id, worker.upstream.kv_source())

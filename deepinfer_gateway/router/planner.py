@@ -29,7 +29,7 @@ from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.planner_caches import Group, PlannerCaches, PoolCandidates, RoleSplit
 from deepinfer_gateway.router.policies import make_policy
-from deepinfer_gateway.router.policy import Candidate, Decision, Policy, Reason, RoutingView
+from deepinfer_gateway.router.policy import Candidate, Decision, Lineage, Policy, Reason, RoutingView
 from deepinfer_gateway.router.worker_view import WorkerView
 
 __all__ = ["Mode", "NoCandidate", "Plan", "RoutePlanner", "WorkerView", "prompt_hashes"]
@@ -137,7 +137,7 @@ class RoutePlanner:
         )
 
     def _choose(self, role: Role, workers: list[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
-                overlap: Overlap, session_key: str | None) -> _Choice:
+                overlap: Overlap, session_key: str | None, lineage: Lineage | None = None) -> _Choice:
         # One policy per pool; with several pools of a role, the largest pool serves (pool choice
         # by cost across pools is future work: configure one pool per role for now).
         names = {w.pool for w in workers}
@@ -148,20 +148,23 @@ class RoutePlanner:
             for w in workers:
                 pools.setdefault(w.pool, []).append(w)
             pool, members = max(pools.items(), key=lambda item: (len(item[1]), item[0]))
-        return self._decide(role, pool, self._caches.pool(members, overlap), prompt_tokens, hashes, session_key)
+        return self._decide(role, pool, self._caches.pool(members, overlap), prompt_tokens, hashes, session_key,
+                            lineage)
 
     def _choose_in(self, group: Group, live: Sequence[WorkerView], role: Role, prompt_tokens: int,
                    hashes: Mapping[str, list[int]], overlap: Overlap,
-                   session_key: str | None) -> _Choice:
+                   session_key: str | None, lineage: Lineage | None = None) -> _Choice:
         """`_choose` over a group of the view list: when it is one pool, its candidates redo only
         the members whose view changed since the group's last request."""
         if group.pool is None:
-            return self._choose(role, [live[i] for i in group.indices], prompt_tokens, hashes, overlap, session_key)
+            return self._choose(role, [live[i] for i in group.indices], prompt_tokens, hashes, overlap, session_key,
+                                lineage)
         return self._decide(role, group.pool, self._caches.group_pool(group, live, overlap), prompt_tokens, hashes,
-                            session_key)
+                            session_key, lineage)
 
     def _decide(self, role: Role, pool: str, candidates: PoolCandidates, prompt_tokens: int,
-                hashes: Mapping[str, list[int]], session_key: str | None) -> _Choice:
+                hashes: Mapping[str, list[int]], session_key: str | None,
+                lineage: Lineage | None = None) -> _Choice:
         """The pool policy's choice among `candidates` (its members' views as of this request),
         not observed: `_settle` observes it once the fallbacks are ranked."""
         members = candidates.members
@@ -172,6 +175,7 @@ class RoutePlanner:
             block_hashes=tuple(hashes.get(fmt, ())),
             block_tokens=KV_BLOCK_TOKENS,
             session_key=session_key,
+            lineage=lineage,
             columns=candidates.columns(),
         )
         policy = self.policy_for(pool, role)
@@ -188,8 +192,9 @@ class RoutePlanner:
 
     def plan_first(self, workers: Sequence[WorkerView], prompt_tokens: int, hashes: Mapping[str, list[int]],
                    overlap: Overlap, session_key: str | None = None, exclude: frozenset[str] = frozenset(),
-                   fallbacks: int = 0) -> Plan:
+                   fallbacks: int = 0, lineage: Lineage | None = None) -> Plan:
         """The first leg's worker, and up to `fallbacks` more from the same ranking (`Plan.fallbacks`).
+        `lineage`: the session's parent and the replicas' shared memory of both (session affinity).
         The policy observes the pick alone, once per call: call it again only for a request
         that really goes to another worker (a retry), never to list alternatives."""
         live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
@@ -198,17 +203,19 @@ class RoutePlanner:
         if decode_formats and Role.PREFILL in split.formats:
             bypass = self._bypass_candidates(split, live, prompt_tokens, overlap)
             if bypass:
-                choice = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key)
+                choice = self._choose(Role.DECODE, bypass, prompt_tokens, hashes, overlap, session_key, lineage)
                 decision = Decision(choice.decision.worker_id, Reason.BYPASS, choice.decision.costs,
                                     *self._predicted(choice.worker, prompt_tokens, overlap))
                 return self._settle(Mode.BYPASS, choice, decision, fallbacks)
             prefill = split.group(Role.PREFILL, decode_formats)  # those a decode worker can continue
             if prefill.indices:
-                choice = self._choose_in(prefill, live, Role.PREFILL, prompt_tokens, hashes, overlap, session_key)
+                choice = self._choose_in(prefill, live, Role.PREFILL, prompt_tokens, hashes, overlap, session_key,
+                                         lineage)
                 return self._settle(Mode.PD, choice, self._with_prediction(choice, prompt_tokens, overlap), fallbacks)
         unified = split.group(Role.UNIFIED)
         if unified.indices:
-            choice = self._choose_in(unified, live, Role.UNIFIED, prompt_tokens, hashes, overlap, session_key)
+            choice = self._choose_in(unified, live, Role.UNIFIED, prompt_tokens, hashes, overlap, session_key,
+                                     lineage)
             return self._settle(Mode.UNIFIED, choice, self._with_prediction(choice, prompt_tokens, overlap), fallbacks)
         raise NoCandidate("no healthy worker can serve this request")
 
@@ -262,6 +269,6 @@ def _ranked(choice: _Choice, n: int) -> tuple[WorkerView, ...]:
     while left and len(ranked) < n:
         rest = RoutingView(prompt_tokens=view.prompt_tokens, candidates=tuple(c for c, _ in left.values()),
                            block_hashes=view.block_hashes, block_tokens=view.block_tokens,
-                           session_key=view.session_key)
+                           session_key=view.session_key, lineage=view.lineage)
         ranked.append(left.pop(choice.policy.choose(rest).worker_id)[1])
     return tuple(ranked)

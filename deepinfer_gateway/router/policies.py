@@ -307,24 +307,46 @@ class EstimatedTtft:
 
 
 class SessionAffinity:
-    """Keeps a session (the request's `user`, or a header) on its last worker while that
-    worker's queue stays under `max_queue_tokens`; otherwise defers to `inner`."""
+    """Keeps a session on its last worker while that worker's queue stays under
+    `max_queue_tokens`, and a subagent's first request on its parent's worker while that queue
+    stays under `lineage_max_queue_tokens`; otherwise defers to `inner`. Where the view carries
+    a shared store's memory (`Lineage.shared`: every gateway replica's), that wins over this
+    process's own."""
 
     def __init__(self, inner: Policy, config: SessionAffinityConfig = SessionAffinityConfig(enabled=True)):
         self.inner = inner
         self.name = inner.name
         self.max_queue_tokens = config.max_queue_tokens
+        self.lineage_max_queue_tokens = config.lineage_max_queue_tokens
         self.capacity = config.capacity
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
+    def _target(self, view: RoutingView) -> tuple[str | None, int, Reason]:
+        """The worker to keep the request on, the queue bound that lets it stay, and why."""
+        lineage = view.lineage
+        shared = lineage is not None and lineage.shared
+        own = lineage.session_worker if shared and lineage is not None else None
+        if own is None and view.session_key:
+            own = self._sessions.get(view.session_key)
+        if own is not None:
+            return own, self.max_queue_tokens, Reason.AFFINITY
+        if lineage is None or lineage.parent_key is None:
+            return None, 0, Reason.AFFINITY
+        parent = lineage.parent_worker if shared else None
+        if parent is None:
+            parent = self._sessions.get(lineage.parent_key)
+        return parent, self.lineage_max_queue_tokens, Reason.LINEAGE
+
     def choose(self, view: RoutingView) -> Decision:
-        worker = self._sessions.get(view.session_key) if view.session_key else None
+        worker, bound, reason = self._target(view)
+        if worker is None:
+            return self.inner.choose(view)
         for c in view.candidates:
-            if c.worker_id == worker and c.queued_prefill_tokens <= self.max_queue_tokens:
+            if c.worker_id == worker and c.queued_prefill_tokens <= bound:
                 inner = self.inner.choose(view)
                 if inner.worker_id == worker:
                     return inner
-                return Decision(worker, Reason.AFFINITY, inner.costs)
+                return Decision(worker, reason, inner.costs)
         return self.inner.choose(view)
 
     def observe(self, view: RoutingView, decision: Decision) -> None:

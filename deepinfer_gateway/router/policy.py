@@ -28,6 +28,7 @@ class Reason(StrEnum):
     LOAD_FALLBACK = "load_fallback"  # the load guard overrode the cache preference
     QUEUE_OVER_CACHE = "queue_over_cache"  # a shorter queue outweighed another worker's longer memory hit
     AFFINITY = "affinity"
+    LINEAGE = "lineage"  # a subagent's first request, on its parent's worker (its shared prefix)
     BYPASS = "pd_bypass"  # small uncached part: decode worker prefills it itself
 
 
@@ -87,12 +88,24 @@ def columns_of(candidates: Sequence[Candidate]) -> Columns:
 
 
 @dataclass(frozen=True)
+class Lineage:
+    """A request's parent session and, when the gateway replicas share one, what their store
+    remembers: the shell reads it; the policy stays pure."""
+
+    parent_key: str | None = None  # the parent session, for a subagent's requests
+    shared: bool = False  # the two workers below come from the replicas' shared store
+    session_worker: str | None = None  # where the session's last request went
+    parent_worker: str | None = None  # where its parent's last request went
+
+
+@dataclass(frozen=True)
 class RoutingView:
     prompt_tokens: int
     candidates: Sequence[Candidate]  # a tuple, or the planner's lazily built equivalent
     block_hashes: tuple[int, ...] = ()
     block_tokens: int = 128
     session_key: str | None = None
+    lineage: Lineage | None = None
     # The candidates as columns when the caller keeps them (the planner); else built on use.
     columns: Columns | None = field(default=None, compare=False, repr=False)
 

@@ -24,7 +24,7 @@ from deepinfer_gateway.router.policies import (
     estimated_ttft_s,
     make_policy,
 )
-from deepinfer_gateway.router.policy import Candidate, Reason, RoutingView
+from deepinfer_gateway.router.policy import Candidate, Lineage, Reason, RoutingView
 
 
 def cand(wid: str, **kw: object) -> Candidate:
@@ -118,6 +118,40 @@ def test_session_affinity_sticks_and_yields_to_load() -> None:
     assert policy.choose(later).reason is Reason.AFFINITY
     swamped = RoutingView(100, (cand("a", queued_prefill_tokens=5000), cand("b")), session_key="u1")
     assert policy.choose(swamped).worker_id == "b"
+
+
+def test_a_subagents_first_request_goes_to_its_parents_worker_until_siblings_would_queue() -> None:
+    """LeastLoad alone sends each request to the emptiest worker; lineage keeps a subagent's first
+    request on its parent's (their shared prefix) while that queue is within the bound."""
+    policy = SessionAffinity(LeastLoad(), SessionAffinityConfig(enabled=True, lineage_max_queue_tokens=1000))
+    parent = RoutingView(100, (cand("a", queued_prefill_tokens=5), cand("b")), session_key="root")
+    policy.observe(parent, policy.choose(parent))  # -> b
+    busy_b = (cand("a"), cand("b", queued_prefill_tokens=600))
+    child = RoutingView(100, busy_b, session_key="root/agent-1", lineage=Lineage(parent_key="root"))
+    first = policy.choose(child)
+    assert (first.worker_id, first.reason) == ("b", Reason.LINEAGE)
+    policy.observe(child, first)
+    # a parallel sibling: its first request would queue behind the others on b: spread
+    queued = (cand("a"), cand("b", queued_prefill_tokens=1600))
+    sibling = RoutingView(100, queued, session_key="root/agent-2", lineage=Lineage(parent_key="root"))
+    assert policy.choose(sibling).worker_id == "a"
+    # the first subagent's follow-up is its own session now: affinity, not lineage
+    follow = RoutingView(100, busy_b, session_key="root/agent-1", lineage=Lineage(parent_key="root"))
+    assert policy.choose(follow).reason is Reason.AFFINITY
+
+
+def test_the_shared_stores_memory_wins_over_this_processs() -> None:
+    """Another replica moved the session (or placed the parent): its shared record decides."""
+    policy = SessionAffinity(LeastLoad(), SessionAffinityConfig(enabled=True))
+    cands = (cand("a"), cand("b", queued_prefill_tokens=10), cand("c", queued_prefill_tokens=20))
+    own = RoutingView(100, cands, session_key="s")
+    policy.observe(own, policy.choose(own))  # this process remembers s -> a
+    moved = RoutingView(100, cands, session_key="s", lineage=Lineage(shared=True, session_worker="c"))
+    assert policy.choose(moved).worker_id == "c"
+    forgotten = RoutingView(100, cands, session_key="s", lineage=Lineage(shared=True))  # expired in Redis
+    assert policy.choose(forgotten).worker_id == "a"
+    child = RoutingView(100, cands, session_key="s/x", lineage=Lineage("s", shared=True, parent_worker="b"))
+    assert (policy.choose(child).worker_id, policy.choose(child).reason) == ("b", Reason.LINEAGE)
 
 
 candidates = st.lists(

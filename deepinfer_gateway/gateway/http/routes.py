@@ -26,7 +26,6 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from deepinfer_gateway import headers
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import ApiKey, GatewaySettings
 from deepinfer_gateway.errors import (
@@ -50,6 +49,7 @@ from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
+from deepinfer_gateway.session_identity import SessionIdentity, identity_from, scoped
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -73,9 +73,9 @@ COUNT_TOKENS = "count_tokens"
 STORED_RESPONSES = "stored_responses"  # GET/DELETE /v1/responses/{id}[/input_items]
 
 
-def session_key(request: Request) -> str | None:
-    sent = request.headers
-    return next((value for name in headers.SESSIONS if (value := sent.get(name))), None)
+def session_of(request: Request, key: ApiKey, body_session: str | None) -> SessionIdentity:
+    """The request's session and parent (session_identity.py), keyed within its API key."""
+    return scoped(identity_from(request.headers, body_session), key.scope)
 
 
 async def authenticate(request: Request) -> ApiKey:
@@ -246,7 +246,7 @@ class ClientRoutes:
             on_done = ended(release_slot, reservation)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
-                                         session_key=session_key(request),
+                                         session=session_of(request, key, prepared.user),
                                          cache_salt=request_cache_salt(key, prepared.cache_salt))
             response = await unless_disconnected(request, serving)
             if isinstance(response, RelayResponse):

@@ -43,6 +43,7 @@ from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, WorkerView
+from deepinfer_gateway.session_identity import SessionIdentity
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +127,17 @@ class Legs:
         self.settings = settings
 
     async def first(self, prepared: PreparedRequest, leg: LegRequest,
-                    session_key: str | None) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
+                    session: SessionIdentity) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
         """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event,
         the views it was planned on)."""
         views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
         planner = self.routing.planner
         plans: list[Plan] = []
+        lineage = await self.routing.lineage(session)
 
         def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
-            plan = planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session_key, tried)
+            plan = planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session.session, tried,
+                                      lineage=lineage)
             if not plans:
                 self.routing.admit(plan, views)
             self.routing.record(plan, leg.request_id)
@@ -151,6 +154,7 @@ class Legs:
             # each failure was logged with its worker (`_failed`); the client reads no address
             raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last.detail}") from None
         plan = plans[-1]
+        await self.routing.remember(session, plan)
         if plan.mode is Mode.PD and first["event"] == "finish" and "kv_handoff" in first:
             # Handed off before any token (vLLM's PD, gateway/upstream/vllm_pd.py: the decode worker samples
             # the first token): the decode leg opens now, so the first token, TTFT and a failure

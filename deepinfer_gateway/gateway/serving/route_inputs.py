@@ -16,6 +16,7 @@ from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.errors import NoHealthyWorker, Overloaded
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
@@ -23,6 +24,8 @@ from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.admission import retry_after
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Plan, RoutePlanner, WorkerView, prompt_hashes
+from deepinfer_gateway.router.policy import Lineage
+from deepinfer_gateway.session_identity import SessionIdentity
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,10 @@ class RouteInputs:
     """Candidates, prefix overlap, admission and the routing record for the request path."""
 
     def __init__(self, registry: WorkerRegistry, planner: RoutePlanner, index: PrefixIndex,
-                 inflight: MemoryInflight | RedisInflight, metrics: GatewayMetrics, settings: GatewaySettings):
+                 inflight: MemoryInflight | RedisInflight, metrics: GatewayMetrics, settings: GatewaySettings,
+                 affinity: SharedAffinity | None = None):
         self.registry = registry
+        self.affinity = affinity  # the replicas' shared session -> worker memory (with Redis)
         self.planner = planner
         self.index = index
         self.inflight = inflight
@@ -84,6 +89,17 @@ class RouteInputs:
         overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
         self.metrics.prefix_lookup.observe(time.perf_counter() - started)
         return hashes, overlap
+
+    async def lineage(self, session: SessionIdentity) -> Lineage | None:
+        """The session's parent and, with a shared store, where it and its parent last went."""
+        if self.affinity is not None:
+            return await self.affinity.lineage(session)
+        return Lineage(parent_key=session.parent) if session.parent is not None else None
+
+    async def remember(self, session: SessionIdentity, plan: Plan) -> None:
+        """The session's request went to the plan's worker: tell the other replicas."""
+        if self.affinity is not None:
+            await self.affinity.remember(session.session, plan.worker.worker_id)
 
     def admit(self, plan: Plan, views: list[WorkerView]) -> None:
         """Refuse (429 + Retry-After) when the chosen pool's queued prefill is over the budget."""

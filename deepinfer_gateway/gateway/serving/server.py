@@ -27,6 +27,7 @@ from deepinfer_gateway.gateway.serving.legs import Legs
 from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
 from deepinfer_gateway.gateway.serving.relay import Exchange, Relay, RelayResponse
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
+from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.decision_log import DecisionLog, decision_record
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
@@ -37,6 +38,7 @@ from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, response_stream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Mode, RoutePlanner
+from deepinfer_gateway.session_identity import SessionIdentity
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -46,8 +48,8 @@ class RequestServer:
 
     def __init__(self, registry: WorkerRegistry, planner: RoutePlanner, index: PrefixIndex,
                  inflight: MemoryInflight | RedisInflight, bundle: TokenizerBundle, metrics: GatewayMetrics,
-                 settings: GatewaySettings):
-        self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings)
+                 settings: GatewaySettings, affinity: SharedAffinity | None = None):
+        self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings, affinity)
         self.legs = Legs(registry, self.routing, metrics, settings)
         self.relay = Relay(self.legs, registry)
         self.bundle = bundle
@@ -70,7 +72,7 @@ class RequestServer:
 
     async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
                     workload_class: str = "chat", headers: dict[str, str] | None = None,
-                    on_done: Callable[[int], None] | None = None, session_key: str | None = None,
+                    on_done: Callable[[int], None] | None = None, session: SessionIdentity | None = None,
                     cache_salt: str | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends, if it
         reached a worker. `cache_salt`: the request's prefix-cache salt (cache_salt.py)."""
@@ -81,7 +83,9 @@ class RequestServer:
                          images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment,
                          cache_salt=cache_salt)
         response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
-        lease, plan, ready, first, views = await self.legs.first(prepared, leg, session_key or prepared.user)
+        if session is None or session.session is None:
+            session = SessionIdentity(prepared.user)
+        lease, plan, ready, first, views = await self.legs.first(prepared, leg, session)
         if self.decisions is not None:
             now = time.perf_counter()
             stall = self.loop_lag.own_stall_s(self.loop_lag.now() - (now - arrival))
