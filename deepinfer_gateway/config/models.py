@@ -303,8 +303,8 @@ class RouterSettings(_Frozen):
         description="Pool name -> policy, overriding the two above.")
     session_affinity: SessionAffinity = Field(
         SessionAffinityConfig(),
-        description="Keep a `user` (or x-session-id / x-correlation-id header) on its worker while load allows: "
-                    "true, or a table.")
+        description="Keep a session (docs/api.md \"Sessions\": agent clients' headers, `user`, ...) on its worker "
+                    "while load allows, and a subagent's first request on its parent's: true, or a table.")
     pd_bypass_tokens: int = Field(
         256, ge=0,
         description="Requests with at most this many uncached tokens skip the prefill pool.")
