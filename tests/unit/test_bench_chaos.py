@@ -180,7 +180,8 @@ def test_a_redis_command_without_redis_server_is_refused(tmp_path: Path) -> None
 def test_the_shipped_compose_file_gives_redis_its_config_and_password(tmp_path: Path) -> None:
     compose = cluster.ComposeFile(tmp_path, {})
     script = cluster.redis_script(compose, "redis-server", tmp_path, tmp_path / "log")
-    assert str(cluster.REPO / "deploy") in script and "--requirepass" in script
+    assert str(cluster.REPO / "deploy") in script
+    assert "--user default off" in script and "--user gateway on" in script  # the ACL users, passwords from the vault
     assert compose.environment(cluster.GATEWAY_SERVICE)["DGW_REDIS__PASSWORD_FILE"].startswith(str(tmp_path))
     assert compose.environment(cluster.WORKER_SERVICE)["DGW_WORKER_TOKEN_FILE"].startswith(str(tmp_path))
 
