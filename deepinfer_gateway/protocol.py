@@ -36,6 +36,10 @@ MUX_VERSION = 2
 # The largest v2 message either side accepts (a bigger one closes the connection with 1009,
 # failing every request on it): the gateway sends a bigger generate op over v1 instead.
 MAX_MUX_MESSAGE_BYTES = 64 << 20
+# The v2 upgrade's subprotocol a gateway offers when it wants the worker's KV events and
+# load reports pushed on the connection; a worker that selects it serves the `*_subscribe`
+# ops. Either side without it keeps v1's polls (docs/worker-protocol.md "Pushes").
+MUX_PUSH_SUBPROTOCOL = "dgw.worker.v2.push"
 # ASGI scope key: where a tracing middleware leaves the span factory for v2's requests
 # (`(name, W3C carrier, **attributes) -> context manager`; absent: no spans).
 SPANS_SCOPE_KEY = "dgw.spans"
@@ -287,6 +291,32 @@ class GenerateOp(_Model):
     request: GenerateRequest
     # The caller's W3C trace context (`traceparent`, `tracestate`): v1 sends it as headers.
     trace: dict[str, str] | None = None
+
+
+class KvSubscribeOp(_Model):
+    """Push the KV event log from `after` on (each batch as `kv_events` tagged `sub`), at most
+    one message per `interval_ms` after the first; a new one replaces the last."""
+
+    op: Literal["kv_subscribe"]
+    after: int = Field(ge=0)
+    sub: int = Field(ge=0)
+    interval_ms: int = Field(50, ge=0, le=MAX_KV_EVENTS_WAIT_MS)
+    limit: int = Field(2000, ge=1, le=10_000)
+
+
+class LoadSubscribeOp(_Model):
+    """Push a `load` report now and whenever it changes, at most one per `interval_ms`."""
+
+    op: Literal["load_subscribe"]
+    interval_ms: int = Field(100, ge=10, le=10_000)
+
+
+def kv_subscribe_op(after: int, sub: int, interval_ms: int, limit: int) -> dict[str, Any]:
+    return {"op": "kv_subscribe", "after": after, "sub": sub, "interval_ms": interval_ms, "limit": limit}
+
+
+def load_subscribe_op(interval_ms: int) -> dict[str, Any]:
+    return {"op": "load_subscribe", "interval_ms": interval_ms}
 
 
 def generate_op(request: dict[str, Any], trace: dict[str, str] | None = None) -> dict[str, Any]:

@@ -28,6 +28,13 @@ pass their own) and never closed here. A held request keeps one pooled connectio
 per worker; the gateway's connector has no connection limit, so it never starves the
 generate requests.
 
+Pushed: a `PolledKvLog` with a `push` (a worker protocol v2 connection, kvcache/pushed.py)
+is not polled while that connection is up and pushing: the feeder subscribes on it from its
+cursor and applies each batch the worker sends, through the same `index.apply` (so the same
+epoch, gap and resync rules; a batch the index does not continue from makes it resubscribe
+from the cursor the index returned). When the connection closes, the next poll goes out at
+once, from the cursor: nothing the worker logged meanwhile is lost.
+
 `add(worker_id, source)` follows a worker by the KV event source its upstream adapter offers
 (gateway/upstream/base.py; the feeder never asks which engine a worker runs): a `PolledKvLog` is
 long-polled as above; a `ZmqKvPublisher` (vLLM's) is followed by a `VllmKvSubscriber` on its
@@ -48,6 +55,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from deepinfer_gateway.errors import UpstreamError
+from deepinfer_gateway.kvcache.pushed import KvPush
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
 from deepinfer_gateway.protocol import KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS, KvEventBatch
@@ -55,9 +63,11 @@ from deepinfer_gateway.protocol import KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS, Kv
 
 @dataclass(frozen=True)
 class PolledKvLog:
-    """A worker-protocol worker's KV event log, long-polled at `url` + KV_EVENTS_PATH."""
+    """A worker-protocol worker's KV event log, long-polled at `url` + KV_EVENTS_PATH unless
+    `push` (its v2 connection) is up and pushing it."""
 
     url: str
+    push: KvPush | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class _Worker:
     worker_id: str
     base_url: str
     cursor: int = 0
+    push: KvPush | None = field(default=None, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     vllm: VllmKvSubscriber | None = field(default=None, repr=False)  # a vLLM worker's, once started
 
@@ -112,21 +123,21 @@ class KvEventFeeder:
         self.max_backoff_s = max_backoff_s
         self._workers: dict[str, _Worker] = {}
 
-    def add_worker(self, worker_id: str, base_url: str) -> None:
+    def add_worker(self, worker_id: str, base_url: str, push: KvPush | None = None) -> None:
         """Start feeding from a worker (idempotent; a new URL restarts its task)."""
         known = self._workers.get(worker_id)
         if known is not None and known.base_url == base_url.rstrip("/"):
             return
         if known is not None and known.task is not None:
             known.task.cancel()
-        worker = _Worker(worker_id, base_url.rstrip("/"))
+        worker = _Worker(worker_id, base_url.rstrip("/"), push=push)
         worker.task = asyncio.get_running_loop().create_task(self._run(worker), name=f"kv-events:{worker_id}")
         self._workers[worker_id] = worker
 
     def add(self, worker_id: str, source: KvSource | None) -> None:
         """Start feeding from a worker by the KV event source it offers (None: nothing to follow)."""
         if isinstance(source, PolledKvLog):
-            self.add_worker(worker_id, source.url)
+            self.add_worker(worker_id, source.url, source.push)
         elif isinstance(source, ZmqKvPublisher):
             if worker_id in self._workers:
                 return
@@ -198,10 +209,35 @@ class KvEventFeeder:
         worker.cursor = await self.index.apply(worker.worker_id, batch)
         return bool(batch.events) and worker.cursor < batch.last_seq
 
+    async def _follow_push(self, worker: _Worker, push: KvPush) -> None:
+        """Apply what the worker pushes until its connection goes (module doc)."""
+        generation = push.generation
+        failures = 0
+        push.subscribe(worker.cursor, self.interval_s, self.limit)
+        while (batch := await push.next(generation)) is not None:
+            try:
+                cursor = await self.index.apply(worker.worker_id, batch)
+            except Exception:  # a bug or a backend failure: re-read from the cursor after a pause
+                failures += 1
+                if failures == 1:
+                    log.exception("kv events: applying %s's pushed events failed; retrying with backoff",
+                                  worker.worker_id)
+                await asyncio.sleep(min(self.max_backoff_s, self.interval_s * 2**failures))
+                push.subscribe(worker.cursor, self.interval_s, self.limit)
+                continue
+            failures = 0
+            worker.cursor = cursor
+            if cursor != (batch.events[-1].seq if batch.events else batch.last_seq):
+                push.subscribe(cursor, self.interval_s, self.limit)  # the index re-reads from elsewhere
+
     async def _run(self, worker: _Worker) -> None:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
+            push = worker.push
+            if push is not None and push.live:
+                await self._follow_push(worker, push)
+                continue  # the connection went: poll from the cursor, at once if it is down
             started = loop.time()
             try:
                 more = await self._poll(worker, wait=True)

@@ -19,6 +19,13 @@ ops closes the connection with 1007 (invalid payload) and the reason.
 A worker with a token checks it again at every `generate` op: a connection opened with a
 token that a rotation has since removed gets no new requests (each such op is answered
 with `finish` `unauthorized`), while the requests already running on it finish.
+
+Pushes: a gateway that offers protocol.MUX_PUSH_SUBPROTOCOL in the upgrade gets it
+selected, and may then subscribe to the KV event log (`kv_subscribe`) and the load report
+(`load_subscribe`); their messages (objects, not the events' arrays) leave through the
+same writer as the events (workers/pushes.py). A `load` message carries `ops`, the
+`generate` ops read on this connection when it was sampled: the gateway learns which of
+its requests the report counts.
 """
 
 from __future__ import annotations
@@ -34,45 +41,58 @@ from pydantic import Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from deepinfer_gateway.protocol import (
+    MUX_PUSH_SUBPROTOCOL,
     SPANS_SCOPE_KEY,
     AbortOp,
     ErrorKind,
     FinishReason,
     GenerateOp,
     GenerateRequest,
+    KvEventBatch,
+    KvSubscribeOp,
+    LoadReport,
+    LoadSubscribeOp,
     finish_event,
 )
 from deepinfer_gateway.workers.engine import Engine
+from deepinfer_gateway.workers.pushes import Activity, push_kv_events, push_load
 
 log = logging.getLogger(__name__)
 
 INVALID_PAYLOAD = 1007  # RFC 6455: a message that does not fit the protocol
 SPAN_NAME = "v2 generate"  # one server span per request, as v1's `POST /v1/worker/generate`
 
-_OPS: TypeAdapter[GenerateOp | AbortOp] = TypeAdapter(
-    Annotated[GenerateOp | AbortOp, Field(discriminator="op")])
+_OPS: TypeAdapter[GenerateOp | AbortOp | KvSubscribeOp | LoadSubscribeOp] = TypeAdapter(
+    Annotated[GenerateOp | AbortOp | KvSubscribeOp | LoadSubscribeOp, Field(discriminator="op")])
 
 
 class MuxSession:
     """One gateway's connection: its requests' pumps and the outbox they share."""
 
-    def __init__(self, engine: Engine, websocket: WebSocket, authorized: Callable[[], bool] | None = None):
+    def __init__(self, engine: Engine, websocket: WebSocket, authorized: Callable[[], bool] | None = None,
+                 activity: Activity | None = None):
+        """`activity`: the worker's open requests, shared with its v1 endpoint (pushes.py)."""
         self._engine = engine
         self._ws = websocket
         self._authorized = authorized
+        self._activity = activity or Activity()
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[tuple[str, dict[str, Any]]] = []
+        self._pushes: list[bytes] = []  # push messages, sent after the events by the writer
+        self._pushers: dict[str, asyncio.Task[None]] = {}  # "kv_events", "load"
+        self._generate_ops = 0
         self._wake = asyncio.Event()
         # A tracing middleware's span factory (tracing.ServerSpans), if any.
         self._span: Callable[..., AbstractContextManager[Any]] = websocket.scope.get(SPANS_SCOPE_KEY, _no_span)
 
     async def run(self) -> None:
-        await self._ws.accept()
+        pushes = MUX_PUSH_SUBPROTOCOL in self._ws.scope.get("subprotocols", ())
+        await self._ws.accept(subprotocol=MUX_PUSH_SUBPROTOCOL if pushes else None)
         writer = asyncio.create_task(self._write())
         try:
             await self._read()
         finally:
-            pumps = list(self._pumps.values())
+            pumps = list(self._pumps.values()) + list(self._pushers.values())
             for task in pumps:
                 task.cancel()  # each closes its engine iterator: the engine aborts the request
             await asyncio.gather(*pumps, return_exceptions=True)
@@ -114,6 +134,16 @@ class MuxSession:
             if task is not None:
                 task.cancel()
             return True
+        if isinstance(op, KvSubscribeOp):
+            sub = op.sub
+            self._start_pusher("kv_events", push_kv_events(
+                self._engine, op.after, op.limit, op.interval_ms / 1000,
+                lambda batch: self._push({"push": "kv_events", "sub": sub, "batch": batch})))
+            return True
+        if isinstance(op, LoadSubscribeOp):
+            self._start_pusher("load", push_load(self._engine, self._activity, op.interval_ms / 1000, self._push_load))
+            return True
+        self._generate_ops += 1
         request = op.request
         rid = request.request_id
         if self._authorized is not None and not self._authorized():
@@ -126,8 +156,23 @@ class MuxSession:
             self._pumps[rid] = asyncio.create_task(self._pump(request, op.trace))
         return True
 
+    def _start_pusher(self, name: str, coro: Any) -> None:
+        """Run a pusher, replacing the one of that name (a new subscription restarts it)."""
+        previous = self._pushers.pop(name, None)
+        if previous is not None:
+            previous.cancel()
+        self._pushers[name] = asyncio.create_task(coro, name=f"mux-push-{name}")
+
+    def _push_load(self, report: LoadReport) -> None:
+        self._push({"push": "load", "ops": self._generate_ops, "report": report})
+
+    def _push(self, message: dict[str, KvEventBatch | LoadReport | int | str]) -> None:
+        self._pushes.append(orjson.dumps(message, default=_dump))
+        self._wake.set()
+
     async def _pump(self, request: GenerateRequest, trace: dict[str, str] | None) -> None:
         rid = request.request_id
+        self._activity.begin()
         try:
             with self._span(SPAN_NAME, trace, **{"dgw.request_id": rid}):
                 async with aclosing(self._engine.generate(request)) as events:  # type: ignore[type-var]
@@ -138,6 +183,7 @@ class MuxSession:
             self._emit(rid, finish_event(FinishReason.ERROR, error_kind=ErrorKind.ENGINE, message=str(exc)[:300]))
         finally:
             del self._pumps[rid]
+            self._activity.end()
 
     def _emit(self, request_id: str, event: dict[str, Any]) -> None:
         self._outbox.append((request_id, event))
@@ -150,10 +196,21 @@ class MuxSession:
                 await self._wake.wait()
                 self._wake.clear()
                 batch, self._outbox = self._outbox, []
-                await self._ws.send_bytes(orjson.dumps(batch))
+                pushes, self._pushes = self._pushes, []
+                if batch:
+                    await self._ws.send_bytes(orjson.dumps(batch))
+                for message in pushes:
+                    await self._ws.send_bytes(message)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             # The gateway went away; the reader sees the disconnect and the pumps are cancelled.
             log.debug("mux connection closed while sending: %s", exc)
+
+
+def _dump(value: Any) -> Any:
+    """orjson's fallback for the pushes' pydantic models (the wire's field names)."""
+    if isinstance(value, (KvEventBatch, LoadReport)):
+        return value.model_dump(mode="json", by_alias=True)
+    raise TypeError(f"{type(value).__name__} is not a push payload")
 
 
 def _no_span(*_: Any, **__: Any) -> AbstractContextManager[None]:

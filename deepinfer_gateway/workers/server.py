@@ -48,6 +48,7 @@ from deepinfer_gateway.protocol import (
 from deepinfer_gateway.worker_auth import RequireWorkerToken, SecretTokens, presents_token
 from deepinfer_gateway.workers.engine import Engine
 from deepinfer_gateway.workers.mux import MuxSession
+from deepinfer_gateway.workers.pushes import Activity
 
 JSON = "application/json"
 # Longest KV events long poll a worker grants: a wait pins one connection and one task,
@@ -100,11 +101,17 @@ async def wait_unless_disconnected(request: Request, wait: Awaitable[None]) -> b
     return watching.done() and not watching.cancelled()
 
 
-async def ndjson_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def ndjson_stream(events: AsyncIterator[dict[str, Any]], activity: Activity | None = None
+                        ) -> AsyncIterator[bytes]:
+    """`activity`: counts the reply as an open request while it streams (workers/pushes.py)."""
+    if activity is not None:
+        activity.begin()
     try:
         async for event in events:
             yield encode_line(event)
     finally:
+        if activity is not None:
+            activity.end()
         close = getattr(events, "aclose", None)
         if close is not None:
             await close()  # runs the engine's finally: abort when unfinished
@@ -115,12 +122,13 @@ def protocol_router(engine: Engine, tokens: SecretTokens | None = None) -> APIRo
     connection's token at every new request (the handshake itself is checked by
     RequireWorkerToken)."""
     router = APIRouter()
+    activity = Activity()  # open requests on every path: wakes the v2 load pushers
 
     @router.websocket(MUX_PATH)
     async def mux(websocket: WebSocket) -> None:
         headers = websocket.scope["headers"]
         authorized = None if tokens is None else (lambda: presents_token(tokens, headers))
-        await MuxSession(engine, websocket, authorized).run()
+        await MuxSession(engine, websocket, authorized, activity).run()
 
     @router.post(GENERATE_PATH)
     async def generate(request: Request) -> Response:
@@ -128,7 +136,7 @@ def protocol_router(engine: Engine, tokens: SecretTokens | None = None) -> APIRo
             body = GenerateRequest.model_validate_json(await request.body())
         except ValidationError as err:
             return error_response(err)
-        return StreamingResponse(ndjson_stream(engine.generate(body)), media_type=NDJSON)
+        return StreamingResponse(ndjson_stream(engine.generate(body), activity), media_type=NDJSON)
 
     @router.post(ABORT_PATH)
     async def abort(request: Request) -> Response:

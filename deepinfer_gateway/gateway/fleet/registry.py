@@ -14,6 +14,13 @@ removed worker takes its `dgw_*{worker}` series with it; late writers (a health 
 request still in flight on it) find it gone and write nothing. `dgw_pool_healthy_workers`
 follows every change of a worker's health or membership.
 
+Pushed reports: a healthy worker whose upstream can push (worker protocol v2, upstream/base.py
+`Pushing`) is asked to once a check succeeds; while its connection is up and pushing it
+is not probed: its load reports arrive on the connection (each a success) and the
+connection's heartbeat is its liveness. When that connection closes the worker is probed
+again at the next check (at most `interval_s` later), so a dead one fails its checks and is
+ejected as a v1 worker is. The check loop sleeps while every worker pushes.
+
 `after_report(worker, at, hook)` runs `hook` once a load report whose probe began at or after
 `at` (loop time) has been taken in: the request path learns when a report counts a request
 it sent (router/booking.py `Booking.on_report`).
@@ -34,7 +41,7 @@ from deepinfer_gateway.config import HealthSettings, WorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.telemetry.loop_lag import LoopLag
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
-from deepinfer_gateway.gateway.upstream.base import Upstream, UpstreamFactory
+from deepinfer_gateway.gateway.upstream.base import Pushing, Upstream, UpstreamFactory, pushing
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,13 @@ class WorkerState:
     report_hooks: list[tuple[float, Callable[[], None]]] = field(default_factory=list)
     inflight: int = 0  # requests this gateway has open on the worker
     draining: bool = False  # no new requests: it is on its way out
+    push_start: asyncio.Task[None] | None = field(default=None, repr=False)  # asking it to push
+
+    @property
+    def pushes_live(self) -> bool:
+        """Its load reports arrive pushed: no probe needed."""
+        pushes = pushing(self.upstream)
+        return pushes is not None and pushes.pushes_live
 
     @property
     def worker_id(self) -> str:
@@ -81,6 +95,7 @@ class WorkerRegistry:
         self._settings = settings
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
+        self._probes_due: asyncio.Event | None = None  # set when a worker may need probing again
         for spec in specs:
             self.add(spec)
 
@@ -103,11 +118,14 @@ class WorkerRegistry:
             state = self.workers[spec.worker_id] = WorkerState(spec, self._upstreams.upstream(spec))
             self._metrics.admit_worker(spec.worker_id, state.pool)
             self._count_pool(state.pool)
+            self._probe_again()
         return state
 
     def remove(self, worker_id: str) -> bool:
         state = self.workers.pop(worker_id, None)
         if state is not None:
+            if state.push_start is not None:
+                state.push_start.cancel()
             state.upstream.retire()
             self._metrics.forget_worker(worker_id)
             self._count_pool(state.pool)
@@ -123,11 +141,16 @@ class WorkerRegistry:
 
     async def start(self) -> None:
         self.loop_lag.start()
+        self.loop_lag.busy = self._busy
+        self._probes_due = asyncio.Event()
         await self.check_all()
         self._task = asyncio.create_task(self._loop(), name="worker-health")
 
     async def stop(self) -> None:
         self.loop_lag.stop()
+        for worker in self.workers.values():
+            if worker.push_start is not None:
+                worker.push_start.cancel()
         if self._task:
             self._task.cancel()
             try:
@@ -136,12 +159,30 @@ class WorkerRegistry:
                 pass
 
     async def _loop(self) -> None:
+        due = self._probes_due
+        assert due is not None
         while True:
+            if not any(self._probed(w) for w in self.workers.values()):
+                due.clear()
+                await due.wait()  # every worker pushes: nothing to do until one stops
             await asyncio.sleep(self._settings.interval_s)
             await self.check_all()
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+        """Probe every worker that does not push its reports (module doc)."""
+        await asyncio.gather(*(self._check(w) for w in list(self.workers.values()) if self._probed(w)))
+
+    @staticmethod
+    def _probed(worker: WorkerState) -> bool:
+        return not (worker.healthy and worker.pushes_live)
+
+    def _probe_again(self) -> None:
+        if self._probes_due is not None:
+            self._probes_due.set()
+
+    def _busy(self) -> bool:
+        """Requests in flight: the loop-lag monitor keeps ticking (their timeouts may be judged)."""
+        return any(w.inflight for w in self.workers.values())
 
     async def _check(self, worker: WorkerState) -> None:
         since = self.loop_lag.now()
@@ -155,6 +196,34 @@ class WorkerRegistry:
             return
         if not self.registered(worker):  # removed while the check was on the wire
             return
+        self._take_load(worker, load, since)
+        self.record_success(worker)
+        pushes = pushing(worker.upstream)
+        if pushes is not None and worker.healthy and not pushes.pushes_live and worker.push_start is None:
+            worker.push_start = asyncio.create_task(self._start_pushes(worker, pushes),
+                                                    name=f"worker-push:{worker.worker_id}")
+
+    async def _start_pushes(self, worker: WorkerState, pushes: Pushing) -> None:
+        try:
+            await pushes.start_pushes(lambda load, at: self._pushed_load(worker, load, at),
+                                      lambda: self._push_ended(worker))
+        except UpstreamError as exc:  # the next check probes it as before, and asks again
+            log.info("worker %s: no pushed reports (%s)", worker.worker_id, exc)
+        finally:
+            worker.push_start = None
+
+    def _pushed_load(self, worker: WorkerState, load: wp.LoadReport, at: float) -> None:
+        if self.registered(worker):
+            self._take_load(worker, load, at)
+            self.record_success(worker)
+
+    def _push_ended(self, worker: WorkerState) -> None:
+        if self.registered(worker):
+            log.info("worker %s: its pushing connection closed; probing it again", worker.worker_id)
+            self._probe_again()
+
+    def _take_load(self, worker: WorkerState, load: wp.LoadReport, since: float) -> None:
+        """A load report that counts what was sent to the worker before `since` (loop time)."""
         worker.load = load
         worker.load_probed_at = since
         if worker.report_hooks:
@@ -165,7 +234,6 @@ class WorkerRegistry:
         self._metrics.worker_queue_tokens.labels(worker.worker_id).set(load.queued_prefill_tokens)
         self._metrics.worker_running.labels(worker.worker_id).set(load.running)
         self._metrics.worker_kv_usage.labels(worker.worker_id).set(load.kv_usage)
-        self.record_success(worker)
 
     @staticmethod
     def after_report(worker: WorkerState, at: float, hook: Callable[[], None]) -> None:
@@ -196,6 +264,7 @@ class WorkerRegistry:
             worker.healthy = False
             log.warning("worker %s ejected after %d failures: %s", worker.worker_id,
                         worker.consecutive_failures, why)
+            self._probe_again()  # probed until readmitted, pushing or not
         self._set_healthy(worker)
 
     def _set_healthy(self, worker: WorkerState) -> None:

@@ -10,12 +10,19 @@ as worker failures, such timeouts eject healthy workers two at a time, herd the 
 onto the rest and back off the KV event feeds: one stall of the gateway becomes seconds of
 tail on every worker. `own_stall_s(since)` tells how long the loop was held up since a
 call began, so the caller can leave it out of a worker's health.
+
+The timer runs only while there is something to judge: `busy()` (the registry: requests in
+flight) or a call that began (`now()`) within the last `idle_after_s`. An idle gateway's loop
+then has no timer of its own; the next `now()` starts it again, one interval before its first
+tick, so a stall during any call that asked for `now()` is seen as before. What an idle
+stretch misses is a stall while nothing waited on a worker, which no timeout can hit.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import Histogram
 
@@ -26,9 +33,13 @@ _KEEP_TICKS = 1200  # lateness of the last ~2 minutes at 10 ticks per second
 class LoopLag:
     """Lateness of a periodic timer on the running loop. `start()` inside the loop."""
 
-    def __init__(self, interval_s: float = 0.1, histogram: Histogram | None = None):
+    def __init__(self, interval_s: float = 0.1, histogram: Histogram | None = None, idle_after_s: float = 5.0):
         self.interval_s = interval_s
+        self.idle_after_s = idle_after_s
+        self.busy: Callable[[], bool] = lambda: False  # work in flight whose timeouts may be judged
         self._histogram = histogram
+        self._running = False
+        self._last_call = 0.0  # loop time of the last `now()`
         self._ticks: deque[tuple[float, float]] = deque(maxlen=_KEEP_TICKS)  # (ran at, seconds late)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
@@ -36,9 +47,12 @@ class LoopLag:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._schedule(self._loop.time())
+        self._running = True
+        self._last_call = self._loop.time()
+        self._schedule(self._last_call)
 
     def stop(self) -> None:
+        self._running = False
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
@@ -55,11 +69,21 @@ class LoopLag:
         self._ticks.append((now, late))
         if self._histogram is not None:
             self._histogram.observe(late)
-        self._schedule(now)
+        if now - self._last_call < self.idle_after_s or self.busy():
+            self._schedule(now)
+        else:
+            self._handle = None  # idle: the next `now()` wakes it
 
     def now(self) -> float:
-        """The loop's clock (what `since` arguments are read on); 0 before `start`."""
-        return self._loop.time() if self._loop is not None else 0.0
+        """The loop's clock (what `since` arguments are read on); 0 before `start`. A call
+        about to wait on it: the timer runs (again) from here."""
+        loop = self._loop
+        if loop is None:
+            return 0.0
+        now = self._last_call = loop.time()
+        if self._handle is None and self._running:
+            self._schedule(now)
+        return now
 
     def own_stall_s(self, since: float) -> float:
         """Seconds the loop was held up after `since` (loop time): the lateness of the ticks

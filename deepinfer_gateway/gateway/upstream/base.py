@@ -13,6 +13,9 @@ per worker and never ask which engine it runs. An `Upstream`
 - `reports_queue`: its load reports count the prompts waiting in its queue (the worker
   protocol's `queued_prefill_tokens`); False where the engine exports none (reported 0).
 
+A transport whose worker can push its load reports and KV events (worker protocol v2) is
+also a `Pushing` (`pushing(upstream)`): the registry stops probing it while it pushes.
+
 One adapter module per engine kind implements it (dgw.py: worker protocols v1, v2;
 vllm.py; openai.py), built from table.ADAPTERS by the worker's
 `engine`. Pure types: no HTTP library here (http.py).
@@ -139,6 +142,28 @@ class Upstream(Protocol):
         """The worker left the registry: let go of what the adapter holds open for it once its
         legs in flight end (a v2 connection would otherwise ping a worker nobody routes to)."""
         ...
+
+
+LoadListener = Callable[[wp.LoadReport, float], None]  # (report, loop time it counts requests sent before)
+
+
+class Pushing(Protocol):
+    """An upstream whose worker pushes its load reports over a connection (worker protocol v2)."""
+
+    @property
+    def pushes_live(self) -> bool:
+        """The connection is up and pushing: load reports arrive without probes."""
+        ...
+
+    async def start_pushes(self, on_load: LoadListener, on_down: Callable[[], None]) -> None:
+        """Open the connection and subscribe (a no-op when it is up or the worker cannot push):
+        `on_load` per report, `on_down` once a pushing connection closes."""
+        ...
+
+
+def pushing(upstream: Upstream) -> Pushing | None:
+    """`upstream` as a `Pushing` when its transport offers pushes, else None."""
+    return upstream if hasattr(upstream, "start_pushes") else None  # type: ignore[return-value]
 
 
 class MuxMetrics(Protocol):

@@ -5,7 +5,9 @@ gateway is set to `worker_protocol = "auto"` and the worker speaks it: the
 upgrade is the negotiation, and a worker answering it 404 (v1 only) gets v1 generate
 calls until its epoch changes (a restart may bring v2). Over v1 the generate call streams
 the worker's events as JSON lines. Health is its info and load endpoints; its KV events
-are a log the feeder long-polls (kvcache/events.py). A PD hand-off between two such
+are a log the feeder long-polls (kvcache/events.py). A worker that pushes (v2 with the push
+subprotocol) sends both on its connection instead once the registry `start_pushes`: the
+registry stops probing it and the feeder stops polling it until the connection closes. A PD hand-off between two such
 workers is the worker's own business: the prefill leg's `finish` carries it and the decode
 leg sends it back (relay.py follows it).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -21,12 +24,17 @@ import orjson
 from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.errors import UpstreamError, UpstreamKind
-from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, Probe, Timeouts
+from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, LoadListener, Probe, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response, http_errors
 from deepinfer_gateway.gateway.upstream.mux import MuxConnection, NotSpoken, TooLarge
 from deepinfer_gateway.kvcache.events import PolledKvLog
+from deepinfer_gateway.kvcache.pushed import KvPush
 
 log = logging.getLogger(__name__)
+
+# Load reports pushed at most this often per worker: the routers' view is at most this stale
+# under load (the bookings cover the requests sent since), where probes read it every second.
+LOAD_PUSH_INTERVAL_MS = 50
 
 
 class WorkerStream(LineStream):
@@ -63,6 +71,10 @@ class DgwUpstream:
         # The worker's epoch when it answered that it speaks only v1 (None: try v2).
         self._v1_epoch: str | None = None
         self._epoch = ""
+        self._kv_push = KvPush()
+        self._on_load: LoadListener | None = None
+        self._on_down: Callable[[], None] | None = None
+        self._push_epoch: str | None = None  # the epoch whose connection did not push
 
     @property
     def protocol(self) -> int:
@@ -113,7 +125,41 @@ class DgwUpstream:
             if conn is not None and not conn.closed:
                 conn.retire()  # the token changed: its legs finish on it, new ones go on the new one
             self._mux = fresh
+            self._wire_pushes(fresh)
             return fresh
+
+    @property
+    def pushes_live(self) -> bool:
+        conn = self._mux
+        return conn is not None and not conn.closed and conn.pushes and conn.on_load is not None
+
+    async def start_pushes(self, on_load: LoadListener, on_down: Callable[[], None]) -> None:
+        self._on_load, self._on_down = on_load, on_down
+        if not self._http.mux or self._v1_epoch is not None or self._push_epoch == self._epoch:
+            return  # v1 only, or this epoch's connection said it does not push
+        conn = self._mux
+        if conn is not None and not conn.closed and conn.on_load is None:
+            self._wire_pushes(conn)  # opened by a leg before the registry asked
+        await self._connection()
+
+    def _wire_pushes(self, conn: MuxConnection) -> None:
+        """Route a fresh connection's pushes to the feeder and the registry, and subscribe."""
+        if not conn.pushes:
+            self._push_epoch = self._epoch
+            return
+        on_load = self._on_load
+        if on_load is None:
+            return  # nobody listens yet: `start_pushes` wires it
+        conn.on_load = on_load
+        conn.on_kv_events = self._kv_push.deliver
+        conn.on_shut = self._push_ended
+        conn.subscribe_load(LOAD_PUSH_INTERVAL_MS)
+        self._kv_push.attach(conn.subscribe_kv)
+
+    def _push_ended(self, conn: MuxConnection) -> None:
+        self._kv_push.detach(conn.subscribe_kv)
+        if self._on_down is not None and self._mux is conn:
+            self._on_down()
 
     async def _generate_v1(self, leg: LegRequest) -> WorkerStream:
         url = self.spec.url
@@ -147,4 +193,4 @@ class DgwUpstream:
             self._mux.retire()
 
     def kv_source(self) -> PolledKvLog:
-        return PolledKvLog(self.spec.url)
+        return PolledKvLog(self.spec.url, self._kv_push if self._http.mux else None)

@@ -28,6 +28,16 @@ leg opens a new connection (reconnect). Abort: `close()` before `finish` sends a
 op, batched with the other aborts of the same loop turn; the worker cancels the request
 as it does for a dropped v1 connection.
 
+Pushes: the upgrade offers protocol.MUX_PUSH_SUBPROTOCOL; a worker that selects it
+(`pushes`) sends its KV event batches and load reports on the connection once subscribed
+(`kv_subscribe`, `load_subscribe`), read by the same reader and handed to `on_kv_events`
+and `on_load` (docs/worker-protocol.md "Pushes"). A load report carries how many of this
+connection's generate ops the worker had read when it was sampled; `on_load` gets with it
+the loop time before which every op sent was counted (the registry's "probed at").
+
+Timers: `_sweep` is armed only while streams are open, so an idle connection costs the
+heartbeat's ping alone.
+
 Auth: the handshake carries the pool's `Authorization` header. When the worker token
 changes (a rotation), the next leg opens a new connection with the new one and the old
 connection closes once its last stream ends (`retire`).
@@ -38,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -49,6 +60,7 @@ from deepinfer_gateway.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import RELAYED, UNCOUNTED, LegRequest, MuxMetrics, Sink, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
 from deepinfer_gateway.kvcache.packed_ids import ids_json
+from deepinfer_gateway.protocol import KvEventBatch, LoadReport
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +208,16 @@ class MuxConnection:
         self._closed = False
         self._retiring = False
         self._background: set[asyncio.Task[None]] = set()
+        # Pushes (module doc): negotiated by the upgrade, consumed by whoever the adapter wires.
+        self.pushes = ws.protocol == wp.MUX_PUSH_SUBPROTOCOL
+        self.on_kv_events: Callable[[int, KvEventBatch], None] | None = None
+        self.on_load: Callable[[LoadReport, float], None] | None = None
+        self.on_shut: Callable[[MuxConnection], None] | None = None
+        self._ops_sent = 0
+        self._op_times: collections.deque[tuple[int, float]] = collections.deque()  # (op number, sent at)
         self._reader = asyncio.create_task(self._read())
         self._sweep_s = min(1.0, max(0.05, min(timeouts.first_event_s, timeouts.between_events_s) / 4))
-        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
+        self._sweeper: asyncio.TimerHandle | None = None
 
     @classmethod
     async def open(cls, http: HttpPool, url: str, worker: str = "", reconnect: bool = False) -> MuxConnection:
@@ -216,7 +235,7 @@ class MuxConnection:
                     # here: CPU on both sides for bytes that cross a datacenter link or loopback.
                     ws = await http.session.ws_connect(
                         url + wp.MUX_PATH, heartbeat=HEARTBEAT_S, max_msg_size=wp.MAX_MUX_MESSAGE_BYTES, autoping=True,
-                        compress=0,
+                        compress=0, protocols=(wp.MUX_PUSH_SUBPROTOCOL,),
                         timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=http.timeouts.control_s))
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status in NOT_SPOKEN:
@@ -244,6 +263,11 @@ class MuxConnection:
         if len(data) > wp.MAX_MUX_MESSAGE_BYTES:
             raise TooLarge(f"a {len(data)}-byte generate op")
         stream = self._streams[rid] = MuxStream(self, rid)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
+        self._ops_sent += 1
+        if self.on_load is not None:
+            self._op_times.append((self._ops_sent, self.loop.time()))
         try:
             with http_errors(self.url):
                 await self._ws.send_bytes(data)
@@ -251,6 +275,19 @@ class MuxConnection:
             self._streams.pop(rid, None)
             raise
         return stream
+
+    def subscribe_kv(self, after: int, sub: int, interval_ms: int, limit: int) -> bool:
+        """Ask for the KV event log from `after` (kvcache/pushed.py's Subscribe); False if closed."""
+        return self._send_op(wp.kv_subscribe_op(after, sub, interval_ms, limit))
+
+    def subscribe_load(self, interval_ms: int) -> bool:
+        return self._send_op(wp.load_subscribe_op(interval_ms))
+
+    def _send_op(self, op: dict[str, Any]) -> bool:
+        if self._closed:
+            return False
+        self._spawn(self._send_quietly(orjson.dumps([op])))
+        return True
 
     def abort(self, request_id: str) -> None:
         """Abort a request still open on this connection (idempotent); sent with the other aborts
@@ -274,8 +311,11 @@ class MuxConnection:
     async def _send_aborts(self) -> None:
         await asyncio.sleep(0)  # let the loop turn's other aborts join this message
         ops, self._aborts = self._aborts, []
+        await self._send_quietly(orjson.dumps(ops))
+
+    async def _send_quietly(self, data: bytes) -> None:
         try:
-            await self._ws.send_bytes(orjson.dumps(ops))
+            await self._ws.send_bytes(data)
         except (aiohttp.ClientError, ConnectionError, RuntimeError):
             pass  # the connection is gone: the worker aborts everything that was on it
 
@@ -319,6 +359,9 @@ class MuxConnection:
         """One worker message: `[[request_id, event], ...]`, each event to its stream."""
         try:
             frames = orjson.loads(data)
+            if type(frames) is dict:
+                self._pushed(frames)
+                return
             streams = self._streams
             for rid, event in frames:
                 stream = streams.get(rid)
@@ -336,16 +379,35 @@ class MuxConnection:
             raise UpstreamError(UpstreamKind.PROTOCOL, f"worker sent a malformed v2 message ({exc}): "
                                 f"{bytes(data[:80]) if isinstance(data, bytes) else data[:80]!r}") from None
 
+    def _pushed(self, message: dict[str, Any]) -> None:
+        """A push (module doc); one the connection did not ask for is a protocol error."""
+        kind = message.get("push")
+        if kind == "kv_events" and self.on_kv_events is not None:
+            self.on_kv_events(int(message["sub"]), KvEventBatch.model_validate(message["batch"]))
+        elif kind == "load" and self.on_load is not None:
+            report = LoadReport.model_validate(message["report"])
+            seen, times = int(message["ops"]), self._op_times
+            while times and times[0][0] <= seen:
+                times.popleft()
+            # Every op sent before the first one the worker had not read is counted.
+            self.on_load(report, times[0][1] - 1e-6 if times else self.loop.time())
+        else:
+            raise ValueError(f"unexpected push {kind!r}")
+
     def _shut(self, reason: str, kind: UpstreamKind) -> None:
         """The connection is over: every open stream fails (retryable before its first token)."""
         self._closed = True
         self.metrics.mux_closed(self.worker)
-        self._sweeper.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         streams, self._streams = self._streams, {}
         if streams:
             log.warning("v2 connection to %s %s: %d request(s) failed", self.url, reason, len(streams))
         for stream in streams.values():
             stream.fail(UpstreamError(kind, f"worker connection lost: {reason}"))
+        if self.on_shut is not None:
+            self.on_shut(self)
 
     def _sweep(self) -> None:
         """Time out streams whose worker has been silent too long (v1's per-read timeouts)."""
@@ -358,4 +420,5 @@ class MuxConnection:
                 limit = between_s if stream.got_any else first_s
                 if now - stream.wait_since >= limit:
                     stream.fail(UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {limit}s"))
-        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
+        # Re-armed while streams are open; the next submit arms it again.
+        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep) if self._streams else None
