@@ -177,6 +177,11 @@ class Cluster:
         if done.returncode != 0:
             raise RuntimeError(f"the compose secrets script failed: {done.stderr}")
         self.redis_password = self._secret("DGW_REDIS__PASSWORD_FILE", GATEWAY_SERVICE)
+        # The shipped Redis has no default user: the bench adds keys and reads state as its admin,
+        # whose password the compose secrets script writes beside the gateway's.
+        gateway_password = self.compose.environment(GATEWAY_SERVICE).get("DGW_REDIS__PASSWORD_FILE")
+        admin_file = Path(gateway_password).parent / "redis-admin-password" if gateway_password else None
+        self.redis_admin_password = admin_file.read_text().strip() if admin_file and admin_file.exists() else ""
         self.worker_token = self._secret("DGW_WORKER_TOKEN_FILE", WORKER_SERVICE)
         self.redis_dir = next((host for target, host in self.compose.mounts("redis") if target == "/data"),
                               workdir / "volumes" / "redis-data")
@@ -212,9 +217,14 @@ class Cluster:
                                          self.workdir / "redis-server.log")]
 
     def redis_client(self, password: str | None = "") -> redis.Redis:
-        """A client on the Redis host; password "" (default): the cluster's, None: none."""
+        """A client on the Redis host; password "" (default): as the shipped admin user (the
+        default user where the compose file ships no admin), None: no user and no password."""
+        if password is None:
+            return redis.Redis(host=self.ip("redis"), port=REDIS_PORT, socket_timeout=2, socket_connect_timeout=2)
+        admin = self.redis_admin_password
         return redis.Redis(host=self.ip("redis"), port=REDIS_PORT, socket_timeout=2, socket_connect_timeout=2,
-                           password=(self.redis_password or None) if password == "" else password)
+                           username="admin" if admin else None,
+                           password=password or admin or self.redis_password or None)
 
     def start_redis(self, timeout: float = 30.0) -> None:
         self._start("redis", self.redis_cmd())
