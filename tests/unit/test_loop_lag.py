@@ -71,3 +71,30 @@ async def test_timeouts_during_the_gateways_own_stall_do_not_eject_a_worker() ->
         assert not state.healthy and state.consecutive_failures == 2
     finally:
         registry.loop_lag.stop()
+
+
+async def test_the_timer_sleeps_while_idle_and_a_call_wakes_it_with_stalls_still_seen() -> None:
+    metrics = GatewayMetrics()
+    lag = LoopLag(interval_s=0.01, histogram=metrics.loop_lag, idle_after_s=0.1)
+
+    def ticks() -> float:
+        return metrics.registry.get_sample_value("dgw_event_loop_lag_seconds_count") or 0
+
+    lag.start()
+    try:
+        await asyncio.sleep(0.3)  # no call and nothing busy: the timer stops after idle_after_s
+        idle = ticks()
+        await asyncio.sleep(0.3)
+        assert ticks() == idle and 5 <= idle <= 20
+        since = lag.now()  # a call begins: the timer runs again and sees the stall
+        time.sleep(0.3)
+        await asyncio.sleep(0.03)
+        assert lag.blames_self(since) and ticks() > idle
+        lag.busy = lambda: True  # work in flight keeps it ticking past idle_after_s
+        lag.now()
+        await asyncio.sleep(0.3)
+        busy = ticks()
+        await asyncio.sleep(0.1)
+        assert ticks() > busy
+    finally:
+        lag.stop()
