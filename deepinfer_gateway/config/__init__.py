@@ -4,6 +4,7 @@ settings that moved into a section (renamed.py), and the generator of docs/confi
 (reference.py). The rest of the program imports its configuration from here.
 """
 
+from deepinfer_gateway.config.flow import FlowControlSettings, ServiceTier
 from deepinfer_gateway.config.loading import (
     ENV_NESTED_DELIMITER,
     ENV_PREFIX,
@@ -38,7 +39,8 @@ from deepinfer_gateway.config.models import (
 
 __all__ = [
     "DEFAULT_HARDWARE_COSTS", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "PROCESS_ENV", "SECRETS_DIR_ENV",
-    "ApiKey", "ClientConnectionSettings", "ConfigError", "DiscoverySpec", "GatewaySettings", "HardwareCost",
+    "ApiKey", "ClientConnectionSettings", "FlowControlSettings", "ServiceTier",
+    "ConfigError", "DiscoverySpec", "GatewaySettings", "HardwareCost",
     "HealthSettings", "ImageSettings", "RedisSettings", "ResponsesSettings", "RouterSettings", "TracingSettings",
     "WorkerEngine", "WorkerSpec", "WorkerSpecVariant", "DgwWorkerSpec", "VllmWorkerSpec", "OpenAIWorkerSpec",
     "parse_worker_spec", "env_name", "load_settings", "unknown_environment",

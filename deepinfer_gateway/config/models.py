@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from deepinfer_gateway.config.flow import FlowControlSettings, ServiceTier
 from deepinfer_gateway.config.policies import (
     EstimatedTtftConfig,
     LeastLoadConfig,
@@ -44,6 +45,10 @@ class ApiKey(_Frozen):
     requests_per_minute: int | None = Field(None, ge=1, description="Rate limit; none: unlimited.")
     tokens_per_minute: int | None = Field(None, ge=1, description="Prompt + output token limit; none: unlimited.")
     admin: bool = Field(False, description="May call the /admin endpoints.")
+    service_tier: ServiceTier = Field(
+        "default",
+        description="Its requests' flow-control tier when they ask for none (or auto), and the highest they may "
+                    "ask for: a request asking for more runs at this one, as its answer's service_tier says.")
     cache_isolation: bool = Field(
         False, description="Salt all its requests' prefix caching with its tenant (else the key): no other tenant's "
                            "prompt shares its KV blocks or learns from cached_tokens that they are cached; costs the "
@@ -505,6 +510,8 @@ class GatewaySettings(_Frozen):
     api_keys: tuple[ApiKey, ...] = Field(
         (),
         description="Accepted keys; empty with api_keys_in_redis off: authentication off.")
+    flow_control: FlowControlSettings = Field(
+        FlowControlSettings(), description="Flow control: a fair, priority-aware queue in front of the workers.")
     api_keys_in_redis: bool = Field(False, description="Also accept keys stored in Redis (dgw:apikey:{sha256}).")
     allow_unauthenticated: bool = Field(
         False,

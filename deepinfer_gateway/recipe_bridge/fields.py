@@ -50,7 +50,8 @@ _PENALTIES = {
     "min_p": Refuse(_is(None, 0), f"{_SAMPLER}; only 0 is accepted"),
     "logit_bias": Refuse(_empty, f"{_SAMPLER}; only an empty map is accepted"),
 }
-_TIER = Refuse(_is(None, "auto", "default"), "this gateway has one service tier (auto)")
+# Honoured by flow control (gateway/serving/service_tier.py), which refuses flex and priority while it is off.
+_TIER = Refuse(_is(None, "auto", "default", "flex", "priority"), "it is one of auto, default, flex, priority")
 _PARALLEL = Refuse(_is(None, True), "the model may call several tools at once; false cannot be enforced")
 _TOOL_FOLLOWUPS = "this gateway does not run hosted tools"
 
@@ -100,7 +101,7 @@ FIELDS: dict[ApiProtocol, Mapping[str, Refuse | None]] = {
         **_COMMON,
         "messages": HONOURED, "max_tokens": HONOURED, "system": HONOURED, "stop_sequences": HONOURED,
         "thinking": HONOURED, "top_k": HONOURED,
-        "service_tier": Refuse(_is(None, "auto", "standard_only"), "this gateway has one service tier"),
+        "service_tier": Refuse(_is(None, "auto", "standard_only"), "it is auto or standard_only"),
         "container": Refuse(_is(None), _TOOL_FOLLOWUPS),
         "mcp_servers": Refuse(_empty, _TOOL_FOLLOWUPS),
         "context_management": Refuse(_is(None), "context editing is not supported"),

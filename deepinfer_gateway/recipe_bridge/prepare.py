@@ -117,6 +117,7 @@ class RequestPreparer:
             image_token_adjustment=images.token_adjustment,
             packed_tokens=packed_tokens,
             cache_salt=cache_salt_of(parsed.get("cache_salt")),
+            service_tier=parsed.get("service_tier"),
         )
 
     def count_tokens(self, body: bytes) -> TokenCount:

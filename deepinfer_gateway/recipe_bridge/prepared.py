@@ -56,6 +56,8 @@ class PreparedRequest:
     packed_tokens: bytes | None = None  # token_ids packed for block hashing, when the encoder had them
     requested_model: str = ""  # the name the client sent (an alias or `model`), echoed in responses
     cache_salt: str | None = None  # the client's `cache_salt` (gateway/serving/cache_salt.py combines it)
+    service_tier: str | None = None  # what the client asked for (OpenAI's or Anthropic's field)
+    service_tier_echo: str | None = None  # the tier it ran at, echoed in the answer (OpenAI protocols)
 
     def __post_init__(self) -> None:
         self.requested_model = self.requested_model or self.model

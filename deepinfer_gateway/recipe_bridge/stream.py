@@ -111,6 +111,22 @@ class _Framing:
         self._correct_usage = False  # `finish` brought a different cached count: final frames get it
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
         self._stop_guard: StopGuard | None = None  # set by a subclass when the request has stop sequences
+        # OpenAI's `service_tier` echo: the first member of each chat chunk and of the whole answer
+        echo = prepared.service_tier_echo
+        self._tier_member = f'{{"service_tier":"{echo}",' if echo else None
+
+    def _tiered(self, data: str) -> str:
+        """`data` (a JSON object) with the service tier echoed, for Chat (a chunk or the answer) and a
+        Responses answer; a Responses event carries it in its `response` object (an unescaped
+        `"response":{` occurs nowhere else in an event: inside strings quotes are escaped)."""
+        member = self._tier_member
+        if member is None:
+            return data
+        if self._named:
+            if self.prepared.protocol is ApiProtocol.RESPONSES and '"response":{' in data:
+                return data.replace('"response":{', '"response":' + member, 1)
+            return data
+        return member + data[1:]
 
     def _start(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
@@ -157,6 +173,8 @@ class _Framing:
         text: str = self._accumulator.to_json()
         if self._correct_usage and self._corrects_json:
             text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
+        if self._tier_member is not None and self.prepared.protocol in (ApiProtocol.CHAT, ApiProtocol.RESPONSES):
+            text = self._tier_member + text[1:]
         return text.encode()
 
     def _emit(self, chunks: list[Any], final: bool = False) -> bytes:
@@ -168,12 +186,12 @@ class _Framing:
             return b""
         split = self._split_usage and (final or self._processor_finished())
         if len(chunks) == 1 and not self._named and not split and not (final and self._correct_usage):
-            frame: str = chunks[0].to_json()
+            frame: str = self._tiered(chunks[0].to_json())
             return b"data: " + frame.encode() + b"\n\n"  # the usual token chunk
         parts: list[bytes] = []
         name_of = self._response_type.sse_event_name
         for chunk in chunks:
-            data = chunk.to_json()
+            data = self._tiered(chunk.to_json())
             if split and '"usage":' in data:
                 parts.extend(self._chat_usage_frames(data, final))
                 continue

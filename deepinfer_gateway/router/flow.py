@@ -6,8 +6,10 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
 - Saturation, per pool, from the load view: a worker can start a request now while its
   estimated queue wait (queued prefill tokens / prefill speed) is under `max_engine_wait_s`,
   its engine holds fewer than `max_engine_waiting` requests waiting per DP rank and its KV
-  usage is under `kv_usage_limit`. A pool with one such worker is not saturated: the engines'
-  own queues stay short and the ordering below decides who goes first.
+  usage is under `kv_usage_limit`. A pool with one such worker, and fewer than
+  `max_engine_waiting` per DP rank of the requests this router placed still without a first
+  token, is not saturated: the engines' own queues stay short and the ordering below decides
+  who goes first.
 - Bands: `priority` before `default` before `flex`; a lower band starts only when no higher
   band waits.
 - Fair share within a band: start-time fair queuing by tokens. A tenant's request is tagged
@@ -82,12 +84,16 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class PoolLoad:
-    """A pool's workers as flow control sees them."""
+    """A pool's workers as flow control sees them. `starting`: requests this router placed that have
+    no first token yet (in an engine's queue or prefill): fresh where the reports' `waiting` is not,
+    and the bound that holds when decoding, not prefill, is what the requests wait for."""
 
     workers: tuple[WorkerLoad, ...]
+    starting: int = 0
 
     def can_start(self, limits: FlowLimits) -> bool:
-        return any(w.can_start(limits) for w in self.workers)
+        ranks = sum(w.dp_ranks for w in self.workers)
+        return self.starting < limits.max_engine_waiting * ranks and any(w.can_start(limits) for w in self.workers)
 
     @property
     def drain_tokens_per_s(self) -> float:
@@ -107,22 +113,23 @@ class PoolLoad:
             return self
         i = min(startable, key=lambda k: self.workers[k].wait_s)
         w = self.workers[i]
-        moved = WorkerLoad(w.wait_s + tokens / w.prefill_tokens_per_s, w.prefill_tokens_per_s, w.waiting + 1,
+        moved = WorkerLoad(w.wait_s + tokens / w.prefill_tokens_per_s, w.prefill_tokens_per_s, w.waiting,
                            w.dp_ranks, w.kv_usage)
-        return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:])
+        return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:], self.starting + 1)
 
 
 def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
-              granted_tokens: int = 0) -> PoolLoad:
+              granted_tokens: int = 0, starting: int = 0) -> PoolLoad:
     """`pool`'s load from the views; `granted_tokens`: placed by flow control and not yet in any
-    view (no booking yet), spread over the pool's speed. `prefill_tokens_per_s`: by hardware."""
+    view (no booking yet), spread over the pool's speed; `starting`: `PoolLoad`'s.
+    `prefill_tokens_per_s`: by hardware."""
     members = [v for v in views if v.pool == pool]
     speed = sum(prefill_tokens_per_s[v.hardware] for v in members) or 1.0
     extra = granted_tokens / speed
     return PoolLoad(tuple(
         WorkerLoad(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra,
                    prefill_tokens_per_s[v.hardware], v.waiting, max(1, v.dp_ranks), v.kv_usage)
-        for v in members))
+        for v in members), starting)
 
 
 @dataclass(eq=False)

@@ -219,6 +219,23 @@ class RoutePlanner:
             return self._settle(Mode.UNIFIED, choice, self._with_prediction(choice, prompt_tokens, overlap), fallbacks)
         raise NoCandidate("no healthy worker can serve this request")
 
+    def first_pool(self, workers: Sequence[WorkerView], prompt_tokens: int, overlap: Overlap) -> str:
+        """The pool `plan_first` would take the first leg's worker from, without asking (or telling)
+        any policy: flow control queues a request by it before the request is planned."""
+        split = self._caches.role_split(workers)
+        decode_formats = split.formats.get(Role.DECODE)
+        if decode_formats and Role.PREFILL in split.formats:
+            bypass = self._bypass_candidates(split, workers, prompt_tokens, overlap)
+            if bypass:
+                return _largest_pool(bypass)
+            prefill = split.group(Role.PREFILL, decode_formats)
+            if prefill.indices:
+                return _largest_pool([workers[i] for i in prefill.indices])
+        unified = split.group(Role.UNIFIED)
+        if unified.indices:
+            return _largest_pool([workers[i] for i in unified.indices])
+        raise NoCandidate("no healthy worker can serve this request")
+
     def plan_decode(self, workers: Sequence[WorkerView], kv_format: str, prompt_tokens: int,
                     exclude: frozenset[str] = frozenset()) -> tuple[WorkerView, Decision]:
         live = [w for w in workers if w.worker_id not in exclude] if exclude else workers
@@ -256,6 +273,14 @@ class RoutePlanner:
         mem, store = self._predicted(choice.worker, prompt_tokens, overlap)
         decision = choice.decision
         return Decision(decision.worker_id, decision.reason, decision.costs, mem, store)
+
+
+def _largest_pool(workers: Sequence[WorkerView]) -> str:
+    """The pool `_choose` serves from: the one with most members (then the greatest name)."""
+    sizes: dict[str, int] = {}
+    for w in workers:
+        sizes[w.pool] = sizes.get(w.pool, 0) + 1
+    return max(sizes.items(), key=lambda item: (item[1], item[0]))[0]
 
 
 def _ranked(choice: _Choice, n: int) -> tuple[WorkerView, ...]:

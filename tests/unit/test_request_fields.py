@@ -24,7 +24,7 @@ BASE: dict[ApiProtocol, dict[str, Any]] = {
 REFUSED_AND_ACCEPTED: dict[str, tuple[Any, Any]] = {
     "presence_penalty": (0.5, 0), "frequency_penalty": (-1.0, 0.0), "repetition_penalty": (1.2, 1.0),
     "min_p": (0.05, 0), "logit_bias": ({"12": 5}, {}), "parallel_tool_calls": (False, True),
-    "service_tier": ("flex", "auto"), "store": (True, False), "modalities": (["text", "audio"], ["text"]),
+    "service_tier": ("scale", "auto"), "store": (True, False), "modalities": (["text", "audio"], ["text"]),
     "audio": ({"voice": "alloy", "format": "mp3"}, None), "prediction": ({"type": "content", "content": "x"}, None),
     "web_search_options": ({}, None), "verbosity": ("low", "medium"), "functions": ([{"name": "f"}], None),
     "function_call": ("auto", None), "truncation": ("auto", "disabled"),

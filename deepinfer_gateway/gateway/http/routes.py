@@ -46,6 +46,7 @@ from deepinfer_gateway.gateway.serving.key_slots import KeySlots
 from deepinfer_gateway.gateway.serving.ratelimit import Reservation
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.state import GatewayState, gateway_state
+from deepinfer_gateway.gateway.serving.service_tier import flow_ticket
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
@@ -244,10 +245,11 @@ class ClientRoutes:
             reserved, reservation = await reserve(state, key, prepared.prompt_tokens, prepared.sampling.max_tokens)
             headers = {**headers, **reserved}
             on_done = ended(release_slot, reservation)
+            flow = flow_ticket(self.settings.flow_control, key, prepared, request.headers)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session=session_of(request, key, prepared.user),
-                                         cache_salt=request_cache_salt(key, prepared.cache_salt))
+                                         cache_salt=request_cache_salt(key, prepared.cache_salt), flow=flow)
             response = await unless_disconnected(request, serving)
             if isinstance(response, RelayResponse):
                 release_slot = None  # the stream's end gives the slot back (`on_done`)

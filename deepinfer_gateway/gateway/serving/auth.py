@@ -9,7 +9,7 @@ with the default workload class.
 
 Keys may also live in Redis (hash `dgw:apikey:{sha256}` with fields name, models
 (comma-separated), workload_class, requests_per_minute, tokens_per_minute, admin, tenant,
-cache_isolation) so
+cache_isolation, service_tier) so
 an operator can add one without restarting any gateway replica. Lookups are cached for
 `cache_ttl_s`: keys found in one cache, keys not found in another, each holding at most
 `cache_size` (oldest dropped first), so clients presenting random keys can neither grow the
@@ -134,4 +134,5 @@ class KeyStore:
             admin=f.get("admin", "false").lower() in ("1", "true", "yes"),
             tenant=f.get("tenant") or None,
             cache_isolation=f.get("cache_isolation", "false").lower() in ("1", "true", "yes"),
+            service_tier=f.get("service_tier") or "default",
         )

@@ -37,6 +37,7 @@ from deepinfer_gateway.errors import (
 )
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.background import run_in_background
+from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket, Grant
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
@@ -53,11 +54,13 @@ class Lease:
     worker's in-flight count; on a first leg, its share of the worker's queue until the
     first token) and the process gauge."""
 
-    __slots__ = ("booking", "_metrics", "stream", "ready_at", "released")
+    __slots__ = ("booking", "_metrics", "_on_release", "stream", "ready_at", "released")
 
-    def __init__(self, booking: Booking[WorkerState], metrics: GatewayMetrics):
+    def __init__(self, booking: Booking[WorkerState], metrics: GatewayMetrics,
+                 on_release: Callable[[], None] | None = None):
         self.booking = booking
         self._metrics = metrics
+        self._on_release = on_release  # flow control looks again: the worker has room
         self.stream: EventStream | None = None
         self.ready_at = 0.0  # perf_counter when the leg's `ready` event arrived
         self.released = False
@@ -80,6 +83,8 @@ class Lease:
         self.released = True
         self.booking.end()
         self._metrics.inflight.dec()
+        if self._on_release is not None:
+            self._on_release()
         if self.stream is not None:
             self.stream.close()
             if abort:
@@ -120,25 +125,40 @@ Chooser = Callable[[frozenset[str]], tuple[str, LegRequest]]
 
 class Legs:
     def __init__(self, registry: WorkerRegistry, routing: RouteInputs, metrics: GatewayMetrics,
-                 settings: GatewaySettings):
+                 settings: GatewaySettings, gate: FlowGate | None = None):
         self.registry = registry
         self.routing = routing
         self.metrics = metrics
         self.settings = settings
+        self.gate = gate  # flow control (flow_gate.py), when enabled
 
-    async def first(self, prepared: PreparedRequest, leg: LegRequest,
-                    session: SessionIdentity) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
+    async def first(self, prepared: PreparedRequest, leg: LegRequest, session: SessionIdentity,
+                    flow: FlowTicket | None = None, arrival: float = 0.0
+                    ) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
         """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event,
-        the views it was planned on)."""
+        the views it was planned on). `flow`: its ticket when flow control is on (it may wait
+        here for its pool, or be refused 429, before any worker call)."""
         views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
         planner = self.routing.planner
         plans: list[Plan] = []
         lineage = await self.routing.lineage(session)
+        grant: Grant | None = None
+        if self.gate is not None and flow is not None:
+            pool = planner.first_pool(views, prepared.prompt_tokens, overlap)
+            grant = await self.gate.admit(flow, prepared.prompt_tokens, pool, views, arrival)
+            if grant.waited_s:
+                try:  # the load (and the cache) moved while it waited: plan on what is there now
+                    views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
+                except BaseException:
+                    grant.started()
+                    raise
 
         def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
             plan = planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session.session, tried,
                                       lineage=lineage)
             if not plans:
+                if grant is not None:
+                    grant.booked()  # its booking on the worker counts its tokens from here
                 self.routing.admit(plan, views)
             self.routing.record(plan, leg.request_id)
             plans.append(plan)
@@ -153,6 +173,9 @@ class Legs:
                 raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.") from None
             # each failure was logged with its worker (`_failed`); the client reads no address
             raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last.detail}") from None
+        finally:
+            if grant is not None:
+                grant.started()  # its first token (or its end): the pool may start another
         plan = plans[-1]
         await self.routing.remember(session, plan)
         if plan.mode is Mode.PD and first["event"] == "finish" and "kv_handoff" in first:
@@ -229,7 +252,7 @@ class Legs:
         queue, router/booking.py); return once its `ready` and first token (or finish) arrived.
         On any failure, cancellation included, the lease is released before this returns."""
         booking = Booking(self.routing.inflight, worker, leg.request_id, reserve, leg.predicted_cached)
-        lease = Lease(booking, self.metrics)
+        lease = Lease(booking, self.metrics, self.gate.wake if self.gate is not None else None)
         try:
             lease.stream = await worker.upstream.generate(leg)
             if booking.queued and worker.upstream.reports_queue:

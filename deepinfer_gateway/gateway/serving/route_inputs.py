@@ -44,6 +44,7 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0) -> WorkerVie
         queued_prefill_tokens=max(0, (load.queued_prefill_tokens if load else 0) + booked),
         booked_tokens=booked, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
+        waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
         dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size,
         prefills=worker.info.prefills,
     )

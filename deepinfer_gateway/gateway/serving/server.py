@@ -23,6 +23,7 @@ from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id, digest_of
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket
 from deepinfer_gateway.gateway.serving.legs import Legs
 from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
 from deepinfer_gateway.gateway.serving.relay import Exchange, Relay, RelayResponse
@@ -50,7 +51,10 @@ class RequestServer:
                  inflight: MemoryInflight | RedisInflight, bundle: TokenizerBundle, metrics: GatewayMetrics,
                  settings: GatewaySettings, affinity: SharedAffinity | None = None):
         self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings, affinity)
-        self.legs = Legs(registry, self.routing, metrics, settings)
+        self.gate = (FlowGate(settings.flow_control, self.routing.views,
+                              lambda hardware: planner.hardware_cost(hardware).prefill_tokens_per_s, metrics)
+                     if settings.flow_control.enabled else None)
+        self.legs = Legs(registry, self.routing, metrics, settings, self.gate)
         self.relay = Relay(self.legs, registry)
         self.bundle = bundle
         self.metrics = metrics
@@ -73,9 +77,10 @@ class RequestServer:
     async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
                     workload_class: str = "chat", headers: dict[str, str] | None = None,
                     on_done: Callable[[int], None] | None = None, session: SessionIdentity | None = None,
-                    cache_salt: str | None = None) -> Response:
+                    cache_salt: str | None = None, flow: FlowTicket | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends, if it
-        reached a worker. `cache_salt`: the request's prefix-cache salt (cache_salt.py)."""
+        reached a worker. `cache_salt`: the request's prefix-cache salt (cache_salt.py). `flow`:
+        its flow-control ticket (flow_gate.py), when flow control is on."""
         # The workers get an id of ours: a client's x-request-id (`request_id`, echoed and logged)
         # is not unique, and two requests with the same one would collide on a worker.
         leg = LegRequest(random_id(), prepared.token_ids,
@@ -85,7 +90,11 @@ class RequestServer:
         response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
         if session is None or session.session is None:
             session = SessionIdentity(prepared.user)
-        lease, plan, ready, first, views = await self.legs.first(prepared, leg, session)
+        lease, plan, ready, first, views = await self.legs.first(prepared, leg, session,
+                                                                 flow, arrival)
+        if flow is not None:
+            met = time.perf_counter() - arrival <= flow.target_s
+            self.metrics.flow_ttft.labels(flow.tier.label, "true" if met else "false").inc()
         if self.decisions is not None:
             now = time.perf_counter()
             stall = self.loop_lag.own_stall_s(self.loop_lag.now() - (now - arrival))

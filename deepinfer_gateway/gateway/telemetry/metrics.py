@@ -156,6 +156,17 @@ class GatewayMetrics:
                                       "loop was held up: not counted against the worker's health", registry=r)
         self.admission_rejections = Counter("dgw_admission_rejections", "Requests refused (429) by admission control",
                                             ["pool"], registry=r)
+        self.flow_queued = Gauge("dgw_flow_queued_requests", "Requests waiting in flow control (several processes "
+                                 "on a host: their sum)", ["pool", "service_tier"], multiprocess_mode="livesum",
+                                 registry=r)
+        self.flow_wait = Histogram("dgw_flow_wait_seconds", "Time a request waited in flow control before it was "
+                                   "placed (0: its pool was not saturated)", ["pool", "service_tier"],
+                                   buckets=QUEUE_BUCKETS, registry=r)
+        self.flow_shed = Counter("dgw_flow_shed", "Requests flow control refused (429 before any token)",
+                                 ["pool", "service_tier", "reason"], registry=r)
+        self.flow_ttft = Counter("dgw_flow_ttft", "Requests under flow control that got a first token, by whether "
+                                 "it came within their TTFT target (met: goodput)", ["service_tier", "met"],
+                                 registry=r)
         self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",
                                     ["component"], registry=r)
         self.responses_not_stored = Counter(

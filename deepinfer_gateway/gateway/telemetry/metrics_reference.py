@@ -23,6 +23,7 @@ from deepinfer_gateway.gateway.telemetry.metrics_host import ProcessCpuCollector
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
 from deepinfer_gateway.protocol import Hardware, Role, V1Fallback
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
+from deepinfer_gateway.router.flow import ShedReason, Tier
 from deepinfer_gateway.router.policy import Reason
 
 
@@ -41,7 +42,10 @@ LABELS: dict[str, str] = {
     "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`; v1 fallbacks: "
               f"{_values(V1Fallback)} (the worker refused the v2 upgrade; a generate op over the v2 message limit); "
               "responses not stored: `unavailable` (the store failed), `full` (`responses.max_total_bytes`), "
-              "`refused` (the answer over `max_bytes` or its key's bytes)",
+              "`refused` (the answer over `max_bytes` or its key's bytes); flow control's refusals: "
+              f"{_values(ShedReason)}",
+    "service_tier": f"a request's flow-control tier: {', '.join(f'`{t.label}`' for t in Tier)}",
+    "met": "`true` when the request's first token came within its TTFT target, else `false`",
     "kind": _values(UpstreamKind),
     "worker": "a worker id from the configuration or `POST /admin/workers`; its series go when it is removed",
     "component": "`ratelimit`, `inflight`, `apikeys` (keys kept in Redis), `admin` (shared admin changes), "

@@ -1,0 +1,50 @@
+"""`[flow_control]`: the queue between admission and placement (router/flow.py, docs/api.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ServiceTier = Literal["priority", "default", "flex"]
+
+
+class FlowControlSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        False,
+        description="Hold requests in the gateway while their pool is saturated and start them by tier, fair "
+                    "share and deadline; refuse (429 + Retry-After) those that cannot start in time. Off: every "
+                    "request goes to the engines' queues at once (only router.admission_queued_tokens refuses).")
+    max_engine_wait_ms: float = Field(
+        200.0, gt=0,
+        description="A worker is saturated when its estimated queue wait (queued prefill tokens / its hardware's "
+                    "prefill_tokens_per_s) reaches this.")
+    max_engine_waiting: int = Field(
+        4, ge=1, description="... or its engine reports this many requests waiting per DP rank.")
+    kv_usage_limit: float = Field(0.95, gt=0, le=1, description="... or its KV usage reaches this fraction.")
+    priority_ttft_ms: float = Field(2_000.0, gt=0, description="TTFT target of service_tier priority requests.")
+    default_ttft_ms: float = Field(10_000.0, gt=0, description="TTFT target of default (and auto) requests.")
+    flex_ttft_ms: float = Field(60_000.0, gt=0, description="TTFT target of flex requests.")
+    max_slo_ttft_ms: float = Field(
+        600_000.0, gt=0, description="Largest TTFT target a request may set with x-slo-ttft-ms (larger: 400).")
+    max_queued_per_pool: int = Field(1024, ge=1, description="Requests waiting per pool; past it the lowest tier "
+                                                           "is refused first.")
+    max_queued_per_tenant: int = Field(256, ge=1, description="Requests one tenant may have waiting per pool.")
+    expected_output_tokens: int = Field(
+        256, ge=0,
+        description="Output tokens a request is expected to cost in the fair share (at most its max_tokens), "
+                    "besides its prompt.")
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Tenant (an API key's tenant, else its name) -> weight of its fair share; absent: 1.")
+    tier_header: bool = Field(
+        False,
+        description="Honour x-dgw-service-tier (priority|default|flex), set by a trusted proxy in front, over the "
+                    "request's and the key's tier. Off: the header is refused (400), so a client cannot raise "
+                    "its own tier with it.")
+
+    def ttft_target_s(self, tier: str) -> float:
+        return {"priority": self.priority_ttft_ms, "default": self.default_ttft_ms,
+                "flex": self.flex_ttft_ms}[tier] / 1000.0

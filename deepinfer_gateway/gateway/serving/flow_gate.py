@@ -1,0 +1,211 @@
+"""Flow control on the request path: requests wait here while their pool is saturated.
+
+The policy is router/flow.py's (pure); this module gives it a clock, the load views and
+waiters. A request whose pool can start it passes at once (its pool's queue is empty and a
+worker is under the saturation bounds: one look at the views it was planned on). Otherwise
+it waits on a future that one pump task resolves: woken when a request arrives or a leg ends,
+and every `TICK_S` while anything waits (load reports arrive on the health interval; the
+deadlines expire on the clock). The pump reads the views afresh each pass, so bookings of the
+requests it just started count before the next pass.
+
+A request started here holds its prompt tokens as "granted" in its pool's load until its leg
+is booked on a worker (`Grant.booked`): the views cannot show it before that; and it counts
+as starting until its first token (`Grant.started`).
+A client that disconnects while queued cancels its waiter: it leaves the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from deepinfer_gateway.config import FlowControlSettings
+from deepinfer_gateway.errors import Overloaded
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.router.flow import (
+    FlowLimits,
+    FlowPolicy,
+    FlowRequest,
+    Shed,
+    ShedReason,
+    Tier,
+    pool_load,
+    retry_after,
+)
+from deepinfer_gateway.router.worker_view import WorkerView
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02
+
+
+@dataclass(frozen=True)
+class FlowTicket:
+    """What the route decided of a request's flow: its tier, tenant, weight and TTFT target."""
+
+    tier: Tier
+    tenant: str
+    weight: float
+    target_s: float
+    expected_output: int  # tokens counted in the fair share besides the prompt
+
+
+class Grant:
+    """A request's permission to be placed: `booked` once its leg is booked on a worker, `started`
+    once it has its first token or failed (each idempotent; `started` implies `booked`)."""
+
+    __slots__ = ("_gate", "_booked", "pool", "tokens", "waited_s")
+
+    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float) -> None:
+        self._gate, self.pool, self.tokens, self.waited_s = gate, pool, tokens, waited_s
+        self._booked = False
+
+    def booked(self) -> None:
+        if self._gate is not None and not self._booked:
+            self._booked = True
+            self._gate.granted[self.pool] -= self.tokens
+
+    def started(self) -> None:
+        gate = self._gate
+        if gate is not None:
+            self.booked()
+            self._gate = None
+            gate.starting[self.pool] -= 1
+            gate.wake()
+
+
+class _Speeds(dict[str, float]):
+    def __init__(self, speed_of: Callable[[str], float]) -> None:
+        super().__init__()
+        self._speed_of = speed_of
+
+    def __missing__(self, hardware: str) -> float:
+        speed = self[hardware] = self._speed_of(hardware)
+        return speed
+
+
+def limits_of(settings: FlowControlSettings) -> FlowLimits:
+    return FlowLimits(max_engine_wait_s=settings.max_engine_wait_ms / 1000.0,
+                      max_engine_waiting=settings.max_engine_waiting, kv_usage_limit=settings.kv_usage_limit,
+                      max_queued_per_pool=settings.max_queued_per_pool,
+                      max_queued_per_tenant=settings.max_queued_per_tenant)
+
+
+class FlowGate:
+    """One per process: every pool's queue and the pump that starts its requests."""
+
+    def __init__(self, settings: FlowControlSettings, views: Callable[[], Awaitable[list[WorkerView]]],
+                 speed_of: Callable[[str], float], metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.policy = FlowPolicy(limits_of(settings))
+        self._views = views
+        self.speeds = _Speeds(speed_of)
+        self.metrics = metrics
+        self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
+        self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
+        self._wake = asyncio.Event()
+        self._pump_task: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        """Something changed (a leg ended): look again at once if anything waits."""
+        if self._pump_task is not None:
+            self._wake.set()
+
+    async def admit(self, ticket: FlowTicket, prompt_tokens: int, pool: str, views: Sequence[WorkerView],
+                    arrival: float) -> Grant:
+        """Wait until `pool` can start the request (`views`: what it was planned on); Overloaded
+        (429 + Retry-After) when it cannot start before its deadline or the queue is full."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        waited_before = time.perf_counter() - arrival  # preparation already spent part of the target
+        request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
+                              now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
+        queue = self.policy.pool(pool)
+        load = pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool])
+        outcome = queue.arrive(request, load, now)
+        for displaced in outcome.displaced:
+            self._refuse(pool, displaced, Shed(ShedReason.DISPLACED, retry_after(ticket.target_s)))
+        if outcome.shed is not None:
+            self._count_shed(pool, request, outcome.shed)
+            raise self._overloaded(pool, request, outcome.shed)
+        if outcome.start:
+            return self._grant(pool, request, 0.0)
+        future: asyncio.Future[Grant] = loop.create_future()
+        request.handle = future
+        self._gauge(pool)
+        if self._pump_task is None:
+            self._pump_task = asyncio.create_task(self._pump(), name="flow-control")
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if queue.remove(request):  # its client left while it waited
+                self._gauge(pool)
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                future.result().started()  # started, then cancelled before it was placed
+            raise
+
+    def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
+        self.granted[pool] += request.prompt_tokens
+        self.starting[pool] += 1
+        self.metrics.flow_wait.labels(pool, request.tier.label).observe(waited_s)
+        return Grant(self, pool, request.prompt_tokens, waited_s)
+
+    def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
+        why = {ShedReason.DEADLINE: "cannot start within its time-to-first-token target",
+               ShedReason.QUEUE_FULL: "found the pool's queue full",
+               ShedReason.TENANT_FULL: "found its tenant's share of the pool's queue full",
+               ShedReason.DISPLACED: "gave way to a request of a higher service tier"}[shed.reason]
+        return Overloaded(f"Pool {pool} is saturated: this {request.tier.label} request {why}; retry later.",
+                          headers={"retry-after": str(shed.retry_after_s)})
+
+    def _count_shed(self, pool: str, request: FlowRequest, shed: Shed) -> None:
+        self.metrics.flow_shed.labels(pool, request.tier.label, shed.reason).inc()
+
+    def _refuse(self, pool: str, request: FlowRequest, shed: Shed) -> None:
+        self._count_shed(pool, request, shed)
+        future = request.handle
+        if isinstance(future, asyncio.Future) and not future.done():
+            future.set_exception(self._overloaded(pool, request, shed))
+
+    def _gauge(self, pool: str) -> None:
+        queue = self.policy.pool(pool)
+        for tier in Tier:
+            self.metrics.flow_queued.labels(pool, tier.label).set(queue.depth(tier))
+
+    async def _pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while pools := self.policy.waiting_pools():
+                self._wake.clear()
+                views = await self._views()
+                now = loop.time()
+                for pool in pools:
+                    queue = self.policy.pool(pool)
+                    load = pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool])
+                    for late in queue.expired(now):
+                        self._refuse(pool, late, Shed(ShedReason.DEADLINE, retry_after(load.wait_past(
+                            self.policy.limits) + 1.0)))
+                    for request in self.policy.starts(pool, load, now):
+                        future = request.handle
+                        if isinstance(future, asyncio.Future) and not future.done():
+                            future.set_result(self._grant(pool, request, now - request.arrival))
+                    self._gauge(pool)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), TICK_S)
+        except Exception:
+            log.exception("flow control pump failed; queued requests are refused")
+            for pool in self.policy.waiting_pools():
+                queue = self.policy.pool(pool)
+                for band in queue.bands:
+                    for _, _, request in list(band.heap):
+                        if queue.remove(request):
+                            self._refuse(pool, request, Shed(ShedReason.QUEUE_FULL, 1))
+                self._gauge(pool)
+        finally:
+            self._pump_task = None

@@ -1,0 +1,237 @@
+"""Flow control through the live gateway, real HTTP and the openai SDK, against a sim worker small
+enough to saturate (4 sequences at a time, slow prefill): a flex flood does not delay priority or
+default requests past their target; flex is refused with 429 + Retry-After while the others are
+served; a client that leaves while queued leaves the queue at once; service_tier is echoed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from harness.launch import Gateway, SimCluster
+
+MODEL = "DeepSeek-V4.1-Flash"
+PROFILE = """
+[sm100]
+hardware = "sm100"
+kv_format = "v4.1-flash/sm100-fp8"
+prefill_points = [[4096, 20000]]
+decode_points = [[1, 60], [8, 60]]
+gpus_per_instance = 1
+dp_ranks = 1
+max_num_seqs = 4
+max_num_batched_tokens = 4096
+nextn = 0
+"""
+PROMPT = [{"role": "user", "content": "tell me about flow control " * 20}]
+
+
+def _key(name: str, key: str, tier: str) -> str:
+    return (f'[[api_keys]]\nname = "{name}"\nkey_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
+            f'service_tier = "{tier}"\n')
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimCluster]:
+    profile = tmp_path_factory.mktemp("flow-profile") / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    yield cluster
+    cluster.stop()
+
+
+def _gateway(tmp: Path, cluster: SimCluster, flow: str) -> Gateway:
+    extra = ("[router.hardware.sm100]\nprefill_tokens_per_s = 20000.0\nkv_load_bytes_per_s = 25e9\n"
+             + flow + _key("batch", "sk-batch", "flex") + _key("chat", "sk-chat", "default")
+             + _key("vip", "sk-vip", "priority") + _key("other-batch", "sk-batch2", "flex"))
+    gw = Gateway(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=extra)
+    gw.wait_ready(1)
+    return gw
+
+
+FLOW = """[flow_control]
+enabled = true
+max_engine_wait_ms = 100
+max_engine_waiting = 2
+priority_ttft_ms = 1500
+default_ttft_ms = 4000
+flex_ttft_ms = {flex}
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = _gateway(tmp_path_factory.mktemp("flow"), cluster, FLOW.format(flex=20000))
+    yield gw
+    gw.stop()
+
+
+def client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+async def _ttft(gw: Gateway, key: str, tier: str | None = None) -> float:
+    started = time.perf_counter()
+    extra = {"service_tier": tier} if tier else {}
+    stream = await client(gw, key).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4, stream=True,
+                                                           **extra)
+    first = None
+    async for _ in stream:
+        first = first or time.perf_counter()
+    assert first is not None
+    return first - started
+
+
+async def _flood(gw: Gateway, key: str, stop: asyncio.Event, outcomes: list[int], max_tokens: int = 30) -> None:
+    c = client(gw, key)
+    while not stop.is_set():
+        try:
+            await c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens)
+            outcomes.append(200)
+        except openai.RateLimitError as exc:
+            assert int(exc.response.headers["retry-after"]) >= 1
+            outcomes.append(429)
+            await asyncio.sleep(0.05)
+
+
+def _metric(gw: Gateway, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(gw.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()) and want:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _queued(gw: Gateway, timeout: float = 20.0) -> None:
+    """Until flex requests wait in flow control (a loaded machine takes a while to send the flood)."""
+    deadline = time.monotonic() + timeout
+    while _metric(gw, "dgw_flow_queued_requests", service_tier="flex") == 0:
+        assert time.monotonic() < deadline, "the flood never queued"
+        await asyncio.sleep(0.1)
+
+
+def test_flex_flood_does_not_delay_priority_or_default(gateway: Gateway) -> None:
+    async def run() -> tuple[list[float], list[float], list[int]]:
+        stop, outcomes = asyncio.Event(), list[int]()
+        flood = [asyncio.create_task(_flood(gateway, "sk-batch", stop, outcomes)) for _ in range(24)]
+        await _queued(gateway)  # the engine's 4 slots are full and flex requests queue in the gateway
+        priority = [await _ttft(gateway, "sk-vip", "priority") for _ in range(6)]
+        default = [await _ttft(gateway, "sk-chat") for _ in range(6)]
+        stop.set()
+        await asyncio.gather(*flood)
+        return priority, default, outcomes
+
+    priority, default, outcomes = asyncio.run(run())
+    assert max(priority) < 1.5, priority  # the priority target
+    assert max(default) < 4.0, default
+    assert outcomes.count(200) > 10  # the flood is served, behind them
+    assert _metric(gateway, "dgw_flow_ttft_total", service_tier="priority", met="true") >= 6
+
+
+def test_flex_is_shed_with_retry_after_while_others_are_served(cluster: SimCluster,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    gw = _gateway(tmp_path_factory.mktemp("flow-shed"), cluster, FLOW.format(flex=400))
+    try:
+        async def run() -> tuple[list[int], list[float]]:
+            stop, outcomes = asyncio.Event(), list[int]()
+            flood = [asyncio.create_task(_flood(gw, "sk-batch", stop, outcomes, max_tokens=60)) for _ in range(24)]
+            await _queued(gw)
+            served = [await _ttft(gw, "sk-chat") for _ in range(5)]
+            stop.set()
+            await asyncio.gather(*flood)
+            return outcomes, served
+
+        outcomes, served = asyncio.run(run())
+        assert outcomes.count(429) > 0 and outcomes.count(200) > 0
+        assert max(served) < 4.0  # every default request served, none refused
+        assert _metric(gw, "dgw_flow_shed_total", service_tier="flex") > 0
+        assert _metric(gw, "dgw_flow_shed_total", service_tier="default") == 0
+    finally:
+        gw.stop()
+
+
+def test_client_leaving_while_queued_leaves_the_queue(gateway: Gateway) -> None:
+    async def run() -> tuple[float, float, float, float]:
+        stop, outcomes = asyncio.Event(), list[int]()
+        # long requests: nothing ends during the test, so the queue holds still
+        flood = [asyncio.create_task(_flood(gateway, "sk-batch", stop, outcomes, max_tokens=3000)) for _ in range(12)]
+        await _queued(gateway)
+        await asyncio.sleep(0.5)
+        before = _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4}
+        async with httpx.AsyncClient(base_url=gateway.url) as http:
+            queued = asyncio.create_task(http.post("/v1/chat/completions", json=body, timeout=30,
+                                                   headers={"authorization": "Bearer sk-batch"}))
+            await asyncio.sleep(0.5)
+            during = _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
+            queued.cancel()  # the client goes away
+            with contextlib.suppress(asyncio.CancelledError):
+                await queued
+        await asyncio.sleep(0.3)
+        after = _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        await asyncio.sleep(0.5)
+        return before, during, after, _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
+
+    before, during, after, drained = asyncio.run(run())
+    assert before > 0
+    assert during == before + 1
+    assert after == before  # gone at once, not when its turn came
+    assert drained == 0  # the flood's clients left too
+
+
+def test_service_tier_is_echoed_as_run(gateway: Gateway) -> None:
+    async def run() -> list[str | None]:
+        chat = client(gateway, "sk-chat")
+        asked = await chat.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, service_tier="flex")
+        capped = await chat.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2,
+                                                    service_tier="priority")
+        vip = await client(gateway, "sk-vip").chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+        streamed = await chat.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, stream=True,
+                                                      service_tier="flex")
+        tiers = [chunk.service_tier async for chunk in streamed]
+        assert tiers and set(tiers) == {"flex"}
+        return [asked.service_tier, capped.service_tier, vip.service_tier]
+
+    assert asyncio.run(run()) == ["flex", "default", "priority"]
+
+
+def test_bad_flow_headers_are_400(gateway: Gateway) -> None:
+    async def run() -> None:
+        chat = client(gateway, "sk-chat")
+        for headers in ({"x-slo-ttft-ms": "soon"}, {"x-dgw-service-tier": "priority"}):
+            with pytest.raises(openai.BadRequestError):
+                await chat.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, extra_headers=headers)
+        ok = await chat.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2,
+                                                extra_headers={"x-slo-ttft-ms": "3000"})
+        assert ok.choices
+
+    asyncio.run(run())
+
+
+def test_without_flow_control_only_the_default_tier_is_accepted(cluster: SimCluster,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    gw = _gateway(tmp_path_factory.mktemp("flow-off"), cluster, "")
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-chat", max_retries=0, timeout=30)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, service_tier="flex")
+        assert "flow control is off" in e.value.message
+        assert c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2,
+                                         service_tier="default").service_tier == "default"
+    finally:
+        gw.stop()
