@@ -30,13 +30,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.config import GatewaySettings, WorkerSpec
-from deepinfer_gateway.config.models import ResponsesSettings
+from deepinfer_gateway.config.models import ConversationsSettings, ResponsesSettings
 from deepinfer_gateway.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.http.admin import RoutingUpdate, admin_router
 from deepinfer_gateway.gateway.http.openapi_doc import REF, document
 from deepinfer_gateway.gateway.http.routes import MODELS, ClientRoutes, Endpoint
 from deepinfer_gateway.gateway.routing_core import RoutingCore
 from deepinfer_gateway.gateway.serving.auth import KeyStore
+from deepinfer_gateway.gateway.serving.background_store import (
+    BackgroundStore,
+    MemoryBackgroundStore,
+    RedisBackgroundStore,
+)
+from deepinfer_gateway.gateway.serving.conversation_store import (
+    ConversationQuota,
+    ConversationStore,
+    MemoryConversationStore,
+    RedisConversationStore,
+)
+from deepinfer_gateway.gateway.serving.conversations_api import ConversationsState
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response
 from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from deepinfer_gateway.gateway.serving.response_store import (
@@ -103,6 +115,24 @@ def response_store(settings: ResponsesSettings, redis: aioredis.Redis | None) ->
     return MemoryResponseStore(quota)
 
 
+def background_store(responses: ResponseStore | None) -> BackgroundStore | None:
+    """Background responses' run state, beside the stored responses (background_store.py)."""
+    if isinstance(responses, RedisResponseStore):
+        return RedisBackgroundStore(responses)
+    if isinstance(responses, MemoryResponseStore):
+        return MemoryBackgroundStore(responses)
+    return None
+
+
+def conversation_store(settings: ConversationsSettings, redis: aioredis.Redis | None) -> ConversationStore | None:
+    """Where conversations live: Redis when the gateway has one (shared by its replicas, durable), else memory."""
+    if not settings.enabled:
+        return None
+    quota = ConversationQuota(settings.max_per_key, settings.max_items, settings.max_bytes_per_key,
+                              settings.max_total_bytes)
+    return RedisConversationStore(redis, quota) if redis is not None else MemoryConversationStore(quota)
+
+
 def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None, *,
                shutting_down: threading.Event | None = None) -> GatewayApp:
     """`shutting_down`: set by the host when a stop signal arrives (asgi.serve_until_signal's
@@ -127,11 +157,17 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                    else MemoryRateLimiter())
         server = RequestServer(core.registry, core.planner, core.index, core.inflight, bundle, metrics, settings,
                                core.affinity)
-        responses = ResponsesState(response_store(settings.responses, redis),
-                                   on_error=metrics.redis_errors.labels("responses").inc,
-                                   on_not_stored=lambda reason: metrics.responses_not_stored.labels(reason).inc())
+        conversations = ConversationsState(conversation_store(settings.conversations, redis),
+                                           on_error=metrics.redis_errors.labels("conversations").inc)
+        stored = response_store(settings.responses, redis)
+        responses = ResponsesState(stored, on_error=metrics.redis_errors.labels("responses").inc,
+                                   on_not_stored=lambda reason: metrics.responses_not_stored.labels(reason).inc(),
+                                   conversations=conversations,
+                                   on_not_appended=metrics.conversation_appends_failed.inc,
+                                   background=background_store(stored),
+                                   on_background_end=lambda outcome: metrics.background_responses.labels(outcome).inc())
         app.state.gateway = GatewayState(core.registry, server, keys, limiter, core.feeder, int(time.time()),
-                                         core.admin, responses)
+                                         core.admin, responses, conversations)
         listener = None
         if settings.metrics_port is not None:
             listener = MetricsListener(settings.host, settings.metrics_port, metrics.exposition)
@@ -139,6 +175,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         try:
             yield
         finally:
+            if responses.background is not None:
+                await responses.background.stop()  # its runs end failed, their engine requests aborted
             if listener is not None:
                 await asyncio.to_thread(listener.stop)
             await core.stop()
@@ -153,6 +191,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     app.add_api_route("/v1/models", client_routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", client_routes.model_info, methods=["GET"])
     client_routes.add_stored_responses(app)
+    client_routes.add_conversations(app)
     app.include_router(admin_router(settings))
 
     @app.get("/health")

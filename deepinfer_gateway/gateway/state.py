@@ -11,6 +11,7 @@ from starlette.requests import Request
 from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.auth import KeyStore
+from deepinfer_gateway.gateway.serving.conversations_api import ConversationsState
 from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
 from deepinfer_gateway.gateway.serving.server import RequestServer
@@ -29,6 +30,7 @@ class GatewayState:
     started_at: int
     admin: AdminSync
     responses: ResponsesState
+    conversations: ConversationsState
 
     @property
     def index(self) -> PrefixIndex:

@@ -26,6 +26,8 @@ Layout, all under one hash tag (one slot, so one script sees the whole budget):
 - `{dgw:resp}:exp`: sorted set, `<owner>:<id>` by expiry, for all owners (what to delete first).
 - `{dgw:resp}:size`: hash, `<owner>:<id>` -> bytes.
 - `{dgw:resp}:bytes`: hash, `<owner>` -> bytes held, `*` -> all owners' bytes.
+- `{dgw:resp}:bg:<owner>:<id>`, `{dgw:resp}:ev:<owner>:<id>`: a background response's run state
+  and events (background_store.py), deleted with its record.
 
 `<owner>` is 32 hex digits of the scope's SHA-256.
 """
@@ -157,6 +159,7 @@ class MemoryResponseStore:
         data = stored.dumps()
         _check_size(data, self.quota)
         items = self._live(owner)
+        self._drop(owner, items, response_id)  # replaced (a background response's record as it runs)
         refused = _refusal(self._verdict(owner, len(data), 0), self.quota)  # the count was checked before
         if refused is not None:
             raise refused
@@ -185,7 +188,7 @@ local tag = string.sub(exp, 1, #exp - 4)
 local function drop(member)
   local o, id = string.match(member, '^([^:]+):(.*)$')
   local size = tonumber(redis.call('HGET', size_key, member) or '0')
-  redis.call('DEL', tag .. ':r:' .. member)
+  redis.call('DEL', tag .. ':r:' .. member, tag .. ':bg:' .. member, tag .. ':ev:' .. member)
   redis.call('ZREM', tag .. ':ids:' .. o, id)
   redis.call('ZREM', exp, member)
   redis.call('HDEL', size_key, member)

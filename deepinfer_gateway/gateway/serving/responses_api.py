@@ -1,12 +1,17 @@
-"""Stateful Responses: `store`, `previous_response_id`, and `GET`/`DELETE /v1/responses/{id}`
-with `GET /v1/responses/{id}/input_items`, over a `ResponseStore` (response_store.py).
+"""Stateful Responses: `store`, `previous_response_id`, `conversation`, `background`, and
+`GET`/`DELETE /v1/responses/{id}` with `GET /v1/responses/{id}/input_items` and `POST
+/v1/responses/{id}/cancel`, over a `ResponseStore` (response_store.py).
 
 A `POST /v1/responses` body goes through `ResponsesState.prepare` before the preparer sees
-it: `background` and `conversation` are refused (400, naming the field); a
+it: `background: true` (with store) is answered at once and run as a task
+(background_responses.py: `start_background`, `cancel`, `retrieve` with `stream=true`); a
 `previous_response_id` of this key's is replaced by the stored conversation (its input and
-its output items) followed by the new input (an unknown or another key's id: 404); with
-`store` (default true, as OpenAI) the key's room is checked and `capture` keeps the answer,
-before its final event or body reaches the client, so a `retrieve` right after succeeds.
+its output items) followed by the new input (an unknown or another key's id: 404); a
+`conversation` (conversations_api.py) likewise by that conversation's items, and its new input
+and output are appended to it once answered (a failed append is logged and counted,
+`dgw_conversation_appends_failed_total`: the answer is already on its way); with `store`
+(default true, as OpenAI) the key's room is checked and `capture` keeps the answer, before its
+final event or body reaches the client, so a `retrieve` right after succeeds.
 
 While the store fails (a Redis outage) or all keys' responses fill its byte budget, a new
 response is served unstored: the body the preparer gets says `store: false`, so the response
@@ -19,10 +24,11 @@ it. What needs the stored state (`previous_response_id`, GET, DELETE) answers 50
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -30,9 +36,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Send
 
 from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.gateway.serving.background_responses import BackgroundResponses, Run
+from deepinfer_gateway.gateway.serving.background_store import BackgroundStore
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse, StoreExhausted
 from deepinfer_gateway.outage import Outage
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.gateway.serving.conversations_api import ConversationsState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,12 +107,22 @@ _STATE_KEYS = (b'"previous_response_id"', b'"background"', b'"conversation"', b'
 
 @dataclass(frozen=True, slots=True)
 class Pending:
-    """What `capture` stores with the answer: its owner and the whole input it answers (the
-    expanded items, or the body they are read from)."""
+    """What `capture` keeps of the answer: its owner and the whole input it answers (the
+    expanded items, or the body they are read from); whether it is stored; the conversation
+    its new input and output are appended to."""
 
     owner: str
     items: list[dict[str, Any]] | None = None
     body: bytes = b""
+    store: bool = True
+    conversation: str | None = None
+    new_items: list[dict[str, Any]] = field(default_factory=list)  # this request's own input
+    background: dict[str, Any] | None = None  # a background response's queued response object
+    stream: bool = False  # a background response's client asked for a stream
+
+    @property
+    def response_id(self) -> str | None:
+        return None if self.background is None else str(self.background["id"])
 
     def input_items(self) -> list[dict[str, Any]]:
         if self.items is not None:
@@ -118,9 +139,17 @@ REFUSED = "refused"  # the answer, once generated, was over max_bytes or the key
 
 class ResponsesState:
     def __init__(self, store: ResponseStore | None, on_error: Callable[[], None] = lambda: None,
-                 on_not_stored: Callable[[str], None] = lambda reason: None):
+                 on_not_stored: Callable[[str], None] = lambda reason: None,
+                 conversations: ConversationsState | None = None,
+                 on_not_appended: Callable[[], None] = lambda: None,
+                 background: BackgroundStore | None = None,
+                 on_background_end: Callable[[str], None] = lambda outcome: None):
         self.store = store  # None: storing is off (settings.responses.store)
         self.on_not_stored = on_not_stored
+        self.conversations = conversations
+        self.on_not_appended = on_not_appended
+        self.background = None if background is None else BackgroundResponses(background, self._call,
+                                                                              on_background_end)
         self._outage = Outage("stored responses", "new responses served unstored, stored ones answered 503",
                               on_error)
 
@@ -176,21 +205,34 @@ class ResponsesState:
             return body, None  # the preparer answers the 400
         if not isinstance(obj, dict):
             return body, None
-        if obj.get("background"):
-            raise BadField("background", "background: true is not supported by this gateway; stream the response "
-                                         "instead (stream: true), or send background: false.")
-        if obj.get("conversation") is not None:
-            raise BadField("conversation", "The Conversations API is not supported by this gateway; continue a "
-                                           "conversation with previous_response_id.")
+        background = obj.get("background", False)
+        if not isinstance(background, bool):
+            raise BadField("background", "background must be true or false.")
         store = obj.get("store", self.store is not None)
         if not isinstance(store, bool):
             raise BadField("store", "store must be true or false.")
+        if background and (not store or self.background is None):
+            raise BadField("background", "background: true needs store: true (a background response is read from "
+                                         "the store), and storing responses on (responses.store).")
         if store and self.store is None:
             raise BadField("store", "Storing responses is turned off on this gateway (responses.store); "
                                     "send store: false.")
         items = input_items(obj.get("input", []))
         previous_id = obj.get("previous_response_id")
-        if previous_id is not None:
+        conversation, new_items = None, items
+        if obj.get("conversation") is not None:
+            if previous_id is not None:
+                raise BadField("conversation", "conversation and previous_response_id cannot both be given.")
+            if self.conversations is None:
+                raise BadField("conversation", "The Conversations API is turned off on this gateway "
+                                               "(conversations.enabled).")
+            # the new input and at least one output item will be appended
+            conversation, history = await self.conversations.context(owner, obj["conversation"], len(items) + 1)
+            items = _replayable(history) + items
+            obj["input"] = items
+            del obj["conversation"]
+            body = orjson.dumps(obj)
+        elif previous_id is not None:
             kept = self.store
             if not isinstance(previous_id, str) or kept is None:
                 raise ResponseNotFound(str(previous_id), "previous_response_id")
@@ -200,12 +242,49 @@ class ResponsesState:
             items = previous.input_items + _replayable(previous.response.get("output") or []) + items
             obj["input"] = items
             body = orjson.dumps(obj)
+        if background:
+            return self._background(owner, obj, items, conversation, new_items)
+        if conversation is not None:
+            if store:
+                reason = await self._room(owner, body)
+                if reason is not None:
+                    self.on_not_stored(reason)
+                    store = False
+            obj["store"] = store  # the response object answered says so
+            pending = Pending(owner, items=items, store=store, conversation=conversation, new_items=new_items)
+            return orjson.dumps(obj), pending
         if not store or self.store is None:
             return body, None
         reason = await self._room(owner, body)
         if reason is not None:
             return self._unstored(obj, reason)
         return body, Pending(owner, items=items)
+
+    def _background(self, owner: str, obj: dict[str, Any], items: list[dict[str, Any]], conversation: str | None,
+                    new_items: list[dict[str, Any]]) -> tuple[bytes, Pending]:
+        """A background response: always streamed from the worker (its events are its progress),
+        stored (its room is checked as it is recorded queued)."""
+        stream = obj.get("stream") is True
+        queued = queued_response(obj, f"resp_{uuid.uuid4().hex}", conversation)
+        obj.update({"stream": True, "store": True})
+        obj.pop("conversation", None)
+        return orjson.dumps(obj), Pending(owner, items=items, conversation=conversation, new_items=new_items,
+                                          background=queued, stream=stream)
+
+    async def start_background(self, pending: Pending, serving: Awaitable[Response],
+                               on_end: Callable[[], None]) -> Response:
+        """Run a background response (background_responses.py); the answer to its POST."""
+        runs, queued = self.background, pending.background
+        assert runs is not None and queued is not None
+        extra = _said(pending, True) | {"background": True}
+        run = Run(pending.owner, str(queued["id"]), queued, pending.input_items(), pending.stream, extra,
+                  lambda final: self._append(pending, final) if pending.conversation else _nothing())
+        try:
+            return await runs.start(run, serving, on_end)
+        except StoreExhausted:
+            raise GatewayError("Stored responses fill this gateway's budget (responses.max_total_bytes); a background "
+                               "response cannot be kept: send background: false.", status_code=503,
+                               code="store_full") from None
 
     async def capture(self, pending: Pending, response: Response) -> Response:
         """Store the answer before its last part reaches the client (an error answer is not stored).
@@ -214,7 +293,7 @@ class ResponsesState:
             return response
         if not isinstance(response, RelayResponse):  # one JSON body
             answered = orjson.loads(response.body)
-            answered["store"] = await self._keep(pending, answered)
+            answered.update(await self._keep(pending, answered))
             response.body = orjson.dumps(answered)
             response.headers["content-length"] = str(len(response.body))
             return response
@@ -231,21 +310,39 @@ class ResponsesState:
             if kept or message["type"] != "http.response.body" or not any(e in body for e in _RESPONSE_EVENTS):
                 await send(message)
                 return
-            stored = True  # the events before the last: as asked (its room was checked)
+            fields = _said(pending, pending.store)  # the events before the last: as asked
             if any(e in body for e in _FINAL_EVENTS):
                 final = _final_response(body)
                 if final is not None:
                     kept = True
-                    stored = await self._keep(pending, final)
-            await send({**message, "body": _with_store(body, stored)})
+                    fields = await self._keep(pending, final)
+            await send({**message, "body": _with_fields(body, fields)})
         return tee
 
-    async def _keep(self, pending: Pending, response: dict[str, Any]) -> bool:
-        """Whether it was stored. Never raises: the answer is on its way to the client."""
+    async def _keep(self, pending: Pending, response: dict[str, Any]) -> dict[str, Any]:
+        """Store it and append it to its conversation; the response object's fields that say so.
+        Never raises: the answer is on its way to the client."""
+        if pending.conversation is not None:
+            await self._append(pending, response)
+        return _said(pending, pending.store and await self._put(pending, response))
+
+    async def _append(self, pending: Pending, response: dict[str, Any]) -> None:
+        conversations = self.conversations
+        assert conversations is not None and pending.conversation is not None
+        added = pending.new_items + [item for item in response.get("output") or [] if isinstance(item, dict)]
+        try:
+            await conversations.append(pending.owner, pending.conversation, added)
+        except Exception as exc:  # deleted meanwhile, full, or the store failing: the answer goes out
+            self.on_not_appended()
+            log.warning("response %s not appended to conversation %s: %s", response.get("id"),
+                        pending.conversation, getattr(exc, "message", exc))
+
+    async def _put(self, pending: Pending, response: dict[str, Any]) -> bool:
+        """Whether it was stored."""
         kept = self.store
         assert kept is not None
         try:
-            stored = StoredResponse({**response, "store": True}, pending.input_items())
+            stored = StoredResponse({**response, **_said(pending, True)}, pending.input_items())
             await self._call(lambda: kept.put(pending.owner, str(response["id"]), stored))
         except StoreUnavailable:  # logged once per outage
             self.on_not_stored(UNAVAILABLE)
@@ -267,13 +364,42 @@ class ResponsesState:
         found = await self._call(lambda: kept.get(owner, response_id)) if kept is not None else None
         if found is None:
             raise ResponseNotFound(response_id)
+        if self.background is not None:  # a background run whose gateway died is failed here
+            found = await self.background.settle(owner, response_id, found)
         return found
 
     async def retrieve(self, owner: str, response_id: str, request: Request) -> Response:
-        if request.query_params.get("stream", "false").lower() == "true":
-            raise BadField("stream", "Streaming a stored response again is not supported; retrieve it without "
-                                     "stream.")
-        return JSONResponse((await self._stored(owner, response_id)).response)
+        params = request.query_params
+        stream = params.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise BadField("stream", "stream must be true or false.")
+        stored = await self._stored(owner, response_id)
+        if stream == "false":
+            if "starting_after" in params:
+                raise BadField("starting_after", "starting_after needs stream=true.")
+            return JSONResponse(stored.response)
+        runs = self.background
+        if runs is None or not await runs.streamable(owner, response_id):
+            raise BadField("stream", "Only a response created with background: true and stream: true can be streamed "
+                                     "again; retrieve it without stream.")
+        try:
+            after = int(params.get("starting_after", "-1"))
+        except ValueError:
+            after = -2
+        if after < -1:
+            raise BadField("starting_after", "starting_after must be an event's sequence number (an integer >= 0).")
+        return runs.follow(owner, response_id, after + 1)
+
+    async def cancel(self, owner: str, response_id: str) -> Response:
+        """`POST /v1/responses/{id}/cancel`: a background response that is still running."""
+        stored = await self._stored(owner, response_id)
+        runs = self.background
+        outcome = "" if runs is None else await runs.cancel(owner, response_id, stored)
+        if outcome == "":
+            raise BadField("response_id", "Only a background response can be cancelled.")
+        if isinstance(outcome, str):
+            raise BadField("response_id", f"Cannot cancel a response whose status is {outcome}.")
+        return JSONResponse(outcome)
 
     async def delete(self, owner: str, response_id: str) -> Response:
         kept = self.store
@@ -325,8 +451,35 @@ def _final_response(chunk: bytes) -> dict[str, Any] | None:
     return None
 
 
-def _with_store(chunk: bytes, stored: bool) -> bytes:
-    """An SSE chunk with `store` of each response object it carries set to `stored`."""
+async def _nothing() -> None:
+    return None
+
+
+_ECHOED = ("instructions", "max_output_tokens", "metadata", "model", "parallel_tool_calls", "previous_response_id",
+           "reasoning", "temperature", "text", "tool_choice", "tools", "top_p", "truncation", "user")
+
+
+def queued_response(obj: dict[str, Any], response_id: str, conversation: str | None) -> dict[str, Any]:
+    """A background response's object before it runs: what the request asked, status queued."""
+    response: dict[str, Any] = {"id": response_id, "object": "response", "created_at": int(time.time()),
+                                "status": "queued", "background": True, "error": None, "incomplete_details": None,
+                                "output": [], "usage": None, "store": True, "metadata": {}, "tools": [],
+                                "parallel_tool_calls": True, "tool_choice": "auto"}
+    response.update({name: obj[name] for name in _ECHOED if obj.get(name) is not None})
+    if conversation is not None:
+        response["conversation"] = {"id": conversation}
+    return response
+
+
+def _said(pending: Pending, stored: bool) -> dict[str, Any]:
+    """The response object's fields that say whether it was stored and in which conversation."""
+    if pending.conversation is None:
+        return {"store": stored}
+    return {"store": stored, "conversation": {"id": pending.conversation}}
+
+
+def _with_fields(chunk: bytes, fields: dict[str, Any]) -> bytes:
+    """An SSE chunk with `fields` set in each response object it carries."""
     lines = chunk.split(b"\n")
     for i, line in enumerate(lines):
         if line.startswith(b"data: ") and b'"store"' in line:
@@ -336,6 +489,6 @@ def _with_store(chunk: bytes, stored: bool) -> bytes:
                 continue
             response = event.get("response") if isinstance(event, dict) else None
             if isinstance(response, dict):
-                response["store"] = stored
+                response.update(fields)
                 lines[i] = b"data: " + orjson.dumps(event)
     return b"\n".join(lines)
