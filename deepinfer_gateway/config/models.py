@@ -422,6 +422,29 @@ class ResponsesSettings(_Frozen):
         return self
 
 
+class ConversationsSettings(_Frozen):
+    enabled: bool = Field(
+        True,
+        description="The Conversations API (/v1/conversations, `conversation` on Responses), in Redis with redis.url "
+                    "(durable), else in memory; off: its routes answer 404 and `conversation` is refused.")
+    max_per_key: int = Field(1_000, ge=1, description="Conversations per API key (per tenant); beyond it creating one "
+                                                      "is refused (400) until some are deleted (they do not expire).")
+    max_items: int = Field(4_096, ge=2, description="Items per conversation; beyond it adding is refused (400).")
+    max_bytes_per_key: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Bytes of conversations per API key (per tenant); beyond it a write is refused (400).")
+    max_total_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="Bytes of conversations of all keys together (size Redis's maxmemory above it, with "
+                    "responses.max_total_bytes); beyond it a write is refused (503).")
+
+    @model_validator(mode="after")
+    def _bounds_nest(self) -> ConversationsSettings:
+        if not self.max_bytes_per_key <= self.max_total_bytes:
+            raise ValueError("needs max_bytes_per_key <= max_total_bytes")
+        return self
+
+
 class RedisSettings(_Frozen):
     """The Redis that gateway replicas (and serve --processes) share their state through.
 
@@ -487,6 +510,8 @@ class GatewaySettings(_Frozen):
                         "InferencePools whose ready pods are (docs/deploy.md).")
     max_attempts: int = Field(3, ge=1, description="Tries on other workers before the first token reaches the client.")
     router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
+    flow_control: FlowControlSettings = Field(
+        FlowControlSettings(), description="Flow control: a fair, priority-aware queue in front of the workers.")
     admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")
     admin_worker_hosts: tuple[str, ...] = Field(
         (),
@@ -510,8 +535,6 @@ class GatewaySettings(_Frozen):
     api_keys: tuple[ApiKey, ...] = Field(
         (),
         description="Accepted keys; empty with api_keys_in_redis off: authentication off.")
-    flow_control: FlowControlSettings = Field(
-        FlowControlSettings(), description="Flow control: a fair, priority-aware queue in front of the workers.")
     api_keys_in_redis: bool = Field(False, description="Also accept keys stored in Redis (dgw:apikey:{sha256}).")
     allow_unauthenticated: bool = Field(
         False,
@@ -529,6 +552,8 @@ class GatewaySettings(_Frozen):
                           "routes included, stays unpublished).")
     tracing: TracingSettings = Field(TracingSettings(), description="OpenTelemetry tracing.")
     responses: ResponsesSettings = Field(ResponsesSettings(), description="Stored Responses (OpenAI Responses API).")
+    conversations: ConversationsSettings = Field(ConversationsSettings(),
+                                                 description="Conversations (OpenAI Conversations API).")
 
     @field_validator("processes", mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -45,8 +46,8 @@ from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_
 from deepinfer_gateway.gateway.serving.key_slots import KeySlots
 from deepinfer_gateway.gateway.serving.ratelimit import Reservation
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
-from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.serving.service_tier import flow_ticket
+from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
@@ -55,6 +56,7 @@ from deepinfer_gateway.session_identity import SessionIdentity, identity_from, s
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from deepinfer_gateway.gateway.serving.conversations_api import ConversationsState
     from deepinfer_gateway.gateway.serving.responses_api import ResponsesState
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,8 @@ COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 # dgw_requests_total `protocol` labels of the routes that are not a generation protocol.
 MODELS = "models"
 COUNT_TOKENS = "count_tokens"
-STORED_RESPONSES = "stored_responses"  # GET/DELETE /v1/responses/{id}[/input_items]
+STORED_RESPONSES = "stored_responses"  # GET/DELETE /v1/responses/{id}[/input_items], POST .../cancel
+CONVERSATIONS = "conversations"  # /v1/conversations[/{id}[/items[/{item_id}]]]
 
 
 def session_of(request: Request, key: ApiKey, body_session: str | None) -> SessionIdentity:
@@ -242,14 +245,18 @@ class ClientRoutes:
             self.metrics.preprocess.observe(time.perf_counter() - arrival)
             if not may_use(key, model, prepared.requested_model):
                 raise Forbidden(f"This API key may not use model {prepared.requested_model}.")
+            flow = flow_ticket(self.settings.flow_control, key, prepared, request.headers)
             reserved, reservation = await reserve(state, key, prepared.prompt_tokens, prepared.sampling.max_tokens)
             headers = {**headers, **reserved}
             on_done = ended(release_slot, reservation)
-            flow = flow_ticket(self.settings.flow_control, key, prepared, request.headers)
             serving = state.server.serve(prepared, request_id, arrival, workload_class=key.workload_class,
                                          headers=headers, on_done=on_done,
                                          session=session_of(request, key, prepared.user),
-                                         cache_salt=request_cache_salt(key, prepared.cache_salt), flow=flow)
+                                         cache_salt=request_cache_salt(key, prepared.cache_salt), flow=flow,
+                                         response_id=pending.response_id if pending is not None else None)
+            if pending is not None and pending.background is not None:
+                release_slot = None  # the run gives it back when it ends
+                return await state.responses.start_background(pending, serving, functools.partial(on_done, 0))
             response = await unless_disconnected(request, serving)
             if isinstance(response, RelayResponse):
                 release_slot = None  # the stream's end gives the slot back (`on_done`)
@@ -344,6 +351,7 @@ class ClientRoutes:
         app.add_api_route("/v1/responses/{response_id}", self.retrieve_response, methods=["GET"])
         app.add_api_route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"])
         app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input_items, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"])
 
     async def _stored_response_call(self, request: Request,
                                     call: Callable[[ResponsesState, str], Awaitable[Response]]) -> Response:
@@ -364,7 +372,71 @@ class ClientRoutes:
         """`DELETE /v1/responses/{id}`."""
         return await self._stored_response_call(request, lambda responses, owner: responses.delete(owner, response_id))
 
+    async def cancel_response(self, response_id: str, request: Request) -> Response:
+        """`POST /v1/responses/{id}/cancel`: a background response still running."""
+        return await self._stored_response_call(request, lambda responses, owner: responses.cancel(owner, response_id))
+
     async def response_input_items(self, response_id: str, request: Request) -> Response:
         """`GET /v1/responses/{id}/input_items` (`limit`, `order`, `after`)."""
         return await self._stored_response_call(
             request, lambda responses, owner: responses.list_input_items(owner, response_id, request))
+
+    # --- conversations (conversations_api.py) ---------------------------------------------
+    def add_conversations(self, app: FastAPI) -> None:
+        base, item = "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items/{item_id}"
+        app.add_api_route("/v1/conversations", self.create_conversation, methods=["POST"])
+        app.add_api_route(base, self.retrieve_conversation, methods=["GET"])
+        app.add_api_route(base, self.update_conversation, methods=["POST"])
+        app.add_api_route(base, self.delete_conversation, methods=["DELETE"])
+        app.add_api_route(base + "/items", self.list_conversation_items, methods=["GET"])
+        app.add_api_route(base + "/items", self.add_conversation_items, methods=["POST"])
+        app.add_api_route(item, self.retrieve_conversation_item, methods=["GET"])
+        app.add_api_route(item, self.delete_conversation_item, methods=["DELETE"])
+
+    async def _conversations_call(self, request: Request,
+                                  call: Callable[[ConversationsState, str, bytes], Awaitable[Response]]) -> Response:
+        try:
+            key = await authenticate(request)
+            # a POST's body is bounded as a generation request's
+            body = await read_body(request, self.body_limit, self.body_limit_why) if request.method == "POST" else b""
+            response = await call(gateway_state(request).conversations, key.scope, body)
+        except Exception as exc:  # any failure is answered in the Responses API's error JSON
+            return self.refuse(CONVERSATIONS, ApiProtocol.RESPONSES, "unknown", self.caught(exc, random_id()))
+        self.count(CONVERSATIONS, "unknown", response.status_code)
+        return response
+
+    async def create_conversation(self, request: Request) -> Response:
+        """`POST /v1/conversations` (`items`, `metadata`)."""
+        return await self._conversations_call(request, lambda c, owner, body: c.create(owner, body))
+
+    async def retrieve_conversation(self, conversation_id: str, request: Request) -> Response:
+        """`GET /v1/conversations/{id}`: a conversation of the caller's key (another key's: 404)."""
+        return await self._conversations_call(request, lambda c, owner, body: c.retrieve(owner, conversation_id))
+
+    async def update_conversation(self, conversation_id: str, request: Request) -> Response:
+        """`POST /v1/conversations/{id}` (`metadata`)."""
+        return await self._conversations_call(request, lambda c, owner, body: c.update(owner, conversation_id, body))
+
+    async def delete_conversation(self, conversation_id: str, request: Request) -> Response:
+        """`DELETE /v1/conversations/{id}`."""
+        return await self._conversations_call(request, lambda c, owner, body: c.delete(owner, conversation_id))
+
+    async def list_conversation_items(self, conversation_id: str, request: Request) -> Response:
+        """`GET /v1/conversations/{id}/items` (`after`, `limit`, `order`)."""
+        return await self._conversations_call(request,
+                                              lambda c, owner, body: c.list_items(owner, conversation_id, request))
+
+    async def add_conversation_items(self, conversation_id: str, request: Request) -> Response:
+        """`POST /v1/conversations/{id}/items` (`items`)."""
+        return await self._conversations_call(
+            request, lambda c, owner, body: c.add_items(owner, conversation_id, request, body))
+
+    async def retrieve_conversation_item(self, conversation_id: str, item_id: str, request: Request) -> Response:
+        """`GET /v1/conversations/{id}/items/{item_id}`."""
+        return await self._conversations_call(
+            request, lambda c, owner, body: c.retrieve_item(owner, conversation_id, item_id, request))
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, request: Request) -> Response:
+        """`DELETE /v1/conversations/{id}/items/{item_id}`: answers the conversation."""
+        return await self._conversations_call(
+            request, lambda c, owner, body: c.delete_item(owner, conversation_id, item_id))

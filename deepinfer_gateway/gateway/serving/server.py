@@ -77,7 +77,8 @@ class RequestServer:
     async def serve(self, prepared: PreparedRequest, request_id: str, arrival: float, *,
                     workload_class: str = "chat", headers: dict[str, str] | None = None,
                     on_done: Callable[[int], None] | None = None, session: SessionIdentity | None = None,
-                    cache_salt: str | None = None, flow: FlowTicket | None = None) -> Response:
+                    cache_salt: str | None = None, flow: FlowTicket | None = None,
+                    response_id: str | None = None) -> Response:
         """`on_done(completion_tokens)` runs once when the request ends, however it ends, if it
         reached a worker. `cache_salt`: the request's prefix-cache salt (cache_salt.py). `flow`:
         its flow-control ticket (flow_gate.py), when flow control is on."""
@@ -87,7 +88,9 @@ class RequestServer:
                          prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
                          images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment,
                          cache_salt=cache_salt)
-        response = response_stream(prepared, self.bundle, ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
+        # `response_id`: one chosen before it runs (a background response's)
+        response = response_stream(prepared, self.bundle,
+                                   response_id or ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)
         if session is None or session.session is None:
             session = SessionIdentity(prepared.user)
         lease, plan, ready, first, views = await self.legs.first(prepared, leg, session,

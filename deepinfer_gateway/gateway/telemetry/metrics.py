@@ -172,6 +172,12 @@ class GatewayMetrics:
         self.responses_not_stored = Counter(
             "dgw_responses_not_stored", "Responses asked to be stored (store: true) but served unstored, by reason",
             ["reason"], registry=r)
+        self.conversation_appends_failed = Counter(
+            "dgw_conversation_appends_failed", "Responses answered whose input and output could not be appended to "
+            "their conversation (deleted meanwhile, full, or the store failing)", registry=r)
+        self.background_responses = Counter(
+            "dgw_background_responses", "Background responses (background: true) ended, by their final status",
+            ["outcome"], registry=r)
         self.preprocess = Histogram("dgw_preprocess_seconds", "Convert + encode + hash time per request",
                                     buckets=LOOKUP_BUCKETS + (0.25, 0.5), registry=r)
         self.v2_connections = Gauge("dgw_worker_v2_connections",
