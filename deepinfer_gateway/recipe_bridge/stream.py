@@ -21,6 +21,7 @@ on one core (bench/preprocess.py, `relay_tokens_per_s_per_core`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import deepseek_recipe as dr
@@ -68,6 +69,9 @@ def _generator(prepared: PreparedRequest, response_id: str) -> Any:
     return dr.MessagesRequest.chunk_generator(conv, response_id, prepared.requested_model)
 
 
+_TIER_MEMBER = re.compile(r'"service_tier":"[^"]*"')
+
+
 class StopGuard:
     """Says whether a stop sequence may complete inside a step's tokens, from their raw bytes
     and the end of the output before them. A superset of the real matches (raw bytes include
@@ -111,22 +115,23 @@ class _Framing:
         self._correct_usage = False  # `finish` brought a different cached count: final frames get it
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
         self._stop_guard: StopGuard | None = None  # set by a subclass when the request has stop sequences
-        # OpenAI's `service_tier` echo: the first member of each chat chunk and of the whole answer
+        # OpenAI's `service_tier` echo: the first member of each chat chunk and of the whole answer;
+        # a Responses object's own member (deepseek-recipe writes one) gets its value.
         echo = prepared.service_tier_echo
         self._tier_member = f'{{"service_tier":"{echo}",' if echo else None
+        self._tier_value = f'"service_tier":"{echo}"'
 
     def _tiered(self, data: str) -> str:
-        """`data` (a JSON object) with the service tier echoed, for Chat (a chunk or the answer) and a
-        Responses answer; a Responses event carries it in its `response` object (an unescaped
-        `"response":{` occurs nowhere else in an event: inside strings quotes are escaped)."""
-        member = self._tier_member
-        if member is None:
+        """`data` (a JSON object) with the service tier echoed: Chat's chunks, a Responses event's
+        `response` object. An unescaped `"service_tier":"` occurs only as a member name (inside
+        strings quotes are escaped), and a Responses event has one object that carries it."""
+        if self._tier_member is None:
             return data
         if self._named:
-            if self.prepared.protocol is ApiProtocol.RESPONSES and '"response":{' in data:
-                return data.replace('"response":{', '"response":' + member, 1)
+            if self.prepared.protocol is ApiProtocol.RESPONSES:
+                return _TIER_MEMBER.sub(self._tier_value, data, count=1)
             return data
-        return member + data[1:]
+        return self._tier_member + data[1:]
 
     def _start(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
@@ -173,8 +178,10 @@ class _Framing:
         text: str = self._accumulator.to_json()
         if self._correct_usage and self._corrects_json:
             text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
-        if self._tier_member is not None and self.prepared.protocol in (ApiProtocol.CHAT, ApiProtocol.RESPONSES):
+        if self._tier_member is not None and self.prepared.protocol is ApiProtocol.CHAT:
             text = self._tier_member + text[1:]
+        elif self._tier_member is not None and self.prepared.protocol is ApiProtocol.RESPONSES:
+            text = _TIER_MEMBER.sub(self._tier_value, text, count=1)
         return text.encode()
 
     def _emit(self, chunks: list[Any], final: bool = False) -> bytes:

@@ -205,6 +205,12 @@ def test_service_tier_is_echoed_as_run(gateway: Gateway) -> None:
                                                       service_tier="flex")
         tiers = [chunk.service_tier async for chunk in streamed]
         assert tiers and set(tiers) == {"flex"}
+        answer = await chat.responses.create(model=MODEL, input="hi", max_output_tokens=2, service_tier="flex")
+        assert answer.service_tier == "flex" and answer.to_json().count('"service_tier"') == 1
+        events = await chat.responses.create(model=MODEL, input="hi", max_output_tokens=2, service_tier="flex",
+                                             stream=True)
+        carried = [e.response.service_tier async for e in events if hasattr(e, "response")]
+        assert carried and set(carried) == {"flex"}
         return [asked.service_tier, capped.service_tier, vip.service_tier]
 
     assert asyncio.run(run()) == ["flex", "default", "priority"]
