@@ -15,7 +15,8 @@ later output chunk adds one inter-chunk gap to `itl_s`; e2e = end of the stream.
 
 `send` sends one user message; `converse` a whole conversation (closed-loop sessions), with
 the session's id in `X-Session-ID` and `X-Correlation-ID` (the headers AIPerf and Dynamo's
-clients pin sessions with), and returns the answer's text.
+clients pin sessions with; a subagent's parent in `x-parent-session-id`), and returns the
+answer's text.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from deepinfer_gateway.headers import WORKER as WORKER_HEADER
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 PROTOCOLS = ("chat", "responses", "messages")
+PARENT_SESSION_HEADER = "x-parent-session-id"  # a subagent's parent session (docs/api.md "Sessions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +173,15 @@ class ProtocolClient:
         await self.converse((Turn("user", prompt),), max_tokens, record)
 
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None) -> str:
+                       session_id: str | None = None, parent_session_id: str | None = None) -> str:
         """Run one streamed request of a conversation, filling `record`; returns the answer's
-        text ("" on failure). Never raises except CancelledError."""
+        text ("" on failure). Never raises except CancelledError. `parent_session_id`: a
+        subagent's parent, in `x-parent-session-id` (OpenCode's header)."""
         start = time.perf_counter()
         timer = _Timer(record, start)
         headers = {name: session_id for name in SESSION_HEADERS} if session_id else None
+        if headers is not None and parent_session_id:
+            headers[PARENT_SESSION_HEADER] = parent_session_id
         answer: list[str] = []
         try:
             stream = getattr(self, f"_{self.config.protocol}")(turns, max_tokens, record, headers)

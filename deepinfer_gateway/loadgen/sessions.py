@@ -26,7 +26,7 @@ from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 class Conversant(Protocol):
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None) -> str: ...
+                       session_id: str | None = None, parent_session_id: str | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,9 @@ class _SessionRun:
             record.planned_cached_tokens = parent.prompt_tokens + answered
         history = self.conversation.get(r.parent, ()) if r.parent else ()
         turns = (*history, *self.texts(r, record.index))
-        answer = await self.client.converse(turns, max(1, r.output_tokens), record, self.session.id)
+        # A subagent is a session of its own; it names the root agent's as its parent when the trace says so.
+        parent_session = self.session.id if r.agent is not None and r.names_parent else None
+        answer = await self.client.converse(turns, max(1, r.output_tokens), record, r.agent_session, parent_session)
         self.ends[r.key] = time.perf_counter()
         if record.ok:
             self.conversation[r.key] = (*turns, Turn("assistant", answer))

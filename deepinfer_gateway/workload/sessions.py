@@ -19,7 +19,11 @@ Formats, told apart by content (`load_sessions`):
   (the conversation it continues); its new input is what its `input_length` adds to the
   parent's context (input + output), at least one token. `branches` (a parent's fan-out) is
   implied by several rounds naming the same `wait_for`.
-- `synthetic:agent:loop=closed,...`: `agent_sessions`, the synthetic agent as sessions.
+- `synthetic:agent:loop=closed,...`: `agent_sessions`, the synthetic agent as sessions, with
+  `subagents=K`: at one step the agent fans out K parallel subagents (each its own conversation
+  starting with the agent's system prompt and tools, `subagent_steps` rounds on average), and
+  its next round waits for all of them (their reports as its new input). `lineage=0`: the
+  subagents' requests do not name their parent (the same workload without lineage).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import dataclasses
 import io
 import math
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,13 @@ class Round:
     wait_for: tuple[str, ...] = ()  # rounds that must finish first (the parent included)
     wait_s: float = 0.0  # after the last of `wait_for` finished (tool run time, think time)
     system: tuple[int, int] | None = None  # a first round's shared system prompt: (its id, tokens)
+    agent: str | None = None  # a subagent's id in its session (None: the root agent); its own conversation
+    names_parent: bool = False  # a subagent's requests name the root agent's session as their parent
+
+    @property
+    def agent_session(self) -> str:
+        """The session its requests name: the root agent's, or `<session>/<agent>` for a subagent."""
+        return self.session_id if self.agent is None else f"{self.session_id}/{self.agent}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,11 +240,13 @@ def _lognormal(rng: random.Random, mean: float, sigma: float) -> int:
 def agent_sessions(sessions: str = "48", seed: str = "0", rate: str = "0.5", agent_types: str = "4",
                    zipf: str = "1.0", system_tokens: str = "6000", task_tokens: str = "500",
                    tool_result_tokens: str = "700", call_tokens: str = "80", steps: str = "12",
-                   tool_latency_s: str = "1.5") -> SessionTrace:
+                   tool_latency_s: str = "1.5", subagents: str = "0", subagent_steps: str = "3",
+                   lineage: str = "1") -> SessionTrace:
     """The synthetic agent (`synthetic.agent`) as closed-loop sessions: a tool-spec system prompt
     per agent type (Zipf popularity, shared across sessions) and a task, then `steps` (mean)
     rounds of (the model's tool call, the tool's result after an exponential latency). `rate`:
-    new sessions per second on the trace clock (used when sessions follow their arrival times)."""
+    new sessions per second on the trace clock (used when sessions follow their arrival times).
+    `subagents`, `subagent_steps`, `lineage`: the module doc."""
     rng = random.Random(int(seed))
     weights = [1.0 / (k ** float(zipf)) for k in range(1, int(agent_types) + 1)]
     sys_len = [_lognormal(rng, float(system_tokens), 0.3) for _ in weights]
@@ -251,8 +264,48 @@ def agent_sessions(sessions: str = "48", seed: str = "0", rate: str = "0.5", age
                          _lognormal(rng, float(call_tokens), 0.4), rng.expovariate(1 / float(tool_latency_s))))
         rounds = _chain(sid, rows)
         rounds[0] = dataclasses.replace(rounds[0], system=(kind, sys_len[kind]))
+        if int(subagents) > 0 and len(rounds) > 1:
+            rounds = _fan_out(rng, rounds, (kind, sys_len[kind]), int(subagents), float(subagent_steps),
+                              rows_of=lambda steps: _agent_rows(rng, steps, task_tokens, tool_result_tokens,
+                                                                call_tokens, tool_latency_s),
+                              names_parent=lineage not in ("0", "false", "off"))
         built[sid] = (t, rounds)
     return _trace(f"synthetic:agent-sessions(seed={seed})", built)
+
+
+def _agent_rows(rng: random.Random, steps: float, task_tokens: str, tool_result_tokens: str, call_tokens: str,
+                tool_latency_s: str) -> list[tuple[int, int, int, float]]:
+    """A subagent's chain: its task, then tool calls and results (`agent_sessions`' distributions)."""
+    count = max(1, int(rng.expovariate(1 / steps)) + 1)
+    rows = [(0, _lognormal(rng, float(task_tokens), 0.3), _lognormal(rng, float(call_tokens), 0.4),
+             rng.expovariate(1 / float(tool_latency_s)))]
+    for step in range(1, count):
+        rows.append((step, _lognormal(rng, float(tool_result_tokens), 0.9),
+                     _lognormal(rng, float(call_tokens), 0.4), rng.expovariate(1 / float(tool_latency_s))))
+    return rows
+
+
+def _fan_out(rng: random.Random, rounds: list[Round], system: tuple[int, int], count: int, steps: float,
+             rows_of: Callable[[float], list[tuple[int, int, int, float]]], names_parent: bool) -> list[Round]:
+    """`rounds` (one agent's chain) with `count` parallel subagents spawned after one of its rounds:
+    each starts its own conversation with the agent's system prompt (tools included), and the
+    agent's next round waits for every subagent's last round."""
+    spawn = rng.randrange(len(rounds) - 1)  # the round whose answer spawns them; the next one joins
+    sid = rounds[0].session_id
+    out = list(rounds)
+    lasts: list[str] = []
+    for j in range(count):
+        agent = f"sub{j}"
+        chain = _chain(f"{sid}/{agent}", rows_of(steps))
+        chain = [dataclasses.replace(r, session_id=sid, agent=agent, names_parent=names_parent) for r in chain]
+        first = chain[0]
+        chain[0] = dataclasses.replace(first, wait_for=(rounds[spawn].key,), wait_s=rounds[spawn + 1].wait_s,
+                                       system=system)
+        out += chain
+        lasts.append(chain[-1].key)
+    join = rounds[spawn + 1]
+    out[spawn + 1] = dataclasses.replace(join, wait_for=(*join.wait_for, *lasts))
+    return out
 
 
 # --- loading ----------------------------------------------------------------------------------

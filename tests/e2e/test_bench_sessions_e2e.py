@@ -44,8 +44,8 @@ class _Recording(ProtocolClient):
         self.rounds: list[tuple[RequestRecord, tuple[Turn, ...], str]] = []
 
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None) -> str:
-        answer = await super().converse(turns, max_tokens, record, session_id)
+                       session_id: str | None = None, parent_session_id: str | None = None) -> str:
+        answer = await super().converse(turns, max_tokens, record, session_id, parent_session_id)
         self.rounds.append((record, tuple(turns), answer))
         return answer
 

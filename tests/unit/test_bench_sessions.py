@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -94,6 +95,46 @@ def test_synthetic_agent_sessions_share_system_prompts_by_agent_type() -> None:
     assert 1 <= len(systems) <= 2 and all(r.system is None for s in trace.sessions for r in s.rounds[1:])
 
 
+def test_synthetic_agents_fan_out_parallel_subagents_that_share_the_system_prompt() -> None:
+    spec = "synthetic:agent:loop=closed,sessions=8,seed=5,steps=4,subagents=3,subagent_steps=2"
+    trace = load_sessions(spec)
+    plain = load_sessions(spec + ",lineage=0")
+    fanned = [s for s in trace.sessions if any(r.agent for r in s.rounds)]
+    assert fanned and all(len({r.agent for r in s.rounds if r.agent}) == 3 for s in fanned)
+    for session in fanned:
+        by_key = {r.key: r for r in session.rounds}
+        firsts = [r for r in session.rounds if r.agent and r.index == 0]
+        assert {r.system for r in firsts} == {session.rounds[0].system}  # the root's system prompt and tools
+        assert all(r.parent is None and r.names_parent and len(r.wait_for) == 1 for r in firsts)
+        spawn = by_key[firsts[0].wait_for[0]]
+        assert spawn.agent is None and all(r.wait_for == firsts[0].wait_for for r in firsts)
+        lasts = {max((r for r in session.rounds if r.agent == a), key=lambda r: r.index).key for a in ("sub0", "sub1",
+                                                                                                          "sub2")}
+        join = next(r for r in session.rounds if r.agent is None and r.index == spawn.index + 1)
+        assert lasts <= set(join.wait_for) and join.parent == spawn.key
+        assert firsts[0].agent_session == f"{session.id}/sub0"
+    assert [[dataclasses.replace(r, names_parent=r.agent is not None) for r in s.rounds] for s in plain.sessions] == \
+        [list(s.rounds) for s in trace.sessions]  # lineage=0: the same workload, no parent named
+    assert load_sessions("synthetic:agent:loop=closed,sessions=8,seed=5,steps=4") == agent_sessions(
+        sessions="8", seed="5", steps="4")
+
+
+def test_subagents_are_sessions_of_their_own_naming_their_parent_and_the_join_waits_for_all() -> None:
+    trace = load_sessions("synthetic:agent:loop=closed,sessions=3,seed=5,steps=4,subagents=2,subagent_steps=1,"
+                          "tool_latency_s=0.001")
+    echo = _Echo(delay=0.005)
+    result = asyncio.run(replay_sessions(trace, _texts, echo, SessionReplayConfig(concurrency=3, progress=False)))
+    assert all(r.ok for r in result.records)
+    sent = {turns[-1].text: (when, sid, parent)
+            for (when, sid, turns), parent in zip(echo.sent, echo.parents, strict=True)}
+    for session in trace.sessions:
+        for r in session.rounds:
+            when, sid, parent = sent[f"input-{r.key}"]
+            assert sid == r.agent_session and parent == (session.id if r.agent else None)
+            for key in r.wait_for:
+                assert sent[f"input-{key}"][0] < when
+
+
 class _Echo:
     """A conversant that answers `answer-<n>` after `delay` s and records what it was sent."""
 
@@ -101,12 +142,14 @@ class _Echo:
         self.delay = delay
         self.fail = fail or set()
         self.sent: list[tuple[float, str | None, tuple[Turn, ...]]] = []
+        self.parents: list[str | None] = []
         self.live = 0
         self.most_live = 0
 
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None) -> str:
+                       session_id: str | None = None, parent_session_id: str | None = None) -> str:
         self.sent.append((time.perf_counter(), session_id, tuple(turns)))
+        self.parents.append(parent_session_id)
         n = len(self.sent)
         self.live += 1
         self.most_live = max(self.most_live, self.live)
