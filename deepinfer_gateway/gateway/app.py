@@ -22,12 +22,14 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter
 from redis import asyncio as aioredis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
 
 from deepinfer_gateway.config import GatewaySettings, WorkerSpec
 from deepinfer_gateway.config.models import ConversationsSettings, ResponsesSettings
@@ -113,6 +115,15 @@ def response_store(settings: ResponsesSettings, redis: aioredis.Redis | None) ->
     if redis is not None:
         return RedisResponseStore(redis, quota)
     return MemoryResponseStore(quota)
+
+
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route serves on the request's path (the routes of one path are one per method)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 def background_store(responses: ResponseStore | None) -> BackgroundStore | None:
@@ -230,8 +241,12 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         protocol = client_protocol(request.url.path, request.headers)
         # exc.headers: a 405's Allow (RFC 9110), a 401's WWW-Authenticate.
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names the methods of the first route on the path only
+            headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+            headers["allow"] = ", ".join(allowed_methods(app, request))
         return error_response(protocol, GatewayError(str(exc.detail), status_code=exc.status_code,
-                                                     headers=dict(exc.headers or {})))
+                                                     headers=headers))
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:

@@ -14,6 +14,10 @@ from harness.launch import Gateway
     ("GET", "/v1/messages", "POST", True),
     ("DELETE", "/v1/models", "GET", False),
     ("POST", "/v1/responses/resp_1/input_items", "GET", False),
+    ("PUT", "/v1/responses/resp_1", "GET,DELETE", False),  # one route per method: every one named
+    ("GET", "/v1/responses/resp_1/cancel", "POST", False),
+    ("PUT", "/v1/conversations/conv_1", "GET,POST,DELETE", False),
+    ("PUT", "/v1/conversations/conv_1/items", "GET,POST", False),
 ])
 def test_a_wrong_method_is_a_405_with_allow(sim_gateway: Gateway, method: str, path: str, allow: str,
                                            anthropic: bool) -> None:

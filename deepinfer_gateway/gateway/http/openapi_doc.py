@@ -167,6 +167,25 @@ def _operations(admin_bodies: Mapping[tuple[str, str], Schema], models: tuple[st
     for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
         for method in ("get", "delete"):
             ops[path, method] = {"responses": stored}
+    ops["/v1/responses/{response_id}", "get"] = {  # stream=true: a background response's events
+        "responses": {**_ok(stream=True), **_errors((400, 401, 404, 405, 500, 503), OPENAI_ERROR)}}
+    ops["/v1/responses/{response_id}/cancel", "post"] = {"responses": stored}
+    conversation_answers = {**_ok(), **_errors((400, 401, 404, 405, 413, 500, 503), OPENAI_ERROR)}
+    items: Schema = {"type": "array", "maxItems": 20, "items": {"type": "object"}}
+    metadata: Schema = {"type": "object", "maxProperties": 16, "additionalProperties": _STRING}
+    conversation_bodies = {
+        ("/v1/conversations", "post"): {"type": "object", "properties": {"items": items, "metadata": metadata}},
+        ("/v1/conversations/{conversation_id}", "post"): {"type": "object", "required": ["metadata"],
+                                                          "properties": {"metadata": metadata}},
+        ("/v1/conversations/{conversation_id}/items", "post"): {"type": "object", "required": ["items"],
+                                                                "properties": {"items": items}},
+    }
+    for path in ("/v1/conversations", "/v1/conversations/{conversation_id}",
+                 "/v1/conversations/{conversation_id}/items", "/v1/conversations/{conversation_id}/items/{item_id}"):
+        for method in ("get", "post", "delete"):
+            ops[path, method] = {"responses": conversation_answers}
+            if (path, method) in conversation_bodies:
+                ops[path, method]["requestBody"] = _body(conversation_bodies[path, method])
     ops["/health", "get"] = {"responses": {**_ok(), **_errors((405,), OPENAI_ERROR)}}
     ops["/ready", "get"] = {"responses": {
         **_ok(), "503": {"description": "No healthy worker, or shutting down", "content": {JSON: {"schema": _OBJECT}}},
