@@ -48,8 +48,33 @@ class EmbeddedServer(uvicorn.Server):
     latency 11-13 vs 11-45 ms. Process-wide: only a process's own server sets it."""
 
     def __init__(self, config: uvicorn.Config, freeze_heap: bool = False):
+        self._exit_set: asyncio.Event | None = None
         super().__init__(config)
         self.freeze_heap = freeze_heap
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """Set on the loop's thread (its signal handlers, timers, `ServedApp.stop`): wakes `main_loop`."""
+        self._should_exit = value
+        if value and self._exit_set is not None:
+            self._exit_set.set()
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop, woken once a second (its Date header's resolution) instead of every
+        100 ms, and at once when `should_exit` is set: an idle process runs no timer of its own."""
+        self._exit_set = exit_set = asyncio.Event()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # on_tick counts tenths of a second
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await exit_set.wait()
+            should_exit = await self.on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

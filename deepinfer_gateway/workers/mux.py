@@ -141,7 +141,8 @@ class MuxSession:
                 lambda batch: self._push({"push": "kv_events", "sub": sub, "batch": batch})))
             return True
         if isinstance(op, LoadSubscribeOp):
-            self._start_pusher("load", push_load(self._engine, self._activity, op.interval_ms / 1000, self._push_load))
+            self._start_pusher("load", push_load(self._engine, self._activity, op.interval_ms / 1000,
+                                                 lambda: self._generate_ops, self._push_load))
             return True
         self._generate_ops += 1
         request = op.request

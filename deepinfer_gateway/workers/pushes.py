@@ -8,8 +8,9 @@ is up. Both pushers wait on a signal, never on a timer, while nothing changes:
   `wait_kv_events`), sends the batch, then waits at least `interval_s` before the next
   one, so a quiet spell's first event leaves at once and a busy engine sends one message
   per interval (the rest of a burst waits, as a long poll's next poll does).
-- `push_load`: a report now, then one whenever it differs from the last sent, sampled
-  every `interval_s` while the worker has requests; an idle worker (nothing running or
+- `push_load`: a report now, then one whenever it differs from the last sent or the
+  connection has read a request since (`requests_read`: the gateway learns that the report
+  counts it), sampled every `interval_s` while the worker has requests; an idle worker (nothing running or
   waiting, no request open on any connection) is sampled again only when a request
   arrives (`Activity`).
 """
@@ -67,15 +68,15 @@ async def push_kv_events(engine: Engine, after: int, limit: int, interval_s: flo
         await asyncio.sleep(max(0.0, sent + interval_s - loop.time()))
 
 
-async def push_load(engine: Engine, activity: Activity, interval_s: float,
+async def push_load(engine: Engine, activity: Activity, interval_s: float, requests_read: Callable[[], int],
                     send: Callable[[LoadReport], None]) -> None:
     """Send a report now and each time it changes (module doc)."""
-    last: LoadReport | None = None
+    last: tuple[LoadReport, int] | None = None
     while True:
         report = engine.load()
-        if report != last:
+        if (report, requests_read()) != last:
+            last = report, requests_read()
             send(report)
-            last = report
         if not report.running and not report.waiting and not activity.open:
             await activity.arrival()
         await asyncio.sleep(interval_s)
