@@ -9,7 +9,7 @@ from deepinfer_gateway.config import RouterSettings
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.planner import NoCandidate, RoutePlanner, WorkerView
-from deepinfer_gateway.router.policy import Reason
+from deepinfer_gateway.router.policy import Lineage, Reason
 
 MODEL = "DeepSeek-V4.1-Flash"
 LONG = 40 * KV_BLOCK_TOKENS  # far more than pd_bypass_tokens uncached
@@ -110,3 +110,21 @@ def test_a_ranked_plan_lists_fallbacks_and_the_policy_observes_the_pick_alone() 
     first = approx.plan_first(workers, LONG, hashes, Overlap(), fallbacks=2)
     again = approx.plan_first(workers, LONG, hashes, Overlap(), fallbacks=2)
     assert again.worker.worker_id == first.worker.worker_id and again.decision.reason is Reason.PREFIX_HIT
+
+
+def test_the_planner_takes_the_sessions_lineage_as_an_input() -> None:
+    """What the shell read from the replicas' shared memory decides, in every mode: the parent's
+    worker for a subagent's first request, the session's own afterwards, its fallbacks too."""
+    workers = [view("a"), view("b"), view("c")]
+    p = planner(policy="round_robin", session_affinity=True)
+    child = p.plan_first(workers, LONG, {}, Overlap(), session_key="root/sub0", fallbacks=2,
+                         lineage=Lineage("root", shared=True, parent_worker="c"))
+    assert (child.worker.worker_id, child.decision.reason) == ("c", Reason.LINEAGE)
+    assert "c" not in {w.worker_id for w in child.fallbacks}
+    moved = p.plan_first(workers, LONG, {}, Overlap(), session_key="root/sub0",
+                         lineage=Lineage("root", shared=True, session_worker="b", parent_worker="c"))
+    assert moved.worker.worker_id == "b"  # (round-robin's own turn here: its reason stays round_robin)
+    busy = [view("a"), view("b"), view("c", queued=1_000_000)]
+    spread = p.plan_first(busy, LONG, {}, Overlap(), session_key="root/sub1",
+                          lineage=Lineage("root", shared=True, parent_worker="c"))
+    assert spread.worker.worker_id != "c"
