@@ -314,8 +314,9 @@ def test_shipped_redis_refuses_the_default_user_and_commands_outside_the_gateway
 def test_shipped_gateway_runs_on_its_redis_user_without_a_refused_command(shipped_gateway: str,
                                                                           redis_url: str) -> None:
     """Everything the gateway keeps in Redis, through its shipped user: API keys, rate limits and
-    token budgets, the prefix index fed by KV events, in-flight bookings, stored Responses, an
-    admin change; Redis's ACL LOG stays empty, no Redis error is counted or logged."""
+    token budgets, the prefix index fed by KV events, in-flight bookings, stored Responses,
+    conversations, background responses, an admin change; Redis's ACL LOG stays empty, no Redis
+    error is counted or logged."""
     admin = _admin(redis_url)
     admin.acl_log_reset()
     key = "dgw-" + secrets.token_urlsafe(16)
@@ -340,6 +341,23 @@ def test_shipped_gateway_runs_on_its_redis_user_without_a_refused_command(shippe
                                               previous_response_id=stored.id)
             assert chained.to_dict()["store"] is True
             client.responses.delete(chained.id)
+            # Conversations and a background response, streamed, resumed and cancelled.
+            conv = client.conversations.create(items=[{"role": "user", "content": "Hi."}], metadata={"k": "v"})
+            client.conversations.update(conv.id, metadata={"k": "w"})
+            turn = client.responses.create(model=MODEL, input="Again.", conversation=conv.id, max_output_tokens=8)
+            listed = client.conversations.items.list(conv.id, order="asc").data
+            assert [i.id for i in listed][-1] == turn.output[0].id
+            client.conversations.items.delete(listed[0].id, conversation_id=conv.id)
+            client.conversations.delete(conv.id)
+            with client.responses.create(model=MODEL, input="Later.", background=True, stream=True,
+                                         max_output_tokens=8) as events:
+                first = next(iter(events))
+            resumed = list(client.responses.retrieve(first.response.id, stream=True, starting_after=0))
+            assert resumed[-1].type in ("response.completed", "response.incomplete")
+            running = client.responses.create(model=MODEL, input="Long.", background=True, max_output_tokens=4000,
+                                              extra_body={"ignore_eos": True})
+            client.responses.cancel(running.id)
+            client.responses.delete(running.id)
         with httpx.Client(base_url=shipped_gateway, headers={"authorization": f"Bearer {key}"}, timeout=10) as http:
             routing = http.get("/admin/routing")
             assert routing.status_code == 200, routing.text
@@ -349,7 +367,7 @@ def test_shipped_gateway_runs_on_its_redis_user_without_a_refused_command(shippe
             assert changed.status_code == 200, changed.text
         kept = {k.decode().split("}")[0] + "}" if k.startswith(b"{") else k.decode().split(":")[1]
                 for k in admin.scan_iter(count=1000)}
-        assert {"{dgw:kv}", "{dgw:resp}", "{dgw:admin}", "rl", "apikey"} <= kept, kept
+        assert {"{dgw:kv}", "{dgw:resp}", "{dgw:conv}", "{dgw:admin}", "rl", "apikey"} <= kept, kept
         assert admin.acl_log() == []
         assert total(scrape(shipped_gateway), "dgw_redis_errors_total") == 0
         logged = GATEWAY_LOGS[shipped_gateway].read_text(errors="replace")
