@@ -125,6 +125,7 @@ def test_the_planner_takes_the_sessions_lineage_as_an_input() -> None:
                          lineage=Lineage("root", shared=True, session_worker="b", parent_worker="c"))
     assert moved.worker.worker_id == "b"  # (round-robin's own turn here: its reason stays round_robin)
     busy = [view("a"), view("b"), view("c", queued=1_000_000)]
-    spread = p.plan_first(busy, LONG, {}, Overlap(), session_key="root/sub1",
-                          lineage=Lineage("root", shared=True, parent_worker="c"))
-    assert spread.worker.worker_id != "c"
+    loaded = planner(session_affinity=True)  # least load: what the pool policy does past the bound
+    spread = loaded.plan_first(busy, LONG, {}, Overlap(), session_key="root/sub1",
+                               lineage=Lineage("root", shared=True, parent_worker="c"))
+    assert spread.worker.worker_id != "c" and spread.decision.reason is Reason.LEAST_LOAD
