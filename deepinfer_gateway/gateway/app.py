@@ -122,7 +122,7 @@ def allowed_methods(app: FastAPI, request: Request) -> list[str]:
     methods: set[str] = set()
     for route in app.router.routes:
         if isinstance(route, APIRoute) and route.matches(request.scope)[0] is not Match.NONE:
-            methods |= route.methods
+            methods |= route.methods or set()
     return sorted(methods)
 
 

@@ -100,6 +100,21 @@ def test_a_background_response_is_queued_then_polled_to_its_end(gateway: Gateway
     assert _metric(gateway, 'dgw_background_responses_total{outcome="incomplete"}') >= 1
 
 
+def test_a_background_response_in_a_conversation_is_appended_once_it_ends(gateway: Gateway) -> None:
+    client = _client(gateway)
+    conv = client.conversations.create(items=[{"role": "user", "content": "Before."}])
+    queued = client.responses.create(model=MODEL, input="In the background.", conversation=conv.id, background=True,
+                                     max_output_tokens=300, extra_body={"ignore_eos": True})
+    assert queued.conversation is not None and queued.conversation.id == conv.id
+    with pytest.raises(openai.BadRequestError) as running:  # its answer is not there yet
+        client.responses.create(model=MODEL, input="x", previous_response_id=queued.id, max_output_tokens=2)
+    assert running.value.body["param"] == "previous_response_id"
+    done = _until(lambda: (r := client.responses.retrieve(queued.id)).status not in ("queued", "in_progress") and r,
+                  30, "completion")
+    texts = [i.content[0].text for i in client.conversations.items.list(conv.id, order="asc").data]
+    assert texts == ["Before.", "In the background.", done.output_text]
+
+
 def test_cancel_stops_a_running_background_response_and_its_engine_request(
         gateway: Gateway, slow_cluster: SimCluster) -> None:
     client = _client(gateway)
@@ -146,7 +161,7 @@ def test_a_streamed_background_response_resumes_after_a_sequence_number(gateway:
     polled = client.responses.create(model=MODEL, input="x", background=True, max_output_tokens=2)
     for bad in ({"stream": True, "starting_after": -5}, {"starting_after": 3}):
         with pytest.raises(openai.BadRequestError):
-            client.responses.retrieve(response_id, **bad)  # type: ignore[call-overload]
+            client.responses.retrieve(response_id, **bad)
     with pytest.raises(openai.BadRequestError):  # created without stream: nothing to replay
         list(client.responses.retrieve(polled.id, stream=True))
 
@@ -192,3 +207,79 @@ def test_background_state_outlives_its_gateway_as_documented(slow_cluster: SimCl
     finally:
         for gw in started:
             gw.stop()
+
+
+def test_background_responses_survive_a_redis_crash_on_the_shipped_config(slow_cluster: SimCluster,
+                                                                         tmp_path: Path) -> None:
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    server = RedisProcess(config_file=Path(__file__).parents[2] / "deploy" / "k8s" / "redis.conf", data_dir=data)
+    server.start()
+    gateway = _gateway(slow_cluster, tmp_path, f'redis.url = "{server.url}"\n')
+    try:
+        client = _client(gateway, "test")
+        with client.responses.create(model=MODEL, input="keep my stream", background=True, stream=True,
+                                     max_output_tokens=20, extra_body={"ignore_eos": True}) as stream:
+            streamed = list(stream)
+        response_id = streamed[0].response.id
+        assert streamed[-1].type == "response.incomplete"
+        time.sleep(1.5)  # the shipped appendfsync everysec: a write older than a second is on disk
+        server.stop()  # SIGKILL
+        server.start()  # the same data directory, as the StatefulSet's volume
+        kept = client.responses.retrieve(response_id)
+        assert kept.status == "incomplete" and kept.output_text == streamed[-1].response.output_text
+        replayed = list(client.responses.retrieve(response_id, stream=True, starting_after=0))
+        assert [e.model_dump() for e in replayed] == [e.model_dump() for e in streamed[1:]]
+    finally:
+        gateway.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+async def test_a_background_runs_state_is_compare_and_set_and_deleted_with_its_response(
+        backend: str, request: pytest.FixtureRequest) -> None:
+    # No TTL (the shipped volatile-lru evicts only keys with one); on a cluster every key the
+    # scripts touch is in the stored responses' one slot.
+    import uuid
+
+    from deepinfer_gateway.gateway.serving.background_store import RedisBackgroundStore
+    from deepinfer_gateway.gateway.serving.response_store import (
+        BYTES_KEY,
+        Quota,
+        RedisResponseStore,
+        StoredResponse,
+        owner_hash,
+    )
+    from deepinfer_gateway.redis_conn import redis_client
+    from tests.conftest import redis_backend_url
+
+    client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")
+    responses = RedisResponseStore(client, Quota(ttl_s=600, max_per_key=10, max_bytes=2048, max_bytes_per_key=8192,
+                                                 max_total_bytes=10**9))
+    store = RedisBackgroundStore(responses)
+    owner = f"key:{uuid.uuid4().hex}"
+    digest = owner_hash(owner)
+    try:
+        queued = StoredResponse({"id": "resp_1", "status": "queued"}, [])
+        await store.start(owner, "resp_1", queued)
+        assert await store.advance(owner, "resp_1", events=(b"e0", b"e1")) == "queued"
+        running = StoredResponse({"id": "resp_1", "status": "in_progress"}, [])
+        assert await store.advance(owner, "resp_1", state="in_progress", stored=running) == "in_progress"
+        assert await store.advance(owner, "resp_1", state="cancelled") == "cancelled"
+        # Terminal: the runner's last write does not change it.
+        assert await store.advance(owner, "resp_1", state="completed", events=(b"e2",)) == "cancelled"
+        run = await store.run_state(owner, "resp_1")
+        assert run is not None and run.state == "cancelled" and run.events == 2
+        assert await store.events(owner, "resp_1", 1, 2) == [b"e1"]
+        assert int(await client.hget(BYTES_KEY, digest)) == len(running.dumps()) + 4
+        ttls = [await client.ttl(k) async for k in client.scan_iter(match=f"{{dgw:resp}}:*{digest}*")]
+        assert len(ttls) >= 4 and all(ttl == -1 for ttl in ttls)
+        assert await store.advance(owner, "resp_2", events=(b"x",)) == "gone"  # unknown
+        await store.start(owner, "resp_2", queued)
+        assert await store.advance(owner, "resp_2", events=(b"x" * 4096,)) == "full"  # past max_bytes
+        assert await responses.delete(owner, "resp_1") and await responses.delete(owner, "resp_2")
+        assert not [k async for k in client.scan_iter(match=f"{{dgw:resp}}:*{digest}*")]  # run state and events too
+        assert int(await client.hget(BYTES_KEY, digest)) == 0
+        assert await store.advance(owner, "resp_1") == "gone"
+    finally:
+        await client.aclose()

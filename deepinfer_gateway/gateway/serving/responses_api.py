@@ -239,6 +239,12 @@ class ResponsesState:
             previous = await self._call(lambda: kept.get(owner, previous_id))
             if previous is None:
                 raise ResponseNotFound(previous_id, "previous_response_id")
+            if self.background is not None:  # a background run whose gateway died is failed here
+                previous = await self.background.settle(owner, previous_id, previous)
+            status = previous.response.get("status")
+            if status in ("queued", "in_progress"):  # a background response still running
+                raise BadField("previous_response_id", f"Response '{previous_id}' is still {status}; continue it "
+                                                       "once it has ended.")
             items = previous.input_items + _replayable(previous.response.get("output") or []) + items
             obj["input"] = items
             body = orjson.dumps(obj)
