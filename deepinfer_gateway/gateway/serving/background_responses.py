@@ -19,7 +19,8 @@ sequence number (background_store.py). So:
 A run reports (`beat`) every `BEAT_S`. A gateway stopped gracefully marks its runs failed
 ("the gateway stopped"); one that died cannot, so a run not heard of for `STALE_S` is marked
 failed by the next read of it. A run whose store fails (a Redis outage) cannot record its
-progress: it is aborted, and is marked failed by the first read once the store is back.
+progress: it is aborted, and is marked failed by a read once the store is back and STALE_S have
+passed since its last report.
 """
 
 from __future__ import annotations
