@@ -37,6 +37,7 @@ class FakeWorker:
     def __init__(self) -> None:
         self.epoch, self.queued, self.down = "e1", 0, False
         self.info_reads = 0
+        self.mux = False  # HttpPool's worker protocol v2 switch: these checks are v1's probes
 
     async def get_json(self, url: str, path: str) -> dict[str, Any]:
         if self.down:

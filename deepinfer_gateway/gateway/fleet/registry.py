@@ -61,6 +61,7 @@ class WorkerState:
     inflight: int = 0  # requests this gateway has open on the worker
     draining: bool = False  # no new requests: it is on its way out
     push_start: asyncio.Task[None] | None = field(default=None, repr=False)  # asking it to push
+    pushed_success_at: float = float("-inf")  # loop time a pushed report last counted as a check
 
     @property
     def pushes_live(self) -> bool:
@@ -96,6 +97,7 @@ class WorkerRegistry:
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
         self._probes_due: asyncio.Event | None = None  # set when a worker may need probing again
+        self._checks_in_flight = 0
         for spec in specs:
             self.add(spec)
 
@@ -181,10 +183,17 @@ class WorkerRegistry:
             self._probes_due.set()
 
     def _busy(self) -> bool:
-        """Requests in flight: the loop-lag monitor keeps ticking (their timeouts may be judged)."""
-        return any(w.inflight for w in self.workers.values())
+        """Checks or requests in flight: the loop-lag monitor keeps ticking (their timeouts may be judged)."""
+        return self._checks_in_flight > 0 or any(w.inflight for w in self.workers.values())
 
     async def _check(self, worker: WorkerState) -> None:
+        self._checks_in_flight += 1
+        try:
+            await self._check_once(worker)
+        finally:
+            self._checks_in_flight -= 1
+
+    async def _check_once(self, worker: WorkerState) -> None:
         since = self.loop_lag.now()
         try:
             # The info is read afresh on admission (and, by the adapter, when the worker restarted).
@@ -199,7 +208,8 @@ class WorkerRegistry:
         self._take_load(worker, load, since)
         self.record_success(worker)
         pushes = pushing(worker.upstream)
-        if pushes is not None and worker.healthy and not pushes.pushes_live and worker.push_start is None:
+        if (pushes is not None and worker.healthy and pushes.may_push and not pushes.pushes_live
+                and worker.push_start is None):
             worker.push_start = asyncio.create_task(self._start_pushes(worker, pushes),
                                                     name=f"worker-push:{worker.worker_id}")
 
@@ -215,7 +225,11 @@ class WorkerRegistry:
     def _pushed_load(self, worker: WorkerState, load: wp.LoadReport, at: float) -> None:
         if self.registered(worker):
             self._take_load(worker, load, at)
-            self.record_success(worker)
+            # A success at most once per check interval, as a probe: a burst of reports must not
+            # clear the request failures that would eject it more often than checks did.
+            if at - worker.pushed_success_at >= self._settings.interval_s:
+                worker.pushed_success_at = at
+                self.record_success(worker)
 
     def _push_ended(self, worker: WorkerState) -> None:
         if self.registered(worker):

@@ -11,8 +11,8 @@ onto the rest and back off the KV event feeds: one stall of the gateway becomes 
 tail on every worker. `own_stall_s(since)` tells how long the loop was held up since a
 call began, so the caller can leave it out of a worker's health.
 
-The timer runs only while there is something to judge: `busy()` (the registry: requests in
-flight) or a call that began (`now()`) within the last `idle_after_s`. An idle gateway's loop
+The timer runs only while there is something to judge: `busy()` (the registry: health checks
+and requests in flight) or a call that began (`now()`) within the last `idle_after_s`. An idle gateway's loop
 then has no timer of its own; the next `now()` starts it again, one interval before its first
 tick, so a stall during any call that asked for `now()` is seen as before. What an idle
 stretch misses is a stall while nothing waited on a worker, which no timeout can hit.
@@ -33,7 +33,7 @@ _KEEP_TICKS = 1200  # lateness of the last ~2 minutes at 10 ticks per second
 class LoopLag:
     """Lateness of a periodic timer on the running loop. `start()` inside the loop."""
 
-    def __init__(self, interval_s: float = 0.1, histogram: Histogram | None = None, idle_after_s: float = 5.0):
+    def __init__(self, interval_s: float = 0.1, histogram: Histogram | None = None, idle_after_s: float = 1.0):
         self.interval_s = interval_s
         self.idle_after_s = idle_after_s
         self.busy: Callable[[], bool] = lambda: False  # work in flight whose timeouts may be judged

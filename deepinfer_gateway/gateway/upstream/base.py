@@ -155,6 +155,11 @@ class Pushing(Protocol):
         """The connection is up and pushing: load reports arrive without probes."""
         ...
 
+    @property
+    def may_push(self) -> bool:
+        """Worth asking: not known to be unable to (v1 only, or its connection declined)."""
+        ...
+
     async def start_pushes(self, on_load: LoadListener, on_down: Callable[[], None]) -> None:
         """Open the connection and subscribe (a no-op when it is up or the worker cannot push):
         `on_load` per report, `on_down` once a pushing connection closes."""

@@ -133,9 +133,13 @@ class DgwUpstream:
         conn = self._mux
         return conn is not None and not conn.closed and conn.pushes and conn.on_load is not None
 
+    @property
+    def may_push(self) -> bool:
+        return self._http.mux and self._v1_epoch is None and self._push_epoch != self._epoch
+
     async def start_pushes(self, on_load: LoadListener, on_down: Callable[[], None]) -> None:
         self._on_load, self._on_down = on_load, on_down
-        if not self._http.mux or self._v1_epoch is not None or self._push_epoch == self._epoch:
+        if not self.may_push:
             return  # v1 only, or this epoch's connection said it does not push
         conn = self._mux
         if conn is not None and not conn.closed and conn.on_load is None:
