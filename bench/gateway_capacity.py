@@ -15,13 +15,19 @@ each, from two sim workers: `step1` decodes one token per step (one worker messa
 relayed SSE chunk per token), `dspark` runs DeepInfer's DSpark sweep (3 draft tokens at 75%
 acceptance: 3.25 tokens per step on average, one message and one chunk per step) at the
 same 50 tokens/s. The gateway's CPU over a round, minus its per-request cost
-(`cpu_ms_per_request` x streams) and its idle rate (health checks; `idle_cpu_ms_per_s`,
-measured before) x the round's wall time, per output token the clients were sent (their
+(`cpu_ms_per_request` x streams) and its idle rate (`chunk_idle_cpu_ms_per_s`, measured
+before) x the round's wall time, per output token the clients were sent (their
 usage) is `cpu_us_per_output_token_step1` / `_dspark` (`cpu_us_per_output_token`: the
 dspark one), and per content chunk `cpu_us_per_chunk` (step1); each the median over
 `--rounds`, every round running each gateway (and the baseline's) on both workers in turn,
 with the rounds' values listed. `--nextn N` runs one worker with N draft tokens per step
 instead (mode `nextnN`; `cpu_us_per_chunk` and `cpu_us_per_output_token` are then its).
+
+Idle: `idle_cpu_ms_per_s`, the gateway's own fixed cost: one gateway process in front of
+`--idle-workers` (4) sim workers with no traffic, its process tree's CPU over
+`--idle-seconds` (10) as ms per second, median of `--idle-rounds` (3; 0 skips it), with
+`baseline_idle_cpu_ms_per_s` interleaved when `--baseline` is given (bench/idle_cpu.py's
+setup, which also reports how far the prefix index lags the workers).
 
 Processes: `rps_1`, `rps_2`... req/s of the non-streaming load through a gateway started
 with `processes=N` (`serve --processes N`), each level in the same interleaved rounds; null
@@ -98,6 +104,8 @@ from _harness import (
     pct_ms,
     start_worker,
 )
+from idle_cpu import SETTLE_S as IDLE_SETTLE_S
+from idle_cpu import Setup as IdleSetup
 
 from harness.launch import Gateway
 
@@ -338,7 +346,7 @@ def chunk_cost(args: argparse.Namespace, per_request_ms: dict[str, float]) -> di
             if mode == first:
                 out[f"{prefix}cpu_us_per_chunk"] = round(statistics.median(per_chunk[mode, name]), 1)
                 out[f"{prefix}cpu_us_per_chunk_rounds"] = [round(x, 1) for x in per_chunk[mode, name]]
-                out[f"{prefix}idle_cpu_ms_per_s"] = round(idle[mode, name], 1)
+                out[f"{prefix}chunk_idle_cpu_ms_per_s"] = round(idle[mode, name], 1)
         if args.profile:
             profiled = targets[last][0]
             profile_gateway(profiled, lambda: asyncio.run(streams(profiled.url, args.chunk_streams,
@@ -468,6 +476,35 @@ def profile_gateway(target: Target, load: object, out_dir: Path, label: str) -> 
     return top
 
 
+def idle_fleet(args: argparse.Namespace) -> dict[str, object]:
+    """`idle_cpu_ms_per_s`: the gateway's CPU with `--idle-workers` sim workers and no traffic,
+    over `--idle-seconds` (scheduler run time: `tree_cpu_s`), median of `--idle-rounds`
+    (bench/idle_cpu.py's setup: one gateway process, default health interval, KV events from
+    every worker), the baseline's interleaved with it."""
+    trees = [("gateway", args.tree or str(Path(__file__).resolve().parent.parent))]
+    if args.baseline:
+        trees.append(("baseline", args.baseline))
+    values: dict[str, list[float]] = {name: [] for name, _ in trees}
+    for round_no in range(args.idle_rounds):
+        for name, tree in trees if round_no % 2 == 0 else trees[::-1]:
+            setup = IdleSetup(tree, args.idle_workers, 1)
+            try:
+                time.sleep(IDLE_SETTLE_S)
+                assert setup.gateway is not None
+                pid = setup.gateway.proc.proc.pid
+                cpu0, t0 = tree_cpu_s(pid), time.monotonic()
+                time.sleep(args.idle_seconds)
+                values[name].append(1000 * (tree_cpu_s(pid) - cpu0) / (time.monotonic() - t0))
+            finally:
+                setup.stop()
+    out: dict[str, object] = {"idle_workers": args.idle_workers}
+    for name, rates in values.items():
+        prefix = "" if name == "gateway" else "baseline_"
+        out[f"{prefix}idle_cpu_ms_per_s"] = round(statistics.median(rates), 2)
+        out[f"{prefix}idle_cpu_ms_per_s_rounds"] = [round(x, 2) for x in rates]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
@@ -491,12 +528,16 @@ def main() -> None:
                              "this tree with them, e.g. 'worker_protocol = \"v1\"' against v2")
     parser.add_argument("--tree", default=None, help="source tree of the gateway under test (default: this checkout)")
     parser.add_argument("--profile", default=None, help="directory for py-spy profiles of the gateway")
+    parser.add_argument("--idle-workers", type=int, default=4)
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--idle-rounds", type=int, default=3, help="0 skips idle_cpu_ms_per_s")
     args = parser.parse_args()
     levels = [int(x) for x in args.processes.split(",") if x]
     if not supports_processes():
         print("launch.Gateway takes no `processes`: rps_N for N > 1 not measured", flush=True)
         levels = [n for n in levels if n == 1]
-    summary: dict[str, object] = non_streaming(args, levels)
+    summary: dict[str, object] = idle_fleet(args) if args.idle_rounds else {}
+    summary.update(non_streaming(args, levels))
     for n in args.processes.split(","):
         summary.setdefault(f"rps_{n}", None)
     if args.profile:
