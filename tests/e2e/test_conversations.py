@@ -134,6 +134,10 @@ def test_responses_continue_a_conversation_and_append_to_it(sim_gateway: Gateway
     # The stored response lists the whole context it answered.
     assert _texts(client.responses.input_items.list(final.id, order="asc").data) == texts[:4]
 
+    with pytest.raises(openai.BadRequestError) as repeated:  # its answer could not be appended
+        client.responses.create(model=MODEL, conversation=conv.id, input=[
+            {"type": "message", "role": "user", "id": items[0].id, "content": "Remember: 42."}])
+    assert repeated.value.body["param"] == "input"
     with pytest.raises(openai.BadRequestError) as both:
         client.responses.create(model=MODEL, input="x", conversation=conv.id, previous_response_id=first.id)
     assert both.value.body["param"] == "conversation"

@@ -157,15 +157,23 @@ class ConversationsState:
         return found
 
     # --- for Responses (responses_api.py) ------------------------------------------------------
-    async def context(self, owner: str, conversation: Any, adding: int) -> tuple[str, list[dict[str, Any]]]:
+    async def context(self, owner: str, conversation: Any, new: list[dict[str, Any]]
+                      ) -> tuple[str, list[dict[str, Any]]]:
         """A Responses request's `conversation`: its id and its items, to come before the new
-        input; 404 (param `conversation`) when it does not exist, 400 when `adding` more items
-        would pass its bound."""
+        input `new`; 404 (param `conversation`) when it does not exist, 400 when the new input
+        and an answer would pass its bound or an input item's id is already in it (the append
+        after the answer would be refused)."""
         conversation_id = conversation_id_of(conversation)
         items = await self._call(lambda s: s.items(owner, conversation_id))
         if items is None:
             raise ConversationNotFound(conversation_id, "conversation")
         assert self.store is not None
+        held = {item.get("id") for item in items}
+        repeated = next((item["id"] for item in new if item.get("id") in held), None)
+        if repeated is not None:
+            raise BadField("input", f"An item with id '{repeated}' is already in the conversation; send only the new "
+                                    "input.")
+        adding = len(new) + 1  # and at least one output item
         if len(items) + adding > self.store.quota.max_items:
             raise BadField("conversation", f"The conversation holds {len(items)} items; with this response's it would "
                                            f"pass its limit of {self.store.quota.max_items}; start a new one.")

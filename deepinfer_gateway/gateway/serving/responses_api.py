@@ -226,8 +226,7 @@ class ResponsesState:
             if self.conversations is None:
                 raise BadField("conversation", "The Conversations API is turned off on this gateway "
                                                "(conversations.enabled).")
-            # the new input and at least one output item will be appended
-            conversation, history = await self.conversations.context(owner, obj["conversation"], len(items) + 1)
+            conversation, history = await self.conversations.context(owner, obj["conversation"], items)
             items = _replayable(history) + items
             obj["input"] = items
             del obj["conversation"]
@@ -335,7 +334,8 @@ class ResponsesState:
     async def _append(self, pending: Pending, response: dict[str, Any]) -> None:
         conversations = self.conversations
         assert conversations is not None and pending.conversation is not None
-        added = pending.new_items + [item for item in response.get("output") or [] if isinstance(item, dict)]
+        output = [item for item in response.get("output") or [] if isinstance(item, dict)]
+        added = pending.new_items + input_items(output)  # each with an id
         try:
             await conversations.append(pending.owner, pending.conversation, added)
         except Exception as exc:  # deleted meanwhile, full, or the store failing: the answer goes out
