@@ -138,7 +138,7 @@ def test_a_streamed_background_response_resumes_after_a_sequence_number(gateway:
     client = _client(gateway)
     seen: list[Any] = []
     with client.responses.create(model=MODEL, input="stream in the background", background=True, stream=True,
-                                 max_output_tokens=150, extra_body={"ignore_eos": True}) as stream:
+                                 max_output_tokens=400, extra_body={"ignore_eos": True}) as stream:
         for event in stream:
             seen.append(event)
             if event.type == "response.output_text.delta" and len(seen) >= 6:
@@ -147,6 +147,7 @@ def test_a_streamed_background_response_resumes_after_a_sequence_number(gateway:
     assert seen[0].response.background is True
     assert [e.sequence_number for e in seen] == list(range(len(seen)))
     response_id, last = seen[0].response.id, seen[-1].sequence_number
+    assert client.responses.retrieve(response_id).status == "in_progress"  # resumed live, below
 
     resumed = list(client.responses.retrieve(response_id, stream=True, starting_after=last))
     assert [e.sequence_number for e in resumed] == list(range(last + 1, last + 1 + len(resumed)))
