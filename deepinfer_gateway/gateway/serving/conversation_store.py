@@ -129,6 +129,12 @@ class ConversationStore(Protocol):
     async def items(self, owner: str, conversation_id: str) -> list[dict[str, Any]] | None:
         """All its items, oldest first (at most `max_items`); None when it does not exist."""
 
+    async def item_ids(self, owner: str, conversation_id: str) -> list[str] | None:
+        """Its items' ids, oldest first; None when it does not exist."""
+
+    async def items_by_id(self, owner: str, conversation_id: str, item_ids: list[str]) -> list[dict[str, Any]]:
+        """These items, in this order (one deleted meanwhile left out)."""
+
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> bool | None:
         """None when the conversation does not exist, False when the item does not."""
 
@@ -214,6 +220,15 @@ class MemoryConversationStore:
     async def items(self, owner: str, conversation_id: str) -> list[dict[str, Any]] | None:
         kept = self._owners.get(owner, {}).get(conversation_id)
         return None if kept is None else [orjson.loads(data) for data in kept.items.values()]
+
+    async def item_ids(self, owner: str, conversation_id: str) -> list[str] | None:
+        kept = self._owners.get(owner, {}).get(conversation_id)
+        return None if kept is None else list(kept.items)
+
+    async def items_by_id(self, owner: str, conversation_id: str, item_ids: list[str]) -> list[dict[str, Any]]:
+        kept = self._owners.get(owner, {}).get(conversation_id)
+        held = kept.items if kept is not None else {}
+        return [orjson.loads(held[item_id]) for item_id in item_ids if item_id in held]
 
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> bool | None:
         kept = self._owners.get(owner, {}).get(conversation_id)
@@ -381,16 +396,22 @@ class RedisConversationStore:
         return self._verdict(await self._add(keys=keys, args=[*args, *self._flat(items)]))
 
     async def items(self, owner: str, conversation_id: str) -> list[dict[str, Any]] | None:
+        ids = await self.item_ids(owner, conversation_id)
+        return None if ids is None else await self.items_by_id(owner, conversation_id, ids)
+
+    async def item_ids(self, owner: str, conversation_id: str) -> list[str] | None:
         keys, _ = self._keys(owner, conversation_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.exists(keys[2])
             pipe.zrangebyscore(keys[4], "-inf", "+inf")
             exists, ids = await pipe.execute()
-        if not exists:
-            return None
-        if not ids:
+        return [i.decode() if isinstance(i, bytes) else i for i in ids] if exists else None
+
+    async def items_by_id(self, owner: str, conversation_id: str, item_ids: list[str]) -> list[dict[str, Any]]:
+        if not item_ids:
             return []
-        found = await self.redis.hmget(keys[3], ids)
+        keys, _ = self._keys(owner, conversation_id)
+        found = await self.redis.hmget(keys[3], item_ids)
         return [orjson.loads(data) for data in found if data is not None]  # one deleted meanwhile: gone
 
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> bool | None:

@@ -102,8 +102,9 @@ def _no_include(request: Request) -> None:
         raise BadField("include", "No additional item data is available to include.")
 
 
-def page(items: list[dict[str, Any]], request: Request, default_order: str = "desc") -> dict[str, Any]:
-    """A list page of `items` (oldest first) by the request's `after`, `limit` and `order`."""
+def page(ids: list[str], request: Request, default_order: str = "desc") -> tuple[list[str], bool]:
+    """A list page of the items `ids` (oldest first) by the request's `after`, `limit` and
+    `order`: its ids, and whether more follow."""
     params = request.query_params
     order = params.get("order", default_order)
     if order not in ("asc", "desc"):
@@ -114,16 +115,13 @@ def page(items: list[dict[str, Any]], request: Request, default_order: str = "de
         raise BadField("limit", "limit must be an integer from 1 to 100.") from None
     if not 1 <= limit <= 100:
         raise BadField("limit", "limit must be an integer from 1 to 100.")
-    ordered = items[::-1] if order == "desc" else items
+    ordered = ids[::-1] if order == "desc" else ids
     after = params.get("after")
     if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
+        if after not in ordered:
             raise BadField("after", f"No item with id '{after}' in this conversation.")
-        ordered = ordered[ids.index(after) + 1:]
-    chosen = ordered[:limit]
-    return {"object": "list", "data": chosen, "first_id": chosen[0]["id"] if chosen else None,
-            "last_id": chosen[-1]["id"] if chosen else None, "has_more": len(ordered) > limit}
+        ordered = ordered[ordered.index(after) + 1:]
+    return ordered[:limit], len(ordered) > limit
 
 
 class ConversationsState:
@@ -211,10 +209,13 @@ class ConversationsState:
 
     async def list_items(self, owner: str, conversation_id: str, request: Request) -> Response:
         _no_include(request)
-        items = await self._call(lambda s: s.items(owner, conversation_id))
-        if items is None:
+        ids = await self._call(lambda s: s.item_ids(owner, conversation_id))
+        if ids is None:
             raise ConversationNotFound(conversation_id)
-        return JSONResponse(page(items, request))
+        chosen, more = page(ids, request)  # only the page's items are read
+        items = await self._call(lambda s: s.items_by_id(owner, conversation_id, chosen))
+        return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                             "last_id": items[-1]["id"] if items else None, "has_more": more})
 
     async def add_items(self, owner: str, conversation_id: str, request: Request, raw: bytes) -> Response:
         _no_include(request)
@@ -229,13 +230,13 @@ class ConversationsState:
 
     async def retrieve_item(self, owner: str, conversation_id: str, item_id: str, request: Request) -> Response:
         _no_include(request)
-        items = await self._call(lambda s: s.items(owner, conversation_id))
-        if items is None:
+        ids = await self._call(lambda s: s.item_ids(owner, conversation_id))
+        if ids is None:
             raise ConversationNotFound(conversation_id)
-        found = next((item for item in items if item.get("id") == item_id), None)
-        if found is None:
+        found = await self._call(lambda s: s.items_by_id(owner, conversation_id, [item_id])) if item_id in ids else []
+        if not found:
             raise ItemNotFound(item_id)
-        return JSONResponse(found)
+        return JSONResponse(found[0])
 
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> Response:
         deleted = await self._call(lambda s: s.delete_item(owner, conversation_id, item_id))
