@@ -256,7 +256,9 @@ class ClientRoutes:
                                          response_id=pending.response_id if pending is not None else None)
             if pending is not None and pending.background is not None:
                 release_slot = None  # the run gives it back when it ends
-                return await state.responses.start_background(pending, serving, functools.partial(on_done, 0))
+                started = await state.responses.start_background(pending, serving, functools.partial(on_done, 0))
+                started.headers.update({**headers, wp.REQUEST_ID_HEADER: request_id})  # as a served request's
+                return started
             response = await unless_disconnected(request, serving)
             if isinstance(response, RelayResponse):
                 release_slot = None  # the stream's end gives the slot back (`on_done`)
