@@ -290,3 +290,18 @@ async def test_redis_keeps_no_ttl_on_conversations_and_counts_their_bytes(
         assert not [k async for k in client.scan_iter(match=f"{{dgw:conv}}:*{digest}*")]  # nothing left behind
     finally:
         await client.aclose()
+
+
+def test_conversations_turned_off_are_not_found_and_refused_on_responses(sim_cluster: SimCluster,
+                                                                         tmp_path: Path) -> None:
+    gateway = _gateway(sim_cluster, tmp_path, "[conversations]\nenabled = false\n")
+    try:
+        client = _client(gateway)
+        with pytest.raises(openai.NotFoundError) as off:
+            client.conversations.create()
+        assert "conversations.enabled" in off.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input="x", conversation="conv_1", max_output_tokens=2)
+        assert refused.value.body["param"] == "conversation"
+    finally:
+        gateway.stop()

@@ -223,7 +223,7 @@ class ResponsesState:
         if obj.get("conversation") is not None:
             if previous_id is not None:
                 raise BadField("conversation", "conversation and previous_response_id cannot both be given.")
-            if self.conversations is None:
+            if self.conversations is None or self.conversations.store is None:
                 raise BadField("conversation", "The Conversations API is turned off on this gateway "
                                                "(conversations.enabled).")
             conversation, history = await self.conversations.context(owner, obj["conversation"], items)
