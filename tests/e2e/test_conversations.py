@@ -305,3 +305,71 @@ def test_conversations_turned_off_are_not_found_and_refused_on_responses(sim_clu
         assert refused.value.body["param"] == "conversation"
     finally:
         gateway.stop()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis", "redis-cluster"])
+async def test_a_store_refuses_a_write_past_its_bounds_and_keeps_nothing_of_it(
+        backend: str, request: pytest.FixtureRequest) -> None:
+    from deepinfer_gateway.gateway.serving.conversation_store import (
+        ConversationFull,
+        ConversationQuota,
+        ConversationsExhausted,
+        ConversationStore,
+        DuplicateItem,
+        MemoryConversationStore,
+        RedisConversationStore,
+    )
+    from deepinfer_gateway.redis_conn import redis_client
+    from tests.conftest import redis_backend_url
+
+    quota = ConversationQuota(max_per_key=2, max_items=3, max_bytes_per_key=700, max_total_bytes=1000)
+    client = None
+    store: ConversationStore
+    if backend == "memory":
+        store = MemoryConversationStore(quota)
+    else:
+        client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")
+        await client.delete("{dgw:conv}:bytes")  # the total is shared by every owner of this Redis
+        store = RedisConversationStore(client, quota)
+    alice, bob = f"alice:{uuid.uuid4().hex}", f"bob:{uuid.uuid4().hex}"
+
+    def conv(n: int) -> dict[str, Any]:
+        return {"id": f"conv_{n}", "object": "conversation", "created_at": n, "metadata": {}}
+
+    def item(n: int, size: int = 10) -> dict[str, Any]:
+        return {"id": f"msg_{n}", "type": "message", "role": "user", "content": "x" * size}
+
+    try:
+        await store.create(alice, conv(1), [item(1)])
+        await store.create(alice, conv(2), [])
+        with pytest.raises(ConversationFull) as count:
+            await store.create(alice, conv(3), [])
+        assert count.value.code == "conversations_limit"
+        with pytest.raises(ConversationFull) as items:
+            await store.add_items(alice, "conv_1", [item(2), item(3), item(4)])
+        assert items.value.code == "conversation_items_limit"
+        with pytest.raises(DuplicateItem):
+            await store.add_items(alice, "conv_1", [item(2), item(1)])
+        with pytest.raises(ConversationFull) as owner_bytes:
+            await store.add_items(alice, "conv_1", [item(2, 700)])
+        assert owner_bytes.value.code == "conversation_bytes_limit"
+        assert [i["id"] for i in await store.items(alice, "conv_1") or []] == ["msg_1"]  # nothing of them kept
+        await store.create(bob, conv(1), [item(1, 400)])
+        with pytest.raises(ConversationsExhausted):  # alice's own bytes have room, all owners' do not
+            await store.add_items(alice, "conv_1", [item(2, 400)])
+        with pytest.raises(ConversationFull):  # metadata grown past the owner's bytes
+            await store.update(alice, {**conv(2), "metadata": {"k": "v" * 600}})
+        assert await store.get(alice, "conv_2") == conv(2)
+        assert await store.get(bob, "conv_2") is None and not await store.delete(bob, "conv_2")  # alice's
+        assert await store.delete_item(alice, "conv_1", "msg_1") is True
+        assert await store.delete_item(alice, "conv_1", "msg_1") is False
+        assert await store.delete_item(alice, "conv_9", "msg_1") is None
+        assert await store.delete(bob, "conv_1")
+        await store.add_items(alice, "conv_1", [item(2, 400)])  # the bytes freed by both deletes count again
+        assert await store.item_ids(alice, "conv_1") == ["msg_2"]
+    finally:
+        if client is not None:
+            for owner in (alice, bob):
+                for n in (1, 2):
+                    await store.delete(owner, f"conv_{n}")
+            await client.aclose()
