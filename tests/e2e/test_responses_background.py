@@ -284,3 +284,49 @@ async def test_a_background_runs_state_is_compare_and_set_and_deleted_with_its_r
         assert await store.advance(owner, "resp_1") == "gone"
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_write_past_the_bounds_is_refused_and_the_record_kept(backend: str,
+                                                                     request: pytest.FixtureRequest) -> None:
+    import uuid
+
+    from deepinfer_gateway.gateway.serving.background_store import (
+        BackgroundStore,
+        MemoryBackgroundStore,
+        RedisBackgroundStore,
+    )
+    from deepinfer_gateway.gateway.serving.response_store import (
+        MemoryResponseStore,
+        Quota,
+        RedisResponseStore,
+        StoredResponse,
+    )
+    from deepinfer_gateway.redis_conn import redis_client
+    from tests.conftest import redis_backend_url
+
+    quota = Quota(ttl_s=600, max_per_key=10, max_bytes=2048, max_bytes_per_key=3000, max_total_bytes=10**9)
+    client = None
+    store: BackgroundStore
+    if backend == "memory":
+        store = MemoryBackgroundStore(MemoryResponseStore(quota))
+    else:
+        client = redis_client(redis_backend_url(request, backend))
+        store = RedisBackgroundStore(RedisResponseStore(client, quota))
+    owner = f"key:{uuid.uuid4().hex}"
+    try:
+        queued = StoredResponse({"id": "resp_1", "status": "queued"}, [])
+        await store.start(owner, "resp_1", queued)
+        await store.start(owner, "resp_2", StoredResponse({"id": "resp_2", "pad": "x" * 1500}, []))
+        big = StoredResponse({"id": "resp_1", "status": "in_progress", "pad": "x" * 1500}, [])
+        assert await store.advance(owner, "resp_1", state="in_progress", stored=big) == "full"  # the key's bytes
+        assert await store.advance(owner, "resp_1", events=(b"x" * 2100,)) == "full"  # the response's max_bytes
+        kept = await store.record(owner, "resp_1")
+        assert kept is not None and kept.response == queued.response
+        run = await store.run_state(owner, "resp_1")
+        assert run is not None and run.state == "queued" and run.events == 0
+        assert await store.advance(owner, "resp_1", state="failed", stored=queued) == "failed"
+        assert await store.advance(owner, "resp_1", state="cancelled") == "failed"  # terminal stays
+    finally:
+        if client is not None:
+            await client.aclose()

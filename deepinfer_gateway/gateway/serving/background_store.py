@@ -27,6 +27,8 @@ from deepinfer_gateway.gateway.serving.response_store import (
     MemoryResponseStore,
     RedisResponseStore,
     StoredResponse,
+    StoreExhausted,
+    StoreFull,
     _check_size,
     _refusal,
     owner_hash,
@@ -165,8 +167,9 @@ class RedisBackgroundStore:
 class _Run:
     state: str
     beat: float
+    record: int  # its record's bytes
     events: list[bytes] = field(default_factory=list)
-    size: int = 0
+    size: int = 0  # its events' bytes
 
 
 class MemoryBackgroundStore:
@@ -180,7 +183,7 @@ class MemoryBackgroundStore:
             await self._run(*key)
         await self.responses.check_room(owner, len(stored.dumps()))
         await self.responses.put(owner, response_id, stored)
-        self._runs[(owner, response_id)] = _Run(QUEUED, time.time())
+        self._runs[(owner, response_id)] = _Run(QUEUED, time.time(), len(stored.dumps()))
 
     async def _run(self, owner: str, response_id: str) -> _Run | None:
         run = self._runs.get((owner, response_id))
@@ -197,10 +200,18 @@ class MemoryBackgroundStore:
         if run.state not in RUNNING:
             return run.state
         added = sum(len(event) for event in events)
-        if run.size + added > self.quota.max_bytes:
+        record = len(stored.dumps()) if stored is not None else run.record
+        if record + run.size + added > self.quota.max_bytes:
             return FULL
         if stored is not None:
-            await self.responses.put(owner, response_id, stored)  # StoreFull: the caller fails it
+            old = await self.responses.get(owner, response_id)
+            try:
+                await self.responses.put(owner, response_id, stored)
+            except (StoreFull, StoreExhausted):  # past the owner's or all owners' bytes: the old one back
+                if old is not None:
+                    await self.responses.put(owner, response_id, old)
+                return FULL
+            run.record = record
         run.events.extend(events)
         run.size += added
         run.state = state or run.state
