@@ -36,7 +36,8 @@ LABELS: dict[str, str] = {
              "`dgw_requests_total` when the request named no served model",
     "pool": f"a worker's configured `pool`, else its role ({_values(Role)})",
     "hardware": f"a worker's `hardware`: {_values(Hardware)}",
-    "protocol": f"{_values(ApiProtocol)}, or a non-generation route: `models`, `count_tokens`, `other`",
+    "protocol": f"{_values(ApiProtocol)}, or a non-generation route: `models`, `count_tokens`, "
+                "`stored_responses` (`/v1/responses/{id}` and below), `conversations`, `other`",
     "status": "the HTTP status answered, as a string; `499` when the client left first",
     "tier": "`memory` (the worker's own KV blocks) or `store` (the shared KV store)",
     "reason": f"routing: {_values(Reason)}; retries: the failed attempt's `kind`; v1 fallbacks: "
