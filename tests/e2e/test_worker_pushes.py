@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.asgi import serve_app
 from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
@@ -26,7 +27,10 @@ from deepinfer_gateway.gateway.upstream.http import HttpPool
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.workers import mux as worker_mux
+from deepinfer_gateway.workers.deepinfer import DeepInferConfig, DeepInferEngine, MemoryKvStore
+from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
+from tests.deepinfer_double import DoubleKvTransfer, core
 from tests.fault_doubles import until
 
 FAST = 1000.0
@@ -59,7 +63,9 @@ class Gateway:
 
 
 @asynccontextmanager
-async def gateway(cluster: InProcessSimCluster) -> AsyncIterator[Gateway]:
+async def gateway(cluster: InProcessSimCluster | dict[str, str]) -> AsyncIterator[Gateway]:
+    """In front of `cluster`'s workers (or of {worker id: url})."""
+    urls = cluster if isinstance(cluster, dict) else cluster.urls
     requests: list[str] = []
     trace = aiohttp.TraceConfig()
 
@@ -71,7 +77,7 @@ async def gateway(cluster: InProcessSimCluster) -> AsyncIterator[Gateway]:
         http = HttpPool(session=session)
         await http.start()
         metrics = GatewayMetrics()
-        specs = tuple(DgwWorkerSpec(url=url, id=wid) for wid, url in cluster.urls.items())
+        specs = tuple(DgwWorkerSpec(url=url, id=wid) for wid, url in urls.items())
         registry = WorkerRegistry(specs, http_factory(http), HealthSettings(interval_s=0.1), metrics)
         feeder = KvEventFeeder(InMemoryPrefixIndex(), session, interval_s=0.01, wait_s=0.2)
         for wid, state in registry.workers.items():
@@ -134,6 +140,30 @@ async def test_a_pushing_worker_is_neither_polled_nor_probed(cluster: InProcessS
         await asyncio.sleep(0.5)  # five check intervals of the registry, 50 poll intervals of the feeder
         assert gw.polls() == []
         assert gw.worker("w1").healthy and gw.worker("w1").pushes_live
+
+
+async def test_a_deepinfer_worker_pushes_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "STEP_DELAY_S", 0.005)
+    config = DeepInferConfig(model="/m", role=wp.Role.UNIFIED, worker_id="di-0", drain_timeout_s=0)
+    engine = DeepInferEngine(config, api_root="tests.deepinfer_double", kv_store=MemoryKvStore(),
+                             kv_transfer=DoubleKvTransfer())
+    served = await serve_app(create_worker_app(engine))
+    try:
+        async with gateway({"di-0": served.url}) as gw:
+            await until(lambda: gw.worker("di-0").healthy and gw.worker("di-0").pushes_live)
+            await asyncio.sleep(0.3)  # a long poll under way when the push came up returns
+            gw.requests.clear()
+            state = gw.worker("di-0")
+            counted: list[bool] = []
+            for i in range(3):
+                await generate_over_v2(gw, "di-0", f"di-push-{i}", seed=20 + i)
+                gw.registry.after_report(state, gw.registry.loop_lag.now(), lambda: counted.append(True))
+            await until(lambda: gw.feeder.cursor("di-0") == engine.kv_events(10**12, 1).last_seq)
+            await until(lambda: len(counted) == 3)  # pushed reports that count each request
+            assert state.load == engine.load()
+            assert gw.polls() == []
+    finally:
+        await served.stop()
 
 
 async def test_a_dropped_connection_falls_back_to_polling_then_pushes_again(cluster: InProcessSimCluster) -> None:
