@@ -25,7 +25,13 @@ from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.errors import GatewayError
 from deepinfer_gateway.gateway.serving.conversation_store import ConversationStore
-from deepinfer_gateway.gateway.serving.responses_api import BadField, StoreUnavailable, input_items
+from deepinfer_gateway.gateway.serving.responses_api import (
+    BadField,
+    StoreUnavailable,
+    input_items,
+    list_body,
+    page,
+)
 from deepinfer_gateway.outage import Outage
 
 T = TypeVar("T")
@@ -100,28 +106,6 @@ def _body(raw: bytes, allowed: set[str]) -> dict[str, Any]:
 def _no_include(request: Request) -> None:
     if "include" in request.query_params or "include[]" in request.query_params:  # the SDK sends include[]
         raise BadField("include", "No additional item data is available to include.")
-
-
-def page(ids: list[str], request: Request, default_order: str = "desc") -> tuple[list[str], bool]:
-    """A list page of the items `ids` (oldest first) by the request's `after`, `limit` and
-    `order`: its ids, and whether more follow."""
-    params = request.query_params
-    order = params.get("order", default_order)
-    if order not in ("asc", "desc"):
-        raise BadField("order", "order must be asc or desc.")
-    try:
-        limit = int(params.get("limit", "20"))
-    except ValueError:
-        raise BadField("limit", "limit must be an integer from 1 to 100.") from None
-    if not 1 <= limit <= 100:
-        raise BadField("limit", "limit must be an integer from 1 to 100.")
-    ordered = ids[::-1] if order == "desc" else ids
-    after = params.get("after")
-    if after is not None:
-        if after not in ordered:
-            raise BadField("after", f"No item with id '{after}' in this conversation.")
-        ordered = ordered[ordered.index(after) + 1:]
-    return ordered[:limit], len(ordered) > limit
 
 
 class ConversationsState:
@@ -212,10 +196,9 @@ class ConversationsState:
         ids = await self._call(lambda s: s.item_ids(owner, conversation_id))
         if ids is None:
             raise ConversationNotFound(conversation_id)
-        chosen, more = page(ids, request)  # only the page's items are read
+        chosen, more = page(ids, request, "item", "this conversation")  # only the page's items are read
         items = await self._call(lambda s: s.items_by_id(owner, conversation_id, chosen))
-        return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-                             "last_id": items[-1]["id"] if items else None, "has_more": more})
+        return JSONResponse(list_body(items, more))
 
     async def add_items(self, owner: str, conversation_id: str, request: Request, raw: bytes) -> Response:
         _no_include(request)

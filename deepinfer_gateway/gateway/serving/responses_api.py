@@ -415,26 +415,37 @@ class ResponsesState:
 
     async def list_input_items(self, owner: str, response_id: str, request: Request) -> Response:
         items = (await self._stored(owner, response_id)).input_items
-        params = request.query_params
-        order = params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise BadField("order", "order must be asc or desc.")
-        try:
-            limit = int(params.get("limit", "20"))
-        except ValueError:
-            raise BadField("limit", "limit must be an integer from 1 to 100.") from None
-        if not 1 <= limit <= 100:
-            raise BadField("limit", "limit must be an integer from 1 to 100.")
-        ordered = items[::-1] if order == "desc" else items
-        after = params.get("after")
-        if after is not None:
-            ids = [item.get("id") for item in ordered]
-            if after not in ids:
-                raise BadField("after", f"No input item with id '{after}' in this response.")
-            ordered = ordered[ids.index(after) + 1:]
-        page = ordered[:limit]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit})
+        by_id = {item.get("id"): item for item in items}
+        chosen, more = page([item.get("id") for item in items], request, "input item", "this response")
+        return JSONResponse(list_body([by_id[i] for i in chosen], more))
+
+
+def page(ids: list[Any], request: Request, what: str, where: str) -> tuple[list[Any], bool]:
+    """A page of an OpenAI list (`ids` oldest first) by the request's `after`, `limit` and
+    `order` (default desc): its ids, and whether more follow."""
+    params = request.query_params
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadField("order", "order must be asc or desc.")
+    try:
+        limit = int(params.get("limit", "20"))
+    except ValueError:
+        raise BadField("limit", "limit must be an integer from 1 to 100.") from None
+    if not 1 <= limit <= 100:
+        raise BadField("limit", "limit must be an integer from 1 to 100.")
+    ordered = ids[::-1] if order == "desc" else ids
+    after = params.get("after")
+    if after is not None:
+        if after not in ordered:
+            raise BadField("after", f"No {what} with id '{after}' in {where}.")
+        ordered = ordered[ordered.index(after) + 1:]
+    return ordered[:limit], len(ordered) > limit
+
+
+def list_body(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    """An OpenAI list object of `data`, each with an `id`."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 def _replayable(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
