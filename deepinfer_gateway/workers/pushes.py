@@ -53,14 +53,19 @@ class Activity:
 
 async def push_kv_events(engine: Engine, after: int, limit: int, interval_s: float,
                          send: Callable[[KvEventBatch], None]) -> None:
-    """Send the event log from `after` on, each batch continuing where the last ended."""
+    """Send the event log from `after` on, each batch continuing where the last ended. The
+    first goes at once, empty or not: it carries the epoch, so a cursor from before a restart
+    that happens to equal the new log's last seq is still seen to be another epoch's."""
     loop = asyncio.get_running_loop()
     cursor = after
+    first = True
     while True:
-        await engine.wait_kv_events(cursor, _KV_WAIT_S)
+        if not first:
+            await engine.wait_kv_events(cursor, _KV_WAIT_S)
         batch = engine.kv_events(cursor, limit)
-        if not batch.events and batch.last_seq == cursor:
+        if not first and not batch.events and batch.last_seq == cursor:
             continue  # the wait timed out
+        first = False
         send(batch)
         # The gateway expects the next batch from here (a cursor of another epoch: its last seq).
         cursor = batch.events[-1].seq if batch.events else batch.last_seq

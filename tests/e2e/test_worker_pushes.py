@@ -61,6 +61,16 @@ class Gateway:
     def polls(self) -> list[str]:
         return [path for path in self.requests if path in POLLED]
 
+    async def quiet(self) -> None:
+        """Once the polls and probes under way when the pushes came up are over: a 0.3 s window
+        without any (a loaded machine can stretch the first)."""
+        for _ in range(10):
+            self.requests.clear()
+            await asyncio.sleep(0.3)
+            if not self.polls():
+                return
+        raise AssertionError(f"still polled: {self.polls()}")
+
 
 @asynccontextmanager
 async def gateway(cluster: InProcessSimCluster | dict[str, str]) -> AsyncIterator[Gateway]:
@@ -125,8 +135,7 @@ async def test_a_pushing_worker_is_neither_polled_nor_probed(cluster: InProcessS
         await until(lambda: all(w.healthy and w.pushes_live for w in gw.registry.workers.values()))
         engine = cluster.engines["w0"]
         await until(lambda: gw.feeder.cursor("w0") == engine.kv_events(10**12, 1).last_seq)
-        await asyncio.sleep(0.3)  # a long poll under way when the push came up returns (wait_s)
-        gw.requests.clear()
+        await gw.quiet()
         state = gw.worker("w0")
         before = state.load.prompt_tokens_total if state.load else 0
         counted: list[bool] = []
@@ -151,8 +160,7 @@ async def test_a_deepinfer_worker_pushes_too(monkeypatch: pytest.MonkeyPatch) ->
     try:
         async with gateway({"di-0": served.url}) as gw:
             await until(lambda: gw.worker("di-0").healthy and gw.worker("di-0").pushes_live)
-            await asyncio.sleep(0.3)  # a long poll under way when the push came up returns
-            gw.requests.clear()
+            await gw.quiet()
             state = gw.worker("di-0")
             counted: list[bool] = []
             for i in range(3):
@@ -185,8 +193,7 @@ async def test_a_dropped_connection_falls_back_to_polling_then_pushes_again(clus
         await until(lambda: wp.LOAD_PATH in gw.polls(), timeout=1)  # the registry's next check probes it
         # The next check asks it to push again; then the polls stop.
         await until(lambda: gw.worker("w0").pushes_live and gw.upstream("w0")._mux is not conn)
-        await asyncio.sleep(0.4)  # the long poll under way returns
-        gw.requests.clear()
+        await gw.quiet()
         await generate_over_v2(gw, "w0", "after-reconnect", seed=11)
         await until(lambda: gw.feeder.cursor("w0") == engine.kv_events(10**12, 1).last_seq)
         await asyncio.sleep(0.3)
