@@ -22,8 +22,10 @@ import contextlib
 import gc
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from email.utils import formatdate
 from typing import Any, cast
 
 import uvicorn
@@ -48,9 +50,10 @@ class EmbeddedServer(uvicorn.Server):
     latency 11-13 vs 11-45 ms. Process-wide: only a process's own server sets it."""
 
     def __init__(self, config: uvicorn.Config, freeze_heap: bool = False):
-        self._exit_set: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
         super().__init__(config)
         self.freeze_heap = freeze_heap
+        self.server_state.connections = _Connections(self._first_connection)
 
     @property
     def should_exit(self) -> bool:
@@ -60,21 +63,32 @@ class EmbeddedServer(uvicorn.Server):
     def should_exit(self, value: bool) -> None:
         """Set on the loop's thread (its signal handlers, timers, `ServedApp.stop`): wakes `main_loop`."""
         self._should_exit = value
-        if value and self._exit_set is not None:
-            self._exit_set.set()
+        if value and self._wake is not None:
+            self._wake.set()
 
     async def main_loop(self) -> None:
         """uvicorn's loop, woken once a second (its Date header's resolution) instead of every
-        100 ms, and at once when `should_exit` is set: an idle process runs no timer of its own."""
-        self._exit_set = exit_set = asyncio.Event()
+        100 ms while connections are open, not at all while none is (the first one refreshes
+        the Date header itself), and at once when `should_exit` is set: an idle process runs no
+        timer of its own."""
+        self._wake = wake = asyncio.Event()
         counter = 0
         should_exit = await self.on_tick(counter)
         while not should_exit:
             counter = (counter + 10) % 864000  # on_tick counts tenths of a second
+            wake.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await exit_set.wait()
+                async with asyncio.timeout(1.0 if self.server_state.connections else None):
+                    await wake.wait()
             should_exit = await self.on_tick(counter)
+
+    def _first_connection(self) -> None:
+        """A connection opens while none was: the Date header may be stale, and ticks resume."""
+        date = formatdate(time.time(), usegmt=True).encode()
+        self.server_state.default_headers = ([(b"date", date)] if self.config.date_header else []
+                                             ) + self.config.encoded_headers
+        if self._wake is not None:
+            self._wake.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -86,6 +100,19 @@ class EmbeddedServer(uvicorn.Server):
             gc.collect()
             gc.freeze()
             gc.set_threshold(20_000, 20, 20)
+
+
+class _Connections(set[Any]):
+    """uvicorn's set of a server's open connections; adding the first calls `on_first`."""
+
+    def __init__(self, on_first: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_first = on_first
+
+    def add(self, connection: Any) -> None:
+        if not self:
+            self._on_first()
+        super().add(connection)
 
 
 async def serve_until_signal(app: Any, host: str, port: int, *, log_level: str = "info",
