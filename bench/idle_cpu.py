@@ -9,7 +9,7 @@ its workers and its gateway both run that tree's code), every round starts a `si
 of `--workers` unified workers and one gateway (`serve --processes N`, health checks at the
 default interval) in front of them, waits until all are healthy and settled, then:
 
-- idle: utime + stime of the gateway's process tree (/proc) over `--window` seconds with
+- idle: CPU time (scheduler run time) of the gateway's process tree (/proc) over `--window` seconds with
   no traffic, as ms of CPU per second; the sim-cluster process's too (the worker side of
   the KV event polls).
 - lag: `--lag-samples` generate requests sent straight to the workers (round robin, a
@@ -45,8 +45,19 @@ from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 SETTLE_S = 3.0  # after the gateway is ready: first polls, health checks and imports settle
 
 
+def run_time_s(pid: int, stat: list[str]) -> float:
+    """A process's CPU seconds: its threads' scheduler run time (ns, /proc/<pid>/task/*/schedstat);
+    utime + stime (10 ms clock ticks, which quantise an idle rate to 1 ms/s over 10 s) where
+    schedstat is absent."""
+    try:
+        return sum(int((task / "schedstat").read_text().split()[0])
+                   for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
+    except (OSError, IndexError, ValueError):
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(root: int) -> float:
-    """utime + stime of `root` and its live descendants, in seconds."""
+    """CPU seconds of `root` and its live descendants (`run_time_s`)."""
     parents: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
     for entry in os.listdir("/proc"):
@@ -58,13 +69,13 @@ def tree_cpu_s(root: int) -> float:
             continue
         stats[int(entry)] = fields
         parents.setdefault(int(fields[1]), []).append(int(entry))
-    total, todo = 0, [root]
+    total, todo = 0.0, [root]
     while todo:
         pid = todo.pop()
         if pid in stats:
-            total += int(stats[pid][11]) + int(stats[pid][12])
+            total += run_time_s(pid, stats[pid])
             todo += parents.get(pid, [])
-    return total / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def pct(values: list[float], q: float) -> float:
