@@ -52,6 +52,7 @@ from deepinfer_gateway.epp.picker import EndpointPicker, Pick, endpoint_of
 from deepinfer_gateway.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_payload
+from deepinfer_gateway.gateway.serving.service_tier import epp_flow_ticket
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, PreparedRequest
 from deepinfer_gateway.session_identity import identity_from, scoped
@@ -236,7 +237,9 @@ class RequestStream:
             self.prepared = await service.preparer.prepare_async(self.protocol, body)
         # No API key here (Envoy authenticates): sessions are keyed in one scope of the EPP's own.
         session = scoped(identity_from(self.headers, self.prepared.user if self.prepared else None), EPP_SCOPE)
-        self.pick = await service.picker.pick(self.prepared, self.subset, self.request_id, session)
+        flow = epp_flow_ticket(service.settings.flow_control, self.headers, self.prepared) if self.prepared else None
+        self.pick = await service.picker.pick(self.prepared, self.subset, self.request_id, session, flow,
+                                              self.arrival)
         if end_of_stream is not None and not self.duplex:
             return [route_answer(self.pick, in_body=True)]
         answers = [route_answer(self.pick)]
@@ -261,7 +264,7 @@ class RequestStream:
             response=pb.CommonResponse(header_mutation=mutation)))
         if message.response_headers.end_of_stream:
             if self.pick is not None:
-                self.pick.booking.on_ready()
+                self.pick.on_ready()
             self.finish()
         return [answer]
 
@@ -269,7 +272,7 @@ class RequestStream:
         if self.first_chunk_at is None and body.body:
             self.first_chunk_at = time.perf_counter()
             if self.pick is not None:
-                self.pick.booking.on_ready()
+                self.pick.on_ready()
         self.scanner.feed(body.body)
         if body.end_of_stream:
             self.finish()

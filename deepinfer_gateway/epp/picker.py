@@ -2,7 +2,8 @@
 
 `EndpointPicker.pick` runs the gateway's own routing (route_inputs.RouteInputs: the
 worker views with this process's in-flight counts and shared reservations, the prefix
-index lookup, the planner, admission) over the healthy unified workers, restricted to the
+index lookup, the planner, admission; flow control's queue when it is on, as the gateway's:
+gateway/serving/flow_gate.py) over the healthy unified workers, restricted to the
 data plane's subset hint, and returns them in preference order: the planner's ranked plan, its
 pick first, then its fallbacks (Envoy tries them in order when a connection fails). The policy
 observes the pick alone, so a stateful one (round robin, session affinity, prefix_approx)
@@ -19,18 +20,20 @@ reports as the one that served (a fallback).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from deepinfer_gateway.errors import NoHealthyWorker
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
+from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket, Grant
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
 from deepinfer_gateway.router.booking import Booking
-from deepinfer_gateway.router.planner import Plan
+from deepinfer_gateway.router.planner import Plan, WorkerView
 from deepinfer_gateway.session_identity import SessionIdentity
 
 
@@ -48,10 +51,18 @@ class Pick:
     plan: Plan
     booking: Booking[WorkerState]  # moved to the worker the data plane reports, ended with the response
     _metrics: GatewayMetrics
+    grant: Grant | None = None  # flow control's (flow_gate.py), when on
+    _on_end: Callable[[], None] | None = None
 
     @property
     def header(self) -> str:
         return ",".join(endpoint_of(w.url) for w in self.workers)
+
+    def on_ready(self) -> None:
+        """The response's first bytes: the engine started the request."""
+        self.booking.on_ready()
+        if self.grant is not None:
+            self.grant.started()
 
     def end(self) -> None:
         """The response's end, or the request's refusal: its load released (idempotent; synchronous, so
@@ -59,14 +70,20 @@ class Pick:
         if not self.booking.ended:
             self.booking.end()
             self._metrics.inflight.dec()
+            if self.grant is not None:
+                self.grant.started()
+            if self._on_end is not None:
+                self._on_end()  # flow control looks again: the worker has room
 
 
 class EndpointPicker:
-    def __init__(self, registry: WorkerRegistry, routing: RouteInputs, metrics: GatewayMetrics, fallbacks: int):
+    def __init__(self, registry: WorkerRegistry, routing: RouteInputs, metrics: GatewayMetrics, fallbacks: int,
+                 gate: FlowGate | None = None):
         self.registry = registry
         self.routing = routing
         self.metrics = metrics
         self.fallbacks = fallbacks
+        self.gate = gate  # flow control, when on: a request waits here for its pool, or is refused 429
 
     def by_endpoint(self, endpoint: str) -> WorkerState | None:
         """The worker whose URL dials `endpoint` (`ip:port`)."""
@@ -79,10 +96,7 @@ class EndpointPicker:
         """Endpoints are known: at least one unified worker is healthy."""
         return any(w.spec.role == Role.UNIFIED for w in self.registry.healthy())
 
-    async def pick(self, prepared: PreparedRequest | None, subset: frozenset[str] | None, request_id: str,
-                   session: SessionIdentity | None = None) -> Pick:
-        """The endpoints for a request (`prepared`: None when the path carries no generation body);
-        NoHealthyWorker (503) when none is eligible, Overloaded (429) when admission sheds it."""
+    async def _eligible(self, subset: frozenset[str] | None) -> list[WorkerView]:
         views = [v for v in await self.routing.views() if v.role == Role.UNIFIED]
         if subset is not None:
             urls = {w.worker_id: w.url for w in self.registry.workers.values()}
@@ -90,12 +104,39 @@ class EndpointPicker:
         if not views:
             where = "in the subset hint" if subset is not None else "in the pool"
             raise NoHealthyWorker(f"No eligible endpoint {where} can serve this request; retry shortly.")
+        return views
+
+    async def pick(self, prepared: PreparedRequest | None, subset: frozenset[str] | None, request_id: str,
+                   session: SessionIdentity | None = None, flow: FlowTicket | None = None,
+                   arrival: float = 0.0) -> Pick:
+        """The endpoints for a request (`prepared`: None when the path carries no generation body);
+        NoHealthyWorker (503) when none is eligible, Overloaded (429) when admission or flow control
+        (`flow`: its ticket; it may wait here first) sheds it."""
+        views = await self._eligible(subset)
         hashes: dict[str, list[int]] = {}
         overlap = Overlap()
         prompt_tokens = 0
         if prepared is not None:
             prompt_tokens = prepared.prompt_tokens
             hashes, overlap = await self.routing.overlap(prepared, views)
+        grant = None
+        if self.gate is not None and flow is not None and prepared is not None:
+            pool = self.routing.planner.first_pool(views, prompt_tokens, overlap)
+            grant = await self.gate.admit(flow, prompt_tokens, pool, views, arrival)
+        try:
+            if grant is not None and grant.waited_s:  # the load and the caches moved while it waited
+                assert prepared is not None
+                views = await self._eligible(subset)
+                hashes, overlap = await self.routing.overlap(prepared, views)
+            return await self._planned(prepared, views, hashes, overlap, prompt_tokens, request_id, session, grant)
+        except BaseException:
+            if grant is not None:
+                grant.started()
+            raise
+
+    async def _planned(self, prepared: PreparedRequest | None, views: list[WorkerView], hashes: dict[str, list[int]],
+                       overlap: Overlap, prompt_tokens: int, request_id: str, session: SessionIdentity | None,
+                       grant: Grant | None) -> Pick:
         session = session or SessionIdentity()
         lineage = await self.routing.lineage(session)
         plan = self.routing.planner.plan_first(views, prompt_tokens, hashes, overlap, session.session,
@@ -114,4 +155,10 @@ class EndpointPicker:
         self.metrics.inflight.inc()
         if booking.queued and worker.upstream.reports_queue:  # a report probed from now on counts the request
             self.registry.after_report(worker, self.registry.loop_lag.now(), booking.on_report)
-        return Pick(workers, plan, booking, self.metrics)
+        if grant is not None:
+            grant.booked()
+            # The EPP sees a response's first bytes, not the engine's start: a non-streaming answer's
+            # come at its end. A load report probed from now on counts the request (waiting or
+            # running), so flow control counts it as starting until then at most.
+            self.registry.after_report(worker, self.registry.loop_lag.now(), grant.started)
+        return Pick(workers, plan, booking, self.metrics, grant, self.gate.wake if self.gate is not None else None)

@@ -27,6 +27,7 @@ from deepinfer_gateway.epp.extproc import EndpointPickerService
 from deepinfer_gateway.epp.metrics import EppMetrics
 from deepinfer_gateway.epp.picker import EndpointPicker
 from deepinfer_gateway.gateway.routing_core import RoutingCore
+from deepinfer_gateway.gateway.serving.flow_gate import FlowGate
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import BridgeConfig, RequestPreparer
@@ -73,7 +74,10 @@ class EppRuntime:
         await core.start()
         routing = RouteInputs(core.registry, core.planner, core.index, core.inflight, metrics, settings,
                               core.affinity)
-        self.picker = EndpointPicker(core.registry, routing, metrics, self.options.fallbacks)
+        gate = (FlowGate(settings.flow_control, routing.views,
+                         lambda hardware: core.planner.hardware_cost(hardware).prefill_tokens_per_s, metrics)
+                if settings.flow_control.enabled else None)
+        self.picker = EndpointPicker(core.registry, routing, metrics, self.options.fallbacks, gate)
         service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings,
                                         self.options.subset_hint_header)
 

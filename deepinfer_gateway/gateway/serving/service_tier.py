@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import ApiKey, FlowControlSettings
 from deepinfer_gateway.errors import BridgeError
+from deepinfer_gateway.gateway.serving.auth import hash_key, presented_key
 from deepinfer_gateway.gateway.serving.flow_gate import FlowTicket
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.router.flow import Tier, resolve_tier, tier_of
@@ -51,6 +52,15 @@ def flow_ticket(settings: FlowControlSettings, key: ApiKey, prepared: PreparedRe
     return FlowTicket(tier=tier, tenant=key.scope, weight=settings.tenant_weights.get(key.tenant or key.name, 1.0),
                       target_s=target_s,
                       expected_output=min(prepared.sampling.max_tokens, settings.expected_output_tokens))
+
+
+def epp_flow_ticket(settings: FlowControlSettings, headers: Mapping[str, str],
+                    prepared: PreparedRequest) -> FlowTicket | None:
+    """`flow_ticket` in the EPP, which holds no API keys (the data plane authenticates): the
+    presented key (its digest, checked by no one here) is the tenant, at most the default tier
+    unless the operator's header says otherwise."""
+    key = ApiKey(name="epp", key_sha256=hash_key(presented_key(headers) or ""))
+    return flow_ticket(settings, key, prepared, headers)
 
 
 def _header_tier(settings: FlowControlSettings, value: str) -> Tier:

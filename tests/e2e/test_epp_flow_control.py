@@ -1,0 +1,136 @@
+"""Flow control in the EPP, end to end: the openai SDK -> a real Envoy -> `deepinfer-gateway epp` with
+`[flow_control]` on -> a sim worker small enough to saturate. A flex flood is held in the EPP and
+refused with 429 + Retry-After (Envoy's immediate response, in OpenAI's error format) while default
+requests are served; a request whose client leaves while it waits leaves the EPP's queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from harness.launch import Envoy, Epp, SimCluster
+from tests.e2e.test_epp_envoy import wait_ready
+from tests.e2e.test_flow_control import PROFILE, PROMPT
+from tests.fault_doubles import scrape, total
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "DeepSeek-V4.1-Flash"
+FLOW = """[router.hardware.sm100]
+prefill_tokens_per_s = 20000.0
+kv_load_bytes_per_s = 25e9
+[flow_control]
+enabled = true
+max_engine_wait_ms = 100
+max_engine_waiting = 2
+default_ttft_ms = 4000
+flex_ttft_ms = 600
+"""
+
+
+class FlowStack:
+    def __init__(self, epp: Epp, envoy: Envoy) -> None:
+        self.epp, self.envoy = epp, envoy
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.envoy.url + "/v1", api_key="sk-any", max_retries=0, timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return total(scrape(self.epp.url), name, **labels)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowStack]:
+    tmp = tmp_path_factory.mktemp("epp-flow")
+    profile = tmp / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    epp = envoy = None
+    try:
+        epp = Epp(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=FLOW, fallbacks=0)
+        envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
+        wait_ready(epp)
+        # the worker's first chat request loads its tokenizer (seconds): not under the flood's deadlines
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2}
+        assert httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        yield FlowStack(epp, envoy)
+    finally:
+        for proc in (envoy, epp, cluster):
+            if proc is not None:
+                proc.stop()
+
+
+async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list[int], max_tokens: int) -> None:
+    while not stop.is_set():
+        try:
+            await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens,
+                                                 service_tier="flex")
+            outcomes.append(200)
+        except openai.RateLimitError as exc:
+            assert int(exc.response.headers["retry-after"]) >= 1
+            assert exc.body["type"] == "rate_limit_error"  # type: ignore[index]
+            outcomes.append(429)
+            await asyncio.sleep(0.05)
+
+
+async def _queued(stack: FlowStack, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while stack.metric("dgw_flow_queued_requests", service_tier="flex") == 0:
+        assert time.monotonic() < deadline, "the flood never queued in the EPP"
+        await asyncio.sleep(0.1)
+
+
+def test_flex_flood_is_held_and_shed_while_default_is_served(stack: FlowStack) -> None:
+    async def run() -> tuple[list[int], list[float]]:
+        stop, outcomes = asyncio.Event(), list[int]()
+        flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 60)) for _ in range(16)]
+        await _queued(stack)
+        served = []
+        for _ in range(4):
+            started = time.perf_counter()
+            answer = await stack.client().chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4)
+            assert answer.choices
+            served.append(time.perf_counter() - started)
+        stop.set()
+        await asyncio.gather(*flood)
+        return outcomes, served
+
+    outcomes, served = asyncio.run(run())
+    assert outcomes.count(429) > 0 and outcomes.count(200) > 0
+    assert max(served) < 4.0, served
+    assert stack.metric("dgw_flow_shed_total", service_tier="flex") > 0
+    assert stack.metric("dgw_flow_shed_total", service_tier="default") == 0
+
+
+def test_client_leaving_while_queued_in_the_epp(stack: FlowStack) -> None:
+    async def run() -> tuple[float, float, float]:
+        stop, outcomes = asyncio.Event(), list[int]()
+        # long answers, and a flex target long enough that nothing is shed meanwhile
+        flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 3000)) for _ in range(10)]
+        await _queued(stack)
+        await asyncio.sleep(0.5)
+        before = stack.metric("dgw_flow_queued_requests", service_tier="default")
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4}
+        async with httpx.AsyncClient(base_url=stack.envoy.url) as http:
+            waiting = asyncio.create_task(http.post("/v1/chat/completions", json=body, timeout=30,
+                                                    headers={"authorization": "Bearer sk-other"}))
+            await asyncio.sleep(0.2)
+            during = stack.metric("dgw_flow_queued_requests", service_tier="default")
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        await asyncio.sleep(0.5)
+        after = stack.metric("dgw_flow_queued_requests", service_tier="default")
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        return before, during, after
+
+    before, during, after = asyncio.run(run())
+    assert (before, during, after) == (0, 1, 0)
