@@ -7,9 +7,11 @@ worker that does not push (an older one) is polled and probed as before."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,6 +32,7 @@ from deepinfer_gateway.workers import mux as worker_mux
 from deepinfer_gateway.workers.deepinfer import DeepInferConfig, DeepInferEngine, MemoryKvStore
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
+from harness.launch import Gateway as GatewayProcess
 from tests.deepinfer_double import DoubleKvTransfer, core
 from tests.fault_doubles import until
 
@@ -240,3 +243,54 @@ async def test_a_gateway_that_does_not_ask_gets_no_pushes(cluster: InProcessSimC
             assert isinstance(message, list)  # never a push object
             events += [event for _, event in message]
         assert events[-1]["reason"] == "length"
+
+
+class CountRequests:
+    """ASGI middleware on a worker: the path of every HTTP request it serves."""
+
+    def __init__(self, app: Any, seen: list[str]) -> None:
+        self.app, self.seen = app, seen
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.seen.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+async def test_a_gateway_process_indexes_the_kv_events_of_its_traffic_without_polling(tmp_path: Path) -> None:
+    seen: list[str] = []
+    cluster = await serve_sim_cluster([SimWorkerSpec("p0", time_scale=FAST)], compat=False,
+                                      wrap=lambda app: CountRequests(app, seen))
+    url = cluster.urls["p0"]
+    gw = await asyncio.to_thread(GatewayProcess, tmp_path, [(url, "unified", "sm100")], "admin_keys_required = false",
+                                 health_interval_s=0.2)
+    try:
+        await asyncio.to_thread(gw.wait_ready, 1)
+        async with aiohttp.ClientSession() as client:
+            for _ in range(20):  # the gateway's checks and polls stop once the worker pushes
+                seen.clear()
+                await asyncio.sleep(0.5)
+                if not [p for p in seen if p in POLLED]:
+                    break
+            else:
+                raise AssertionError(f"still polled: {seen}")
+            for i in range(3):
+                body = {"model": "DeepSeek-V4.1-Flash", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": f"pushed kv events {i} " * 200}]}
+                async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+            engine = cluster.engines["p0"]
+            assert engine.kv_events(10**12, 1).last_seq > 1  # the traffic stored blocks
+
+            async def indexed() -> int:
+                async with client.get(gw.url + "/admin/index") as resp:
+                    return int((await resp.json())["workers"][url.split("://", 1)[1]]["last_seq"])
+
+            deadline = time.monotonic() + 5
+            while await indexed() != engine.kv_events(10**12, 1).last_seq:
+                assert time.monotonic() < deadline, "the index never caught up"
+                await asyncio.sleep(0.02)
+        assert [p for p in seen if p in POLLED] == []
+    finally:
+        await asyncio.to_thread(gw.stop)
+        await cluster.stop()
