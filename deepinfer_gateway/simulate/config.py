@@ -27,6 +27,10 @@ seed = 0                          # of the jitter
 [router]                          # deepinfer_gateway.config.RouterSettings, as in the gateway's TOML
 policy = "estimated_ttft"
 
+[flow_control]                    # deepinfer_gateway.config.FlowControlSettings (off by default)
+enabled = false
+# flex_every = 0                  # (top level) every Nth request flex; traces carry no tier
+
 [[workers]]                       # one group of identical workers
 role = "prefill"                  # unified | prefill | decode
 hardware = "sm100"                # a profile name
@@ -43,7 +47,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deepinfer_gateway.config import RouterSettings
+from deepinfer_gateway.config import FlowControlSettings, RouterSettings
 from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
 
 
@@ -111,6 +115,10 @@ class ClusterConfig(_Frozen):
     store: StoreSettings = StoreSettings()
     gateway: GatewayCost = GatewayCost()
     router: RouterSettings = RouterSettings()
+    # The gateway's flow control (router/flow.py) in virtual time; `flex_every` N > 0 sends every
+    # Nth request of the trace as a flex request of a tenant of its own (traces carry no tier).
+    flow_control: FlowControlSettings = FlowControlSettings()
+    flex_every: int = Field(0, ge=0)
     workers: tuple[WorkerGroup, ...] = Field(min_length=1)
 
     @model_validator(mode="after")

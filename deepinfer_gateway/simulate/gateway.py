@@ -20,9 +20,11 @@ from typing import Any
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
+from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.booking import Booking
+from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, PoolLoad, Tier, pool_load
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.simulate.config import ClusterConfig
@@ -49,8 +51,15 @@ class RequestState:
     booking: Booking[SimWorker] | None = None  # the current leg's
     last_token_t: float = -1.0
     emitted: int = 0
+    flow_pool: str | None = None  # flow control: the pool it counts as starting in, until its first token
 
 SIM_HASHER_BYTES = 256 << 20
+
+
+def _held(request: FlowRequest) -> RequestState:
+    """The simulated request a flow-control entry holds."""
+    assert isinstance(request.handle, RequestState)
+    return request.handle
 
 
 class SimGateway:
@@ -79,6 +88,17 @@ class SimGateway:
         self.requests: dict[str, RequestState] = {}
         self.active = 0  # requests arrived and not finished
         self.on_end: Callable[[RequestState], None] | None = None  # told of every finish and failure
+        self.clock = clock
+        flow = config.flow_control
+        # Flow control as the gateway's (gateway/serving/flow_gate.py), on the virtual clock: held
+        # requests wait in `flow`, `pump` starts them as the workers free up.
+        self.flow = FlowPolicy(FlowLimits(
+            max_engine_wait_s=flow.max_engine_wait_ms / 1000.0, max_engine_waiting=flow.max_engine_waiting,
+            kv_usage_limit=flow.kv_usage_limit, max_queued_per_pool=flow.max_queued_per_pool,
+            max_queued_per_tenant=flow.max_queued_per_tenant)) if flow.enabled else None
+        self.flow_starting: dict[str, int] = {}
+        self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
+                       for hardware in {str(w.profile.hardware) for w in workers}}
 
     def arrive(self, trace: TraceRequest, record: RequestRecord, tokens: list[int] | None = None) -> SimWorker | None:
         """Route a new request and start its first leg; the worker to kick, None if it failed.
@@ -97,6 +117,14 @@ class SimGateway:
         # One view per KV format says what the salts need (every view of a format has one model).
         req.hashes = hashes = prompt_hashes(req.tokens, self._format_views, self.hasher, packed)
         overlap = self.index.lookup_now(hashes, self.formats)
+        if self.flow is not None and not self._flow_arrive(req, views, overlap):
+            return None  # held (or refused)
+        return self._place(req, views, hashes, overlap)
+
+    def _place(self, req: RequestState, views: ViewList, hashes: dict[str, list[int]],
+               overlap: Overlap) -> SimWorker | None:
+        """Plan, admit and start the first leg; the worker to kick, None if it failed."""
+        rid, record = str(req.trace.index), req.record
         try:
             plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap)
         except NoCandidate as exc:
@@ -118,6 +146,65 @@ class SimGateway:
         req.worker = worker
         req.booking = worker.book(rid, len(req.tokens), plan.decision.predicted_memory_tokens)
         return worker
+
+    # --- flow control -------------------------------------------------------------------
+
+    def _flow_arrive(self, req: RequestState, views: ViewList, overlap: Overlap) -> bool:
+        """Whether the request starts now; else it waits in `flow` or was refused (failed)."""
+        assert self.flow is not None
+        settings, t = self.config.flow_control, self.clock()
+        every = self.config.flex_every
+        tier = Tier.FLEX if every and req.trace.index % every == every - 1 else Tier.DEFAULT
+        tokens = len(req.tokens)
+        request = FlowRequest("flex" if tier is Tier.FLEX else "trace", tier, tokens,
+                              tokens + min(req.trace.output_length, settings.expected_output_tokens), t,
+                              t + settings.ttft_target_s(tier.label), handle=req)
+        try:
+            pool = self.planner.first_pool(views, tokens, overlap)
+        except NoCandidate as exc:
+            self.fail(req, RecordError.HTTP_5XX, str(exc))
+            return False
+        queue = self.flow.pool(pool)
+        arrival = queue.arrive(request, self._load(views, pool), t)
+        for displaced in arrival.displaced:
+            self.fail(_held(displaced), RecordError.RATE_LIMITED, f"pool {pool}: displaced by a higher tier")
+        if arrival.shed is not None:
+            self.fail(req, RecordError.RATE_LIMITED, f"pool {pool}: flow control ({arrival.shed.reason})")
+            return False
+        if arrival.start:
+            self._starting(req, pool)
+        return arrival.start
+
+    def _load(self, views: ViewList, pool: str) -> PoolLoad:
+        return pool_load(views, pool, self.speeds, 0, self.flow_starting.get(pool, 0))
+
+    def _starting(self, req: RequestState, pool: str) -> None:
+        req.flow_pool = pool
+        self.flow_starting[pool] = self.flow_starting.get(pool, 0) + 1
+
+    def started(self, req: RequestState) -> None:
+        """Its first token (or its end): it no longer counts as starting in its pool."""
+        if req.flow_pool is not None:
+            self.flow_starting[req.flow_pool] -= 1
+            req.flow_pool = None
+
+    def pump(self, t: float) -> list[SimWorker]:
+        """Refuse the held requests past their deadline, start those their pools can take now;
+        the workers to kick."""
+        if self.flow is None or not self.flow.waiting_pools():
+            return []
+        kicked = []
+        for pool in self.flow.waiting_pools():
+            for late in self.flow.pool(pool).expired(t):
+                self.fail(_held(late), RecordError.RATE_LIMITED, f"pool {pool}: flow control (deadline)")
+            for request in self.flow.starts(pool, self._load(self.current_views(), pool), t):
+                req = _held(request)
+                self._starting(req, pool)
+                views = self.current_views()
+                worker = self._place(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
+                if worker is not None:
+                    kicked.append(worker)
+        return kicked
 
     def current_views(self) -> ViewList:
         """What `[w.view() for w in workers]` gives: the one list, its changed workers' views
@@ -178,6 +265,7 @@ class SimGateway:
         return worker
 
     def fail(self, req: RequestState, kind: str, detail: str) -> None:
+        self.started(req)
         req.record.status, req.record.error, req.record.detail = "error", kind, detail[:200]
         req.record.ttft_s = req.record.e2e_s = None
         self.requests.pop(str(req.trace.index), None)

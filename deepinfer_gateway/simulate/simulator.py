@@ -159,6 +159,8 @@ class Simulator:
             else:
                 other += 1
                 self._load_tick()
+                for held in gateway.pump(t):  # deadlines pass, reports change, with no step under way
+                    self._kick(held, t)
                 if self._pending or gateway.active:
                     self._push(t + load_every, _LOAD, None)
         return events, other
@@ -207,6 +209,8 @@ class Simulator:
             self._start_step(worker, t)
         else:
             worker.busy = False
+        for held in self.gateway.pump(t):  # flow control: the step freed room for held requests
+            self._kick(held, t)
 
     def _cruise_done(self, worker: SimWorker, t: float) -> None:
         assert worker.cruise is not None
@@ -245,6 +249,7 @@ class Simulator:
                 record.ttft_s = self.preparation.relayed(t) - record.arrival_s
                 assert req.booking is not None
                 req.booking.unqueue()  # the first token ends its share of the queue
+                self.gateway.started(req)
             else:
                 record.itl_s.append(t - req.last_token_t)
             req.last_token_t = t

@@ -74,7 +74,7 @@ async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list
             outcomes.append(200)
         except openai.RateLimitError as exc:
             assert int(exc.response.headers["retry-after"]) >= 1
-            assert exc.body["type"] == "rate_limit_error"  # type: ignore[index]
+            assert exc.body["type"] == "rate_limit_error"
             outcomes.append(429)
             await asyncio.sleep(0.05)
 

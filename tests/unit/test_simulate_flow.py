@@ -1,0 +1,64 @@
+"""simulate with `flow_control`: the gateway's flow-control policy (router/flow.py) in virtual time.
+Under 1.5x the capacity of a small worker, half the requests flex: the default half keeps its TTFT
+target while flex waits or is refused; without flow control the engine's queue delays both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deepinfer_gateway.config import FlowControlSettings, HardwareCost, RouterSettings
+from deepinfer_gateway.simulate import ClusterConfig
+from deepinfer_gateway.simulate.config import WorkerGroup
+from deepinfer_gateway.simulate.simulator import Simulator
+from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
+
+PROFILE = """
+[sm100]
+hardware = "sm100"
+kv_format = "v4.1-flash/sm100-fp8"
+prefill_points = [[4096, 20000]]
+decode_points = [[1, 60], [8, 60]]
+gpus_per_instance = 1
+dp_ranks = 1
+max_num_seqs = 4
+max_num_batched_tokens = 4096
+nextn = 0
+"""
+# 4 sequences of 30 tokens at 60 tokens/s: ~8 requests/s; 12/s arrive, every second one flex
+TRACE = [TraceRequest(i, i / 12.0, 512, 30, (10_000 + 10 * i, 10_001 + 10 * i)) for i in range(150)]
+
+
+def run(tmp_path: Path, enabled: bool) -> list[RequestRecord]:
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(PROFILE)
+    config = ClusterConfig(
+        profiles=str(profiles), workers=(WorkerGroup(count=1),), flex_every=2,
+        router=RouterSettings(hardware={"sm100": HardwareCost(prefill_tokens_per_s=20_000.0,
+                                                              kv_load_bytes_per_s=25e9)}),
+        flow_control=FlowControlSettings(enabled=enabled, max_engine_waiting=2, default_ttft_ms=2000,
+                                         flex_ttft_ms=3000))
+    return Simulator(config).run(TRACE)
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.99 * (len(ordered) - 1))]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_default_keeps_its_target_while_flex_waits_or_is_refused(tmp_path: Path, enabled: bool) -> None:
+    records = run(tmp_path, enabled)
+    default = [r for r in records if r.index % 2 == 0]
+    flex = [r for r in records if r.index % 2 == 1]
+    default_ttft = [r.ttft_s for r in default if r.ttft_s is not None]
+    if enabled:
+        assert len(default_ttft) == len(default)  # none refused, none lost
+        assert p99(default_ttft) < 2.0
+        refused = [r for r in flex if r.error == RecordError.RATE_LIMITED]
+        assert refused and all(r.ttft_s is None for r in refused)  # refused before any token
+        assert len(refused) < len(flex)  # the rest served in the room default leaves
+    else:
+        assert p99(default_ttft) > 2.0  # the engine's queue holds flex and default alike
+        assert not any(r.error == RecordError.RATE_LIMITED for r in records)
