@@ -1,0 +1,105 @@
+"""gateway/serving/flow_gate.py on the event loop: waiting, starting, leaving and expiring, over
+views the test sets (the load view is plain data: router/worker_view.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deepinfer_gateway.config import FlowControlSettings
+from deepinfer_gateway.errors import Overloaded
+from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket
+from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
+from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.router.flow import Tier
+from deepinfer_gateway.router.worker_view import WorkerView
+
+SETTINGS = FlowControlSettings(enabled=True, max_engine_wait_ms=100, max_engine_waiting=2)
+
+
+def view(queued: int) -> WorkerView:
+    return WorkerView(worker_id="w", role=Role.UNIFIED, pool="p", hardware="sm100", kv_format="f", model="m",
+                      queued_prefill_tokens=queued)
+
+
+class Views:
+    """The pool's load as the test sets it; the gate reads it as it reads RouteInputs.views."""
+
+    def __init__(self, queued: int) -> None:
+        self.now = [view(queued)]
+
+    async def __call__(self) -> list[WorkerView]:
+        return self.now
+
+
+def ticket(tier: Tier = Tier.DEFAULT, target_s: float = 10.0, tenant: str = "a") -> FlowTicket:
+    return FlowTicket(tier=tier, tenant=tenant, weight=1.0, target_s=target_s, expected_output=0)
+
+
+def gate(views: Views) -> tuple[FlowGate, GatewayMetrics]:
+    metrics = GatewayMetrics()
+    return FlowGate(SETTINGS, views, lambda hardware: 10_000.0, metrics), metrics
+
+
+def queued(metrics: GatewayMetrics, tier: str) -> float:
+    return metrics.flow_queued.labels("p", tier)._value.get()
+
+
+def test_unsaturated_passes_at_once_and_counts_as_starting_until_its_first_token() -> None:
+    async def run() -> None:
+        views = Views(0)
+        g, _ = gate(views)
+        grants = [await g.admit(ticket(), 100, "p", views.now, time.perf_counter()) for _ in range(2)]
+        assert all(grant.waited_s == 0 for grant in grants) and g.starting["p"] == 2 and g.granted["p"] == 200
+        waiting = asyncio.create_task(g.admit(ticket(), 100, "p", views.now, time.perf_counter()))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # two starting: the bound for one DP rank
+        grants[0].booked()
+        grants[0].started()
+        grant = await asyncio.wait_for(waiting, 1.0)
+        assert grant.waited_s > 0 and g.granted["p"] == 200 and g.starting["p"] == 2
+
+    asyncio.run(run())
+
+
+def test_a_client_leaving_while_queued_leaves_the_queue_at_once() -> None:
+    async def run() -> None:
+        views = Views(5_000)  # 0.5 s of queue: saturated
+        g, metrics = gate(views)
+        waiting = asyncio.create_task(g.admit(ticket(), 100, "p", views.now, time.perf_counter()))
+        await asyncio.sleep(0.05)
+        assert queued(metrics, "default") == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert queued(metrics, "default") == 0 and len(g.policy.pool("p")) == 0
+        assert g.starting["p"] == 0 and g.granted["p"] == 0
+
+    asyncio.run(run())
+
+
+def test_priority_goes_first_and_a_request_past_its_deadline_is_refused_with_retry_after() -> None:
+    async def run() -> None:
+        views = Views(0)
+        g, metrics = gate(views)
+        held = await g.admit(ticket(), 100, "p", views.now, time.perf_counter())  # one of the two starting
+        views.now = [view(5_000)]  # saturated
+        flex = asyncio.create_task(g.admit(ticket(Tier.FLEX, 0.3), 100, "p", views.now, time.perf_counter()))
+        default = asyncio.create_task(g.admit(ticket(), 100, "p", views.now, time.perf_counter()))
+        await asyncio.sleep(0.05)
+        priority = asyncio.create_task(g.admit(ticket(Tier.PRIORITY, tenant="b"), 100, "p", views.now,
+                                               time.perf_counter()))
+        with pytest.raises(Overloaded) as refused:
+            await flex  # its 0.3 s passed while the pool stayed saturated
+        assert int(refused.value.headers["retry-after"]) >= 1
+        assert metrics.flow_shed.labels("p", "flex", "deadline")._value.get() == 1
+        views.now = [view(0)]  # room for one more start: the priority request, though it came last
+        await asyncio.wait_for(priority, 1.0)
+        await asyncio.sleep(0.05)
+        assert not default.done()
+        held.started()  # a first token: the default request's turn
+        await asyncio.wait_for(default, 1.0)
+
+    asyncio.run(run())
