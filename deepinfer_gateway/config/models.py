@@ -586,3 +586,12 @@ class GatewaySettings(_Frozen):
         if self.api_keys_in_redis and not self.redis.url:
             raise ValueError("api_keys_in_redis: needs redis.url (keys are looked up there)")
         return self
+
+    @model_validator(mode="after")
+    def _key_tiers_need_flow_control(self) -> GatewaySettings:
+        # A key's tier means something only to flow control: without it the setting would be ignored.
+        tiered = [k.name for k in self.api_keys if k.service_tier != "default"]
+        if tiered and not self.flow_control.enabled:
+            raise ValueError(f"api_keys: service_tier of {', '.join(tiered)} needs flow_control.enabled (a key's tier "
+                             "is its requests' flow-control tier)")
+        return self

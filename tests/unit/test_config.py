@@ -254,6 +254,8 @@ def test_secrets_directory_errors(tmp_path: Path) -> None:
      "Input should be greater than or equal to 0"),
     ('[[workers]]\nurl = "10.0.0.5:8100"\n', "workers[0].url", "worker url must start with http:// or https://"),
     ("api_keys_in_redis = true\n", "api_keys_in_redis", "needs redis.url"),
+    (f'[[api_keys]]\nname = "batch"\nkey_sha256 = "{"1" * 64}"\nservice_tier = "flex"\n', "api_keys",
+     "service_tier of batch needs flow_control.enabled"),
     # two keys of one name (stored state was once the name's) or two records of one key
     (f'[[api_keys]]\nname = "a"\nkey_sha256 = "{"1" * 64}"\n[[api_keys]]\nname = "a"\nkey_sha256 = "{"2" * 64}"\n',
      "api_keys", "each key needs its own name; repeated: a"),
