@@ -322,7 +322,9 @@ class RouterSettings(_Frozen):
     inflight_lease_s: float = Field(
         60.0, gt=0,
         description="Shared in-flight reservations expire after this if a replica dies.")
-    kv_events_interval_s: float = Field(0.05, gt=0, description="Seconds between polls of each worker's KV events.")
+    kv_events_interval_s: float = Field(
+        0.05, gt=0, description="Seconds between polls of each worker's KV events; a worker pushing them over worker "
+                                "protocol v2 sends at most one batch per this interval (docs/worker-protocol.md).")
     decision_log: str = Field(
         "", description="A file that gets one JSON line per routed request: candidates, predictions, what the "
                         "worker reported, timings (gateway/telemetry/decision_log.py; bench/peers.py "
