@@ -152,8 +152,8 @@ class DgwUpstream:
             self._push_epoch = self._epoch
             return
         on_load = self._on_load
-        if on_load is None:
-            return  # nobody listens yet: `start_pushes` wires it
+        if on_load is None or conn.closed:
+            return  # nobody listens yet (`start_pushes` wires it), or gone already (no `on_shut` would come)
         conn.on_load = on_load
         conn.on_kv_events = self._kv_push.deliver
         conn.on_shut = self._push_ended
