@@ -258,7 +258,9 @@ class AdminSync:
                 self._channel_outage.ok()
                 self._wake.set()  # anything announced while unsubscribed
                 while True:
-                    if await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25) is not None:
+                    # Blocks until a message (no polling timer: an idle replica does not wake); a
+                    # connection that dies silently is covered by the reconcile loop's interval.
+                    if await pubsub.get_message(ignore_subscribe_messages=True, timeout=None) is not None:
                         self._wake.set()
             except (RedisError, OSError) as exc:
                 self._channel_outage.failed(exc)
