@@ -149,6 +149,9 @@ class DgwUpstream:
     def _wire_pushes(self, conn: MuxConnection) -> None:
         """Route a fresh connection's pushes to the feeder and the registry, and subscribe."""
         if not conn.pushes:
+            if self._push_epoch != self._epoch:
+                log.info("worker %s's v2 connection does not push (an older worker, or a proxy dropped the "
+                         "subprotocol): its KV events are polled and its load probed over HTTP", self.spec.worker_id)
             self._push_epoch = self._epoch
             return
         on_load = self._on_load
