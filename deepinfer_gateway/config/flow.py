@@ -24,6 +24,10 @@ class FlowControlSettings(BaseModel):
     max_engine_waiting: int = Field(
         4, ge=1, description="... or its engine reports this many requests waiting per DP rank.")
     kv_usage_limit: float = Field(0.95, gt=0, le=1, description="... or its KV usage reaches this fraction.")
+    flex_reserve: int = Field(
+        1, ge=0,
+        description="Of a pool's max_engine_waiting x DP ranks, requests kept for tiers above flex (flex still "
+                    "gets one): a priority or default request then waits in no engine queue behind flex work.")
     priority_ttft_ms: float = Field(2_000.0, gt=0, description="TTFT target of service_tier priority requests.")
     default_ttft_ms: float = Field(10_000.0, gt=0, description="TTFT target of default (and auto) requests.")
     flex_ttft_ms: float = Field(60_000.0, gt=0, description="TTFT target of flex requests.")

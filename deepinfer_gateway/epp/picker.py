@@ -20,6 +20,7 @@ reports as the one that served (a fallback).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -35,6 +36,10 @@ from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Plan, WorkerView
 from deepinfer_gateway.session_identity import SessionIdentity
+
+# How long a picked request counts as starting (flow control) when neither its first bytes nor a
+# load report said it started: the health interval's default.
+STARTING_AT_MOST_S = 1.0
 
 
 def endpoint_of(url: str) -> str:
@@ -159,6 +164,8 @@ class EndpointPicker:
             grant.booked()
             # The EPP sees a response's first bytes, not the engine's start: a non-streaming answer's
             # come at its end. A load report probed from now on counts the request (waiting or
-            # running), so flow control counts it as starting until then at most.
+            # running), so flow control counts it as starting until then, and a worker pushing its
+            # reports only on change may send none: `STARTING_AT_MOST_S` at most.
             self.registry.after_report(worker, self.registry.loop_lag.now(), grant.started)
+            asyncio.get_running_loop().call_later(STARTING_AT_MOST_S, grant.started)
         return Pick(workers, plan, booking, self.metrics, grant, self.gate.wake if self.gate is not None else None)

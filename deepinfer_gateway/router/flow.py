@@ -9,7 +9,8 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
   usage is under `kv_usage_limit`. A pool with one such worker, and fewer than
   `max_engine_waiting` per DP rank of the requests this router placed still without a first
   token, is not saturated: the engines' own queues stay short and the ordering below decides
-  who goes first.
+  who goes first. Flex leaves `flex_reserve` of that bound to the tiers above it, so a
+  priority or default request finds room in the engines' queues rather than behind flex.
 - Bands: `priority` before `default` before `flex`; a lower band starts only when no higher
   band waits.
 - Fair share within a band: start-time fair queuing by tokens. A tenant's request is tagged
@@ -36,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
+from deepinfer_gateway.config import FlowControlSettings
 from deepinfer_gateway.router.worker_view import WorkerView
 
 
@@ -67,6 +69,14 @@ class FlowLimits:
     kv_usage_limit: float = 0.95
     max_queued_per_pool: int = 1024
     max_queued_per_tenant: int = 256
+    flex_reserve: int = 1  # of a pool's starting bound, kept for higher tiers (flex gets at least 1)
+
+    @classmethod
+    def of(cls, settings: FlowControlSettings) -> FlowLimits:
+        return cls(max_engine_wait_s=settings.max_engine_wait_ms / 1000.0,
+                   max_engine_waiting=settings.max_engine_waiting, kv_usage_limit=settings.kv_usage_limit,
+                   max_queued_per_pool=settings.max_queued_per_pool,
+                   max_queued_per_tenant=settings.max_queued_per_tenant, flex_reserve=settings.flex_reserve)
 
 
 @dataclass(frozen=True)
@@ -91,9 +101,13 @@ class PoolLoad:
     workers: tuple[WorkerLoad, ...]
     starting: int = 0
 
-    def can_start(self, limits: FlowLimits) -> bool:
-        ranks = sum(w.dp_ranks for w in self.workers)
-        return self.starting < limits.max_engine_waiting * ranks and any(w.can_start(limits) for w in self.workers)
+    def can_start(self, limits: FlowLimits, tier: Tier = Tier.DEFAULT) -> bool:
+        """Whether a request of `tier` may start now: flex leaves `flex_reserve` of the starting bound
+        to the tiers above it, so they need not queue behind flex in the engines."""
+        bound = limits.max_engine_waiting * sum(w.dp_ranks for w in self.workers)
+        if tier is Tier.FLEX:
+            bound = max(1, bound - limits.flex_reserve)
+        return self.starting < bound and any(w.can_start(limits) for w in self.workers)
 
     @property
     def drain_tokens_per_s(self) -> float:
@@ -191,7 +205,7 @@ class PoolQueue:
         return self.bands[tier].count
 
     def arrive(self, request: FlowRequest, load: PoolLoad, now: float) -> Arrival:
-        if not len(self) and load.can_start(self.limits):
+        if not len(self) and load.can_start(self.limits, request.tier):
             return Arrival(start=True)
         ahead = self.tokens_ahead(request)
         wait = load.wait_past(self.limits) + ahead / self.drain_rate(load, now)
@@ -276,7 +290,9 @@ class PoolQueue:
         """The request to start now, taken out; None while the pool is saturated or none waits."""
         if not len(self) or not load.can_start(self.limits):
             return None
-        for band in self.bands:
+        for tier, band in zip(Tier, self.bands, strict=True):
+            if band.count and not load.can_start(self.limits, tier):
+                return None  # flex, and only the higher tiers' reserve is left
             while band.heap:
                 tag, _, request = heapq.heappop(band.heap)
                 if not request.queued:

@@ -92,10 +92,7 @@ class SimGateway:
         flow = config.flow_control
         # Flow control as the gateway's (gateway/serving/flow_gate.py), on the virtual clock: held
         # requests wait in `flow`, `pump` starts them as the workers free up.
-        self.flow = FlowPolicy(FlowLimits(
-            max_engine_wait_s=flow.max_engine_wait_ms / 1000.0, max_engine_waiting=flow.max_engine_waiting,
-            kv_usage_limit=flow.kv_usage_limit, max_queued_per_pool=flow.max_queued_per_pool,
-            max_queued_per_tenant=flow.max_queued_per_tenant)) if flow.enabled else None
+        self.flow = FlowPolicy(FlowLimits.of(flow)) if flow.enabled else None
         self.flow_starting: dict[str, int] = {}
         self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
                        for hardware in {str(w.profile.hardware) for w in workers}}

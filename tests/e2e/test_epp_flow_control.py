@@ -66,11 +66,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowStack]:
                 proc.stop()
 
 
-async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list[int], max_tokens: int) -> None:
+async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list[int], max_tokens: int,
+                 tier: str = "flex", slo_ms: int | None = None) -> None:
+    headers = {"x-slo-ttft-ms": str(slo_ms)} if slo_ms else None
     while not stop.is_set():
         try:
             await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens,
-                                                 service_tier="flex")
+                                                 service_tier=tier, extra_headers=headers)
             outcomes.append(200)
         except openai.RateLimitError as exc:
             assert int(exc.response.headers["retry-after"]) >= 1
@@ -79,9 +81,9 @@ async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list
             await asyncio.sleep(0.05)
 
 
-async def _queued(stack: FlowStack, timeout: float = 20.0) -> None:
+async def _queued(stack: FlowStack, tier: str = "flex", timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while stack.metric("dgw_flow_queued_requests", service_tier="flex") == 0:
+    while stack.metric("dgw_flow_queued_requests", service_tier=tier) == 0:
         assert time.monotonic() < deadline, "the flood never queued in the EPP"
         await asyncio.sleep(0.1)
 
@@ -111,22 +113,26 @@ def test_flex_flood_is_held_and_shed_while_default_is_served(stack: FlowStack) -
 def test_client_leaving_while_queued_in_the_epp(stack: FlowStack) -> None:
     async def run() -> tuple[float, float, float]:
         stop, outcomes = asyncio.Event(), list[int]()
-        # long answers, and a flex target long enough that nothing is shed meanwhile
-        flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 3000)) for _ in range(10)]
-        await _queued(stack)
-        await asyncio.sleep(0.5)
-        before = stack.metric("dgw_flow_queued_requests", service_tier="default")
-        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4}
+        # default requests with long answers and a long target fill the engine and the EPP's queue
+        flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 3000, "default", 60_000))
+                 for _ in range(10)]
+        await _queued(stack, "default")
+        # a flex request (with a long target of its own) waits behind every default one
+        before = stack.metric("dgw_flow_queued_requests", service_tier="flex")
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4, "service_tier": "flex"}
         async with httpx.AsyncClient(base_url=stack.envoy.url) as http:
             waiting = asyncio.create_task(http.post("/v1/chat/completions", json=body, timeout=30,
-                                                    headers={"authorization": "Bearer sk-other"}))
-            await asyncio.sleep(0.2)
-            during = stack.metric("dgw_flow_queued_requests", service_tier="default")
-            waiting.cancel()
+                                                    headers={"authorization": "Bearer sk-other",
+                                                             "x-slo-ttft-ms": "60000"}))
+            deadline = time.monotonic() + 10
+            while (during := stack.metric("dgw_flow_queued_requests", service_tier="flex")) == before:
+                assert time.monotonic() < deadline and not waiting.done(), "the flex request never queued"
+                await asyncio.sleep(0.05)
+            waiting.cancel()  # the client goes away
             with contextlib.suppress(asyncio.CancelledError):
                 await waiting
         await asyncio.sleep(0.5)
-        after = stack.metric("dgw_flow_queued_requests", service_tier="default")
+        after = stack.metric("dgw_flow_queued_requests", service_tier="flex")
         for task in flood:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)

@@ -50,9 +50,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimCluster]:
 
 
 def _gateway(tmp: Path, cluster: SimCluster, flow: str) -> Gateway:
+    keys = (_key("batch", "sk-batch", "flex") + _key("chat", "sk-chat", "default") + _key("vip", "sk-vip", "priority")
+            + _key("other-batch", "sk-batch2", "flex")) if flow else _key("chat", "sk-chat", "default")
     extra = ("[router.hardware.sm100]\nprefill_tokens_per_s = 20000.0\nkv_load_bytes_per_s = 25e9\n"
-             + flow + _key("batch", "sk-batch", "flex") + _key("chat", "sk-chat", "default")
-             + _key("vip", "sk-vip", "priority") + _key("other-batch", "sk-batch2", "flex"))
+             + flow + keys)
     gw = Gateway(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=extra)
     gw.wait_ready(1)
     return gw

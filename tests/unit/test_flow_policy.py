@@ -163,3 +163,17 @@ def test_tier_resolution_never_exceeds_the_key() -> None:
     assert resolve_tier("flex", Tier.PRIORITY) is Tier.FLEX
     assert resolve_tier("default", Tier.FLEX) is Tier.FLEX
     assert resolve_tier("standard_only", Tier.PRIORITY, protocol_anthropic=True) is Tier.DEFAULT
+
+
+def test_flex_leaves_a_reserve_of_the_starting_bound_to_higher_tiers() -> None:
+    limits = FlowLimits(max_engine_waiting=2, flex_reserve=1)
+    one_starting = PoolLoad((WorkerLoad(0.0, 10_000.0, 0, 1, 0.1),), starting=1)
+    assert one_starting.can_start(limits, Tier.DEFAULT) and not one_starting.can_start(limits, Tier.FLEX)
+    queue = PoolQueue(limits)
+    assert not queue.arrive(request("f", Tier.FLEX), one_starting, 0.0).start  # waits: only the reserve is left
+    assert queue.arrive(request("d", Tier.DEFAULT), one_starting, 1.0).shed is None  # queued behind nothing higher
+    assert queue.next_start(one_starting, 1.0).tier is Tier.DEFAULT
+    assert queue.next_start(one_starting, 1.0) is None  # flex keeps waiting for a start to end
+    assert queue.next_start(IDLE, 1.0).tier is Tier.FLEX
+    # a pool whose bound is one request still starts flex (the reserve never takes it all)
+    assert PoolLoad((WorkerLoad(0.0, 10_000.0, 0, 1, 0.1),)).can_start(FlowLimits(max_engine_waiting=1), Tier.FLEX)

@@ -89,20 +89,13 @@ class _Speeds(dict[str, float]):
         return speed
 
 
-def limits_of(settings: FlowControlSettings) -> FlowLimits:
-    return FlowLimits(max_engine_wait_s=settings.max_engine_wait_ms / 1000.0,
-                      max_engine_waiting=settings.max_engine_waiting, kv_usage_limit=settings.kv_usage_limit,
-                      max_queued_per_pool=settings.max_queued_per_pool,
-                      max_queued_per_tenant=settings.max_queued_per_tenant)
-
-
 class FlowGate:
     """One per process: every pool's queue and the pump that starts its requests."""
 
     def __init__(self, settings: FlowControlSettings, views: Callable[[], Awaitable[list[WorkerView]]],
                  speed_of: Callable[[str], float], metrics: GatewayMetrics) -> None:
         self.settings = settings
-        self.policy = FlowPolicy(limits_of(settings))
+        self.policy = FlowPolicy(FlowLimits.of(settings))
         self._views = views
         self.speeds = _Speeds(speed_of)
         self.metrics = metrics
