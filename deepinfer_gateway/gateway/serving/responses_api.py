@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -42,11 +42,23 @@ from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse, StoreExhausted
 from deepinfer_gateway.outage import Outage
 
-if TYPE_CHECKING:
-    from deepinfer_gateway.gateway.serving.conversations_api import ConversationsState
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Conversations(Protocol):
+    """What Responses needs of the Conversations API (conversations_api.ConversationsState,
+    which builds on this module): a conversation's items as a request's context, and the
+    request's new items appended once answered."""
+
+    @property
+    def store(self) -> object | None:
+        """None: conversations are turned off."""
+
+    async def context(self, owner: str, conversation: Any, new: list[dict[str, Any]]
+                      ) -> tuple[str, list[dict[str, Any]]]: ...
+
+    async def append(self, owner: str, conversation_id: str, items: list[dict[str, Any]]) -> None: ...
 
 _FINAL_EVENTS = (b"event: response.completed", b"event: response.incomplete")
 # The events that carry the response object, with its `store`.
@@ -140,7 +152,7 @@ REFUSED = "refused"  # the answer, once generated, was over max_bytes or the key
 class ResponsesState:
     def __init__(self, store: ResponseStore | None, on_error: Callable[[], None] = lambda: None,
                  on_not_stored: Callable[[str], None] = lambda reason: None,
-                 conversations: ConversationsState | None = None,
+                 conversations: Conversations | None = None,
                  on_not_appended: Callable[[], None] = lambda: None,
                  background: BackgroundStore | None = None,
                  on_background_end: Callable[[str], None] = lambda outcome: None):
