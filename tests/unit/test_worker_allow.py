@@ -40,3 +40,13 @@ def test_no_list_admits_only_the_configured_addresses() -> None:
     only_configured = WorkerAllowList.build([], [parse_worker_spec({"url": "http://10.0.0.1:8100"})])
     assert only_configured.refusal(parse_worker_spec({"url": "http://10.0.0.1:8100", "pool": "p"})) is None
     assert only_configured.refusal(parse_worker_spec({"url": "http://10.0.0.2:8100"})) is not None
+
+
+def test_a_local_zmq_socket_is_admitted_as_loopback_is() -> None:
+    """vLLM's KV events may come over an `ipc://` socket on this host: local, so admitted where
+    loopback is (or where a configured worker names the same socket), refused elsewhere."""
+    spec = parse_worker_spec({"url": "http://127.0.0.1:9", "engine": "vllm", "kv_format": "vllm:x",
+                              "kv_events_endpoint": "ipc:///run/vllm/kv.ipc"})
+    assert WorkerAllowList.build(["127.0.0.1"], []).refusal(spec) is None
+    assert WorkerAllowList.build([], [spec]).refusal(spec) is None
+    assert "ipc:///run/vllm/kv.ipc" in (ALLOW.refusal(spec) or "")

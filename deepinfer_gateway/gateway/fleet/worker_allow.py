@@ -71,12 +71,17 @@ class WorkerAllowList:
                 networks.append(ipaddress.ip_network(entry.strip(), strict=False))
             except ValueError:
                 hosts.add(entry.strip().lower().rstrip("."))
-        origins = {_origin(a) for spec in configured for a in worker_addresses(spec)}
+        origins = {("ipc", a, None) if a.startswith("ipc://") else _origin(a)
+                   for spec in configured for a in worker_addresses(spec)}
         return cls(frozenset(hosts), tuple(networks), frozenset(o for o in origins if o is not None))
 
     def refusal(self, spec: WorkerSpec) -> str | None:
         """Why this worker may not be added (naming the first address refused), or None."""
         for address in worker_addresses(spec):
+            if address.startswith("ipc://"):  # a ZMQ socket on this host (vLLM's KV events): local, as loopback
+                if ("ipc", address, None) not in self.configured and not self._admits("127.0.0.1"):
+                    return f"{address} is a socket on this host, and admin_worker_hosts does not admit loopback"
+                continue
             origin = _origin(address)
             if origin is None:
                 return "an address names no host"
