@@ -25,9 +25,11 @@ class FlowControlSettings(BaseModel):
         4, ge=1, description="... or its engine reports this many requests waiting per DP rank.")
     kv_usage_limit: float = Field(0.95, gt=0, le=1, description="... or its KV usage reaches this fraction.")
     flex_reserve: int = Field(
-        1, ge=0,
+        0, ge=0,
         description="Of a pool's max_engine_waiting x DP ranks, requests kept for tiers above flex (flex still "
-                    "gets one): a priority or default request then waits in no engine queue behind flex work.")
+                    "gets one), so a priority or default request queues behind less flex work in an engine; costs "
+                    "flex throughput (bench/overload.py smoke: 7.6 -> 5.1 requests/s of goodput at 1, no TTFT "
+                    "gain where the wait is for a decode slot).")
     priority_ttft_ms: float = Field(2_000.0, gt=0, description="TTFT target of service_tier priority requests.")
     default_ttft_ms: float = Field(10_000.0, gt=0, description="TTFT target of default (and auto) requests.")
     flex_ttft_ms: float = Field(60_000.0, gt=0, description="TTFT target of flex requests.")

@@ -69,7 +69,7 @@ class FlowLimits:
     kv_usage_limit: float = 0.95
     max_queued_per_pool: int = 1024
     max_queued_per_tenant: int = 256
-    flex_reserve: int = 1  # of a pool's starting bound, kept for higher tiers (flex gets at least 1)
+    flex_reserve: int = 0  # of a pool's starting bound, kept for higher tiers (flex gets at least 1)
 
     @classmethod
     def of(cls, settings: FlowControlSettings) -> FlowLimits:
