@@ -146,6 +146,24 @@ def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict
         for v in members), starting)
 
 
+def can_start_now(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
+                  limits: FlowLimits, granted_tokens: int = 0, starting: int = 0, tier: Tier = Tier.DEFAULT) -> bool:
+    """`pool_load(...).can_start(limits, tier)` without building it, stopping at the first worker that
+    can start: the unsaturated path's cost, paid by every request."""
+    members = [v for v in views if v.pool == pool]
+    if not members:
+        return False
+    reserve = limits.flex_reserve if tier is Tier.FLEX else 0
+    if starting >= max(1, limits.max_engine_waiting - reserve):  # else under the bound whatever the ranks
+        bound = limits.max_engine_waiting * sum(max(1, v.dp_ranks) for v in members)
+        if starting >= (max(1, bound - reserve) if tier is Tier.FLEX else bound):
+            return False
+    extra = granted_tokens / (sum(prefill_tokens_per_s[v.hardware] for v in members) or 1.0) if granted_tokens else 0.0
+    return any(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra < limits.max_engine_wait_s
+               and v.waiting < limits.max_engine_waiting * max(1, v.dp_ranks) and v.kv_usage < limits.kv_usage_limit
+               for v in members)
+
+
 @dataclass(eq=False)
 class FlowRequest:
     """One request under flow control. `handle`: the caller's (e.g. the waiter to wake)."""

@@ -71,6 +71,7 @@ class _Choice(NamedTuple):
 
 _FORMAT = attrgetter("kv_format")
 _MODEL = attrgetter("model")
+_POOL = attrgetter("pool")
 
 
 class NoCandidate(Exception):
@@ -222,6 +223,9 @@ class RoutePlanner:
     def first_pool(self, workers: Sequence[WorkerView], prompt_tokens: int, overlap: Overlap) -> str:
         """The pool `plan_first` would take the first leg's worker from, without asking (or telling)
         any policy: flow control queues a request by it before the request is planned."""
+        pools: set[str] = set(map(_POOL, workers))
+        if len(pools) == 1:  # the usual deployment: no role split to look at
+            return pools.pop()
         split = self._caches.role_split(workers)
         decode_formats = split.formats.get(Role.DECODE)
         if decode_formats and Role.PREFILL in split.formats:

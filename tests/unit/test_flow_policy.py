@@ -12,6 +12,7 @@ from deepinfer_gateway.router.flow import (
     ShedReason,
     Tier,
     WorkerLoad,
+    can_start_now,
     pool_load,
     resolve_tier,
 )
@@ -177,3 +178,17 @@ def test_flex_leaves_a_reserve_of_the_starting_bound_to_higher_tiers() -> None:
     assert queue.next_start(IDLE, 1.0).tier is Tier.FLEX
     # a pool whose bound is one request still starts flex (the reserve never takes it all)
     assert PoolLoad((WorkerLoad(0.0, 10_000.0, 0, 1, 0.1),)).can_start(FlowLimits(max_engine_waiting=1), Tier.FLEX)
+
+
+def test_the_cheap_unsaturated_check_agrees_with_the_pool_load() -> None:
+    speed = {"sm100": 10_000.0}
+    cases = [[view()], [view(queued=3_000)], [view(waiting=4)], [view(kv=0.97)], [view(queued=3_000), view()],
+             [view(queued=1_500), view(queued=1_600, waiting=1)], [view(pool="q")]]
+    limits = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=2, flex_reserve=1)
+    for views in cases:
+        for granted, starting in ((0, 0), (1_000, 0), (0, 1), (0, 2), (600, 3)):
+            for tier in Tier:
+                full = pool_load(views, "p", speed, granted, starting)
+                expected = bool(full.workers) and full.can_start(limits, tier)
+                assert can_start_now(views, "p", speed, limits, granted, starting, tier) == expected, (
+                    views, granted, starting, tier)

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer_gateway.config import FlowControlSettings
 from deepinfer_gateway.errors import Overloaded
@@ -34,6 +35,7 @@ from deepinfer_gateway.router.flow import (
     Shed,
     ShedReason,
     Tier,
+    can_start_now,
     pool_load,
     retry_after,
 )
@@ -102,6 +104,7 @@ class FlowGate:
         self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
         self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
         self._wake = asyncio.Event()
+        self._wait_series: dict[tuple[str, Tier], Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
 
     def wake(self) -> None:
@@ -119,6 +122,9 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
+        if not len(queue) and can_start_now(views, pool, self.speeds, self.policy.limits, self.granted[pool],
+                                            self.starting[pool], ticket.tier):
+            return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
         load = pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool])
         outcome = queue.arrive(request, load, now)
         for displaced in outcome.displaced:
@@ -146,7 +152,10 @@ class FlowGate:
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
         self.starting[pool] += 1
-        self.metrics.flow_wait.labels(pool, request.tier.label).observe(waited_s)
+        series = self._wait_series.get((pool, request.tier))
+        if series is None:  # a labels() lookup costs more than the rest of an unsaturated admission
+            series = self._wait_series[pool, request.tier] = self.metrics.flow_wait.labels(pool, request.tier.label)
+        series.observe(waited_s)
         return Grant(self, pool, request.prompt_tokens, waited_s)
 
     def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
