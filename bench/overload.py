@@ -27,11 +27,12 @@ Per target and tenant: TTFT p50/p99 (s), goodput (requests/s over the phase, its
 included, whose TTFT and time per output token met the tenant's targets:
 `--interactive-ttft-s`, `--agent-ttft-s`, `--flex-ttft-s`; TPOT at most 2x the profile's),
 shed rate (429 before any token), lost (neither served nor refused with 429: errors, broken
-streams, timeouts). The last line is one JSON object: the rows, and for `gateway-flow`
+streams, timeouts); per phase the hit rate (cached / prompt tokens, from the answers' usage).
+The last line is one JSON object: the rows, and for `gateway-flow`
 `interactive_ttft_p99_flood_vs_alone`, `interactive_goodput_flood_vs_alone` (per offered
 request: the phases draw their own arrivals),
 `goodput_vs_best_peer` (cluster goodput under the flood over the best of sglang-router and
-vllm-router; null when neither ran), `goodput_vs_no_flow_control`, `shed_non_flex`
+vllm-router; null when neither ran), `goodput_vs_no_flow_control`, `hit_rate_vs_no_flow_control`, `shed_non_flex`
 (interactive and agent requests refused under the flood) and `lost`.
 """
 
@@ -141,6 +142,8 @@ class Outcome:
     tpot_s: float = 0.0
     sent_at: float = 0.0
     answer: str = ""
+    prompt_tokens: int = 0  # the answer's usage
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -152,7 +155,7 @@ class Phase:
 
 async def one(http: httpx.AsyncClient, tenant: str, messages: list[dict[str, str]], max_tokens: int) -> Outcome:
     body = {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     outcome = Outcome(tenant, 0, sent_at=started)
     first = last = 0.0
@@ -172,6 +175,10 @@ async def one(http: httpx.AsyncClient, tenant: str, messages: list[dict[str, str
                 chunk = orjson.loads(line[6:])
                 if "error" in chunk:
                     return outcome
+                usage = chunk.get("usage")
+                if usage:
+                    outcome.prompt_tokens = usage.get("prompt_tokens") or 0
+                    outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
                 content = delta.get("content") or delta.get("reasoning_content")
                 if content:
@@ -274,6 +281,8 @@ def figures(phase: Phase, spec: Spec, window_s: float) -> dict[str, Any]:
                        "good_share": round(len(good) / len(mine), 4),
                        "shed_rate": round(sum(o.status == 429 for o in mine) / len(mine), 4),
                        "shed": sum(o.status == 429 for o in mine), "lost": sum(o.status == 0 for o in mine)}
+    prompts = sum(o.prompt_tokens for o in phase.outcomes)
+    out["hit_rate"] = round(sum(o.cached_tokens for o in phase.outcomes) / prompts, 4) if prompts else None
     out["goodput_rps"] = round(good_total / seconds, 3)
     out["send_lag_p99_s"] = pct(phase.send_lags, 0.99) or 0.0  # over ~0.1 s the client limited the run
     out["lost"] = sum(o.status == 0 for o in phase.outcomes)
@@ -331,6 +340,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "agent_ttft_p99_flood_s": med(t, "flood", "agent", "ttft_p99_s"),
         "batch_ttft_p50_flood_s": med(t, "flood", "batch", "ttft_p50_s"),
         "cluster_goodput_flood_rps": med(t, "flood", "goodput_rps"),
+        "hit_rate_flood": med(t, "flood", "hit_rate"),
         "shed_rate_flood": {tenant: med(t, "flood", tenant, "shed_rate") for tenant in KEYS},
         "lost": med(t, "flood", "lost"),
     } for t in by}}
@@ -347,6 +357,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                                       flow["interactive_good_share_alone"]),
             goodput_vs_best_peer=_ratio(flow["cluster_goodput_flood_rps"], best_peer),
             goodput_vs_no_flow_control=_ratio(flow["cluster_goodput_flood_rps"], no_flow),
+            hit_rate_vs_no_flow_control=_ratio(flow["hit_rate_flood"],
+                                               result["targets"].get("gateway", {}).get("hit_rate_flood")),
             shed_non_flex=_median([sum(r["flood"].get(t, {}).get("shed", 0) for t in ("interactive", "agent"))
                                    for r in by["gateway-flow"]]),
             lost=_median([r["flood"]["lost"] + r["alone"]["lost"] for r in by["gateway-flow"]]),
