@@ -239,7 +239,7 @@ class Legs:
             since = self.registry.loop_lag.now()
             try:
                 with tracing.span("worker.generate", kind="client", worker=worker.worker_id, attempt=len(tried),
-                                  role=str(leg.role)):
+                                  role=str(leg.role), **{"dgw.request_id": leg.request_id}):  # the worker's id
                     return await self._open(worker, leg, reserve)
             except UpstreamError as exc:
                 last_error = exc
