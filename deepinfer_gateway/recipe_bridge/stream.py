@@ -116,7 +116,7 @@ class _Framing:
         self.done = False  # the client has its complete answer (finish, or a stop sequence matched)
         self._stop_guard: StopGuard | None = None  # set by a subclass when the request has stop sequences
         # OpenAI's `service_tier` echo: the first member of each chat chunk and of the whole answer;
-        # a Responses object's own member (deepseek-recipe writes one) gets its value.
+        # a Responses object's and a Messages usage's own member (deepseek-recipe writes one) gets its value.
         echo = prepared.service_tier_echo
         self._tier_member = f'{{"service_tier":"{echo}",' if echo else None
         self._tier_value = f'"service_tier":"{echo}"'
@@ -127,10 +127,8 @@ class _Framing:
         strings quotes are escaped), and a Responses event has one object that carries it."""
         if self._tier_member is None:
             return data
-        if self._named:
-            if self.prepared.protocol is ApiProtocol.RESPONSES:
-                return _TIER_MEMBER.sub(self._tier_value, data, count=1)
-            return data
+        if self._named:  # Responses and Messages: their objects' own member (deepseek-recipe writes one)
+            return _TIER_MEMBER.sub(self._tier_value, data, count=1)
         return self._tier_member + data[1:]
 
     def _start(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -180,7 +178,7 @@ class _Framing:
             text = corrected_json(self.prepared.protocol, text, self.prompt_tokens, self.cached_tokens)
         if self._tier_member is not None and self.prepared.protocol is ApiProtocol.CHAT:
             text = self._tier_member + text[1:]
-        elif self._tier_member is not None and self.prepared.protocol is ApiProtocol.RESPONSES:
+        elif self._tier_member is not None:  # Responses, Messages
             text = _TIER_MEMBER.sub(self._tier_value, text, count=1)
         return text.encode()
 

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -212,6 +213,10 @@ def test_service_tier_is_echoed_as_run(gateway: Gateway) -> None:
                                              stream=True)
         carried = [e.response.service_tier async for e in events if hasattr(e, "response")]
         assert carried and set(carried) == {"flex"}
+        for key, tier in (("sk-vip", "priority"), ("sk-chat", "standard")):
+            message = await anthropic.AsyncAnthropic(base_url=gateway.url, api_key=key, max_retries=0).messages.create(
+                model=MODEL, messages=PROMPT, max_tokens=2)
+            assert message.usage.service_tier == tier
         return [asked.service_tier, capped.service_tier, vip.service_tier]
 
     assert asyncio.run(run()) == ["flex", "default", "priority"]

@@ -23,7 +23,7 @@ from deepinfer_gateway.gateway.serving.flow_gate import FlowTicket
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.router.flow import Tier, resolve_tier, tier_of
 
-# OpenAI echoes the tier a request ran at; Anthropic's Messages answer has no such field here.
+# OpenAI echoes the tier a request ran at; Anthropic's usage.service_tier says standard or priority.
 _ECHOES = (ApiProtocol.CHAT, ApiProtocol.RESPONSES)
 
 
@@ -49,6 +49,8 @@ def flow_ticket(settings: FlowControlSettings, key: ApiKey, prepared: PreparedRe
     target_s = _slo_s(settings, slo) if slo is not None else settings.ttft_target_s(tier.label)
     if prepared.protocol in _ECHOES:
         prepared.service_tier_echo = tier.label
+    elif prepared.protocol is ApiProtocol.MESSAGES and tier is Tier.PRIORITY:
+        prepared.service_tier_echo = "priority"  # Anthropic's usage.service_tier; otherwise its "standard"
     return FlowTicket(tier=tier, tenant=key.scope, weight=settings.tenant_weights.get(key.tenant or key.name, 1.0),
                       target_s=target_s,
                       expected_output=min(prepared.sampling.max_tokens, settings.expected_output_tokens))
