@@ -10,5 +10,5 @@ PROCESS = "x-dgw-process"  # on every response of a supervised process: its pid
 SESSION = "x-session-id"  # request header: the routing session when the body names no `user`
 CORRELATION = "x-correlation-id"  # the same, as AIPerf and Dynamo's clients pin sessions
 SESSIONS = (SESSION, CORRELATION)  # read in this order
-SERVICE_TIER = "x-dgw-service-tier"  # request header from a trusted proxy: the flow-control tier (flow_control.tier_header)
+SERVICE_TIER = "x-dgw-service-tier"  # request header from a trusted proxy: the tier (flow_control.tier_header)
 SLO_TTFT_MS = "x-slo-ttft-ms"  # request header: the request's TTFT target (Gateway API Inference Extension's)
