@@ -86,6 +86,7 @@ KvSource = PolledKvLog | ZmqKvPublisher
 # The longest `wait_ms` a worker grants (docs/worker-protocol.md, KV events); asking for
 # more gets a 400, which would stall the feed.
 MAX_WAIT_S = MAX_KV_EVENTS_WAIT_MS / 1000
+IDLE_CHECK_S = 3.0  # a pushing worker's feed re-checks the index this often while nothing comes
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +211,25 @@ class KvEventFeeder:
         return bool(batch.events) and worker.cursor < batch.last_seq
 
     async def _follow_push(self, worker: _Worker, push: KvPush) -> None:
-        """Apply what the worker pushes until its connection goes (module doc)."""
+        """Apply what the worker pushes until its connection goes (module doc). A worker with
+        nothing to push sends nothing, so every IDLE_CHECK_S the last batch is applied again
+        with no events: as an empty long-poll reply did, it lets the index see that its store
+        lost the worker's blocks (a Redis restarted empty) and write them back."""
         generation = push.generation
         failures = 0
+        last: KvEventBatch | None = None
         push.subscribe(worker.cursor, self.interval_s, self.limit)
-        while (batch := await push.next(generation)) is not None:
+        while True:
+            try:
+                async with asyncio.timeout(IDLE_CHECK_S):  # not wait_for: it can swallow a cancellation
+                    batch = await push.next(generation)
+            except TimeoutError:
+                if last is None:
+                    continue
+                batch = last.model_copy(update={"events": [], "last_seq": worker.cursor})
+            if batch is None:
+                return
+            last = batch
             try:
                 cursor = await self.index.apply(worker.worker_id, batch)
             except Exception:  # a bug or a backend failure: re-read from the cursor after a pause
