@@ -94,6 +94,8 @@ class InfoClient:
     """Answers /v1/worker/info and /v1/worker/load for every address (stands in for the HttpPool),
     and builds the worker protocol's adapter on itself."""
 
+    mux = False  # HttpPool's worker protocol v2 switch: these checks are v1's probes
+
     async def get_json(self, url: str, path: str) -> dict[str, Any]:
         if path == wp.INFO_PATH:
             return info().model_dump(mode="json")
