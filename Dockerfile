@@ -21,7 +21,7 @@
 # so a build fetches no frontend image; with the base image local and deploy/wheels filled,
 # it needs no registry at all.
 # As PID 1 (no init in the container) the entrypoint is its own init: it passes stop signals
-# on and reaps orphans (deepinfer_gateway/container_init.py).
+# on and reaps orphans (deepinfer_gateway/process/container_init.py).
 # Dependencies come from requirements.lock (exact versions and hashes; docs/deploy.md says
 # how to regenerate it). Wheels that are not on your index (air-gapped sites) can be
 # dropped into deploy/wheels/ before the build: the builder looks there first, and their

@@ -42,7 +42,7 @@ import yaml
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from _netns import Lab
 
-from deepinfer_gateway.redis_process import redis_server_binary
+from deepinfer_gateway.infra.redis_process import redis_server_binary
 from harness.dnsmasq import dnsmasq_binary
 from harness.launch import CLI, Proc
 

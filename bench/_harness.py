@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
-from deepinfer_gateway.protocol import DEFAULT_MODEL
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 MODEL = DEFAULT_MODEL

@@ -79,8 +79,8 @@ from _chaos_load import LoadRun, run_load
 from _chaos_workload import SessionLoad, SessionTrace, session_trace
 from _netns import Lab, netns_usable, run_name, sweep_stale
 
+from deepinfer_gateway.core.protocol import GENERATE_PATH, KV_EVENTS_PATH, LOAD_PATH
 from deepinfer_gateway.gateway.fleet.admin_store import ROUTING_KEY
-from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, LOAD_PATH
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 
 GATEWAYS = ("gw1", "gw2")

@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
-from deepinfer_gateway.protocol import DEFAULT_MODEL
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from harness.launch import SimCluster

@@ -39,7 +39,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
-from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH
+from deepinfer_gateway.core.protocol import GENERATE_PATH, KV_EVENTS_PATH
 from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port
 
 SETTLE_S = 3.0  # after the gateway is ready: first polls, health checks and imports settle

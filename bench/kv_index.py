@@ -29,13 +29,13 @@ import uuid
 from collections.abc import Awaitable, Iterator
 from typing import Any
 
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.infra.redis_conn import GatewayTcpConnection, redis_client
+from deepinfer_gateway.infra.redis_process import NoRedisServerBinary, RedisProcess, redis_server_binary
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
 from deepinfer_gateway.kvcache.lua import STAGE_SCRIPT, Script
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex, pack_hashes
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
-from deepinfer_gateway.redis_conn import GatewayTcpConnection, redis_client
-from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisProcess, redis_server_binary
 
 WORKERS = 64
 PROMPT_TOKENS = 131_072

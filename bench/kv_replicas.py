@@ -28,9 +28,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from kv_index import redis_url_or_own
 
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.infra.redis_conn import redis_client
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
-from deepinfer_gateway.redis_conn import redis_client
 
 HASHES_PER_EVENT = 16
 

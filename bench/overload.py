@@ -60,7 +60,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at 
 
 from peers import Router, start_router
 
-from deepinfer_gateway.protocol import DEFAULT_MODEL
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from harness.launch import Gateway, SimCluster
 
 PREFILL_TPS = 20_000.0

@@ -121,9 +121,9 @@ from peer_venvs import PEER_ROUTERS, ensure_venv
 from policies import memory_blocks_for
 from repeat_stats import summarise
 
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
-from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.sessions import is_session_spec
 from deepinfer_gateway.workload.traces import load_trace

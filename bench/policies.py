@@ -113,9 +113,9 @@ from typing import Any
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
 from deepinfer_gateway.config.policies import POLICIES
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.workers.sim.profiles import load_profiles
 from deepinfer_gateway.workers.sim.step_model import prefill_seconds
 from deepinfer_gateway.workload.oracle import oracle_hit_rate

@@ -66,9 +66,9 @@ import deepseek_recipe as dr
 import numpy as np
 import orjson
 
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL as MODEL
+from deepinfer_gateway.core.protocol import encode_line, tokens_event
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt, pack_tokens
-from deepinfer_gateway.protocol import DEFAULT_MODEL as MODEL
-from deepinfer_gateway.protocol import encode_line, tokens_event
 from deepinfer_gateway.recipe_bridge.encoder import (
     PromptEncoder,
     ReferencePromptEncoder,

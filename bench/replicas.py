@@ -62,8 +62,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
-from deepinfer_gateway.protocol import DEFAULT_MODEL, LOAD_PATH
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, LOAD_PATH
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import Gateway, SimCluster
 
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:sm100"

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-from deepinfer_gateway.redis_process import free_port as free_port
+from deepinfer_gateway.infra.redis_process import free_port as free_port
 
 
 class ProcessExited(RuntimeError):
@@ -44,7 +44,7 @@ START_ATTEMPTS = 3
 
 
 
-CLI = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "warning"]
+CLI = [sys.executable, "-m", "deepinfer_gateway", "--log-level", "warning"]
 
 
 class Proc:

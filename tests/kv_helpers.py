@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 
 
 class EventLog:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from harness.launch import free_port
 from tests.vllm_venv import VllmInstallError, ensure_vllm_venv
 

@@ -23,8 +23,8 @@ from deepinfer_gateway.config.policies import (
     SessionAffinityConfig,
     parse_policy,
 )
-from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAliases
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
+from deepinfer_gateway.core.model_catalog import BUILTIN_ALIASES, ModelAliases
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
 
 
 class _Frozen(BaseModel):
@@ -345,7 +345,7 @@ class RouterSettings(_Frozen):
 
 
 class TracingSettings(_Frozen):
-    """OpenTelemetry tracing (deepinfer_gateway/tracing.py); needs the `otel` extra. Off by default."""
+    """OpenTelemetry tracing (deepinfer_gateway/core/tracing.py); needs the `otel` extra. Off by default."""
 
     enabled: bool = Field(False, description="Emit OpenTelemetry server spans (needs the `otel` extra).")
     exporter: Literal["otlp", "console", "none"] = Field("otlp", description="Where spans go.")

@@ -11,7 +11,7 @@ them: each engine keeps its own, and the EPP spreads requests over engines.
 
 from __future__ import annotations
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
 from deepinfer_gateway.gateway.http.routes import GENERATION_ROUTES
 
 MODELS_PATH = "/v1/models"

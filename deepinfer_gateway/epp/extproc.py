@@ -43,19 +43,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.core import headers as names
+from deepinfer_gateway.core.errors import GatewayError, InternalError
+from deepinfer_gateway.core.session_identity import identity_from, scoped
 from deepinfer_gateway.epp.bodies import UsageScanner, path_protocol
 from deepinfer_gateway.epp.client_routes import client_route_refusal
 from deepinfer_gateway.epp.metrics import EppMetrics
 from deepinfer_gateway.epp.picker import EndpointPicker, Pick, endpoint_of
-from deepinfer_gateway.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_payload
 from deepinfer_gateway.gateway.serving.service_tier import epp_flow_ticket
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, PreparedRequest
-from deepinfer_gateway.session_identity import identity_from, scoped
 
 log = logging.getLogger(__name__)
 

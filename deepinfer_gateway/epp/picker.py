@@ -25,17 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from deepinfer_gateway.errors import NoHealthyWorker
+from deepinfer_gateway.core.errors import NoHealthyWorker
+from deepinfer_gateway.core.protocol import Role
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket, Grant
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.recipe_bridge.prepared import PreparedRequest
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Plan, WorkerView
-from deepinfer_gateway.session_identity import SessionIdentity
 
 # How long a picked request counts as starting (flow control) when neither its first bytes nor a
 # load report said it started: the health interval's default.

@@ -33,7 +33,7 @@ from starlette.routing import Match
 
 from deepinfer_gateway.config import GatewaySettings, WorkerSpec
 from deepinfer_gateway.config.models import ConversationsSettings, ResponsesSettings
-from deepinfer_gateway.errors import GatewayError, InternalError
+from deepinfer_gateway.core.errors import GatewayError, InternalError
 from deepinfer_gateway.gateway.http.admin import RoutingUpdate, admin_router
 from deepinfer_gateway.gateway.http.openapi_doc import REF, document
 from deepinfer_gateway.gateway.http.routes import MODELS, ClientRoutes, Endpoint

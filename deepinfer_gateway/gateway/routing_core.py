@@ -16,6 +16,7 @@ from __future__ import annotations
 from redis import asyncio as aioredis
 
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.core.worker_auth import tokens_from
 from deepinfer_gateway.gateway.fleet.admin_store import AdminStore
 from deepinfer_gateway.gateway.fleet.admin_sync import AdminSync
 from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery
@@ -25,14 +26,13 @@ from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import Timeouts
 from deepinfer_gateway.gateway.upstream.table import Upstreams
+from deepinfer_gateway.infra.redis_conn import redis_client_for
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
-from deepinfer_gateway.redis_conn import redis_client_for
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
-from deepinfer_gateway.worker_auth import tokens_from
 
 
 class RoutingCore:

@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from pydantic import ValidationError
 
-from deepinfer_gateway.errors import UpstreamError
+from deepinfer_gateway.core.errors import UpstreamError
+from deepinfer_gateway.core.protocol import KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS, KvEventBatch
 from deepinfer_gateway.kvcache.pushed import KvPush
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
-from deepinfer_gateway.protocol import KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS, KvEventBatch
 
 
 @dataclass(frozen=True)

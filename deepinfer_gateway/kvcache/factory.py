@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from deepinfer_gateway.infra.redis_conn import redis_client_for
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, KvIndexMetrics, PrefixIndex
-from deepinfer_gateway.redis_conn import redis_client_for
 
 if TYPE_CHECKING:
     from deepinfer_gateway.config import RedisSettings

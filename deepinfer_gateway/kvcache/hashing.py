@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 
 _MASK63 = (1 << 63) - 1
 _BIG_ENDIAN = sys.byteorder == "big"

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, Overlap
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 
 FRESH = -1  # cursor state: epoch known, nothing applied; accepts the worker's oldest retained event
 _PURGE_PER_APPLY = 1024

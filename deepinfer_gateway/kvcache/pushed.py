@@ -19,7 +19,7 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from deepinfer_gateway.protocol import KvEventBatch
+from deepinfer_gateway.core.protocol import KvEventBatch
 
 MAX_QUEUED = 256
 

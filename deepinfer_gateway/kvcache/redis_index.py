@@ -57,10 +57,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from deepinfer_gateway.core.protocol import KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.kvcache.lua import APPLY_SCRIPT, LOOKUP_SCRIPT, SNAPSHOT_SCRIPT, STAGE_SCRIPT, Script
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.types import DEFAULT_STORE_TTL_S, KvIndexMetrics, Overlap
-from deepinfer_gateway.protocol import KvEventBatch, KvEventKind, KvTier
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter
 
-from deepinfer_gateway.protocol import STORE_TTL_S, KvEventBatch
+from deepinfer_gateway.core.protocol import STORE_TTL_S, KvEventBatch
 
 DEFAULT_STORE_TTL_S = STORE_TTL_S["chat"]  # workers normally send expires_at
 

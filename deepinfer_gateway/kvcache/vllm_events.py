@@ -25,9 +25,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, KvEventBatch
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_translate import VllmEventBatch, VllmKvTranslator, decode_batch
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, KvEventBatch
 
 log = logging.getLogger(__name__)
 

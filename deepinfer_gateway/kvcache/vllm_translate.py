@@ -26,8 +26,8 @@ from typing import Any
 
 import msgspec
 
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, KvEvent, KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.kvcache.hashing import chain_digest, digest_hash
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, KvEvent, KvEventBatch, KvEventKind, KvTier
 
 VllmHash = int | bytes
 _INDEXED_MEDIA = (None, "GPU")  # the engine's own KV memory (vLLM says "GPU" on CPU builds too)

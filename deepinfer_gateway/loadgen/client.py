@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.headers import SESSIONS as SESSION_HEADERS
-from deepinfer_gateway.headers import WORKER as WORKER_HEADER
+from deepinfer_gateway.core.headers import SESSIONS as SESSION_HEADERS
+from deepinfer_gateway.core.headers import WORKER as WORKER_HEADER
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 PROTOCOLS = ("chat", "responses", "messages")

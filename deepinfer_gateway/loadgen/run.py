@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from deepinfer_gateway.loadgen import gateway_metrics, plots
 from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
 from deepinfer_gateway.loadgen.replay import ReplayConfig, ReplayResult, replay
 from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, SessionReplayResult, replay_sessions
-from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.sessions import Round, SessionTrace, is_session_spec, load_sessions
 from deepinfer_gateway.workload.summary import PERCENTILES, CostModel, Slo, TierTokens, session_figures, summarize

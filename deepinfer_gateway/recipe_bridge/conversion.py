@@ -15,9 +15,9 @@ from typing import Any
 import deepseek_recipe as dr
 import orjson
 
-from deepinfer_gateway.errors import BridgeError
-from deepinfer_gateway.model_catalog import ModelCatalog, ModelTarget
-from deepinfer_gateway.protocol import Sampling, StructuredOutput
+from deepinfer_gateway.core.errors import BridgeError
+from deepinfer_gateway.core.model_catalog import ModelCatalog, ModelTarget
+from deepinfer_gateway.core.protocol import Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, BridgeConfig
 
 REQUEST_TYPES: dict[ApiProtocol, Any] = {

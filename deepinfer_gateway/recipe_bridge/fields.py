@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.errors import BridgeError
+from deepinfer_gateway.core.errors import BridgeError
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 
 HONOURED = None

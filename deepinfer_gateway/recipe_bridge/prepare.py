@@ -22,9 +22,9 @@ from typing import Any
 import deepseek_recipe as dr
 import orjson
 
-from deepinfer_gateway.errors import BridgeError
-from deepinfer_gateway.model_catalog import ModelCatalog
-from deepinfer_gateway.protocol import Sampling
+from deepinfer_gateway.core.errors import BridgeError
+from deepinfer_gateway.core.model_catalog import ModelCatalog
+from deepinfer_gateway.core.protocol import Sampling
 from deepinfer_gateway.recipe_bridge import completions as legacy
 from deepinfer_gateway.recipe_bridge.conversion import (
     RawBody,

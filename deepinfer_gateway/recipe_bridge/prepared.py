@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import deepseek_recipe as dr
 
 from deepinfer_gateway.config import ImageSettings
-from deepinfer_gateway.model_catalog import BUILTIN_ALIASES, ModelAlias
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Sampling
+from deepinfer_gateway.core.model_catalog import BUILTIN_ALIASES, ModelAlias
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Sampling
 from deepinfer_gateway.recipe_bridge import completions as legacy
 
 

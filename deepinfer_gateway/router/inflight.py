@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepinfer_gateway.outage import Outage
+from deepinfer_gateway.core.outage import Outage
 
 
 class MemoryInflight:

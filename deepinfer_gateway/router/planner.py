@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 
 from deepinfer_gateway.config import HardwareCost, RouterSettings
 from deepinfer_gateway.config.policies import POLICIES, PolicyInput
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.planner_caches import Group, PlannerCaches, PoolCandidates, RoleSplit
 from deepinfer_gateway.router.policies import make_policy
 from deepinfer_gateway.router.policy import Candidate, Decision, Lineage, Policy, Reason, RoutingView

@@ -19,8 +19,8 @@ from itertools import compress, repeat
 from operator import is_not
 from typing import Any, Protocol, runtime_checkable
 
+from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.router.policy import PROFILE, Candidate, Columns
 from deepinfer_gateway.router.worker_view import WorkerView
 

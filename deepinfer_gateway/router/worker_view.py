@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.core.protocol import Role
 
 
 @dataclass(frozen=True)

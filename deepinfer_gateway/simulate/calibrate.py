@@ -18,14 +18,14 @@ import time
 
 import orjson
 
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from deepinfer_gateway.kvcache.packed_ids import ids_json
-from deepinfer_gateway.protocol import DEFAULT_MODEL
 from deepinfer_gateway.simulate.config import GatewayCost
 
 
 def measure_gateway_cost(sizes: tuple[int, int] = (2_000, 30_000), repeats: int = 5) -> GatewayCost:
+    from deepinfer_gateway.core.protocol import GenerateRequest
     from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
-    from deepinfer_gateway.protocol import GenerateRequest
     from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
     from deepinfer_gateway.recipe_bridge.prepare import OFFLOAD_BODY_BYTES, ApiProtocol, RequestPreparer
     from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer

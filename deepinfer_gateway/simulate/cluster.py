@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import WorkerView
 from deepinfer_gateway.simulate.config import ClusterConfig

@@ -48,7 +48,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deepinfer_gateway.config import FlowControlSettings, RouterSettings
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Role
 
 
 class _Frozen(BaseModel):

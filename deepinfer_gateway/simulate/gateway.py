@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, FinishReason
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, PoolLoad, Tier, pool_load

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from deepinfer_gateway.protocol import GenerateRequest, KvEventBatch, LoadReport, WorkerInfo
+from deepinfer_gateway.core.protocol import GenerateRequest, KvEventBatch, LoadReport, WorkerInfo
 
 
 class Engine(Protocol):

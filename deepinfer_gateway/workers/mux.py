@@ -40,7 +40,7 @@ import orjson
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     MUX_PUSH_SUBPROTOCOL,
     SPANS_SCOPE_KEY,
     AbortOp,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from deepinfer_gateway.protocol import KvEventBatch, LoadReport
+from deepinfer_gateway.core.protocol import KvEventBatch, LoadReport
 from deepinfer_gateway.workers.engine import Engine
 
 # A cursor that never changes makes `wait_kv_events` wait this long per call: long, since

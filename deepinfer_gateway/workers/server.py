@@ -30,7 +30,7 @@ from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
     HEALTH_PATH,
@@ -45,7 +45,7 @@ from deepinfer_gateway.protocol import (
     GenerateRequest,
     encode_line,
 )
-from deepinfer_gateway.worker_auth import RequireWorkerToken, SecretTokens, presents_token
+from deepinfer_gateway.core.worker_auth import RequireWorkerToken, SecretTokens, presents_token
 from deepinfer_gateway.workers.engine import Engine
 from deepinfer_gateway.workers.mux import MuxSession
 from deepinfer_gateway.workers.pushes import Activity

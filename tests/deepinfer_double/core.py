@@ -90,7 +90,7 @@ def enable_planner(planner: Any = None, monkeypatch: Any = None) -> Any:
 def plan_output(prompt: list[int], params: SamplingParams, completion: bool) -> tuple[list[int], bool]:
     """Planner mode: (token ids to emit, whether EOS follows them). DeepInfer's
     SamplingParams mapped back to the protocol's `Sampling` the planner reads."""
-    from deepinfer_gateway.protocol import FinishReason, Sampling, StructuredOutput
+    from deepinfer_gateway.core.protocol import FinishReason, Sampling, StructuredOutput
 
     so = params.so_args
     max_tokens = params.max_tokens + 1 if completion else params.max_tokens

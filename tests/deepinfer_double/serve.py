@@ -75,15 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     worker_id = args.worker_id or f"{args.hardware}-{args.role}-{args.port}"
     if args.role == "unified":
-        from deepinfer_gateway import cli
+        from deepinfer_gateway.process import cli
 
         cli_args = ["--log-level", args.log_level, "worker", "--engine", "deepinfer", "--model", MODEL_DIR,
                     "--role", args.role, "--hardware", args.hardware, "--host", args.host, "--port", str(args.port),
                     "--worker-id", worker_id]
         return cli.main(cli_args)
 
-    from deepinfer_gateway.asgi import run_until_signal
-    from deepinfer_gateway.protocol import Hardware, Role
+    from deepinfer_gateway.infra.asgi import run_until_signal
+    from deepinfer_gateway.core.protocol import Hardware, Role
     from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
     from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
     from deepinfer_gateway.workers.server import create_worker_app

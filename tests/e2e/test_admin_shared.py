@@ -17,7 +17,7 @@ import redis
 from deepinfer_gateway.config import DgwWorkerSpec
 from deepinfer_gateway.gateway.fleet.admin_store import KEPT_KEY, ROUTING_KEY, WORKERS_KEY, WorkerEntry
 from deepinfer_gateway.gateway.fleet.admin_sync import RECONCILE_INTERVAL_S
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import Gateway, SimCluster
 from tests.conftest import redis_backend_url
 from tests.fault_doubles import scrape, total

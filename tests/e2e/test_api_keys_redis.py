@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from deepinfer_gateway.gateway.serving.auth import KeyStore, KeysUnavailable
-from deepinfer_gateway.redis_conn import redis_client
+from deepinfer_gateway.infra.redis_conn import redis_client
 from tests.conftest import RedisServer
 
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from fastapi import FastAPI
 
-from deepinfer_gateway.asgi import EmbeddedServer, serve_app
+from deepinfer_gateway.infra.asgi import EmbeddedServer, serve_app
 
 
 def app() -> FastAPI:

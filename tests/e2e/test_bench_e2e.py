@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.loadgen.replay import ReplayConfig
 from deepinfer_gateway.loadgen.report import load_summaries, table
 from deepinfer_gateway.loadgen.run import BenchConfig, run_bench
+from deepinfer_gateway.process.cli import main as cli_main
 from deepinfer_gateway.workload.summary import CostModel, Slo
 from deepinfer_gateway.workload.types import read_records
 from tests.shared_data import CONVERSATION, needs_shared

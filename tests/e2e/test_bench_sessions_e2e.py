@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
 from deepinfer_gateway.loadgen.run import session_texts
 from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, replay_sessions
+from deepinfer_gateway.process.cli import main as cli_main
 from deepinfer_gateway.workload.sessions import load_sessions
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 from deepinfer_gateway.workload.types import RequestRecord, read_records

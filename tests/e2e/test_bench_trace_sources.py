@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.cli import main as cli_main
+from deepinfer_gateway.process.cli import main as cli_main
 from deepinfer_gateway.workload import trace_sources
 from deepinfer_gateway.workload.trace_sources import SOURCES, TraceFetchError, TraceSource, fetch
 from deepinfer_gateway.workload.traces import load_trace

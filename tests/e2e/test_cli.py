@@ -19,10 +19,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from deepinfer_gateway.cli import build_parser
+from deepinfer_gateway.process.cli import build_parser
 from harness.launch import SimCluster, free_port, wait_for_healthy_workers, wait_for_port
 
-CLI = [sys.executable, "-m", "deepinfer_gateway.cli"]
+CLI = [sys.executable, "-m", "deepinfer_gateway"]
 MODEL = "DeepSeek-V4.1-Flash"
 
 

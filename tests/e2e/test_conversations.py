@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import Gateway, SimCluster
 
 MODEL = "deepseek-chat"  # without thinking: the whole answer is part of the follow-up's prompt
@@ -267,7 +267,7 @@ async def test_redis_keeps_no_ttl_on_conversations_and_counts_their_bytes(
         ConversationQuota,
         RedisConversationStore,
     )
-    from deepinfer_gateway.redis_conn import redis_client
+    from deepinfer_gateway.infra.redis_conn import redis_client
     from tests.conftest import redis_backend_url
 
     client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")
@@ -319,7 +319,7 @@ async def test_a_store_refuses_a_write_past_its_bounds_and_keeps_nothing_of_it(
         MemoryConversationStore,
         RedisConversationStore,
     )
-    from deepinfer_gateway.redis_conn import redis_client
+    from deepinfer_gateway.infra.redis_conn import redis_client
     from tests.conftest import redis_backend_url
 
     quota = ConversationQuota(max_per_key=2, max_items=3, max_bytes_per_key=700, max_total_bytes=1000)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from deepinfer_gateway.core.protocol import GenerateRequest, KvHandoff, Role, Sampling
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
-from deepinfer_gateway.protocol import GenerateRequest, KvHandoff, Role, Sampling
 from deepinfer_gateway.workers.deepinfer import (
     DeepInferConfig,
     DeepInferEngine,

@@ -10,8 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from deepinfer_gateway.asgi import ServedApp, serve_app
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
     HEALTH_PATH,
@@ -20,6 +19,7 @@ from deepinfer_gateway.protocol import (
     LOAD_PATH,
     Role,
 )
+from deepinfer_gateway.infra.asgi import ServedApp, serve_app
 from deepinfer_gateway.workers.deepinfer import DeepInferConfig, DeepInferEngine, MemoryKvStore
 from deepinfer_gateway.workers.server import create_worker_app
 from tests.deepinfer_double import DoubleKvTransfer, core

@@ -28,7 +28,7 @@ import redis
 import yaml
 
 from deepinfer_gateway.config import load_settings
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import CLI, Gateway, Proc, SimCluster, free_port, wait_for_port
 from tests.conftest import _require_redis_server
 from tests.fault_doubles import scrape, total
@@ -279,7 +279,7 @@ def test_sigterm_turns_ready_503_while_a_stream_in_flight_completes(tmp_path: Pa
 
 def test_shipped_workers_refuse_calls_without_the_gateway_token(shipped_gateway: str, pd_cluster: SimCluster) -> None:
     """The gateway reached every worker with the mounted token (all healthy); a caller without it does not."""
-    from deepinfer_gateway.protocol import INFO_PATH
+    from deepinfer_gateway.core.protocol import INFO_PATH
 
     for url in pd_cluster.urls:
         host = url.split("//")[1]

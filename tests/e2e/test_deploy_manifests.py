@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
-from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
 from deepinfer_gateway.gateway.serving.auth import KeyStore
 from deepinfer_gateway.gateway.telemetry.metrics_reference import exposed_names
+from deepinfer_gateway.process.cli import build_parser
 from tests.shipped_redis_users import acl_users, compose_redis_args, k8s_redis_args, without_passwords
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ import httpx
 import redis
 
 from deepinfer_gateway.gateway.fleet.admin_store import KEPT_KEY, WORKERS_KEY
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import Gateway, SimCluster
 from tests.conftest import _require_redis_server
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from harness.launch import Envoy, Epp
 from tests.e2e.test_epp_envoy import wait_ready
 from tests.e2e.test_vllm_gateway import vllm_worker_toml

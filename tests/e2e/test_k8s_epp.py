@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from deepinfer_gateway.cli import build_parser
 from deepinfer_gateway.config import GatewaySettings, load_settings
 from deepinfer_gateway.epp.client_routes import CLIENT_ROUTES
+from deepinfer_gateway.process.cli import build_parser
 from tests.e2e.test_k8s_render import OVERLAYS, objects, render
 from tests.k8s_crd import load_crd, problems
 

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from deepinfer_gateway.core.protocol import KV_EVENTS_PATH
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.protocol import KV_EVENTS_PATH
 from tests.fault_doubles import until
 from tests.kv_helpers import EventLog
 

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from deepinfer_gateway.core.protocol import KvEventKind, KvTier
+from deepinfer_gateway.infra.redis_conn import redis_client
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
-from deepinfer_gateway.protocol import KvEventKind, KvTier
-from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import redis_backend_url
 from tests.kv_helpers import EventLog
 

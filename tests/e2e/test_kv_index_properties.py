@@ -9,11 +9,11 @@ import uuid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deepinfer_gateway.core.protocol import KvEventKind, KvTier
+from deepinfer_gateway.infra.redis_conn import redis_client
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.kvcache.types import PrefixIndex
-from deepinfer_gateway.protocol import KvEventKind, KvTier
-from deepinfer_gateway.redis_conn import redis_client
 from tests.kv_helpers import EventLog
 
 PROMPT = list(range(1, 13))

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from deepinfer_gateway.core.protocol import GENERATE_PATH, KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
-from deepinfer_gateway.protocol import GENERATE_PATH, KV_EVENTS_PATH, MAX_KV_EVENTS_WAIT_MS
 from deepinfer_gateway.workers.sim.cluster import InProcessSimCluster, SimWorkerSpec, serve_sim_cluster
 from tests.fault_doubles import until
 from tests.kv_helpers import EventLog

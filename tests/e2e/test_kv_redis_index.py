@@ -14,10 +14,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from deepinfer_gateway.config import RedisSettings
+from deepinfer_gateway.infra.redis_conn import redis_client
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.redis_index import RedisPrefixIndex
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
-from deepinfer_gateway.redis_conn import redis_client
 from tests.conftest import RedisServer
 from tests.kv_helpers import EventLog
 

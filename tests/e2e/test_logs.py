@@ -68,7 +68,7 @@ def test_gateway_json_logs_end_to_end(tmp_path: Path) -> None:
     config.write_text(f'port = {port}\n[health]\ninterval_s = 0.2\n[[workers]]\nurl = "{bad.url}"\n')
     log_path = tmp_path / "gw.log"
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "info",
+        proc = subprocess.Popen([sys.executable, "-m", "deepinfer_gateway", "--log-level", "info",
                                  "--log-format", "json", "serve", "--config", str(config)],
                                 stdout=log_file, stderr=subprocess.STDOUT)
     try:

@@ -21,6 +21,7 @@ import yaml
 from openai.types import CompletionUsage
 from prometheus_client.metrics import MetricWrapperBase
 
+from deepinfer_gateway.core.protocol import V1Fallback
 from deepinfer_gateway.gateway.telemetry import metrics_reference
 from deepinfer_gateway.gateway.telemetry.metrics import REQUEST_LABELS, WORKER_LABEL, GatewayMetrics
 from deepinfer_gateway.gateway.telemetry.metrics_reference import (
@@ -30,7 +31,6 @@ from deepinfer_gateway.gateway.telemetry.metrics_reference import (
     reference_registry,
     render,
 )
-from deepinfer_gateway.protocol import V1Fallback
 from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, scrape_until, total
 

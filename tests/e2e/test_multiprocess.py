@@ -24,7 +24,7 @@ import openai
 import pytest
 import redis
 
-from deepinfer_gateway.supervisor import PROCESS_HEADER
+from deepinfer_gateway.process.supervisor import PROCESS_HEADER
 from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"

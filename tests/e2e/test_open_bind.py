@@ -20,7 +20,7 @@ KEYLESS_ENV = {k: v for k, v in os.environ.items() if not k.startswith("DGW_")}
 
 
 def test_a_keyless_gateway_beyond_loopback_refuses_to_start() -> None:
-    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway.cli", "serve", "--host", "0.0.0.0",
+    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway", "serve", "--host", "0.0.0.0",
                            "--port", str(free_port())], env=KEYLESS_ENV, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "allow_unauthenticated" in done.stderr and "api_keys" in done.stderr

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.workers.sim.output import _ANSWERS, _REASONING
 from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from deepinfer_gateway.gateway.serving import ratelimit
 from deepinfer_gateway.gateway.serving.ratelimit import MemoryRateLimiter, RedisRateLimiter, take
-from deepinfer_gateway.redis_conn import redis_client
+from deepinfer_gateway.infra.redis_conn import redis_client
 from tests.conftest import redis_backend_url
 
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import redis
 
-from deepinfer_gateway.redis_conn import redis_client
-from deepinfer_gateway.redis_process import RedisProcess, redis_server_binary
+from deepinfer_gateway.infra.redis_conn import redis_client
+from deepinfer_gateway.infra.redis_process import RedisProcess, redis_server_binary
 from harness.launch import Gateway, SimCluster
 from tests.conftest import _require_redis_server
 from tests.fault_doubles import scrape, total

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from deepinfer_gateway.redis_conn import redis_client
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_conn import redis_client
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from tests.conftest import RedisServer, _require_redis_server
 
 CANCELS = 40

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import Gateway, SimCluster
 from tests.e2e.test_conversations import _key_toml
 
@@ -251,7 +251,7 @@ async def test_a_background_runs_state_is_compare_and_set_and_deleted_with_its_r
         StoredResponse,
         owner_hash,
     )
-    from deepinfer_gateway.redis_conn import redis_client
+    from deepinfer_gateway.infra.redis_conn import redis_client
     from tests.conftest import redis_backend_url
 
     client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")
@@ -302,7 +302,7 @@ async def test_a_write_past_the_bounds_is_refused_and_the_record_kept(backend: s
         RedisResponseStore,
         StoredResponse,
     )
-    from deepinfer_gateway.redis_conn import redis_client
+    from deepinfer_gateway.infra.redis_conn import redis_client
     from tests.conftest import redis_backend_url
 
     quota = Quota(ttl_s=600, max_per_key=10, max_bytes=2048, max_bytes_per_key=3000, max_total_bytes=10**9)

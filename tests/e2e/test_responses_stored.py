@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis as redis_lib
 
-from deepinfer_gateway.redis_process import RedisProcess
+from deepinfer_gateway.infra.redis_process import RedisProcess
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
 from deepinfer_gateway.workload.types import TraceRequest
 from harness.launch import Gateway, SimCluster
@@ -297,7 +297,7 @@ async def test_redis_keeps_no_ttl_on_stored_responses_and_the_gateway_expires_th
         RedisResponseStore,
         StoredResponse,
     )
-    from deepinfer_gateway.redis_conn import redis_client
+    from deepinfer_gateway.infra.redis_conn import redis_client
     from tests.conftest import redis_backend_url
 
     client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")

@@ -10,7 +10,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from deepinfer_gateway.redis_conn import redis_client
+from deepinfer_gateway.infra.redis_conn import redis_client
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from harness.launch import Gateway
 from tests.conftest import redis_backend_url

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_gateway.cli import main as cli_main
+from deepinfer_gateway.process.cli import main as cli_main
 from harness.launch import Gateway, SimCluster
 from tests.shared_data import CONVERSATION, needs_shared
 

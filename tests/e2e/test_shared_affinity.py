@@ -10,10 +10,10 @@ import uuid
 import pytest
 
 from deepinfer_gateway.config import RedisSettings
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity, affinity_key
-from deepinfer_gateway.redis_conn import redis_client_for
+from deepinfer_gateway.infra.redis_conn import redis_client_for
 from deepinfer_gateway.router.policy import Lineage
-from deepinfer_gateway.session_identity import SessionIdentity
 from tests.conftest import RedisServer, redis_backend_url
 
 

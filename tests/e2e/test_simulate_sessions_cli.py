@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_simulate_sessions_prints_the_session_summary(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", "warning", "simulate",
+        [sys.executable, "-m", "deepinfer_gateway", "--log-level", "warning", "simulate",
          "--trace", "synthetic:agent:loop=closed,sessions=8,seed=2", "--cluster",
          str(ROOT / "bench" / "clusters" / "demo-unified.toml"), "--concurrency", "3", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False)
@@ -31,7 +31,7 @@ def test_simulate_sessions_prints_the_session_summary(tmp_path: Path) -> None:
 
 def test_simulate_refuses_concurrency_for_a_request_trace() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "deepinfer_gateway.cli", "simulate", "--trace", "synthetic:chat:requests=5",
+        [sys.executable, "-m", "deepinfer_gateway", "simulate", "--trace", "synthetic:chat:requests=5",
          "--cluster", str(ROOT / "bench" / "clusters" / "demo-unified.toml"), "--concurrency", "2"],
         capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode != 0 and "session workloads" in out.stderr

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.core import protocol as wp
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings, TracingSettings
+from deepinfer_gateway.core import tracing
 from deepinfer_gateway.gateway.telemetry.logs import RequestContext, current_request_id
 from deepinfer_gateway.workers.mux import SPAN_NAME
 from harness.launch import CLI, Gateway, Proc, free_port, wait_for_port

@@ -10,7 +10,7 @@ import urllib.request
 import openai
 import pytest
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from tests.vllm_server import MODEL_NAME, VllmServer
 
 

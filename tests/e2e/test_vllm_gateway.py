@@ -23,7 +23,7 @@ import openai
 import orjson
 import pytest
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer

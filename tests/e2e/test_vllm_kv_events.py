@@ -15,12 +15,12 @@ import openai
 import pytest
 
 from deepinfer_gateway.config import RedisSettings
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from deepinfer_gateway.gateway.upstream.vllm import vllm_kv_format
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
 from harness.launch import Gateway
 from tests.e2e.test_vllm_gateway import ADMIN, ADMIN_KEY, admin_key_toml, vllm_worker_toml
 from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer

@@ -13,6 +13,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, KvEventKind
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.vllm_events import VllmKvSubscriber
@@ -23,7 +24,6 @@ from deepinfer_gateway.kvcache.vllm_translate import (
     VllmEventBatch,
     VllmKvTranslator,
 )
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, KvEventKind
 from harness.launch import free_port
 
 SALT = kv_salt("m", "f")

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 from harness.launch import Gateway
 from tests.fault_doubles import scrape, total
 from tests.vllm_server import (

@@ -20,17 +20,17 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.asgi import ServedApp, serve_app
 from deepinfer_gateway.config import DgwWorkerSpec
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core.worker_auth import SecretTokens
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream import mux
 from deepinfer_gateway.gateway.upstream.base import LegRequest, Timeouts
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream, WorkerStream
 from deepinfer_gateway.gateway.upstream.http import HttpPool
 from deepinfer_gateway.gateway.upstream.mux import MuxStream
-from deepinfer_gateway.worker_auth import SecretTokens
+from deepinfer_gateway.infra.asgi import ServedApp, serve_app
 from deepinfer_gateway.workers.deepinfer import DeepInferConfig, DeepInferEngine, MemoryKvStore
 from deepinfer_gateway.workers.engine import Engine
 from deepinfer_gateway.workers.server import create_worker_app

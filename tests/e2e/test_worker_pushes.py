@@ -18,14 +18,14 @@ import aiohttp
 import orjson
 import pytest
 
-from deepinfer_gateway import protocol as wp
-from deepinfer_gateway.asgi import serve_app
 from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
+from deepinfer_gateway.core import protocol as wp
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import LegRequest
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
 from deepinfer_gateway.gateway.upstream.http import HttpPool
+from deepinfer_gateway.infra.asgi import serve_app
 from deepinfer_gateway.kvcache.events import KvEventFeeder
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.workers import mux as worker_mux

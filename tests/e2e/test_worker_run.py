@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_run_worker_serves_and_stops_on_sigterm() -> None:
     port = free_port()
     code = (
-        "from deepinfer_gateway.protocol import Role\n"
+        "from deepinfer_gateway.core.protocol import Role\n"
         "from deepinfer_gateway.workers.sim.run import WorkerOptions, run_worker\n"
         f"run_worker(WorkerOptions(role=Role.PREFILL, hardware='ascend950', port={port}, time_scale=1000.0))\n"
     )

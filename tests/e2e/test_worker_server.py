@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     ABORT_PATH,
     GENERATE_PATH,
     INFO_PATH,

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from deepinfer_gateway.errors import UpstreamError
+from deepinfer_gateway.core.errors import UpstreamError
 from deepinfer_gateway.gateway.upstream.base import Timeouts
 from deepinfer_gateway.gateway.upstream.dgw import WorkerStream
 

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from deepinfer_gateway.core.protocol import GENERATE_PATH, HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
 from deepinfer_gateway.gateway.upstream.http import TOKEN_REFRESH_S
-from deepinfer_gateway.protocol import GENERATE_PATH, HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
 from harness.launch import Gateway, SimCluster, free_port
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -118,7 +118,7 @@ def test_rotation_drops_no_request(closed: tuple[SimCluster, Gateway, Path, Path
 
 def test_a_tokenless_worker_beyond_loopback_refuses_to_start() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DGW_WORKER_TOKEN")}
-    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway.cli", "worker", "--host", "0.0.0.0",
+    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway", "worker", "--host", "0.0.0.0",
                            "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "DGW_WORKER_TOKEN" in done.stderr
@@ -158,7 +158,7 @@ def test_every_worker_kind_enforces_the_token(tmp_path: Path) -> None:
 
 def test_a_gateway_with_an_unreadable_token_file_is_a_config_error(tmp_path: Path) -> None:
     env = {**os.environ, "DGW_WORKER_TOKEN_FILE": str(tmp_path / "absent")}
-    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway.cli", "serve", "--port", str(free_port())],
+    done = subprocess.run([sys.executable, "-m", "deepinfer_gateway", "serve", "--port", str(free_port())],
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "config error: worker_token_file: cannot read the token file" in done.stderr

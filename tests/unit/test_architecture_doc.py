@@ -184,9 +184,10 @@ def test_the_stale_name_check_finds_what_it_is_for() -> None:
     assert stale_names("`gateway/serving/relay.py`, relay.py, `deepinfer_gateway.gateway.serving.relay.Relay`,"
                        " protocol.WorkerInfo, asyncio.Queue, logger deepinfer_gateway.access, docs/metrics.md") == []
     assert stale_names("serving.py, `gateway/relay.py`, (upstream_http.py), deepinfer_gateway.gateway.metrics,"
-                       " deepinfer_gateway.protocol.NoSuchThing, upstream_http.HttpPool, protocol.NoSuchThing") == [
+                       " deepinfer_gateway.core.protocol.NoSuchThing, upstream_http.HttpPool,"
+                       " protocol.NoSuchThing") == [
         "serving.py", "gateway/relay.py", "upstream_http.py", "deepinfer_gateway.gateway.metrics",
-        "deepinfer_gateway.protocol.NoSuchThing", "upstream_http.HttpPool", "protocol.NoSuchThing"]
+        "deepinfer_gateway.core.protocol.NoSuchThing", "upstream_http.HttpPool", "protocol.NoSuchThing"]
 
 
 def test_the_docs_name_only_files_and_modules_that_exist() -> None:

@@ -224,6 +224,6 @@ def test_the_gateway_reads_a_session_from_either_header(headers: list[tuple[byte
                                                         expected: str | None) -> None:
     from starlette.requests import Request
 
-    from deepinfer_gateway.session_identity import identity_from
+    from deepinfer_gateway.core.session_identity import identity_from
 
     assert identity_from(Request({"type": "http", "headers": headers}).headers).session == expected

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer_gateway.core.protocol import ErrorKind, FinishReason, Sampling, StructuredOutput
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
-from deepinfer_gateway.protocol import ErrorKind, FinishReason, Sampling, StructuredOutput
 from deepinfer_gateway.workers.deepinfer import FileKvStore, KvStore, MemoryKvStore
 from deepinfer_gateway.workers.deepinfer.kvstore import tail_hash
 from deepinfer_gateway.workers.deepinfer.mapping import map_finish, sampling_kwargs

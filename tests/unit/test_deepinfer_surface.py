@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from deepinfer_gateway.protocol import FinishReason, Sampling, StructuredOutput
+from deepinfer_gateway.core.protocol import FinishReason, Sampling, StructuredOutput
 from deepinfer_gateway.workers import deepinfer as wrapper
 from deepinfer_gateway.workers.deepinfer import api, mapping, stepper
 from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, DiscoverySpec, HealthSettings, WorkerEngine, WorkerSpec
+from deepinfer_gateway.core import protocol as wp
 from deepinfer_gateway.gateway.fleet.admin_store import WorkerEntry, desired_workers
 from deepinfer_gateway.gateway.fleet.discovery import WorkerDiscovery, nameserver, worker_spec
 from deepinfer_gateway.gateway.fleet.endpoints import Endpoint, LookupFailed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from deepinfer_gateway import errors
+from deepinfer_gateway.core import errors
 from deepinfer_gateway.gateway.serving.error_json import client_protocol, error_response, stream_error_frame
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from deepinfer_gateway.config import FlowControlSettings
-from deepinfer_gateway.errors import Overloaded
+from deepinfer_gateway.core.errors import Overloaded
+from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
-from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.router.flow import Tier
 from deepinfer_gateway.router.worker_view import WorkerView
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer_gateway.protocol import Role
+from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.router.flow import (
     FlowLimits,
     FlowPolicy,

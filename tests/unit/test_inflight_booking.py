@@ -4,7 +4,7 @@ prefixes not counted (router/booking.py `Booking`), live and in the simulator al
 
 from __future__ import annotations
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, FinishReason, Role
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, FinishReason, Role
 from deepinfer_gateway.router.booking import amount
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.workers.sim.core import SimRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from deepinfer_gateway.protocol import KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEventKind, KvTier
 from deepinfer_gateway.workers.deepinfer.events import KvEventLog
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 

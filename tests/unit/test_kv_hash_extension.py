@@ -9,6 +9,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer_gateway.core.protocol import FinishReason, KvEventKind, KvTier
 from deepinfer_gateway.kvcache.hashing import (
     BlockHashes,
     PrefixHasher,
@@ -16,7 +17,6 @@ from deepinfer_gateway.kvcache.hashing import (
     extend_block_hashes,
     kv_salt,
 )
-from deepinfer_gateway.protocol import FinishReason, KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.core import SchedulerCore, SimRequest
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore

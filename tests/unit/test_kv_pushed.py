@@ -10,10 +10,10 @@ from typing import Any
 
 import aiohttp
 
+from deepinfer_gateway.core.protocol import KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.kvcache.events import KvEventFeeder, PolledKvLog
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.pushed import KvPush
-from deepinfer_gateway.protocol import KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.workers.pushes import push_kv_events
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from tests.fault_doubles import until

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.core import protocol as wp
 from deepinfer_gateway.gateway.upstream.base import LegRequest, Probe
 from tests.unit.test_request_server import (  # the scripted upstream seam
     URLS,

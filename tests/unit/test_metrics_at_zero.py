@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import inspect
 
-from deepinfer_gateway import errors
-from deepinfer_gateway.errors import UpstreamKind
+from deepinfer_gateway.core import errors
+from deepinfer_gateway.core.errors import UpstreamKind
 from deepinfer_gateway.gateway.telemetry.metrics import ANSWERED_STATUSES, CACHE_TIERS, UNKNOWN_MODEL, GatewayMetrics
 from deepinfer_gateway.kvcache.types import INDEX_OPS, KvIndexMetrics
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol

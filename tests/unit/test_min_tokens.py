@@ -6,10 +6,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from deepinfer_gateway.errors import BridgeError
+from deepinfer_gateway.core.errors import BridgeError
+from deepinfer_gateway.core.protocol import FinishReason, Sampling
 from deepinfer_gateway.gateway.upstream.openai import completion_body as openai_body
 from deepinfer_gateway.gateway.upstream.vllm import completion_body as vllm_body
-from deepinfer_gateway.protocol import FinishReason, Sampling
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer_gateway.outage import Outage
+from deepinfer_gateway.core.outage import Outage
 
 
 class Clock:

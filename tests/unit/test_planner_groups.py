@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from deepinfer_gateway.config import RouterSettings
+from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.router.planner import RoutePlanner, WorkerView
 from deepinfer_gateway.simulate.views import ViewList
 

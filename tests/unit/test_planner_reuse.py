@@ -8,8 +8,8 @@ import random
 from dataclasses import replace
 
 from deepinfer_gateway.config import RouterSettings
+from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import Role
 from deepinfer_gateway.router.planner import RoutePlanner, WorkerView
 from deepinfer_gateway.router.policy import Columns, RoutingView, columns_of
 

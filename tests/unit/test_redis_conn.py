@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from deepinfer_gateway.redis_conn import PasswordFile, _without_credentials, redis_client
+from deepinfer_gateway.infra.redis_conn import PasswordFile, _without_credentials, redis_client
 
 
 def test_url_credentials_are_dropped_for_a_password_file() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from deepinfer_gateway.errors import BridgeError
+from deepinfer_gateway.core.errors import BridgeError
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.fields import FIELDS, Refuse, check_fields, session_of
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, RequestPreparer

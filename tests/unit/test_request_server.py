@@ -16,9 +16,9 @@ import orjson
 import pytest
 from starlette.requests import ClientDisconnect
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, GatewaySettings, HealthSettings
-from deepinfer_gateway.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import NoHealthyWorker, UpstreamError, UpstreamFailed, UpstreamKind, WorkerRefused
 from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.relay import MAX_COALESCED_BYTES, RelayResponse

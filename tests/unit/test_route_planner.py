@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_gateway.config import RouterSettings
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Role
 from deepinfer_gateway.router.planner import NoCandidate, RoutePlanner, WorkerView
 from deepinfer_gateway.router.policy import Lineage, Reason
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_gateway.session_identity import MAX_VALUE_CHARS, SessionIdentity, identity_from, scoped
+from deepinfer_gateway.core.session_identity import MAX_VALUE_CHARS, SessionIdentity, identity_from, scoped
 
 
 @pytest.mark.parametrize(("headers", "expected"), [

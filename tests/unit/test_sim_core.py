@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from deepinfer_gateway.protocol import FinishReason, KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import FinishReason, KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.core import AdmissionError, RequestUpdate, SchedulerCore, SimRequest
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore

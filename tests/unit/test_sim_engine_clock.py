@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from itertools import pairwise
 
-from deepinfer_gateway.protocol import GenerateRequest, Sampling
+from deepinfer_gateway.core.protocol import GenerateRequest, Sampling
 from deepinfer_gateway.workers.sim.engine import SimEngine
 from deepinfer_gateway.workers.sim.profiles import load_profile
 

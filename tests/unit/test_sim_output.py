@@ -18,7 +18,7 @@ from deepseek_recipe import (
     StreamProcessor,
 )
 
-from deepinfer_gateway.protocol import FinishReason, Sampling, StructuredOutput
+from deepinfer_gateway.core.protocol import FinishReason, Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from deepinfer_gateway.workers.sim.output import OutputPlanner, regex_example
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer_gateway.protocol import KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.prefix_cache import PrefixCache

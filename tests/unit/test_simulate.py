@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deepinfer_gateway.cli import main as cli_main
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt, pack_tokens
+from deepinfer_gateway.process.cli import main as cli_main
 from deepinfer_gateway.simulate import ClusterConfig, load_cluster, run_simulation
 from deepinfer_gateway.simulate import simulator as simulator_module
 from deepinfer_gateway.simulate.config import WorkerGroup

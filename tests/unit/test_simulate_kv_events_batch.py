@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 
 _ROWS = st.lists(st.tuples(st.sampled_from(list(KvEventKind)), st.sampled_from(list(KvTier)),

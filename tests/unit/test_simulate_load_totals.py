@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deepinfer_gateway.protocol import FinishReason
+from deepinfer_gateway.core.protocol import FinishReason
 from deepinfer_gateway.workers.sim.core import SchedulerCore, SimRequest
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.profiles import load_profile

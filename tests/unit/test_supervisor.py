@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_gateway import redis_process
 from deepinfer_gateway.config import ConfigError, GatewaySettings, RedisSettings
-from deepinfer_gateway.supervisor import MAX_RESTART_DELAY_S, Supervisor, resolve_processes, restart_delay_s
+from deepinfer_gateway.infra import redis_process
+from deepinfer_gateway.process.supervisor import MAX_RESTART_DELAY_S, Supervisor, resolve_processes, restart_delay_s
 
 
 def test_auto_and_zero_mean_one_process_per_available_cpu() -> None:

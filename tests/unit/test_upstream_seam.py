@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import WorkerEngine, parse_worker_spec
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream import base as seam
 from deepinfer_gateway.gateway.upstream.base import LegRequest
 from deepinfer_gateway.gateway.upstream.http import http_errors

@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import GatewaySettings, HealthSettings, parse_worker_spec
-from deepinfer_gateway.errors import UpstreamError, UpstreamFailed, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamFailed, UpstreamKind
 from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.server import RequestServer

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deepinfer_gateway.worker_auth import (
+from deepinfer_gateway.core.worker_auth import (
     RequireWorkerToken,
     SecretTokens,
     TokenError,

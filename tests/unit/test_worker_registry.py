@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec, HealthSettings
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream

@@ -29,7 +29,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from deepinfer_gateway.config import WorkerSpec
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
+from deepinfer_gateway.core.outage import Outage
 from deepinfer_gateway.gateway.fleet.admin_store import (
     CHANNEL,
     AdminSnapshot,
@@ -41,7 +42,6 @@ from deepinfer_gateway.gateway.fleet.admin_store import (
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.fleet.worker_allow import WorkerAllowList
 from deepinfer_gateway.kvcache.events import KvEventFeeder
-from deepinfer_gateway.outage import Outage
 from deepinfer_gateway.router.planner import RoutePlanner
 
 log = logging.getLogger(__name__)

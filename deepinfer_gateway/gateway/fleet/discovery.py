@@ -36,9 +36,9 @@ import dns.exception
 import dns.nameserver
 import dns.resolver
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DiscoverySpec, WorkerEngine, WorkerSpec, parse_worker_spec
-from deepinfer_gateway.errors import UpstreamError
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError
 from deepinfer_gateway.gateway.fleet.endpoints import Endpoint, LookupFailed, Resolver
 from deepinfer_gateway.gateway.fleet.kube_discovery import KubernetesLookup
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry

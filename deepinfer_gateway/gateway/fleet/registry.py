@@ -36,9 +36,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import HealthSettings, WorkerSpec
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.telemetry.loop_lag import LoopLag
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import Pushing, Upstream, UpstreamFactory, pushing

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from yarl import URL
 
 from deepinfer_gateway.config import VllmWorkerSpec, WorkerSpec
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
 from deepinfer_gateway.config import ApiKey, GatewaySettings, parse_worker_spec
-from deepinfer_gateway.errors import Forbidden, GatewayError
+from deepinfer_gateway.core.errors import Forbidden, GatewayError
 from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id
 from deepinfer_gateway.gateway.http.routes import authenticate
 from deepinfer_gateway.gateway.state import gateway_state

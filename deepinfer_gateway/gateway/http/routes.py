@@ -27,9 +27,9 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import ApiKey, GatewaySettings
-from deepinfer_gateway.errors import (
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import (
     BridgeError,
     ClientGone,
     Forbidden,
@@ -39,6 +39,7 @@ from deepinfer_gateway.errors import (
     RateLimited,
     Unauthorized,
 )
+from deepinfer_gateway.core.session_identity import SessionIdentity, identity_from, scoped
 from deepinfer_gateway.gateway.serving.auth import presented_key
 from deepinfer_gateway.gateway.serving.body_bound import body_limit
 from deepinfer_gateway.gateway.serving.cache_salt import request_cache_salt
@@ -51,7 +52,6 @@ from deepinfer_gateway.gateway.state import GatewayState, gateway_state
 from deepinfer_gateway.gateway.telemetry.logs import random_id
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, RequestPreparer
-from deepinfer_gateway.session_identity import SessionIdentity, identity_from, scoped
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

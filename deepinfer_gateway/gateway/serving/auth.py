@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from deepinfer_gateway.config import ApiKey
-from deepinfer_gateway.errors import GatewayError
-from deepinfer_gateway.outage import Outage
+from deepinfer_gateway.core.errors import GatewayError
+from deepinfer_gateway.core.outage import Outage
 
 ANONYMOUS = ApiKey(name="anonymous", key_sha256="0" * 64)
 

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
 from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.background_store import GONE, RUNNING, BackgroundStore, RunState
 from deepinfer_gateway.gateway.serving.relay import RelayResponse

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import orjson
 from redis import asyncio as aioredis
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
 from deepinfer_gateway.gateway.serving.response_store import owner_hash
 
 

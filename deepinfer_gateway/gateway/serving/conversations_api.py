@@ -23,7 +23,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
+from deepinfer_gateway.core.outage import Outage
 from deepinfer_gateway.gateway.serving.conversation_store import ConversationStore
 from deepinfer_gateway.gateway.serving.responses_api import (
     BadField,
@@ -32,7 +33,6 @@ from deepinfer_gateway.gateway.serving.responses_api import (
     list_body,
     page,
 )
-from deepinfer_gateway.outage import Outage
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The one translation of errors into protocol bodies: OpenAI or Anthropic error JSON.
 
-The error tree is deepinfer_gateway/errors.py. The app's handlers render a GatewayError
+The error tree is deepinfer_gateway/core/errors.py. The app's handlers render a GatewayError
 with `error_response`; a stream that already started ends with `stream_error_frame`.
 
 OpenAI bodies: `{"error": {"message", "type", "param", "code"}}`; Anthropic bodies:
@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 
 _OPENAI_TYPES = {

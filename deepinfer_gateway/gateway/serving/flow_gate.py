@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_gateway.config import FlowControlSettings
-from deepinfer_gateway.errors import Overloaded
+from deepinfer_gateway.core.errors import Overloaded
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.router.flow import (
     FlowLimits,

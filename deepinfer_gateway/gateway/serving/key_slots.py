@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deepinfer_gateway.config import ApiKey
-from deepinfer_gateway.errors import RateLimited
+from deepinfer_gateway.core.errors import RateLimited
 from deepinfer_gateway.gateway.serving.auth import ANONYMOUS
 
 

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from deepinfer_gateway import protocol as wp
-from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
-from deepinfer_gateway.errors import (
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core import tracing
+from deepinfer_gateway.core.errors import (
     HEALTH_FAILURES,
     NoHealthyWorker,
     UpstreamError,
@@ -35,6 +35,7 @@ from deepinfer_gateway.errors import (
     UpstreamKind,
     WorkerRefused,
 )
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket, Grant
@@ -44,7 +45,6 @@ from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, WorkerView
-from deepinfer_gateway.session_identity import SessionIdentity
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_gateway.core.outage import Outage
 from deepinfer_gateway.gateway.serving.background import run_in_background
-from deepinfer_gateway.outage import Outage
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Send
 
-from deepinfer_gateway import tracing
-from deepinfer_gateway.errors import GatewayError, UpstreamError, UpstreamFailed, UpstreamKind
+from deepinfer_gateway.core import tracing
+from deepinfer_gateway.core.errors import GatewayError, UpstreamError, UpstreamFailed, UpstreamKind
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.error_json import stream_error_frame
 from deepinfer_gateway.gateway.serving.legs import Lease, Legs, raise_if_error

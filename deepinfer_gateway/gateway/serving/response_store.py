@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import orjson
 from redis import asyncio as aioredis
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
 
 
 class StoreFull(GatewayError):

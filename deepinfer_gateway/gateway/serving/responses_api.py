@@ -35,12 +35,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Send
 
-from deepinfer_gateway.errors import GatewayError
+from deepinfer_gateway.core.errors import GatewayError
+from deepinfer_gateway.core.outage import Outage
 from deepinfer_gateway.gateway.serving.background_responses import BackgroundResponses, Run
 from deepinfer_gateway.gateway.serving.background_store import BackgroundStore
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse, StoreExhausted
-from deepinfer_gateway.outage import Outage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import time
 
-from deepinfer_gateway import tracing
 from deepinfer_gateway.config import GatewaySettings
-from deepinfer_gateway.errors import NoHealthyWorker, Overloaded
+from deepinfer_gateway.core import tracing
+from deepinfer_gateway.core.errors import NoHealthyWorker, Overloaded
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
@@ -25,7 +26,6 @@ from deepinfer_gateway.router.admission import retry_after
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Plan, RoutePlanner, WorkerView, prompt_hashes
 from deepinfer_gateway.router.policy import Lineage
-from deepinfer_gateway.session_identity import SessionIdentity
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 from starlette.responses import Response
 
-from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import GatewaySettings
+from deepinfer_gateway.core import headers as names
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.gateway.fleet.client_ids import client_worker_id, digest_of
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
 from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket
@@ -39,7 +40,6 @@ from deepinfer_gateway.recipe_bridge.stream import ID_PREFIX, response_stream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Mode, RoutePlanner
-from deepinfer_gateway.session_identity import SessionIdentity
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from deepinfer_gateway import headers as names
 from deepinfer_gateway.config import ApiKey, FlowControlSettings
-from deepinfer_gateway.errors import BridgeError
+from deepinfer_gateway.core import headers as names
+from deepinfer_gateway.core.errors import BridgeError
 from deepinfer_gateway.gateway.serving.auth import hash_key, presented_key
 from deepinfer_gateway.gateway.serving.flow_gate import FlowTicket
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from deepinfer_gateway.outage import Outage
+from deepinfer_gateway.core.outage import Outage
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.router.policy import Lineage
-from deepinfer_gateway.session_identity import SessionIdentity
 
 
 def affinity_key(session: str) -> str:

@@ -34,7 +34,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from deepinfer_gateway import headers
+from deepinfer_gateway.core import headers
 
 REQUEST_ID_HEADER = headers.REQUEST_ID
 _HEADER_BYTES = REQUEST_ID_HEADER.encode()

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from deepinfer_gateway.errors import UpstreamKind
+from deepinfer_gateway.core.errors import UpstreamKind
+from deepinfer_gateway.core.protocol import V1Fallback
 from deepinfer_gateway.gateway.telemetry.loop_lag import LAG_BUCKETS
 from deepinfer_gateway.gateway.telemetry.metrics_host import (
     HostCollector,
@@ -40,7 +41,6 @@ from deepinfer_gateway.gateway.telemetry.metrics_host import (
     live_processes,
     multiprocess_dir,
 )
-from deepinfer_gateway.protocol import V1Fallback
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)

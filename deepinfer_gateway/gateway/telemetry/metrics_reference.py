@@ -17,11 +17,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from deepinfer_gateway.errors import UpstreamKind
+from deepinfer_gateway.core.errors import UpstreamKind
+from deepinfer_gateway.core.protocol import Hardware, Role, V1Fallback
 from deepinfer_gateway.gateway.telemetry.metrics import ANSWERED_STATUSES, REQUEST_LABELS, GatewayMetrics
 from deepinfer_gateway.gateway.telemetry.metrics_host import ProcessCpuCollector
 from deepinfer_gateway.kvcache.types import KvIndexMetrics
-from deepinfer_gateway.protocol import Hardware, Role, V1Fallback
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 from deepinfer_gateway.router.flow import ShedReason, Tier
 from deepinfer_gateway.router.policy import Reason

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import WorkerSpec
+from deepinfer_gateway.core import protocol as wp
 from deepinfer_gateway.kvcache.events import KvSource
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import orjson
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import OpenAIWorkerSpec, VllmWorkerSpec
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response
 
 COMPLETIONS_PATH = "/v1/completions"

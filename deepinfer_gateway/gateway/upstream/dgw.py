@@ -21,9 +21,9 @@ from typing import Any
 
 import orjson
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import DgwWorkerSpec
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, LoadListener, Probe, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, LineStream, Response, http_errors
 from deepinfer_gateway.gateway.upstream.mux import MuxConnection, NotSpoken, TooLarge

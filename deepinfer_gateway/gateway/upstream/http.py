@@ -23,12 +23,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from deepinfer_gateway import protocol as wp
-from deepinfer_gateway import tracing
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core import tracing
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core.worker_auth import SecretTokens, bearer
 from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, MuxMetrics, Timeouts
 from deepinfer_gateway.kvcache.packed_ids import ids_json
-from deepinfer_gateway.worker_auth import SecretTokens, bearer
 
 TOKEN_REFRESH_S = 1.0
 

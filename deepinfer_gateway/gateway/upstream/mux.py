@@ -54,13 +54,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from deepinfer_gateway import protocol as wp
-from deepinfer_gateway import tracing
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core import tracing
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core.protocol import KvEventBatch, LoadReport
 from deepinfer_gateway.gateway.upstream.base import RELAYED, UNCOUNTED, LegRequest, MuxMetrics, Sink, Timeouts
 from deepinfer_gateway.gateway.upstream.http import HttpPool, http_errors
 from deepinfer_gateway.kvcache.packed_ids import ids_json
-from deepinfer_gateway.protocol import KvEventBatch, LoadReport
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from typing import Any
 import aiohttp
 
 from deepinfer_gateway.config import WorkerEngine, WorkerSpec
+from deepinfer_gateway.core.worker_auth import SecretTokens
 from deepinfer_gateway.gateway.upstream.base import UNCOUNTED, MuxMetrics, Timeouts, Upstream
 from deepinfer_gateway.gateway.upstream.dgw import DgwUpstream
 from deepinfer_gateway.gateway.upstream.http import HttpPool
 from deepinfer_gateway.gateway.upstream.openai import OpenAIUpstream
 from deepinfer_gateway.gateway.upstream.vllm import VllmUpstream
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
-from deepinfer_gateway.worker_auth import SecretTokens
 
 # Each takes its engine's `WorkerSpec` variant: the union's `engine` tag is the table's key.
 Adapter = Callable[[Any, HttpPool, TokenizerBundle], Upstream]

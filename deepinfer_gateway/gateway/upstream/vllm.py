@@ -35,9 +35,9 @@ from typing import Any
 
 import orjson
 
-from deepinfer_gateway import protocol as wp
 from deepinfer_gateway.config import VllmWorkerSpec
-from deepinfer_gateway.errors import UpstreamError, UpstreamKind
+from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import UpstreamError, UpstreamKind
 from deepinfer_gateway.gateway.upstream import vllm_pd
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest, Probe
 from deepinfer_gateway.gateway.upstream.completions_api import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from deepinfer_gateway import protocol as wp
+from deepinfer_gateway.core import protocol as wp
 
 # What vLLM's proxies send a prefill: "keep this request's KV for a remote decode".
 PREFILL_TRANSFER_PARAMS: dict[str, Any] = {

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Hardware, Role
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Hardware, Role
 
 # Same strings as the sim's profiles.toml: KV written on one format is useless on the other.
 DEFAULT_KV_FORMAT = {Hardware.SM100: "v4.1-flash/sm100-fp8", Hardware.ASCEND950: "v4.1-flash/ascend950-int8"}

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     DpRankLoad,
     ErrorKind,
     FinishReason,

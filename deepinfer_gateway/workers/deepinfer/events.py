@@ -15,7 +15,7 @@ import uuid
 from collections import deque
 from itertools import islice
 
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 
 
 class KvEventLog:

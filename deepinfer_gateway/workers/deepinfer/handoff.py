@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from deepinfer_gateway.core.protocol import STORE_TTL_S, ErrorKind, GenerateRequest, KvEventKind, KvHandoff, KvTier
 from deepinfer_gateway.kvcache.hashing import block_hashes, kv_salt
-from deepinfer_gateway.protocol import STORE_TTL_S, ErrorKind, GenerateRequest, KvEventKind, KvHandoff, KvTier
 from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
 from deepinfer_gateway.workers.deepinfer.events import KvEventLog
 from deepinfer_gateway.workers.deepinfer.kvstore import KvStore, tail_hash

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
 
 _MASK63 = (1 << 63) - 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer_gateway.protocol import ErrorKind, FinishReason, Sampling
+from deepinfer_gateway.core.protocol import ErrorKind, FinishReason, Sampling
 
 # DeepInfer finish-reason strings (csrc/engine/sequence.hpp get_finished_reason).
 _ERRORS: dict[str, tuple[ErrorKind, str]] = {

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.protocol import ErrorKind, GenerateRequest
+from deepinfer_gateway.core.protocol import ErrorKind, GenerateRequest
 
 Event = dict[str, Any]
 Batch = list[tuple[str, Event]]

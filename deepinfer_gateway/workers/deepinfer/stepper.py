@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     ErrorKind,
     FinishReason,
     GenerateRequest,

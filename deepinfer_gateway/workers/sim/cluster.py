@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deepinfer_gateway.asgi import ServedApp, serve_app
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Role
+from deepinfer_gateway.core.worker_auth import SecretTokens
+from deepinfer_gateway.infra.asgi import ServedApp, serve_app
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.worker_auth import SecretTokens
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.compat import compat_router
 from deepinfer_gateway.workers.sim.engine import Failures, SimEngine

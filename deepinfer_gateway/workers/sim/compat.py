@@ -46,8 +46,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from deepinfer_gateway.errors import GatewayError
-from deepinfer_gateway.protocol import GenerateRequest, Sampling, StructuredOutput
+from deepinfer_gateway.core.errors import GatewayError
+from deepinfer_gateway.core.protocol import GenerateRequest, Sampling, StructuredOutput
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer

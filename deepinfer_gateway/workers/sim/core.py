@@ -36,8 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
-from deepinfer_gateway.kvcache.hashing import BlockHashes, block_hashes, extend_block_hashes, kv_salt
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     KV_BLOCK_TOKENS,
     DpRankLoad,
     ErrorKind,
@@ -46,6 +45,7 @@ from deepinfer_gateway.protocol import (
     KvTier,
     WorkloadClass,
 )
+from deepinfer_gateway.kvcache.hashing import BlockHashes, block_hashes, extend_block_hashes, kv_salt
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import SimKvStore
 from deepinfer_gateway.workers.sim.prefix_cache import PrefixCache

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.protocol import (
+from deepinfer_gateway.core.protocol import (
     DEFAULT_MODEL,
     ErrorKind,
     FinishReason,

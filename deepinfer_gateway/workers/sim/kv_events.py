@@ -19,7 +19,7 @@ import contextlib
 import uuid
 from collections import deque
 
-from deepinfer_gateway.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
 
 _Row = tuple[int, KvEventKind, KvTier, list[int], float | None]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepinfer_gateway.protocol import STORE_TTL_S, WorkloadClass
+from deepinfer_gateway.core.protocol import STORE_TTL_S, WorkloadClass
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 import re2
 
-from deepinfer_gateway.protocol import FinishReason, Sampling
+from deepinfer_gateway.core.protocol import FinishReason, Sampling
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.workers.sim.json_values import example_value

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from deepinfer_gateway.protocol import KvEventKind, KvTier
+from deepinfer_gateway.core.protocol import KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deepinfer_gateway.protocol import KV_BLOCK_TOKENS, Hardware
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, Hardware
 
 BUNDLED_PROFILES = Path(__file__).with_name("profiles.toml")
 

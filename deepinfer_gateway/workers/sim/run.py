@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_gateway.asgi import run_until_signal
-from deepinfer_gateway.protocol import DEFAULT_MODEL, Role
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Role
+from deepinfer_gateway.core.worker_auth import SecretTokens, check_bind
+from deepinfer_gateway.infra.asgi import run_until_signal
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
-from deepinfer_gateway.worker_auth import SecretTokens, check_bind
 from deepinfer_gateway.workers.server import create_worker_app
 from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, build_sim_engine
 from deepinfer_gateway.workers.sim.compat import compat_router

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from deepinfer_gateway import headers
 from deepinfer_gateway.config import TracingSettings
-from deepinfer_gateway.protocol import SPANS_SCOPE_KEY
+from deepinfer_gateway.core import headers
+from deepinfer_gateway.core.protocol import SPANS_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 

@@ -126,7 +126,7 @@ class PasswordFile(CredentialProvider):
         self.username = username
 
     def get_credentials(self) -> tuple[str] | tuple[str, str]:
-        from deepinfer_gateway.worker_auth import parse_tokens
+        from deepinfer_gateway.core.worker_auth import parse_tokens
 
         try:
             found = parse_tokens(Path(self.path).read_text())

@@ -30,8 +30,8 @@ from typing import Any, cast
 
 import uvicorn
 
-from deepinfer_gateway.http_bounds import ConnectionBounds, bounded_http_protocol
-from deepinfer_gateway.protocol import MAX_MUX_MESSAGE_BYTES
+from deepinfer_gateway.core.protocol import MAX_MUX_MESSAGE_BYTES
+from deepinfer_gateway.infra.http_bounds import ConnectionBounds, bounded_http_protocol
 
 # Idle keep-alive connections are held longer by servers than by the gateway's client pool
 # (gateway/upstream/http.py POOL_KEEP_ALIVE_S), so the gateway never writes into a connection the

@@ -75,8 +75,8 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
-from deepinfer_gateway import headers
 from deepinfer_gateway.config import ConfigError, GatewaySettings
+from deepinfer_gateway.core import headers
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class Supervisor:
         if not self.settings.redis.url:
             if self.settings.redis.cluster:
                 raise ConfigError([("redis.cluster", "needs redis.url")])
-            from deepinfer_gateway.redis_process import NoRedisServerBinary, RedisProcess
+            from deepinfer_gateway.infra.redis_process import NoRedisServerBinary, RedisProcess
 
             server = RedisProcess(unix_socket=True, dies_with_parent=True)
             try:
@@ -391,8 +391,8 @@ def _mark_process_dead(pid: int, path: str) -> None:
 def child_main(settings: GatewaySettings, log_level: str, log_format: str, sock: socket.socket) -> None:
     """One supervised gateway process: the app on the shared socket until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards a Ctrl-C as SIGTERM
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.gateway_process import configure_logging, gateway_app, serve_gateway
+    from deepinfer_gateway.core import tracing
+    from deepinfer_gateway.process.gateway_process import configure_logging, gateway_app, serve_gateway
 
     configure_logging(log_level, log_format)
     _drain_when_orphaned()

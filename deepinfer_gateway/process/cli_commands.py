@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from deepinfer_gateway.config import GatewaySettings
-    from deepinfer_gateway.worker_auth import SecretTokens
+    from deepinfer_gateway.core.worker_auth import SecretTokens
 
 
 def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> int:
     """One gateway process, or `settings.processes` of them under a supervisor; the exit status."""
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.gateway_bind import check_gateway_bind
-    from deepinfer_gateway.gateway_process import gateway_app, serve_gateway
-    from deepinfer_gateway.supervisor import Supervisor, resolve_processes
+    from deepinfer_gateway.core import tracing
+    from deepinfer_gateway.process.gateway_bind import check_gateway_bind
+    from deepinfer_gateway.process.gateway_process import gateway_app, serve_gateway
+    from deepinfer_gateway.process.supervisor import Supervisor, resolve_processes
 
     check_gateway_bind(settings)
     processes = resolve_processes(settings.processes)
@@ -44,7 +44,7 @@ def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> i
 def _check_worker_token(settings: GatewaySettings) -> None:
     """A worker token file that cannot be read is a config error now, not a failed start-up later."""
     from deepinfer_gateway.config import ConfigError
-    from deepinfer_gateway.worker_auth import TokenError, tokens_from
+    from deepinfer_gateway.core.worker_auth import TokenError, tokens_from
 
     try:
         tokens_from(settings.worker_token, settings.worker_token_file)
@@ -55,7 +55,7 @@ def _check_worker_token(settings: GatewaySettings) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
     from deepinfer_gateway.gateway.serving.auth import hash_key
-    from deepinfer_gateway.gateway_process import configure_logging
+    from deepinfer_gateway.process.gateway_process import configure_logging
 
     api_keys = None
     if args.api_key:
@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_epp(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import load_settings
     from deepinfer_gateway.epp.runtime import EppOptions, run_epp
-    from deepinfer_gateway.gateway_process import configure_logging
+    from deepinfer_gateway.process.gateway_process import configure_logging
 
     overrides = {"redis": {"url": args.redis_url}, "workers": args.worker_url, "router": {"policy": args.policy}}
     settings = load_settings(args.config, overrides, secrets_dir=args.secrets_dir)
@@ -106,13 +106,13 @@ def parse_worker_list(text: str) -> list[tuple[str, str]]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepinfer_gateway.config import ApiKey, DgwWorkerSpec, GatewaySettings, RedisSettings
+    from deepinfer_gateway.core.protocol import DEFAULT_MODEL
+    from deepinfer_gateway.core.worker_auth import is_loopback
     from deepinfer_gateway.gateway.serving.auth import hash_key
-    from deepinfer_gateway.protocol import DEFAULT_MODEL
-    from deepinfer_gateway.worker_auth import is_loopback
 
     specs = parse_worker_list(",".join(DEMO_TOPOLOGIES[args.topology]))
     ports = [args.worker_base_port + i for i in range(len(specs))]
-    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway.cli", "--log-level", args.log_level,
+    cluster_cmd = [sys.executable, "-m", "deepinfer_gateway", "--log-level", args.log_level,
                    "--log-format", args.log_format or "text", "sim-cluster",
                    "--workers", ",".join(DEMO_TOPOLOGIES[args.topology]),
                    "--base-port", str(args.worker_base_port), "--time-scale", str(args.time_scale)]
@@ -159,8 +159,8 @@ def demo_processes(asked: int | Literal["auto"] | None, redis_url: str | None) -
     processes can share state (a Redis URL or a server binary to start), else 1."""
     if asked is not None:
         return asked
-    from deepinfer_gateway.redis_process import NoRedisServerBinary, redis_server_binary
-    from deepinfer_gateway.supervisor import available_cpus
+    from deepinfer_gateway.infra.redis_process import NoRedisServerBinary, redis_server_binary
+    from deepinfer_gateway.process.supervisor import available_cpus
 
     if available_cpus() < 2:
         return 1
@@ -176,8 +176,8 @@ def demo_processes(asked: int | Literal["auto"] | None, redis_url: str | None) -
 def cmd_sim_cluster(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.protocol import Role
+    from deepinfer_gateway.core import tracing
+    from deepinfer_gateway.core.protocol import Role
     from deepinfer_gateway.workers.sim.cluster import SimWorkerSpec, serve_sim_cluster
 
     specs = [
@@ -211,9 +211,9 @@ def cmd_sim_cluster(args: argparse.Namespace) -> int:
 def _worker_spans(args: argparse.Namespace) -> Callable[[Any], Any]:
     """Tracing for a worker process (`--otel-exporter`): its app wrapped in server spans
     that continue the gateway's trace; the polled endpoints get none."""
-    from deepinfer_gateway import tracing
     from deepinfer_gateway.config import TracingSettings
-    from deepinfer_gateway.protocol import HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
+    from deepinfer_gateway.core import tracing
+    from deepinfer_gateway.core.protocol import HEALTH_PATH, INFO_PATH, KV_EVENTS_PATH, LOAD_PATH
 
     if args.otel_exporter is None:
         return lambda app: app
@@ -225,7 +225,7 @@ def _worker_spans(args: argparse.Namespace) -> Callable[[Any], Any]:
 
 def _worker_tokens(host: str) -> SecretTokens | None:
     """The worker token from DGW_WORKER_TOKEN(_FILE); refuses a tokenless worker beyond loopback."""
-    from deepinfer_gateway.worker_auth import TokenError, check_bind, worker_tokens_from_env
+    from deepinfer_gateway.core.worker_auth import TokenError, check_bind, worker_tokens_from_env
 
     try:
         tokens = worker_tokens_from_env()
@@ -236,15 +236,15 @@ def _worker_tokens(host: str) -> SecretTokens | None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from deepinfer_gateway import tracing
-    from deepinfer_gateway.protocol import Role
+    from deepinfer_gateway.core import tracing
+    from deepinfer_gateway.core.protocol import Role
 
     tokens = _worker_tokens(args.host)
     with_spans = _worker_spans(args)
     try:
         if args.engine == "deepinfer":
-            from deepinfer_gateway.asgi import run_until_signal
-            from deepinfer_gateway.protocol import Hardware
+            from deepinfer_gateway.core.protocol import Hardware
+            from deepinfer_gateway.infra.asgi import run_until_signal
             from deepinfer_gateway.workers.deepinfer.config import DeepInferConfig
             from deepinfer_gateway.workers.deepinfer.engine import build_deepinfer_engine
             from deepinfer_gateway.workers.server import create_worker_app

@@ -23,7 +23,7 @@ def configure_logging(level: str, fmt: str) -> None:
 def gateway_app(settings: GatewaySettings) -> tuple[Any, threading.Event]:
     """The gateway as served (app, server spans, request context) and the event that turns
     its `/ready` to 503: set by the stop signal."""
-    from deepinfer_gateway import tracing
+    from deepinfer_gateway.core import tracing
     from deepinfer_gateway.gateway.app import create_app
     from deepinfer_gateway.gateway.telemetry.logs import RequestContext, current_request_id
 
@@ -37,8 +37,8 @@ def serve_gateway(app: Any, shutting_down: threading.Event, settings: GatewaySet
                   **options: Any) -> bool:
     """Serve until a stop signal, draining as the settings say; True if the app started.
     `options`: asgi.serve_until_signal's (a supervisor's shared `sock`, `headers`, `signals`)."""
-    from deepinfer_gateway.asgi import run_until_signal
-    from deepinfer_gateway.http_bounds import ConnectionBounds
+    from deepinfer_gateway.infra.asgi import run_until_signal
+    from deepinfer_gateway.infra.http_bounds import ConnectionBounds
 
     limits = settings.client_connections
     bounds = ConnectionBounds(limits.header_timeout_s, limits.max_header_bytes, limits.max_connections,

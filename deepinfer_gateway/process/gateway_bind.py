@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepinfer_gateway.worker_auth import is_loopback
+from deepinfer_gateway.core.worker_auth import is_loopback
 
 if TYPE_CHECKING:
     from deepinfer_gateway.config import GatewaySettings

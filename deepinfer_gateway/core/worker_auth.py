@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from deepinfer_gateway.protocol import HEALTH_PATH
+from deepinfer_gateway.core.protocol import HEALTH_PATH
 
 TOKEN_ENV = "DGW_WORKER_TOKEN"
 TOKEN_FILE_ENV = "DGW_WORKER_TOKEN_FILE"

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer_gateway import container_init
-from deepinfer_gateway.cli_commands import (
+from deepinfer_gateway.process import container_init
+from deepinfer_gateway.process.cli_commands import (
     DEMO_TOPOLOGIES,
     cmd_bench,
     cmd_demo,
@@ -27,7 +27,7 @@ from deepinfer_gateway.cli_commands import (
     cmd_warm_cache,
     cmd_worker,
 )
-from deepinfer_gateway.gateway_process import configure_logging
+from deepinfer_gateway.process.gateway_process import configure_logging
 
 
 def worker_url(text: str) -> dict[str, str]:
