@@ -28,10 +28,10 @@ from deepinfer_gateway.core.outage import Outage
 from deepinfer_gateway.gateway.serving.conversation_store import ConversationStore
 from deepinfer_gateway.gateway.serving.responses_api import (
     BadField,
-    StoreUnavailable,
     input_items,
     list_body,
     page,
+    through_outage,
 )
 
 T = TypeVar("T")
@@ -119,18 +119,7 @@ class ConversationsState:
         if store is None:
             raise GatewayError("The Conversations API is turned off on this gateway (conversations.enabled).",
                                status_code=404, code="not_found")
-        if not self._outage.due():
-            raise StoreUnavailable()
-        try:
-            result = await operation(store)
-        except GatewayError:
-            self._outage.ok()
-            raise
-        except Exception as exc:
-            self._outage.failed(exc)
-            raise StoreUnavailable() from None
-        self._outage.ok()
-        return result
+        return await through_outage(self._outage, lambda: operation(store))
 
     async def _conversation(self, owner: str, conversation_id: str) -> dict[str, Any]:
         found = await self._call(lambda s: s.get(owner, conversation_id))

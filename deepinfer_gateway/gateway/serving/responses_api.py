@@ -46,6 +46,25 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+async def through_outage(outage: Outage, operation: Callable[[], Awaitable[T]],
+                         answers: tuple[type[BaseException], ...] = (GatewayError,)) -> T:
+    """A store operation behind its `Outage`: StoreUnavailable while the store is known to be
+    down or when the operation fails; the store's own refusals (`answers`) pass through and
+    count as the store answering."""
+    if not outage.due():
+        raise StoreUnavailable()
+    try:
+        result = await operation()
+    except answers:
+        outage.ok()
+        raise
+    except Exception as exc:
+        outage.failed(exc)
+        raise StoreUnavailable() from None
+    outage.ok()
+    return result
+
+
 class Conversations(Protocol):
     """What Responses needs of the Conversations API (conversations_api.ConversationsState,
     which builds on this module): a conversation's items as a request's context, and the
@@ -167,18 +186,7 @@ class ResponsesState:
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run a store operation; StoreUnavailable when it fails (or is known to be failing)."""
-        if not self._outage.due():
-            raise StoreUnavailable()
-        try:
-            result = await operation()
-        except (GatewayError, StoreExhausted):
-            self._outage.ok()
-            raise
-        except Exception as exc:
-            self._outage.failed(exc)
-            raise StoreUnavailable() from None
-        self._outage.ok()
-        return result
+        return await through_outage(self._outage, operation, (GatewayError, StoreExhausted))
 
     async def _room(self, owner: str, body: bytes) -> str | None:
         """None when the owner has room for one more (at least the body's size: the stored record
