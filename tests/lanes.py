@@ -33,9 +33,9 @@ HEAVY_MODULES = frozenset({
     "test_openapi_schemathesis",
 })
 # Modules that hold a live run against a model of this machine's speed (the simulator against a
-# live replay) or against the wall clock (the sim engine's step deadlines): they are marked `solo`
-# and `make test` runs them after the parallel run, alone.
-SOLO_MODULES = frozenset({"test_simulate_live", "test_sim_engine_clock"})
+# live replay) or against the wall clock (the sim engine's step deadlines, flow control's TTFT
+# targets): they are marked `solo` and `make test` runs them after the parallel run, alone.
+SOLO_MODULES = frozenset({"test_simulate_live", "test_sim_engine_clock", "test_flow_control"})
 
 
 def is_heavy(path: Path | str) -> bool:

@@ -18,7 +18,9 @@ A client that stops reading leaves the response's writes waiting forever (the ap
 waits for the socket to drain), and with them the request it holds on a worker. When the
 connection's write buffer is over its high-water mark (the transport paused writing) for
 `write_timeout_s` without draining, the connection is aborted: the app sees the client gone
-(http.disconnect) and ends the request as for any client that left.
+(http.disconnect) and ends the request as for any client that left. The abort resets the
+connection (SO_LINGER 0): a plain close would leave the kernel holding the unsent bytes, probing
+the client's closed window with backed-off timers for minutes before the end reaches it.
 
 The number of connections is bounded by uvicorn's own `limit_concurrency` (503 beyond it).
 """
@@ -26,6 +28,8 @@ The number of connections is bounded by uvicorn's own `limit_concurrency` (503 b
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -39,6 +43,9 @@ class ConnectionBounds:
     max_header_bytes: int
     max_connections: int
     write_timeout_s: float
+
+
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops what is unsent
 
 
 class _HeadTooLarge(Exception):
@@ -86,6 +93,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._write_timer = None
         who = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         self.logger.info("%s took no response bytes for %g s: connection aborted", who, self.bounds.write_timeout_s)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
         self.transport.abort()
 
     def _cancel_write_timer(self) -> None:

@@ -40,6 +40,10 @@ class MemoryInflight:
     async def totals(self, workers: Sequence[str]) -> dict[str, int]:
         return {w: sum(self._tokens.get(w, {}).values()) for w in workers}
 
+    def own(self, worker: str) -> int:
+        """This process's bookings on `worker`, now."""
+        return sum(self._tokens.get(worker, {}).values())
+
     def reserve(self, worker: str, request_id: str, tokens: int) -> None:
         self._tokens.setdefault(worker, {})[request_id] = tokens
 
@@ -126,6 +130,9 @@ class RedisInflight:
         # A re-booking not yet landed replaces what Redis holds for the request.
         return {w: int(s) + (sum(t - written.get((w, r), 0) for r, t in unsent[w].items()) if w in unsent else 0)
                 for w, s in zip(workers, sums, strict=True)}
+
+    def own(self, worker: str) -> int:
+        return self._local.own(worker)
 
     def reserve(self, worker: str, request_id: str, tokens: int) -> None:
         self._local.reserve(worker, request_id, tokens)

@@ -18,6 +18,7 @@ class WorkerView:
     model: str
     queued_prefill_tokens: int = 0  # reported + booked, at least 0
     booked_tokens: int = 0  # of which the gateway's bookings (router/booking.py `Booking`)
+    own_booked: int = 0  # of which this process's own (the request path adds what it booked since)
     load_age_s: float = 0.0  # how old the load report is (since its probe began); the decision log reads it
     running: int = 0
     waiting: int = 0  # requests the engine holds, not yet running (last load report): flow control reads it

@@ -272,7 +272,8 @@ def test_redis_killed_and_restarted(cluster: SimCluster, gateway_factory, redis_
 # --- a burst of 2x the admission budget -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cluster", [1.0], indirect=True)
+# At a quarter of real speed: the three workers drain the burst slower than a loaded machine sends it.
+@pytest.mark.parametrize("cluster", [0.25], indirect=True)
 async def test_burst_of_twice_the_admission_budget(cluster: SimCluster, gateway_factory) -> None:
     template = "[router]\nadmission_queued_tokens = {n}\n"
     prompt = " ".join(f"word{i}" for i in range(2000))  # ~4k tokens per request

@@ -57,9 +57,9 @@ def test_models_lists_the_served_model_then_its_aliases(openai_client: openai.Op
 
 
 def test_shared_prefix_is_served_from_cache(openai_client: openai.OpenAI, engine: str) -> None:
-    if engine == "deepinfer":
-        pytest.skip("sim-specific: needs a cross-request prefix cache (cached_tokens >= 7936); DeepInfer 0.1.0 "
-                    "has none and the wrapper reports memory-tier cached tokens as 0")
+    """The sim keeps a cross-request prefix cache: a follow-up on the same worker reads the shared
+    prefix from it. DeepInfer 0.1.0 has none: its wrapper reports 0 cached tokens, never a guess."""
+    want = (lambda cached: cached == 0) if engine == "deepinfer" else (lambda cached: cached >= 7936)
     # ~8,000 tokens of shared system prompt (numbers tokenize predictably), then distinct questions.
     system = " ".join(f"fact {i}: the cache keeps block {i * 7 % 1000}." for i in range(900))
     first = openai_client.chat.completions.with_raw_response.create(
@@ -74,7 +74,7 @@ def test_shared_prefix_is_served_from_cache(openai_client: openai.OpenAI, engine
             messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {attempt}"}])
         if raw.headers["x-dgw-worker"] == worker:
             cached = raw.parse().usage.prompt_tokens_details.cached_tokens
-            assert cached >= 7936, cached
+            assert want(cached), cached
             return
     pytest.fail("no follow-up request reached the worker that cached the prefix")
 

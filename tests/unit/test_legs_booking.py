@@ -9,8 +9,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from deepinfer_gateway.core import protocol as wp
+from deepinfer_gateway.core.errors import Overloaded
 from deepinfer_gateway.gateway.upstream.base import LegRequest, Probe
+from deepinfer_gateway.kvcache.types import Overlap
+from deepinfer_gateway.router.worker_view import WorkerView
 from tests.unit.test_request_server import (  # the scripted upstream seam
     URLS,
     RequestPreparer,
@@ -109,3 +114,31 @@ async def test_booking_follows_the_load_reports(preparer: RequestPreparer) -> No
         assert await inflight.totals([worker.worker_id]) == {worker.worker_id: 0}
     finally:
         registry.loop_lag.stop()
+
+
+
+async def test_a_burst_is_planned_and_admitted_on_its_own_bookings(preparer: RequestPreparer) -> None:  # noqa: F811
+    """Two requests read their views before either picks (as a burst does: awaits lie between):
+    the second is planned and admitted on the first's booking, not on the views it read."""
+    rig = Rig({URLS[0]: []})
+    routing = rig.server.routing
+    (worker,) = rig.registry.workers.values()
+    prompt = prepared_chat(preparer).prompt_tokens
+    room = rig.settings.router.model_copy(update={"admission_queued_tokens": prompt - 1})  # one prompt, not two
+    routing.settings = rig.settings.model_copy(update={"router": room})
+    first_read, second_read = await routing.views(), await routing.views()
+
+    def admit(read: list[WorkerView]) -> None:
+        now = routing.current(read)
+        routing.admit(routing.planner.plan_first(now, prompt, {}, Overlap(), None, frozenset()), now)
+
+    admit(first_read)
+    routing.inflight.reserve(worker.worker_id, "req-1", prompt)  # the first's booking, as `Booking` takes it
+    worker.inflight += 1
+    (now,) = routing.current(second_read)
+    assert (second_read[0].queued_prefill_tokens, now.queued_prefill_tokens) == (0, prompt)
+    assert (second_read[0].running, now.running) == (0, 1)
+    with pytest.raises(Overloaded):
+        admit(second_read)  # on the views it read, it would pass
+    routing.inflight.release(worker.worker_id, "req-1")
+    admit(second_read)  # released since: the queue is empty again

@@ -154,12 +154,13 @@ class Legs:
                     raise
 
         def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
-            plan = planner.plan_first(views, prepared.prompt_tokens, hashes, overlap, session.session, tried,
+            now = self.routing.current(views)
+            plan = planner.plan_first(now, prepared.prompt_tokens, hashes, overlap, session.session, tried,
                                       lineage=lineage)
             if not plans:
                 if grant is not None:
                     grant.booked()  # its booking on the worker counts its tokens from here
-                self.routing.admit(plan, views)
+                self.routing.admit(plan, now)
             self.routing.record(plan, leg.request_id)
             plans.append(plan)
             return (plan.worker.worker_id,

@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 LEG_ROLE = {"unified": "unified", "pd": "prefill", "bypass": "unified"}
 
 
-def worker_view(worker: WorkerState, booked: int, now: float = 0.0) -> WorkerView | None:
-    """A worker as the planner sees it (`now`: loop time); None before its first info report."""
+def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0) -> WorkerView | None:
+    """A worker as the planner sees it (`now`: loop time; `own`: of `booked`, this process's
+    bookings); None before its first info report."""
     if worker.info is None:
         return None
     load = worker.load
@@ -42,7 +43,7 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0) -> WorkerVie
         worker_id=worker.worker_id, role=worker.spec.role, pool=worker.pool, hardware=str(worker.spec.hardware),
         kv_format=worker.kv_format, model=worker.info.model,
         queued_prefill_tokens=max(0, (load.queued_prefill_tokens if load else 0) + booked),
-        booked_tokens=booked, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
+        booked_tokens=booked, own_booked=own, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
         waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
         dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size,
@@ -69,7 +70,22 @@ class RouteInputs:
         workers = self.registry.healthy()
         booked = await self.inflight.totals([w.worker_id for w in workers])
         now = self.registry.loop_lag.now()
-        return [v for w in workers if (v := worker_view(w, booked.get(w.worker_id, 0), now)) is not None]
+        own = self.inflight.own
+        return [v for w in workers
+                if (v := worker_view(w, booked.get(w.worker_id, 0), now, own(w.worker_id))) is not None]
+
+    def current(self, views: list[WorkerView]) -> list[WorkerView]:
+        """`views` with this process's bookings and open legs as they are now. A burst's requests
+        read their views before any of them picks (prefix lookup, lineage and flow control await in
+        between); planned and admitted on what they read, all would see the same empty queues, herd
+        onto one worker and pass admission together."""
+        now, own, workers = self.registry.loop_lag.now(), self.inflight.own, self.registry.workers
+        fresh = []
+        for v in views:
+            w, mine = workers.get(v.worker_id), own(v.worker_id)
+            seen = worker_view(w, v.booked_tokens - v.own_booked + mine, now, mine) if w is not None else None
+            fresh.append(seen or v)
+        return fresh
 
     async def candidates(self, prepared: PreparedRequest, cache_salt: str | None = None
                          ) -> tuple[list[WorkerView], dict[str, list[int]], Overlap]:
