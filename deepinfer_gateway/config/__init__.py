@@ -36,10 +36,11 @@ from deepinfer_gateway.config.models import (
     WorkerSpecVariant,
     parse_worker_spec,
 )
+from deepinfer_gateway.config.sessions import SessionCapacitySettings
 
 __all__ = [
     "DEFAULT_HARDWARE_COSTS", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "PROCESS_ENV", "SECRETS_DIR_ENV",
-    "ApiKey", "ClientConnectionSettings", "FlowControlSettings", "ServiceTier",
+    "ApiKey", "ClientConnectionSettings", "FlowControlSettings", "ServiceTier", "SessionCapacitySettings",
     "ConfigError", "DiscoverySpec", "GatewaySettings", "HardwareCost",
     "HealthSettings", "ImageSettings", "RedisSettings", "ResponsesSettings", "RouterSettings", "TracingSettings",
     "WorkerEngine", "WorkerSpec", "WorkerSpecVariant", "DgwWorkerSpec", "VllmWorkerSpec", "OpenAIWorkerSpec",

@@ -23,6 +23,7 @@ from deepinfer_gateway.config.policies import (
     SessionAffinityConfig,
     parse_policy,
 )
+from deepinfer_gateway.config.sessions import SessionCapacitySettings
 from deepinfer_gateway.core.model_catalog import BUILTIN_ALIASES, ModelAliases
 from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Hardware, Role, WorkloadClass
 
@@ -514,6 +515,9 @@ class GatewaySettings(_Frozen):
     router: RouterSettings = Field(RouterSettings(), description="Routing policies and cost model.")
     flow_control: FlowControlSettings = Field(
         FlowControlSettings(), description="Flow control: a fair, priority-aware queue in front of the workers.")
+    session_capacity: SessionCapacitySettings = Field(
+        SessionCapacitySettings(), description="Agent sessions under cache pressure: each worker's live sessions "
+                                               "kept within its KV cache.")
     admin_keys_required: bool = Field(True, description="The /admin endpoints need an API key with admin = true.")
     admin_worker_hosts: tuple[str, ...] = Field(
         (),

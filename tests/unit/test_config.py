@@ -108,6 +108,7 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "redis": '{"url": "redis://r:6379/0", "cluster": true}', "kv_writer_lease_s": "9",
               "workers": '[{"url": "http://w:1"}]', "discovery": '[{"name": "pool.example"}]', "max_attempts": "9",
               "router": '{"policy": "least_load"}', "flow_control": '{"enabled": true}',
+              "session_capacity": '{"enabled": true}',
               "admin_keys_required": "false", "health": '{"interval_s": 9}', "connect_timeout_s": "9",
               "first_event_timeout_s": "9", "between_events_timeout_s": "9", "shutdown_delay_s": "9",
               "shutdown_grace_s": "9", "api_keys": json.dumps([key_record("a", "k")]), "api_keys_in_redis": "true",

@@ -40,6 +40,7 @@ from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.background import run_in_background
 from deepinfer_gateway.gateway.serving.flow_gate import FlowGate, FlowTicket, Grant
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
+from deepinfer_gateway.gateway.serving.session_gate import SessionGate
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.upstream.base import EventStream, LegRequest
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
@@ -125,23 +126,42 @@ Chooser = Callable[[frozenset[str]], tuple[str, LegRequest]]
 
 class Legs:
     def __init__(self, registry: WorkerRegistry, routing: RouteInputs, metrics: GatewayMetrics,
-                 settings: GatewaySettings, gate: FlowGate | None = None):
+                 settings: GatewaySettings, gate: FlowGate | None = None, sessions: SessionGate | None = None):
         self.registry = registry
         self.routing = routing
         self.metrics = metrics
         self.settings = settings
         self.gate = gate  # flow control (flow_gate.py), when enabled
+        self.sessions = sessions  # sessions under cache pressure (session_gate.py), when enabled
 
     async def first(self, prepared: PreparedRequest, leg: LegRequest, session: SessionIdentity,
                     flow: FlowTicket | None = None, arrival: float = 0.0
                     ) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
         """The first leg, up to its first token: (its lease, the plan, its `ready`, its first event,
         the views it was planned on). `flow`: its ticket when flow control is on (it may wait
-        here for its pool, or be refused 429, before any worker call)."""
+        here for its pool, or be refused 429, before any worker call). With session capacity on,
+        a session's round may first wait for room on its worker; its round ends when the caller's
+        exchange closes (`SessionGate.ended`), or here when this raises."""
+        try:
+            return await self._first(prepared, leg, session, flow, arrival)
+        except BaseException:
+            if self.sessions is not None:
+                self.sessions.ended(leg.request_id)
+            raise
+
+    async def _first(self, prepared: PreparedRequest, leg: LegRequest, session: SessionIdentity,
+                     flow: FlowTicket | None, arrival: float
+                     ) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
         views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
         planner = self.routing.planner
         plans: list[Plan] = []
         lineage = await self.routing.lineage(session)
+        room = None
+        if self.sessions is not None and session.session is not None:
+            room = await self.sessions.admit(leg.request_id, session.session, prepared.prompt_tokens, views, overlap,
+                                             planner.first_pool(views, prepared.prompt_tokens, overlap))
+            if room.waited_s:  # the cache and the load moved while it waited
+                views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
         grant: Grant | None = None
         if self.gate is not None and flow is not None:
             pool = planner.first_pool(views, prepared.prompt_tokens, overlap)
@@ -155,11 +175,13 @@ class Legs:
 
         def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
             now = self.routing.current(views)
-            plan = planner.plan_first(now, prepared.prompt_tokens, hashes, overlap, session.session, tried,
-                                      lineage=lineage)
+            plan = planner.plan_first(now, prepared.prompt_tokens, hashes, overlap, session.session,
+                                      tried or (room.avoid if room is not None else tried), lineage=lineage)
             if not plans:
                 if grant is not None:
                     grant.booked()  # its booking on the worker counts its tokens from here
+                if room is not None:
+                    room.placed(plan.worker.worker_id)
                 self.routing.admit(plan, now)
             self.routing.record(plan, leg.request_id)
             plans.append(plan)

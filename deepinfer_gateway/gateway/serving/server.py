@@ -29,6 +29,7 @@ from deepinfer_gateway.gateway.serving.legs import Legs
 from deepinfer_gateway.gateway.serving.outcome import RequestOutcome
 from deepinfer_gateway.gateway.serving.relay import Exchange, Relay, RelayResponse
 from deepinfer_gateway.gateway.serving.route_inputs import RouteInputs
+from deepinfer_gateway.gateway.serving.session_gate import SessionGate, reported_capacity
 from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.decision_log import DecisionLog, decision_record
 from deepinfer_gateway.gateway.telemetry.logs import random_id
@@ -54,7 +55,9 @@ class RequestServer:
         self.gate = (FlowGate(settings.flow_control, self.routing.views,
                               lambda hardware: planner.hardware_cost(hardware).prefill_tokens_per_s, metrics)
                      if settings.flow_control.enabled else None)
-        self.legs = Legs(registry, self.routing, metrics, settings, self.gate)
+        self.sessions = (SessionGate(settings.session_capacity, reported_capacity(registry), metrics)
+                         if settings.session_capacity.enabled else None)
+        self.legs = Legs(registry, self.routing, metrics, settings, self.gate, self.sessions)
         self.relay = Relay(self.legs, registry)
         self.bundle = bundle
         self.metrics = metrics
@@ -95,6 +98,8 @@ class RequestServer:
             session = SessionIdentity(prepared.user)
         lease, plan, ready, first, views = await self.legs.first(prepared, leg, session,
                                                                  flow, arrival)
+        if self.sessions is not None:  # the round ends when its exchange closes: its session's TTL starts
+            on_done = self.sessions.ending(leg.request_id, on_done)
         if flow is not None:
             met = time.perf_counter() - arrival <= flow.target_s
             self.metrics.flow_ttft.labels(flow.tier.label, "true" if met else "false").inc()

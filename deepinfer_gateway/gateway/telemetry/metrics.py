@@ -167,6 +167,16 @@ class GatewayMetrics:
         self.flow_ttft = Counter("dgw_flow_ttft", "Requests under flow control that got a first token, by whether "
                                  "it came within their TTFT target (met: goodput)", ["service_tier", "met"],
                                  registry=r)
+        self.session_waits = Counter("dgw_session_waits", "Session rounds that waited for room in their worker's KV "
+                                     "cache (session_capacity)", ["pool"], registry=r)
+        self.session_wait = Histogram("dgw_session_wait_seconds", "Time a session round waited for room in its "
+                                      "worker's KV cache (rounds that waited)", ["pool"], buckets=QUEUE_BUCKETS,
+                                      registry=r)
+        self.session_proceeded = Counter("dgw_session_proceeded", "Session rounds that waited session_capacity."
+                                         "max_wait_ms without room and went anyway", ["pool"], registry=r)
+        self.session_live = Gauge("dgw_session_live_sessions", "Sessions live on the worker: a round in flight or "
+                                  "ended less than session_capacity.ttl_ms ago (several processes on a host: their "
+                                  "sum)", [WORKER_LABEL], multiprocess_mode="livesum", registry=r)
         self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",
                                     ["component"], registry=r)
         self.responses_not_stored = Counter(
@@ -207,7 +217,7 @@ class GatewayMetrics:
         # Every metric labelled by worker: a removed worker's series go with it.
         self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
                            self.upstream_errors, self.v2_connections, self.v2_reconnects, self.v2_coalesced,
-                           self.v1_fallbacks)
+                           self.v1_fallbacks, self.session_live)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         # v2 connections outlive their worker's registration (streams finish on them): they are
         # counted here, and their series exist only while the worker is registered, so a removed
@@ -243,6 +253,8 @@ class GatewayMetrics:
         for kind in UpstreamKind:
             self.upstream_errors.labels(worker_id, kind)
         self.admission_rejections.labels(pool)
+        self.session_waits.labels(pool)
+        self.session_proceeded.labels(pool)
         self._registered.add(worker_id)
         self.v2_connections.labels(worker_id).set(self._v2_open.get(worker_id, 0))
         self.v2_reconnects.labels(worker_id)

@@ -1,0 +1,34 @@
+"""`[session_capacity]`: each worker's live agent sessions kept within its KV cache
+(router/session_capacity.py, docs/policies.md)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SessionCapacitySettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        False,
+        description="Keep each worker's live sessions (a request's session: x-session-id and the agent clients' "
+                    "headers, docs/api.md) within what its KV cache holds: a session's round that would evict "
+                    "another live session's context waits in the gateway, first come first served, or goes to a "
+                    "worker with room when its context is cached nowhere. Needs workers that report their cache's "
+                    "size (memory_capacity_blocks: sim and DeepInfer workers); others are not limited.")
+    ttl_ms: float = Field(
+        3_000.0, ge=0,
+        description="A session stays live on its worker this long after its round ends (the agent's tool call "
+                    "before its next round); a later round finds its context counted no more.")
+    headroom: float = Field(
+        0.1, ge=0, lt=1,
+        description="Fraction of a worker's cache kept free of live sessions' contexts (the running rounds' "
+                    "output, requests without a session).")
+    max_wait_ms: float = Field(
+        10_000.0, ge=0,
+        description="Longest a round waits for room on its worker; past it, it goes anyway "
+                    "(dgw_session_proceeded_total).")
+    hold_share: float = Field(
+        0.5, gt=0, le=1,
+        description="A round whose prompt a worker's cache holds at least this share of waits for that worker; "
+                    "one cached less (a first round, a context already evicted) goes to a worker with room.")

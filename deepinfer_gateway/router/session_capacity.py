@@ -1,0 +1,277 @@
+"""Sessions under cache pressure, as pure code: which agent sessions each worker's KV cache
+holds, and which session's next round waits for room.
+
+An agent session sends rounds one after another with a tool call between them, each round's
+prompt the whole conversation so far. A worker serving more live sessions than its cache holds
+evicts their contexts in turn, and every round recomputes its whole context (thrash). This
+policy keeps each worker's live sessions within its cache:
+
+- A session is live on a worker from the moment its round is placed there (`begin`) until
+  `ttl_s` after its last round in flight ends (`end`: the tool call before the next round).
+  Its context counts `blocks` (its latest prompt, in KV blocks) against the worker's capacity
+  (the engine's reported `memory_capacity_blocks`; 0, unknown: the worker is not limited).
+- A new round of session S (`place`):
+  - S live on a worker: it goes there at once (its context is counted already);
+  - else the worker whose cache holds at least `hold_share` of the prompt (the prefix index's
+    overlap) is its holder: the round goes there at once if its context fits beside the live
+    ones (within capacity x (1 - headroom)) and no round waits there before it, else it waits
+    for that worker (moving it would recompute its context elsewhere and evict another's);
+  - else (cached nowhere worth keeping: a first round, a context already evicted) it goes to
+    a worker with room (the planner chooses among them), or, when none has room, waits for the
+    worker with the shortest line.
+- Waiting rounds start first come first served per worker (`starts`): the head starts when its
+  context fits, and none behind it overtakes it, so no session starves; a round that has waited
+  `max_wait_s` starts anyway (`Start.timed_out`). A worker with nothing live takes any round,
+  however large.
+
+Cost: a dict lookup per decision plus one pass over the candidate workers; expiries come off
+a heap. No I/O, the clock is a parameter: the gateway (gateway/serving/session_gate.py) and the
+simulator (simulate/gateway.py) run this same code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from deepinfer_gateway.config import SessionCapacitySettings
+from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class CapacityLimits:
+    ttl_s: float = 3.0
+    headroom: float = 0.1
+    max_wait_s: float = 10.0
+    hold_share: float = 0.5
+
+    @classmethod
+    def of(cls, settings: SessionCapacitySettings) -> CapacityLimits:
+        return cls(ttl_s=settings.ttl_ms / 1000.0, headroom=settings.headroom,
+                   max_wait_s=settings.max_wait_ms / 1000.0, hold_share=settings.hold_share)
+
+
+def blocks_of(tokens: int) -> int:
+    """KV blocks a context of `tokens` tokens fills."""
+    return -(-tokens // KV_BLOCK_TOKENS)
+
+
+class Verdict(StrEnum):
+    """What `place` decided (a bounded metrics label)."""
+
+    GO = "go"  # place it now
+    WAIT = "wait"  # wait for room on `Placement.worker`
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`GO` with `worker` set: its session's worker; with `avoid`: the workers without room,
+    for the planner to leave out. `WAIT`: the worker whose room it waits for."""
+
+    verdict: Verdict
+    worker: str | None = None
+    avoid: frozenset[str] = frozenset()
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A round waiting for room on `worker`. `handle`: the caller's (e.g. the future to resolve)."""
+
+    session: str
+    blocks: int
+    worker: str
+    arrival: float
+    handle: object = None
+    queued: bool = field(default=False, init=False)
+
+
+@dataclass(frozen=True)
+class Start:
+    waiter: Waiter
+    timed_out: bool  # it waited max_wait_s without room and starts anyway
+
+
+@dataclass
+class _Live:
+    worker: str
+    blocks: int
+    rounds: int = 0  # rounds in flight
+    until: float = math.inf  # when it stops being live (never while a round is in flight)
+
+
+class SessionCapacity:
+    """Every worker's live sessions and waiting rounds (module doc)."""
+
+    def __init__(self, limits: CapacityLimits) -> None:
+        self.limits = limits
+        self._live: dict[str, _Live] = {}
+        self._on: dict[str, dict[str, _Live]] = {}  # worker -> its live sessions
+        self._used: dict[str, int] = {}  # worker -> its live sessions' blocks
+        self._queues: dict[str, deque[Waiter]] = {}
+        self._expiring: list[tuple[float, str]] = []  # (until, session), stale entries skipped
+
+    # --- what is live ----------------------------------------------------------------------
+
+    def where(self, session: str, now: float) -> str | None:
+        self._expire(now)
+        live = self._live.get(session)
+        return live.worker if live is not None else None
+
+    def used(self, worker: str, now: float) -> int:
+        self._expire(now)
+        return self._used.get(worker, 0)
+
+    def live_sessions(self, worker: str) -> int:
+        return len(self._on.get(worker, ()))
+
+    def fits(self, worker: str, blocks: int, capacity: int, now: float) -> bool:
+        """Whether a context of `blocks` fits on `worker` beside its live sessions (it always does
+        on a worker of unknown capacity, or one with nothing live)."""
+        self._expire(now)
+        if capacity <= 0 or not self._on.get(worker):
+            return True
+        return self._used[worker] + blocks <= capacity * (1.0 - self.limits.headroom)
+
+    def _room(self, worker: str, blocks: int, capacity: int, now: float) -> bool:
+        return not self._queues.get(worker) and self.fits(worker, blocks, capacity, now)
+
+    # --- decisions ------------------------------------------------------------------------
+
+    def place(self, session: str, blocks: int, capacities: Mapping[str, int], cached: Mapping[str, int],
+              now: float) -> Placement:
+        """Where a new round of `session` (its prompt: `blocks`) may go now, among the workers of
+        `capacities` (worker -> capacity in blocks); `cached`: worker -> leading blocks of the
+        prompt in its cache."""
+        self._expire(now)
+        live = self._live.get(session)
+        if live is not None and live.worker in capacities:
+            return Placement(Verdict.GO, live.worker)
+        holder, held = None, 0
+        for worker in capacities:
+            hit = cached.get(worker, 0)
+            if hit > held or (hit == held and holder is not None and worker < holder):
+                holder, held = worker, hit
+        if holder is not None and held >= self.limits.hold_share * blocks:
+            if self._room(holder, blocks, capacities[holder], now):
+                return Placement(Verdict.GO, holder)
+            return Placement(Verdict.WAIT, holder)
+        full = frozenset(w for w, capacity in capacities.items() if not self._room(w, blocks, capacity, now))
+        if len(full) < len(capacities):
+            return Placement(Verdict.GO, avoid=full)
+        shortest = min(capacities, key=lambda w: (len(self._queues.get(w, ())), self._used.get(w, 0), w))
+        return Placement(Verdict.WAIT, shortest)
+
+    def begin(self, session: str, worker: str, blocks: int, now: float) -> None:
+        """A round of `session` (its prompt: `blocks`) was placed on `worker`: the session is live
+        there (moved off any other worker) until `ttl_s` after its last round ends."""
+        self._expire(now)
+        live = self._live.get(session)
+        if live is None:
+            live = self._live[session] = _Live(worker, 0)
+            self._on.setdefault(worker, {})[session] = live
+        elif live.worker != worker:
+            self._detach(session, live)
+            live.worker, live.blocks = worker, 0
+            self._on.setdefault(worker, {})[session] = live
+        self._used[worker] = self._used.get(worker, 0) + blocks - live.blocks
+        live.blocks = blocks
+        live.rounds += 1
+        live.until = math.inf
+
+    def move(self, session: str, worker: str, now: float) -> None:
+        """The round begun elsewhere (a waiter started by `starts`) was planned on `worker`."""
+        live = self._live.get(session)
+        if live is not None and live.worker != worker:
+            self._detach(session, live)
+            live.worker = worker
+            self._on.setdefault(worker, {})[session] = live
+            self._used[worker] = self._used.get(worker, 0) + live.blocks
+
+    def end(self, session: str, now: float) -> None:
+        """A round of `session` ended (answered or failed): its TTL starts once none is in flight."""
+        live = self._live.get(session)
+        if live is None or live.rounds <= 0:
+            return
+        live.rounds -= 1
+        if not live.rounds:
+            live.until = now + self.limits.ttl_s
+            heapq.heappush(self._expiring, (live.until, session))
+            self._expire(now)
+
+    # --- the waiting rounds ---------------------------------------------------------------
+
+    def wait(self, waiter: Waiter) -> None:
+        self._queues.setdefault(waiter.worker, deque()).append(waiter)
+        waiter.queued = True
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take a waiting round out (its client left); False if it no longer waits."""
+        if not waiter.queued:
+            return False
+        waiter.queued = False
+        queue = self._queues[waiter.worker]
+        queue.remove(waiter)
+        if not queue:
+            del self._queues[waiter.worker]
+        return True
+
+    def waiting_workers(self) -> list[str]:
+        return list(self._queues)
+
+    def waiting(self, worker: str) -> int:
+        return len(self._queues.get(worker, ()))
+
+    def starts(self, worker: str, capacity: int, now: float) -> list[Start]:
+        """The rounds waiting for `worker` that start now, in arrival order, each begun there: the
+        head while it fits, or once it has waited `max_wait_s`."""
+        queue = self._queues.get(worker)
+        started: list[Start] = []
+        while queue:
+            head = queue[0]
+            live = self._live.get(head.session)
+            timed_out = False
+            if not ((live is not None and live.worker == worker) or self.fits(worker, head.blocks, capacity, now)):
+                if now - head.arrival < self.limits.max_wait_s:
+                    break
+                timed_out = True
+            queue.popleft()
+            head.queued = False
+            self.begin(head.session, worker, head.blocks, now)
+            started.append(Start(head, timed_out))
+        if queue is not None and not queue:
+            del self._queues[worker]
+        return started
+
+    def next_change(self, now: float) -> float | None:
+        """When `starts` may next answer otherwise with nothing else happening (a session's TTL
+        ends, a head's wait runs out); None when no round waits."""
+        if not self._queues:
+            return None
+        self._expire(now)
+        times = [q[0].arrival + self.limits.max_wait_s for q in self._queues.values()]
+        if self._expiring:
+            times.append(self._expiring[0][0])
+        return min(times)
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def _detach(self, session: str, live: _Live) -> None:
+        on = self._on[live.worker]
+        del on[session]
+        self._used[live.worker] -= live.blocks
+        if not on:
+            del self._on[live.worker]
+            del self._used[live.worker]
+
+    def _expire(self, now: float) -> None:
+        expiring = self._expiring
+        while expiring and expiring[0][0] <= now:
+            until, session = heapq.heappop(expiring)
+            live = self._live.get(session)
+            if live is not None and live.rounds == 0 and live.until == until:
+                self._detach(session, live)
+                del self._live[session]

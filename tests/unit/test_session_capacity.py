@@ -1,0 +1,163 @@
+"""router/session_capacity.py: live sessions within each worker's cache, waiting rounds first
+come first served, the TTL after a round and the bounded wait."""
+
+from __future__ import annotations
+
+from deepinfer_gateway.config import SessionCapacitySettings
+from deepinfer_gateway.router.session_capacity import (
+    CapacityLimits,
+    Placement,
+    SessionCapacity,
+    Verdict,
+    Waiter,
+    blocks_of,
+)
+
+LIMITS = CapacityLimits(ttl_s=2.0, headroom=0.0, max_wait_s=10.0, hold_share=0.5)
+ONE = {"w": 100}
+TWO = {"a": 100, "b": 100}
+
+
+def test_limits_from_settings() -> None:
+    limits = CapacityLimits.of(SessionCapacitySettings(ttl_ms=1500, headroom=0.2, max_wait_ms=250, hold_share=0.4))
+    assert limits == CapacityLimits(ttl_s=1.5, headroom=0.2, max_wait_s=0.25, hold_share=0.4)
+    assert blocks_of(1) == 1 and blocks_of(128) == 1 and blocks_of(129) == 2
+
+
+def test_a_session_that_fits_goes_and_a_live_one_always_goes_on() -> None:
+    policy = SessionCapacity(LIMITS)
+    assert policy.place("s1", 60, ONE, {}, 0.0) == Placement(Verdict.GO, avoid=frozenset())
+    policy.begin("s1", "w", 60, 0.0)
+    # a second session's context would not fit beside it: no room anywhere, so it waits
+    assert policy.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT, "w")
+    # s1's next round, however grown, goes on: its context is counted already
+    policy.end("s1", 1.0)
+    assert policy.place("s1", 90, ONE, {"w": 60}, 1.5) == Placement(Verdict.GO, "w")
+
+
+def test_the_ttl_after_a_round_keeps_a_session_live_then_frees_its_room() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "w", 60, 0.0)
+    policy.end("s1", 1.0)
+    assert policy.where("s1", 2.9) == "w" and policy.used("w", 2.9) == 60
+    assert policy.where("s1", 3.0) is None and policy.used("w", 3.0) == 0
+    assert policy.live_sessions("w") == 0
+    # a round in flight is never expired
+    policy.begin("s2", "w", 10, 4.0)
+    assert policy.where("s2", 1_000.0) == "w"
+
+
+def test_a_held_context_waits_for_its_worker_and_an_uncached_one_goes_where_there_is_room() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 80, 0.0)
+    # s2's context is cached on a (its last round went there and expired): it waits for a
+    assert policy.place("s2", 40, TWO, {"a": 30}, 0.0) == Placement(Verdict.WAIT, "a")
+    # cached under hold_share: it goes anywhere but a, the worker without room
+    assert policy.place("s3", 40, TWO, {"a": 10}, 0.0) == Placement(Verdict.GO, avoid=frozenset({"a"}))
+    # held by b, which has room: it goes there
+    assert policy.place("s4", 40, TWO, {"b": 40}, 0.0) == Placement(Verdict.GO, "b")
+
+
+def test_no_room_anywhere_waits_for_the_shortest_line() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 90, 0.0)
+    policy.begin("s2", "b", 80, 0.0)
+    first = policy.place("s3", 40, TWO, {}, 0.0)
+    assert first == Placement(Verdict.WAIT, "b")  # equal lines: the one with less live
+    policy.wait(Waiter("s3", 40, "b", 0.0))
+    assert policy.place("s4", 40, TWO, {}, 0.0) == Placement(Verdict.WAIT, "a")
+
+
+def test_waiting_rounds_start_in_arrival_order_and_none_overtakes_the_head() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("live", "w", 70, 0.0)
+    big, small = Waiter("big", 50, "w", 0.1), Waiter("small", 10, "w", 0.2)
+    policy.wait(big)
+    policy.wait(small)
+    # small would fit beside the live session, but big came first: nothing starts
+    assert policy.starts("w", 100, 0.5) == []
+    # a newcomer that would fit joins the line too, rather than overtaking it
+    assert policy.place("newcomer", 5, ONE, {}, 0.5) == Placement(Verdict.WAIT, "w")
+    policy.end("live", 1.0)
+    assert policy.starts("w", 100, 2.9) == []  # the live session's TTL runs until 3.0
+    started = policy.starts("w", 100, 3.0)
+    assert [(s.waiter.session, s.timed_out) for s in started] == [("big", False), ("small", False)]
+    assert not big.queued and policy.where("big", 3.0) == "w" and policy.used("w", 3.0) == 60
+    assert policy.waiting_workers() == []
+
+
+def test_no_session_starves_behind_rounds_that_keep_arriving() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("live", "w", 60, 0.0)
+    starved = Waiter("old", 60, "w", 0.0)
+    policy.wait(starved)
+    t = 0.0
+    for i in range(5):  # newcomers keep arriving; each joins the line behind the old one
+        t += 0.5
+        placement = policy.place(f"new{i}", 10, ONE, {}, t)
+        assert placement.verdict is Verdict.WAIT
+        policy.wait(Waiter(f"new{i}", 10, "w", t))
+    policy.end("live", t)
+    started = [s.waiter.session for s in policy.starts("w", 100, t + LIMITS.ttl_s)]
+    assert started[0] == "old"
+
+
+def test_a_round_past_max_wait_starts_anyway_and_says_so() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("live", "w", 90, 0.0)
+    waiter = Waiter("late", 50, "w", 1.0)
+    policy.wait(waiter)
+    assert policy.next_change(1.0) == 11.0
+    assert policy.starts("w", 100, 10.9) == []
+    [start] = policy.starts("w", 100, 11.0)
+    assert start.waiter is waiter and start.timed_out
+    assert policy.used("w", 11.0) == 140  # over capacity, as counted
+    assert policy.next_change(11.0) is None
+
+
+def test_next_change_is_the_first_ttl_end_while_rounds_wait() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("live", "w", 90, 0.0)
+    policy.end("live", 0.5)
+    policy.wait(Waiter("next", 50, "w", 0.6))
+    assert policy.next_change(0.6) == 2.5
+
+
+def test_a_client_that_leaves_leaves_the_line() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("live", "w", 90, 0.0)
+    gone, kept = Waiter("gone", 50, "w", 0.0), Waiter("kept", 5, "w", 0.1)
+    policy.wait(gone)
+    policy.wait(kept)
+    assert policy.remove(gone) and not policy.remove(gone)
+    assert [s.waiter.session for s in policy.starts("w", 100, 0.2)] == ["kept"]
+
+
+def test_unknown_capacity_and_an_empty_worker_never_make_a_round_wait() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "w", 500, 0.0)
+    assert policy.place("s2", 500, {"w": 0}, {"w": 500}, 0.0) == Placement(Verdict.GO, "w")
+    # a context larger than the whole cache still goes to a worker with nothing live
+    assert policy.place("s3", 500, {"w": 100, "x": 100}, {}, 0.0) == Placement(Verdict.GO, avoid=frozenset({"w"}))
+
+
+def test_a_session_moved_by_its_plan_counts_on_its_new_worker() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 40, 0.0)
+    policy.move("s1", "b", 0.1)
+    assert policy.where("s1", 0.1) == "b"
+    assert policy.used("a", 0.1) == 0 and policy.used("b", 0.1) == 40
+    policy.begin("s1", "a", 50, 0.2)  # a second round in flight, back on a
+    assert policy.used("a", 0.2) == 50 and policy.used("b", 0.2) == 0
+    policy.end("s1", 0.3)  # one still in flight: no TTL yet
+    assert policy.where("s1", 5.0) == "a"
+    policy.end("s1", 5.0)
+    policy.end("s1", 5.1)  # none in flight: a no-op
+    assert policy.where("s1", 6.9) == "a" and policy.where("s1", 7.0) is None
+
+
+def test_headroom_keeps_part_of_the_cache_free() -> None:
+    policy = SessionCapacity(CapacityLimits(headroom=0.2))
+    policy.begin("s1", "w", 50, 0.0)
+    assert policy.fits("w", 30, 100, 0.0)
+    assert not policy.fits("w", 31, 100, 0.0)
