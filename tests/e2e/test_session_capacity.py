@@ -1,0 +1,116 @@
+"""Sessions under cache pressure through the live gateway, real HTTP and the openai SDK, against
+a sim worker whose KV cache holds one session's context and not two: a second session's round
+waits in the gateway while the first session is live (its next round comes back within the TTL
+and finds its whole context cached), then goes once the first session's TTL has run out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from harness.launch import Gateway, SimCluster
+
+MODEL = "DeepSeek-V4.1-Flash"
+CAPACITY_BLOCKS = 64
+PROFILE = f"""
+[sm100]
+hardware = "sm100"
+kv_format = "v4.1-flash/sm100-fp8"
+prefill_points = [[4096, 20000]]
+decode_points = [[1, 60], [8, 60]]
+gpus_per_instance = 1
+dp_ranks = 1
+max_num_seqs = 4
+max_num_batched_tokens = 4096
+memory_capacity_blocks = {CAPACITY_BLOCKS}
+nextn = 0
+"""
+TTL_S = 1.5
+SESSIONS = f"""[session_capacity]
+enabled = true
+ttl_ms = {TTL_S * 1000:.0f}
+headroom = 0.1
+max_wait_ms = 30000
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp = tmp_path_factory.mktemp("session-capacity")
+    profile = tmp / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    try:
+        gw = Gateway(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=SESSIONS)
+        try:
+            gw.wait_ready(1)
+            yield gw
+        finally:
+            gw.stop()
+    finally:
+        cluster.stop()
+
+
+def _metric(gw: Gateway, name: str) -> float:
+    with urllib.request.urlopen(gw.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _context(word: str) -> str:
+    """About 4,200 tokens private to one session: 34 of the cache's 64 blocks."""
+    return " ".join(f"{word}{i}" for i in range(1800))
+
+
+async def _round(client: openai.AsyncOpenAI, session: str, messages: list[dict[str, str]]
+                 ) -> tuple[float, str, int, int]:
+    """(seconds to the first token, the answer, prompt tokens, cached tokens) of one streamed round."""
+    started = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True},
+        extra_headers={"x-session-id": session})  # type: ignore[arg-type]
+    first, answer, prompt, cached = None, "", 0, 0
+    async for chunk in stream:
+        if chunk.choices:
+            first = first or time.perf_counter()
+            answer += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            prompt = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            cached = (details.cached_tokens or 0) if details is not None else 0
+    assert first is not None
+    return first - started, answer, prompt, cached
+
+
+async def test_a_second_session_waits_for_room_instead_of_evicting_a_live_one(gateway: Gateway) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    waits0 = _metric(gateway, "dgw_session_waits_total")
+    first = [{"role": "user", "content": _context("alpha")}]
+    _, answer, prompt, _ = await _round(client, "agent-a", first)
+    assert CAPACITY_BLOCKS * 128 * 0.9 / 2 < prompt < CAPACITY_BLOCKS * 128 * 0.9  # one fits, two do not
+
+    # Session b's first round: a's context is live on the only worker and b's does not fit beside it.
+    other = asyncio.create_task(_round(client, "agent-b", [{"role": "user", "content": _context("bravo")}]))
+    await asyncio.sleep(0.3)
+    assert not other.done()
+    # a's next round, within its TTL, goes at once and finds its whole context cached.
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and the tests?"}]
+    _, _, prompt2, cached2 = await _round(client, "agent-a", second)
+    a_done = time.perf_counter()
+    assert cached2 >= prompt - 128
+    assert not other.done()
+
+    # b goes once a's TTL has run out after a's last round, not at its wait's limit.
+    ttft_b, _, _, _ = await other
+    b_first = time.perf_counter()
+    assert b_first - a_done >= TTL_S * 0.8
+    assert ttft_b > TTL_S
+    assert _metric(gateway, "dgw_session_waits_total") == waits0 + 1
+    assert _metric(gateway, "dgw_session_proceeded_total") == 0
+    assert _metric(gateway, "dgw_session_wait_seconds_sum") >= TTL_S * 0.8
