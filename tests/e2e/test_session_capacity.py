@@ -74,7 +74,7 @@ async def _round(client: openai.AsyncOpenAI, session: str, messages: list[dict[s
     started = time.perf_counter()
     stream = await client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True},
-        extra_headers={"x-session-id": session})  # type: ignore[arg-type]
+        extra_headers={"x-session-id": session})
     first, answer, prompt, cached = None, "", 0, 0
     async for chunk in stream:
         if chunk.choices:
