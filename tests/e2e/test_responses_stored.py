@@ -301,16 +301,17 @@ async def test_redis_keeps_no_ttl_on_stored_responses_and_the_gateway_expires_th
     from tests.conftest import redis_backend_url
 
     client = redis_client(redis_backend_url(request, backend), cluster=backend == "redis-cluster")
-    store = RedisResponseStore(client, Quota(ttl_s=1, max_per_key=10, max_bytes=4096, max_bytes_per_key=8192,
+    ttl_s = 2  # the scan below may take a while on a loaded machine: the response must outlive it
+    store = RedisResponseStore(client, Quota(ttl_s=ttl_s, max_per_key=10, max_bytes=4096, max_bytes_per_key=8192,
                                              max_total_bytes=8192))
     try:
         await client.delete(BYTES_KEY)
         owner = f"key:{uuid.uuid4().hex}"
         await store.put(owner, "resp_1", StoredResponse({"id": "resp_1"}, []))
+        assert (await store.get(owner, "resp_1")) is not None
         ttls = [await client.ttl(k) async for k in client.scan_iter(match="{dgw:resp}*")]
         assert ttls and all(ttl == -1 for ttl in ttls)
-        assert (await store.get(owner, "resp_1")) is not None
-        await asyncio.sleep(1.1)
+        await asyncio.sleep(ttl_s + 0.1)
         assert await store.get(owner, "resp_1") is None  # expired: never served
         assert not await store.delete(owner, "resp_1")
         await store.put(owner, "resp_2", StoredResponse({"id": "resp_2"}, []))  # deletes what expired
