@@ -235,7 +235,7 @@ class SessionCapacity:
             live = self._live.get(head.session)
             timed_out = False
             if not ((live is not None and live.worker == worker) or self.fits(worker, head.blocks, capacity, now)):
-                if now - head.arrival < self.limits.max_wait_s:
+                if now < head.arrival + self.limits.max_wait_s:  # as `next_change` computes it
                     break
                 timed_out = True
             queue.popleft()
