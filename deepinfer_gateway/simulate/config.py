@@ -31,6 +31,9 @@ policy = "estimated_ttft"
 enabled = false
 # flex_every = 0                  # (top level) every Nth request flex; traces carry no tier
 
+[session_capacity]                # deepinfer_gateway.config.SessionCapacitySettings (off by default)
+enabled = false                   # session rounds (simulate --sessions) wait for room, as in the gateway
+
 [[workers]]                       # one group of identical workers
 role = "prefill"                  # unified | prefill | decode
 hardware = "sm100"                # a profile name
@@ -47,7 +50,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deepinfer_gateway.config import FlowControlSettings, RouterSettings
+from deepinfer_gateway.config import FlowControlSettings, RouterSettings, SessionCapacitySettings
 from deepinfer_gateway.core.protocol import DEFAULT_MODEL, Role
 
 
@@ -119,6 +122,8 @@ class ClusterConfig(_Frozen):
     # Nth request of the trace as a flex request of a tenant of its own (traces carry no tier).
     flow_control: FlowControlSettings = FlowControlSettings()
     flex_every: int = Field(0, ge=0)
+    # Sessions under cache pressure (router/session_capacity.py) in virtual time; session rounds only.
+    session_capacity: SessionCapacitySettings = SessionCapacitySettings()
     workers: tuple[WorkerGroup, ...] = Field(min_length=1)
 
     @model_validator(mode="after")

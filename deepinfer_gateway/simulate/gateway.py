@@ -9,6 +9,12 @@ prompt in the worker's queue until the first token comes back). At a prefill's h
 `plan_decode` on fresh views, and the decode worker gets prompt + first token with the KV
 load cost the sim engine's `_decode_request` charges (store read bandwidth when there is a
 store, else the direct transfer bandwidth). `SimGateway` also holds the requests in flight.
+
+A session round (`session_of`, filled by sessions.py) is planned with its session key and its
+parent (lineage), as the live gateway's; with `session_capacity` on, the policy of
+router/session_capacity.py decides before flow control and planning, as `SessionGate` does:
+a round that waits is held until `pump` starts it; its round ends (`finished`) when it is
+answered or fails.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS, FinishReason
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
@@ -26,6 +33,8 @@ from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, PoolLoad, Tier, pool_load
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
+from deepinfer_gateway.router.policy import Lineage
+from deepinfer_gateway.router.session_capacity import CapacityLimits, SessionCapacity, Verdict, Waiter, blocks_of
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.stats import SimStats
@@ -52,6 +61,9 @@ class RequestState:
     last_token_t: float = -1.0
     emitted: int = 0
     flow_pool: str | None = None  # flow control: the pool it counts as starting in, until its first token
+    session: SessionIdentity | None = None  # a session round's
+    avoid: frozenset[str] = frozenset()  # session capacity: workers without room for its session
+    session_begun: bool = False  # session capacity counts it as its session's round in flight
 
 SIM_HASHER_BYTES = 256 << 20
 
@@ -96,6 +108,10 @@ class SimGateway:
         self.flow_starting: dict[str, int] = {}
         self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
                        for hardware in {str(w.profile.hardware) for w in workers}}
+        self.session_of: dict[int, SessionIdentity] = {}  # trace index -> its round's session, until it arrives
+        capacity = config.session_capacity
+        self.sessions = SessionCapacity(CapacityLimits.of(capacity)) if capacity.enabled else None
+        self.capacity = {w.worker_id: w.profile.memory_capacity_blocks for w in workers}
 
     def arrive(self, trace: TraceRequest, record: RequestRecord, tokens: list[int] | None = None) -> SimWorker | None:
         """Route a new request and start its first leg; the worker to kick, None if it failed.
@@ -107,6 +123,7 @@ class SimGateway:
         else:
             req = RequestState(trace, record, tokens, self.prompts.output(trace))
             packed = pack_tokens(tokens)
+        req.session = self.session_of.pop(trace.index, None)
         self.requests[rid] = req
         self.active += 1
         record.prompt_tokens = len(req.tokens)
@@ -114,6 +131,14 @@ class SimGateway:
         # One view per KV format says what the salts need (every view of a format has one model).
         req.hashes = hashes = prompt_hashes(req.tokens, self._format_views, self.hasher, packed)
         overlap = self.index.lookup_now(hashes, self.formats)
+        if self.sessions is not None and req.session is not None and req.session.session is not None:
+            if not self._session_arrive(req, req.session.session, views, overlap):
+                return None  # waits for room
+        return self._admitted(req, views, hashes, overlap)
+
+    def _admitted(self, req: RequestState, views: ViewList, hashes: dict[str, list[int]],
+                  overlap: Overlap) -> SimWorker | None:
+        """Past session capacity: flow control, then the plan; the worker to kick, None if held or failed."""
         if self.flow is not None and not self._flow_arrive(req, views, overlap):
             return None  # held (or refused)
         return self._place(req, views, hashes, overlap)
@@ -122,11 +147,20 @@ class SimGateway:
                overlap: Overlap) -> SimWorker | None:
         """Plan, admit and start the first leg; the worker to kick, None if it failed."""
         rid, record = str(req.trace.index), req.record
+        session = req.session
+        key = session.session if session is not None else None
+        lineage = Lineage(parent_key=session.parent) if session is not None and session.parent is not None else None
         try:
-            plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap)
+            plan = self.planner.plan_first(views, len(req.tokens), hashes, overlap, key, req.avoid, lineage=lineage)
         except NoCandidate as exc:
             self.fail(req, RecordError.HTTP_5XX, str(exc))
             return None
+        if self.sessions is not None and key is not None:
+            if req.session_begun:
+                self.sessions.move(key, plan.worker.worker_id, self.clock())
+            else:
+                req.session_begun = True
+                self.sessions.begin(key, plan.worker.worker_id, blocks_of(len(req.tokens)), self.clock())
         if not self._admit(plan, views, req):
             return None
         req.plan = plan
@@ -143,6 +177,58 @@ class SimGateway:
         req.worker = worker
         req.booking = worker.book(rid, len(req.tokens), plan.decision.predicted_memory_tokens)
         return worker
+
+    # --- session capacity -----------------------------------------------------------------
+
+    def _session_arrive(self, req: RequestState, session: str, views: ViewList, overlap: Overlap) -> bool:
+        """Whether the round goes on now; else it waits in `sessions` for room on a worker."""
+        assert self.sessions is not None
+        tokens, t = len(req.tokens), self.clock()
+        try:
+            pool = self.planner.first_pool(views, tokens, overlap)
+        except NoCandidate:
+            return True  # planning says so
+        capacities = {v.worker_id: self.capacity[v.worker_id] for v in views if v.pool == pool}
+        memory = overlap.memory
+        placement = self.sessions.place(session, blocks_of(tokens), capacities,
+                                        {w: memory.get(w, 0) for w in capacities}, t)
+        if placement.verdict is Verdict.GO:
+            req.avoid = placement.avoid
+            return True
+        assert placement.worker is not None
+        self.sessions.wait(Waiter(session, blocks_of(tokens), placement.worker, t, req))
+        self.stats.session_waits += 1
+        return False
+
+    def _session_starts(self, t: float) -> list[SimWorker]:
+        """The waiting rounds that have room now (or waited their longest), on to flow control and
+        their plan; the workers to kick."""
+        assert self.sessions is not None
+        kicked = []
+        for worker in self.sessions.waiting_workers():
+            for start in self.sessions.starts(worker, self.capacity[worker], t):
+                req = start.waiter.handle
+                assert isinstance(req, RequestState)
+                req.session_begun = True
+                self.stats.session_wait_s += t - start.waiter.arrival
+                self.stats.session_proceeded += start.timed_out
+                views = self.current_views()
+                placed = self._admitted(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
+                if placed is not None:
+                    kicked.append(placed)
+        return kicked
+
+    def next_session_change(self, t: float) -> float | None:
+        """When a waiting round may start with nothing else happening (the simulator wakes then)."""
+        return self.sessions.next_change(t) if self.sessions is not None else None
+
+    def finished(self, req: RequestState) -> None:
+        """A request answered or failed: its session's round ends; then `on_end`."""
+        if req.session_begun and self.sessions is not None and req.session is not None and req.session.session:
+            req.session_begun = False
+            self.sessions.end(req.session.session, self.clock())
+        if self.on_end is not None:
+            self.on_end(req)
 
     # --- flow control -------------------------------------------------------------------
 
@@ -186,11 +272,11 @@ class SimGateway:
             req.flow_pool = None
 
     def pump(self, t: float) -> list[SimWorker]:
-        """Refuse the held requests past their deadline, start those their pools can take now;
-        the workers to kick."""
+        """Start the session rounds that have room now; refuse the held requests past their
+        deadline, start those their pools can take now; the workers to kick."""
+        kicked = self._session_starts(t) if self.sessions is not None else []
         if self.flow is None or not self.flow.waiting_pools():
-            return []
-        kicked = []
+            return kicked
         for pool in self.flow.waiting_pools():
             for late in self.flow.pool(pool).expired(t):
                 self.fail(_held(late), RecordError.RATE_LIMITED, f"pool {pool}: flow control (deadline)")
@@ -267,5 +353,4 @@ class SimGateway:
         req.record.ttft_s = req.record.e2e_s = None
         self.requests.pop(str(req.trace.index), None)
         self.active -= 1
-        if self.on_end is not None:
-            self.on_end(req)
+        self.finished(req)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.simulate.gateway import RequestState
 from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.simulate.tokens import VOCAB, PromptTokens
@@ -137,6 +138,8 @@ class SessionDriver:
         record.expected_input_tokens = len(tokens) - template
         request = TraceRequest(record.index, t, len(tokens) - template, max(1, r.output_tokens))
         self._rounds[str(record.index)] = (live, r)
+        self.sim.gateway.session_of[record.index] = SessionIdentity(r.agent_session,
+                                                                    r.session_id if r.names_parent else None)
         self.sim.arrive_at(t, request, record, tokens)
 
     def _ended(self, req: RequestState) -> None:

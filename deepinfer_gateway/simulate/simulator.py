@@ -40,7 +40,7 @@ from deepinfer_gateway.workload.types import RequestRecord, TraceRequest
 
 __all__ = ["CRUISE_MIN_STEPS", "SimStats", "Simulator"]
 
-_ARRIVE, _STEP, _HANDOFF, _LOAD, _FEED, _CRUISE, _PREPARE = range(7)
+_ARRIVE, _STEP, _HANDOFF, _LOAD, _FEED, _CRUISE, _PREPARE, _SESSIONS = range(8)
 CRUISE_MIN_STEPS = 4  # shorter steady stretches are stepped one by one
 
 
@@ -65,6 +65,7 @@ class Simulator:
         self._dirty_load: set[SimWorker] = set()
         self._dirty_feed: set[SimWorker] = set(self.workers)
         self._pending = 0  # arrivals pushed, not yet routed
+        self._session_wake: float | None = None  # session capacity: when a waiting round may start
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class Simulator:
                 worker = gateway.arrive(*payload)
                 if worker is not None:
                     self._kick(worker, t)
+                self._wake_sessions(t)
                 if progress is not None:
                     done += 1
                     progress(done, total)
@@ -153,6 +155,12 @@ class Simulator:
                 self._feed()
                 if self._pending or gateway.active:
                     self._push(t + feed_every, _FEED, None)
+            elif kind == _SESSIONS:
+                if self._session_wake is not None and t >= self._session_wake:
+                    self._session_wake = None
+                for held in gateway.pump(t):  # a session's TTL or a round's longest wait ran out
+                    self._kick(held, t)
+                self._wake_sessions(t)
             elif kind == _PREPARE:
                 request, _, _ = payload
                 self._push(self.preparation.route_at(t, request.input_length), _ARRIVE, payload)
@@ -161,6 +169,7 @@ class Simulator:
                 self._load_tick()
                 for held in gateway.pump(t):  # deadlines pass, reports change, with no step under way
                     self._kick(held, t)
+                self._wake_sessions(t)
                 if self._pending or gateway.active:
                     self._push(t + load_every, _LOAD, None)
         return events, other
@@ -211,6 +220,14 @@ class Simulator:
             worker.busy = False
         for held in self.gateway.pump(t):  # flow control: the step freed room for held requests
             self._kick(held, t)
+        self._wake_sessions(t)
+
+    def _wake_sessions(self, t: float) -> None:
+        """An event at the next time a waiting session round may start, unless one comes sooner."""
+        change = self.gateway.next_session_change(t)
+        if change is not None and (self._session_wake is None or change < self._session_wake):
+            self._session_wake = max(change, t)
+            self._push(self._session_wake, _SESSIONS, None)
 
     def _cruise_done(self, worker: SimWorker, t: float) -> None:
         assert worker.cruise is not None
@@ -266,8 +283,7 @@ class Simulator:
         record.output_tokens = req.emitted
         del self._requests[update.request_id]
         self.gateway.active -= 1
-        if self.gateway.on_end is not None:
-            self.gateway.on_end(req)
+        self.gateway.finished(req)
 
     # --- ticks --------------------------------------------------------------------------
 

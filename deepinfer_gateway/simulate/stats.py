@@ -17,6 +17,9 @@ class SimStats:
     store_tokens: int = 0
     prompt_tokens: int = 0
     modes: dict[str, int] = field(default_factory=dict)
+    session_waits: int = 0  # session capacity: rounds that waited for room
+    session_wait_s: float = 0.0  # their waits, summed (virtual seconds)
+    session_proceeded: int = 0  # of them, those that went at the longest wait, without room
 
     other_events: int = 0  # arrivals, hand-offs, load-report and KV-feed ticks
 
