@@ -83,8 +83,10 @@ class RouteInputs:
         fresh = []
         for v in views:
             w, mine = workers.get(v.worker_id), own(v.worker_id)
-            seen = worker_view(w, v.booked_tokens - v.own_booked + mine, now, mine) if w is not None else None
-            fresh.append(seen or v)
+            if w is None or (mine == v.own_booked and v.running == w.inflight + (w.load.running if w.load else 0)):
+                fresh.append(v)  # nothing booked or opened since (a request alone): no copy
+                continue
+            fresh.append(worker_view(w, v.booked_tokens - v.own_booked + mine, now, mine) or v)
         return fresh
 
     async def candidates(self, prepared: PreparedRequest, cache_salt: str | None = None
