@@ -82,9 +82,10 @@ nextn = 0
 """
 
 
-def keys_toml() -> str:
+def keys_toml(tiers: bool) -> str:
+    """The tenants' keys; with `tiers` each carries its service tier (a tier needs flow control on)."""
     return "".join(f'[[api_keys]]\nname = "{name}"\nkey_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
-                   f'service_tier = "{tier}"\n' for name, (key, tier) in KEYS.items())
+                   + (f'service_tier = "{tier}"\n' if tiers else "") for name, (key, tier) in KEYS.items())
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Cluster:
                       + (f"[flow_control]\nenabled = true\nmax_engine_wait_ms = 100\nmax_engine_waiting = 1\n"
                          f"default_ttft_ms = {spec.targets_s['interactive'] * 1000}\nflex_ttft_ms = {flex_ms}\n"
                          if flow else "")
-                      + keys_toml())
+                      + keys_toml(tiers=flow))
 
     def gateway(self, tmp: Path, extra_toml: str = "", env: dict[str, str] | None = None) -> Gateway:
         return Gateway(tmp, [(url, "unified", "sm100") for url in self.urls], extra_toml=extra_toml + self._toml,
