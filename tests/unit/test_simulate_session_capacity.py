@@ -10,7 +10,7 @@ from pathlib import Path
 
 from deepinfer_gateway.config import SessionCapacitySettings
 from deepinfer_gateway.simulate import ClusterConfig
-from deepinfer_gateway.simulate.config import WorkerGroup
+from deepinfer_gateway.simulate.config import StoreSettings, WorkerGroup
 from deepinfer_gateway.simulate.sessions import SessionDriver
 from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.workload.sessions import Round, Session, SessionTrace
@@ -31,14 +31,14 @@ nextn = 0
 """
 
 
-def _session(sid: str, kind: int, arrival: float, rounds: int = 5) -> Session:
-    """A chain of rounds 0.3 s apart: 3,000 tokens of system prompt of its own (kind), 600 new
-    tokens a round, 30 out; its context grows from ~29 to ~50 of the worker's 64 blocks."""
+def _session(sid: str, kind: int, arrival: float, rounds: int = 4) -> Session:
+    """A chain of rounds 0.3 s apart: 5,000 tokens of system prompt of its own (kind), 600 new
+    tokens a round, 30 out; its context grows from ~44 to ~59 of the worker's 64 blocks."""
     chain: list[Round] = []
     for i in range(rounds):
         parent = chain[-1].key if chain else None
         chain.append(Round(f"{sid}/{i}", sid, i, 600, 30, parent, (parent,) if parent else (), 0.3 if parent else 0.0,
-                           (kind, 3000) if i == 0 else None))
+                           (kind, 5000) if i == 0 else None))
     return Session(sid, arrival, tuple(chain))
 
 
@@ -49,7 +49,8 @@ def _run(tmp_path: Path, capacity: SessionCapacitySettings, workers: int = 1
          ) -> tuple[list[RequestRecord], Simulator]:
     profiles = tmp_path / "profiles.toml"
     profiles.write_text(PROFILE)
-    config = ClusterConfig(profiles=str(profiles), workers=(WorkerGroup(count=workers),), session_capacity=capacity)
+    config = ClusterConfig(profiles=str(profiles), workers=(WorkerGroup(count=workers),), session_capacity=capacity,
+                           store=StoreSettings(enabled=False))  # memory only, as bench/peers.py's cluster
     sim = Simulator(config)
     return SessionDriver(sim, TRACE).run(), sim
 
