@@ -19,20 +19,10 @@ import openai
 import pytest
 
 from harness.launch import Gateway, SimCluster
+from tests.sim_profiles import small_sm100
 
 MODEL = "DeepSeek-V4.1-Flash"
-PROFILE = """
-[sm100]
-hardware = "sm100"
-kv_format = "v4.1-flash/sm100-fp8"
-prefill_points = [[4096, 20000]]
-decode_points = [[1, 60], [8, 60]]
-gpus_per_instance = 1
-dp_ranks = 1
-max_num_seqs = 4
-max_num_batched_tokens = 4096
-nextn = 0
-"""
+PROFILE = small_sm100()
 PROMPT = [{"role": "user", "content": "tell me about flow control " * 20}]
 
 

@@ -14,22 +14,11 @@ import openai
 import pytest
 
 from harness.launch import Gateway, SimCluster
+from tests.sim_profiles import small_sm100
 
 MODEL = "DeepSeek-V4.1-Flash"
 CAPACITY_BLOCKS = 64
-PROFILE = f"""
-[sm100]
-hardware = "sm100"
-kv_format = "v4.1-flash/sm100-fp8"
-prefill_points = [[4096, 20000]]
-decode_points = [[1, 60], [8, 60]]
-gpus_per_instance = 1
-dp_ranks = 1
-max_num_seqs = 4
-max_num_batched_tokens = 4096
-memory_capacity_blocks = {CAPACITY_BLOCKS}
-nextn = 0
-"""
+PROFILE = small_sm100(CAPACITY_BLOCKS)
 TTL_S = 1.5
 SESSIONS = f"""[session_capacity]
 enabled = true

@@ -13,19 +13,9 @@ from deepinfer_gateway.simulate import ClusterConfig
 from deepinfer_gateway.simulate.config import WorkerGroup
 from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
+from tests.sim_profiles import small_sm100
 
-PROFILE = """
-[sm100]
-hardware = "sm100"
-kv_format = "v4.1-flash/sm100-fp8"
-prefill_points = [[4096, 20000]]
-decode_points = [[1, 60], [8, 60]]
-gpus_per_instance = 1
-dp_ranks = 1
-max_num_seqs = 4
-max_num_batched_tokens = 4096
-nextn = 0
-"""
+PROFILE = small_sm100()
 # 4 sequences of 30 tokens at 60 tokens/s: ~8 requests/s; 12/s arrive, every second one flex
 TRACE = [TraceRequest(i, i / 12.0, 512, 30, (10_000 + 10 * i, 10_001 + 10 * i)) for i in range(150)]
 

@@ -15,20 +15,9 @@ from deepinfer_gateway.simulate.sessions import SessionDriver
 from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.workload.sessions import Round, Session, SessionTrace
 from deepinfer_gateway.workload.types import RequestRecord
+from tests.sim_profiles import small_sm100
 
-PROFILE = """
-[sm100]
-hardware = "sm100"
-kv_format = "v4.1-flash/sm100-fp8"
-prefill_points = [[4096, 20000]]
-decode_points = [[1, 60], [8, 60]]
-gpus_per_instance = 1
-dp_ranks = 1
-max_num_seqs = 4
-max_num_batched_tokens = 4096
-memory_capacity_blocks = 64
-nextn = 0
-"""
+PROFILE = small_sm100(memory_capacity_blocks=64)
 
 
 def _session(sid: str, kind: int, arrival: float, rounds: int = 4) -> Session:
