@@ -3,7 +3,6 @@ x-ratelimit-* headers), in each protocol's error format."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import anthropic
@@ -11,24 +10,17 @@ import openai
 import pytest
 
 from harness.launch import Gateway, SimCluster
+from tests.gateways import api_key
 
 MODEL = "DeepSeek-V4.1-Flash"
 
 
-def _key(name: str, key: str, **fields: object) -> str:
-    lines = ["[[api_keys]]", f'name = "{name}"', f'key_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"']
-    for k, v in fields.items():
-        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, tuple) else
-                     f"{k} = [{', '.join(repr(x).replace(chr(39), chr(34)) for x in v)}]")
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def secured(sim_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    extra = (_key("full", "sk-full", requests_per_minute=1000)
-             + _key("other-model", "sk-other", models=("some-other-model",))
-             + _key("tight", "sk-tight", requests_per_minute=2, tokens_per_minute=100000)
-             + _key("counter", "sk-counter", requests_per_minute=2))
+    extra = (api_key("full", "sk-full", requests_per_minute=1000)
+             + api_key("other-model", "sk-other", models=("some-other-model",))
+             + api_key("tight", "sk-tight", requests_per_minute=2, tokens_per_minute=100000)
+             + api_key("counter", "sk-counter", requests_per_minute=2))
     roles = [s.split(":") for s in sim_cluster.specs]
     gw = Gateway(tmp_path_factory.mktemp("access"),
                  [(u, r, h) for u, (r, h) in zip(sim_cluster.urls, roles, strict=True)],

@@ -5,15 +5,15 @@ gateway process, real openai SDK."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from harness.launch import Gateway, SimCluster
+from harness.launch import Gateway
 from tests.fault_doubles import scrape, total
+from tests.gateways import api_key, one_worker_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -21,26 +21,14 @@ MODEL = "DeepSeek-V4.1-Flash"
 CONTEXT = 2000
 
 
-def _key(name: str, **fields: object) -> str:
-    lines = ["[[api_keys]]", f'name = "{name}"', f'key_sha256 = "{hashlib.sha256(name.encode()).hexdigest()}"']
-    lines += [f"{k} = {v}" for k, v in fields.items()]
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    cluster = SimCluster("unified:sm100", time_scale=20.0)
     toml = (f"context_limit = {CONTEXT}\nmax_body_bytes = {64 * 1024 * 1024}\n"
-            + _key("limited", requests_per_minute=1) + _key("narrow", models=f'["{MODEL}-other"]')
-            + _key("one-at-a-time") + _key("plain")
+            + api_key("limited", requests_per_minute=1) + api_key("narrow", models=[f"{MODEL}-other"])
+            + api_key("one-at-a-time") + api_key("plain")
             + "[images]\nmax_images = 0\n[client_connections]\nmax_requests_per_key = 1\n")
-    gw = Gateway(tmp_path_factory.mktemp("admission"), [(cluster.urls[0], "unified", "sm100")], extra_toml=toml)
-    try:
-        gw.wait_ready(1)
+    with one_worker_gateway(tmp_path_factory.mktemp("admission"), toml) as gw:
         yield gw
-    finally:
-        gw.stop()
-        cluster.stop()
 
 
 def _client(gateway: Gateway, key: str) -> openai.OpenAI:

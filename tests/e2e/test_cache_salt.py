@@ -7,7 +7,6 @@ prefix cache. One worker, so every request lands where the first one was cached.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,29 +14,19 @@ from typing import Any
 import openai
 import pytest
 
-from harness.launch import Gateway, SimCluster
+from harness.launch import Gateway
+from tests.gateways import api_key, one_worker_gateway
 
 MODEL = "DeepSeek-V4.1-Flash"
-KEYS = {  # key -> its [[api_keys]] fields
-    "sk-alice": 'name = "alice"',
-    "sk-mallory": 'name = "mallory"',
-    "sk-iso-1": 'name = "iso-1"\ntenant = "acme"\ncache_isolation = true',
-    "sk-iso-2": 'name = "iso-2"\ntenant = "acme"\ncache_isolation = true',
-}
+KEYS = (api_key("alice", "sk-alice") + api_key("mallory", "sk-mallory")
+        + api_key("iso-1", "sk-iso-1", tenant="acme", cache_isolation=True)
+        + api_key("iso-2", "sk-iso-2", tenant="acme", cache_isolation=True))
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    cluster = SimCluster("unified:sm100", time_scale=20.0)
-    keys = "".join(f'[[api_keys]]\n{fields}\nkey_sha256 = "{hashlib.sha256(k.encode()).hexdigest()}"\n'
-                   for k, fields in KEYS.items())
-    gw = Gateway(tmp_path_factory.mktemp("salt"), [(cluster.urls[0], "unified", "sm100")], extra_toml=keys)
-    try:
-        gw.wait_ready(1)
+    with one_worker_gateway(tmp_path_factory.mktemp("salt"), KEYS) as gw:
         yield gw
-    finally:
-        gw.stop()
-        cluster.stop()
 
 
 def _client(gw: Gateway, key: str) -> openai.OpenAI:

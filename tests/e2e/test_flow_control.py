@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from harness.launch import Gateway, SimCluster
+from tests.gateways import api_key
 from tests.sim_profiles import small_sm100
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -27,8 +27,7 @@ PROMPT = [{"role": "user", "content": "tell me about flow control " * 20}]
 
 
 def _key(name: str, key: str, tier: str) -> str:
-    return (f'[[api_keys]]\nname = "{name}"\nkey_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
-            f'service_tier = "{tier}"\n')
+    return api_key(name, key, service_tier=tier)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import pytest
 from openai.types.chat import ChatCompletionContentPartParam
 from PIL import Image
 
-from harness.launch import Gateway, SimCluster
+from harness.launch import Gateway
+from tests.gateways import one_worker_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -57,15 +58,9 @@ def _peak_rss_kib(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    cluster = SimCluster("unified:sm100", time_scale=20.0)
     toml = f"[images]\nmax_image_pixels = {PER_IMAGE}\nmax_total_image_pixels = {PER_REQUEST}\n"
-    gw = Gateway(tmp_path_factory.mktemp("images"), [(cluster.urls[0], "unified", "sm100")], extra_toml=toml)
-    try:
-        gw.wait_ready(1)
+    with one_worker_gateway(tmp_path_factory.mktemp("images"), toml) as gw:
         yield gw
-    finally:
-        gw.stop()
-        cluster.stop()
 
 
 @pytest.fixture
