@@ -68,18 +68,9 @@ class BackgroundStore(Protocol):
 # ARGV[3..5] as response_store's; ARGV[6] id, ARGV[7] record, ARGV[8] its expiry.
 _START = _PRELUDE + """
 purge()
-local id, data, expires = ARGV[6], ARGV[7], tonumber(ARGV[8])
-local member = owner .. ':' .. id
-if redis.call('HEXISTS', size_key, member) == 1 then drop(member) end
-local refused = verdict(#data, tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))
+local refused = keep(ARGV[6], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))
 if refused ~= 0 then return refused end
-redis.call('SET', tag .. ':r:' .. member, data)
-redis.call('HSET', tag .. ':bg:' .. member, 'state', 'queued', 'beat', ARGV[1], 'n', 0)
-redis.call('ZADD', ids, expires, id)
-redis.call('ZADD', exp, expires, member)
-redis.call('HSET', size_key, member, #data)
-redis.call('HINCRBY', bytes_key, owner, #data)
-redis.call('HINCRBY', bytes_key, '*', #data)
+redis.call('HSET', tag .. ':bg:' .. owner .. ':' .. ARGV[6], 'state', 'queued', 'beat', ARGV[1], 'n', 0)
 return 0
 """
 

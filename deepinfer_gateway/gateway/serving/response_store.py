@@ -208,6 +208,21 @@ local function verdict(size, max_count, max_owner, max_total)
   if tonumber(redis.call('HGET', bytes_key, '*') or '0') + size > max_total then return 3 end
   return 0
 end
+-- Keep `data` as the owner's record `id` until `expires`, in place of one there; the verdict (0:
+-- kept). A max_count of 0 leaves the count unchecked.
+local function keep(id, data, expires, max_count, max_owner, max_total)
+  local member = owner .. ':' .. id
+  if redis.call('HEXISTS', size_key, member) == 1 then drop(member) end
+  local refused = verdict(#data, max_count, max_owner, max_total)
+  if refused ~= 0 then return refused end
+  redis.call('SET', tag .. ':r:' .. member, data)
+  redis.call('ZADD', ids, expires, id)
+  redis.call('ZADD', exp, expires, member)
+  redis.call('HSET', size_key, member, #data)
+  redis.call('HINCRBY', bytes_key, owner, #data)
+  redis.call('HINCRBY', bytes_key, '*', #data)
+  return 0
+end
 """.replace("BATCH", str(_PURGE_BATCH))
 
 # ARGV[3..5]: max_per_key, max_bytes_per_key, max_total_bytes; ARGV[6]: the record's size at least
@@ -221,18 +236,7 @@ return verdict(tonumber(ARGV[6]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber
 # record, ARGV[8] its expiry.
 _PUT = _PRELUDE + """
 purge()
-local id, data, expires = ARGV[6], ARGV[7], tonumber(ARGV[8])
-local member = owner .. ':' .. id
-if redis.call('HEXISTS', size_key, member) == 1 then drop(member) end
-local refused = verdict(#data, 0, tonumber(ARGV[4]), tonumber(ARGV[5]))
-if refused ~= 0 then return refused end
-redis.call('SET', tag .. ':r:' .. member, data)
-redis.call('ZADD', ids, expires, id)
-redis.call('ZADD', exp, expires, member)
-redis.call('HSET', size_key, member, #data)
-redis.call('HINCRBY', bytes_key, owner, #data)
-redis.call('HINCRBY', bytes_key, '*', #data)
-return 0
+return keep(ARGV[6], ARGV[7], tonumber(ARGV[8]), 0, tonumber(ARGV[4]), tonumber(ARGV[5]))
 """
 
 # ARGV[3]: id. 1 when a live response was deleted.
