@@ -22,10 +22,11 @@ def api_key(name: str, key: str | None = None, **fields: object) -> str:
 
 
 @contextlib.contextmanager
-def one_worker_gateway(tmp: Path, extra_toml: str = "", time_scale: float = 20.0) -> Iterator[Gateway]:
-    """A gateway with `extra_toml` in its config, in front of one unified sm100 sim worker; ready
-    when entered, both stopped on exit."""
-    cluster = SimCluster("unified:sm100", time_scale=time_scale)
+def one_worker_gateway(tmp: Path, extra_toml: str = "", time_scale: float = 20.0,
+                       worker_args: list[str] | None = None) -> Iterator[Gateway]:
+    """A gateway with `extra_toml` in its config, in front of one unified sm100 sim worker (started
+    with `worker_args`); ready when entered, both stopped on exit."""
+    cluster = SimCluster("unified:sm100", time_scale=time_scale, extra=worker_args)
     try:
         gw = Gateway(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=extra_toml)
         try:

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from harness.launch import Gateway, SimCluster
+from harness.launch import Gateway
+from tests.gateways import one_worker_gateway
 from tests.sim_profiles import small_sm100
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -33,16 +34,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("session-capacity")
     profile = tmp / "profiles.toml"
     profile.write_text(PROFILE)
-    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
-    try:
-        gw = Gateway(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=SESSIONS)
-        try:
-            gw.wait_ready(1)
-            yield gw
-        finally:
-            gw.stop()
-    finally:
-        cluster.stop()
+    with one_worker_gateway(tmp, SESSIONS, time_scale=1.0, worker_args=["--profiles", str(profile)]) as gw:
+        yield gw
 
 
 def _metric(gw: Gateway, name: str) -> float:
