@@ -37,7 +37,6 @@ HEADER_SOURCES: tuple[HeaderSource, ...] = (
     HeaderSource("Codex (before thread-id)", "session_id"),
     HeaderSource("AIPerf, Dynamo's benchmarks, vllm-router", "x-correlation-id"),
 )
-MAX_VALUE_CHARS = 512  # longer values are not an agent's id: ignored rather than hashed
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,9 @@ class SessionIdentity:
 def _value(headers: Mapping[str, str], name: str | None) -> str | None:
     if name is None:
         return None
-    value = headers.get(name)
-    return value if value and len(value) <= MAX_VALUE_CHARS else None
+    # Any length: the value is only ever hashed (`scoped`), and the request head's bound
+    # (http_bounds.py, max_header_bytes) bounds it.
+    return headers.get(name) or None
 
 
 def identity_from(headers: Mapping[str, str], body_session: str | None = None) -> SessionIdentity:

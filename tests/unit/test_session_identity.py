@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_gateway.core.session_identity import MAX_VALUE_CHARS, SessionIdentity, identity_from, scoped
+from deepinfer_gateway.core.session_identity import SessionIdentity, identity_from, scoped
 
 
 @pytest.mark.parametrize(("headers", "expected"), [
@@ -29,9 +29,12 @@ def test_each_clients_headers(headers: dict[str, str], expected: SessionIdentity
     assert identity_from(headers, "body-user") == expected
 
 
-def test_the_body_names_it_without_headers_and_overlong_values_are_not_ids() -> None:
+def test_the_body_names_it_without_headers_and_a_long_value_is_a_session_too() -> None:
     assert identity_from({}, "alice") == SessionIdentity("alice")
-    assert identity_from({"x-session-id": "x" * (MAX_VALUE_CHARS + 1)}, None) == SessionIdentity()
+    assert identity_from({"x-session-id": ""}, "alice") == SessionIdentity("alice")  # empty: not sent
+    long = "x" * 4096  # honoured, never dropped: it is only hashed, and the head's bound bounds it
+    assert identity_from({"x-session-id": long}, None) == SessionIdentity(long)
+    assert len(scoped(SessionIdentity(long), "key").session or "") == 32
 
 
 def test_scoped_sessions_differ_per_api_key_and_keep_parent_links() -> None:
