@@ -144,12 +144,12 @@ class EndpointPicker:
                        grant: Grant | None) -> Pick:
         session = session or SessionIdentity()
         lineage = await self.routing.lineage(session)
+        views = self.routing.current(views)  # with the picks booked since they were read
         plan = self.routing.planner.plan_first(views, prompt_tokens, hashes, overlap, session.session,
                                                fallbacks=self.fallbacks, lineage=lineage)
         if prepared is not None:
             self.routing.admit(plan, views)
         self.routing.record(plan, request_id)
-        await self.routing.remember(session, plan)
         chosen = [plan.worker.worker_id, *(w.worker_id for w in plan.fallbacks)]
         workers = [self.registry.workers[w] for w in chosen if w in self.registry.workers]
         if not workers:
@@ -160,6 +160,12 @@ class EndpointPicker:
         self.metrics.inflight.inc()
         if booking.queued and worker.upstream.reports_queue:  # a report probed from now on counts the request
             self.registry.after_report(worker, self.registry.loop_lag.now(), booking.on_report)
+        try:  # after the booking: a pick planned while this one awaits counts it
+            await self.routing.remember(session, plan)
+        except BaseException:  # cancelled (the stream went away): nothing was picked
+            booking.end()
+            self.metrics.inflight.dec()
+            raise
         if grant is not None:
             grant.booked()
             # The EPP sees a response's first bytes, not the engine's start: a non-streaming answer's
