@@ -75,10 +75,11 @@ class RouteInputs:
                 if (v := worker_view(w, booked.get(w.worker_id, 0), now, own(w.worker_id))) is not None]
 
     def current(self, views: list[WorkerView]) -> list[WorkerView]:
-        """`views` with this process's bookings and open legs as they are now. A burst's requests
-        read their views before any of them picks (prefix lookup, lineage and flow control await in
-        between); planned and admitted on what they read, all would see the same empty queues, herd
-        onto one worker and pass admission together."""
+        """`views` with this process's bookings and open legs as they are now. Between reading its
+        views and picking, a request awaits the prefix lookup, its lineage and flow control; where
+        those suspend (Redis-backed state, a flow-control wait) a burst's requests all read their
+        views before any of them books, and planned and admitted on what they read they would see
+        the same empty queues, herd onto one worker and pass admission together."""
         now, own, workers = self.registry.loop_lag.now(), self.inflight.own, self.registry.workers
         fresh = []
         for v in views:
