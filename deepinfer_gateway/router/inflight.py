@@ -36,19 +36,24 @@ from deepinfer_gateway.core.outage import Outage
 class MemoryInflight:
     def __init__(self) -> None:
         self._tokens: dict[str, dict[str, int]] = {}
+        self._sums: dict[str, int] = {}  # per worker, kept with `_tokens`: read on every request's route
 
     async def totals(self, workers: Sequence[str]) -> dict[str, int]:
-        return {w: sum(self._tokens.get(w, {}).values()) for w in workers}
+        return {w: self._sums.get(w, 0) for w in workers}
 
     def own(self, worker: str) -> int:
         """This process's bookings on `worker`, now."""
-        return sum(self._tokens.get(worker, {}).values())
+        return self._sums.get(worker, 0)
 
     def reserve(self, worker: str, request_id: str, tokens: int) -> None:
-        self._tokens.setdefault(worker, {})[request_id] = tokens
+        booked = self._tokens.setdefault(worker, {})
+        self._sums[worker] = self._sums.get(worker, 0) + tokens - booked.get(request_id, 0)
+        booked[request_id] = tokens
 
     def release(self, worker: str, request_id: str) -> None:
-        self._tokens.get(worker, {}).pop(request_id, None)
+        tokens = self._tokens.get(worker, {}).pop(request_id, None)
+        if tokens is not None:
+            self._sums[worker] -= tokens
 
     async def flush(self) -> None:
         return None  # nothing is queued

@@ -24,6 +24,11 @@ async def test_memory_reserve_release() -> None:
     assert await inflight.totals(["w1", "w2"]) == {"w1": 150, "w2": 0}
     inflight.release("w1", "r1")
     assert await inflight.totals(["w1"]) == {"w1": 50}
+    inflight.reserve("w1", "r2", -20)  # a rebooking replaces the request's amount (router/booking.py)
+    inflight.release("w1", "r1")  # released twice: nothing more comes off
+    assert await inflight.totals(["w1"]) == {"w1": -20} and inflight.own("w1") == -20
+    inflight.release("w1", "r2")
+    assert await inflight.totals(["w1"]) == {"w1": 0} and inflight.own("w2") == 0
 
 
 @pytest.mark.parametrize("backend", ["redis", "redis-cluster"])

@@ -79,7 +79,6 @@ class SessionGate:
         self._capacity_of = capacity_of
         self.metrics = metrics
         self.rounds: dict[str, str] = {}  # request id -> session, rounds begun and not ended
-        self._pools: dict[str, str] = {}  # worker -> pool, of the workers rounds waited for
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task[None] | None = None
 
@@ -103,7 +102,6 @@ class SessionGate:
         future: asyncio.Future[Start] = asyncio.get_running_loop().create_future()
         waiter = Waiter(session, blocks, placement.worker, now, future)
         self.policy.wait(waiter)
-        self._pools[placement.worker] = pool
         self.metrics.session_waits.labels(pool).inc()
         if self._pump_task is None:
             self._pump_task = asyncio.create_task(self._pump(), name="session-capacity")
