@@ -18,8 +18,9 @@ Tenants (each its own API key; the peers ignore keys):
 
 Each target gets a fresh cluster and router; the interactive and agent tenants run alone
 (`--alone-s`), then with the batch flood (`--flood-s`). Targets: `gateway-flow` (the gateway
-with `[flow_control]` on), `gateway` (today's behaviour: every request into the engines'
-queues), `sglang-router` and `vllm-router` (bench/peers.py's pinned peers, installed into
+with `[flow_control]` on, flex holding at most `--flex-share` of the slots), `gateway-flow-noslots`
+(the same with no cap on flex's slots: flex_max_share = 1), `gateway` (no flow control: every
+request into the engines' queues), `sglang-router` and `vllm-router` (bench/peers.py's pinned peers, installed into
 cached venvs on first use; `--no-peers` skips them). `--repeats N` interleaves N repetitions
 and every figure is the median over them.
 
@@ -32,7 +33,8 @@ The last line is one JSON object: the rows, and for `gateway-flow`
 `interactive_ttft_p99_flood_vs_alone`, `interactive_goodput_flood_vs_alone` (per offered
 request: the phases draw their own arrivals),
 `goodput_vs_best_peer` (cluster goodput under the flood over the best of sglang-router and
-vllm-router; null when neither ran), `goodput_vs_no_flow_control`, `hit_rate_vs_no_flow_control`, `shed_non_flex`
+vllm-router; null when neither ran), `interactive_ttft_p99_flood_vs_noslots` and `goodput_vs_noslots`
+(against `gateway-flow-noslots`), `goodput_vs_no_flow_control`, `hit_rate_vs_no_flow_control`, `shed_non_flex`
 (interactive and agent requests refused under the flood) and `lost`.
 """
 
@@ -101,6 +103,7 @@ class Spec:
     agent_sessions: int
     targets_s: dict[str, float]
     seed: int
+    flex_share: float = 0.75
 
     @property
     def capacity_rps(self) -> float:
@@ -114,7 +117,7 @@ class Spec:
 class Cluster:
     """The sim cluster, with what peers.start_router needs of it (`urls`, `gateway`)."""
 
-    def __init__(self, spec: Spec, tmp: Path, flow: bool) -> None:
+    def __init__(self, spec: Spec, tmp: Path, flow: bool, flex_share: float = 1.0) -> None:
         path = tmp / "profiles.toml"
         path.write_text(profile(spec.decode_tps, spec.max_num_seqs))
         self._cluster = SimCluster(",".join(["unified:sm100"] * spec.workers), time_scale=1.0,
@@ -124,6 +127,7 @@ class Cluster:
         self._toml = (f"[router.hardware.sm100]\nprefill_tokens_per_s = {PREFILL_TPS}\nkv_load_bytes_per_s = 25e9\n"
                       + (f"[flow_control]\nenabled = true\nmax_engine_wait_ms = 100\nmax_engine_waiting = 1\n"
                          f"default_ttft_ms = {spec.targets_s['interactive'] * 1000}\nflex_ttft_ms = {flex_ms}\n"
+                         f"flex_max_share = {flex_share}\n"
                          if flow else "")
                       + keys_toml(tiers=flow))
 
@@ -293,7 +297,8 @@ def figures(phase: Phase, spec: Spec, window_s: float) -> dict[str, Any]:
 def run_target(target: str, spec: Spec, repetition: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"overload-{target}-") as tmp_dir:
         tmp = Path(tmp_dir)
-        cluster = Cluster(spec, tmp, flow=target == "gateway-flow")
+        cluster = Cluster(spec, tmp, flow=target.startswith("gateway-flow"),
+                          flex_share=spec.flex_share if target == "gateway-flow" else 1.0)
         try:
             router: Router = start_router("gateway" if target.startswith("gateway") else target, cluster, tmp)  # type: ignore[arg-type]
             try:
@@ -350,6 +355,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         peers = [result["targets"][p]["cluster_goodput_flood_rps"] for p in PEERS if p in result["targets"]]
         best_peer = max((p for p in peers if p is not None), default=None)
         no_flow = result["targets"].get("gateway", {}).get("cluster_goodput_flood_rps")
+        no_slots = result["targets"].get("gateway-flow-noslots", {})
         result.update(
             interactive_ttft_p99_flood_vs_alone=_ratio(flow["interactive_ttft_p99_flood_s"],
                                                        flow["interactive_ttft_p99_alone_s"]),
@@ -357,6 +363,10 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             interactive_goodput_flood_vs_alone=_ratio(flow["interactive_good_share_flood"],
                                                       flow["interactive_good_share_alone"]),
             goodput_vs_best_peer=_ratio(flow["cluster_goodput_flood_rps"], best_peer),
+            # the flex slot share's own effect: the same flow control without it
+            interactive_ttft_p99_flood_vs_noslots=_ratio(flow["interactive_ttft_p99_flood_s"],
+                                                         no_slots.get("interactive_ttft_p99_flood_s")),
+            goodput_vs_noslots=_ratio(flow["cluster_goodput_flood_rps"], no_slots.get("cluster_goodput_flood_rps")),
             goodput_vs_no_flow_control=_ratio(flow["cluster_goodput_flood_rps"], no_flow),
             hit_rate_vs_no_flow_control=_ratio(flow["hit_rate_flood"],
                                                result["targets"].get("gateway", {}).get("hit_rate_flood")),
@@ -383,6 +393,7 @@ def main() -> None:
     parser.add_argument("--interactive-ttft-s", type=float, default=2.0)
     parser.add_argument("--agent-ttft-s", type=float, default=4.0)
     parser.add_argument("--flex-ttft-s", type=float, default=60.0)
+    parser.add_argument("--flex-share", type=float, default=0.75, help="gateway-flow's flex_max_share")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -394,7 +405,7 @@ def main() -> None:
                 output_tokens=args.output_tokens, alone_s=args.alone_s, flood_s=args.flood_s, flood_x=args.flood_x,
                 interactive_x=args.interactive_x, agent_sessions=args.agent_sessions,
                 targets_s={"interactive": args.interactive_ttft_s, "agent": args.agent_ttft_s,
-                           "batch": args.flex_ttft_s}, seed=args.seed)
+                           "batch": args.flex_ttft_s}, seed=args.seed, flex_share=args.flex_share)
     print(f"capacity ~{spec.capacity_rps:.1f} req/s; interactive {spec.interactive_x * spec.capacity_rps:.1f}/s, "
           f"batch flood {spec.flood_x * spec.capacity_rps:.1f}/s, {spec.agent_sessions} agent sessions", flush=True)
     rows = []

@@ -30,6 +30,13 @@ class FlowControlSettings(BaseModel):
                     "gets one), so a priority or default request queues behind less flex work in an engine; costs "
                     "flex throughput (bench/overload.py smoke: 7.6 -> 5.1 requests/s of goodput at 1, no TTFT "
                     "gain where the wait is for a decode slot).")
+    flex_max_share: float = Field(
+        1.0, gt=0, le=1,
+        description="Of a pool's sequence slots (its workers' max_num_seqs x DP ranks), the share flex requests "
+                    "may hold, from their start to their end: the rest stays free for the tiers above, which then "
+                    "start at once however deep the flex backlog (engines here neither prioritise nor preempt). "
+                    "1: no cap. A pool with a worker of unknown slots (a vllm or openai worker without "
+                    "max_num_seqs) has no cap.")
     priority_ttft_ms: float = Field(2_000.0, gt=0, description="TTFT target of service_tier priority requests.")
     default_ttft_ms: float = Field(10_000.0, gt=0, description="TTFT target of default (and auto) requests.")
     flex_ttft_ms: float = Field(60_000.0, gt=0, description="TTFT target of flex requests.")

@@ -76,7 +76,7 @@ class Pick:
             self.booking.end()
             self._metrics.inflight.dec()
             if self.grant is not None:
-                self.grant.started()
+                self.grant.ended()
             if self._on_end is not None:
                 self._on_end()  # flow control looks again: the worker has room
 
@@ -136,7 +136,7 @@ class EndpointPicker:
             return await self._planned(prepared, views, hashes, overlap, prompt_tokens, request_id, session, grant)
         except BaseException:
             if grant is not None:
-                grant.started()
+                grant.ended()
             raise
 
     async def _planned(self, prepared: PreparedRequest | None, views: list[WorkerView], hashes: dict[str, list[int]],

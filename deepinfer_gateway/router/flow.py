@@ -11,6 +11,11 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
   token, is not saturated: the engines' own queues stay short and the ordering below decides
   who goes first. Flex leaves `flex_reserve` of that bound to the tiers above it, so a
   priority or default request finds room in the engines' queues rather than behind flex.
+- Decode slots: flex requests hold at most `flex_max_share` of a pool's sequence slots (its
+  engines' max_num_seqs x DP ranks), counted from their start to their end. Engines here
+  neither prioritise nor preempt, so a request that finds every slot taken waits for one to
+  finish; the share keeps slots free for the tiers above flex, whose requests then start at
+  once however deep the flex backlog. A pool whose slots are unknown has no such cap.
 - Bands: `priority` before `default` before `flex`; a lower band starts only when no higher
   band waits.
 - Fair share within a band: start-time fair queuing by tokens. A tenant's request is tagged
@@ -33,7 +38,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
@@ -70,13 +75,21 @@ class FlowLimits:
     max_queued_per_pool: int = 1024
     max_queued_per_tenant: int = 256
     flex_reserve: int = 0  # of a pool's starting bound, kept for higher tiers (flex gets at least 1)
+    flex_max_share: float = 1.0  # of a pool's sequence slots flex may hold (1: no cap)
+
+    def flex_slots(self, slots: int) -> int | None:
+        """Slots flex may hold in a pool of `slots` (0: unknown); None: no cap."""
+        if self.flex_max_share >= 1.0 or slots <= 0:
+            return None
+        return max(1, math.floor(self.flex_max_share * slots))
 
     @classmethod
     def of(cls, settings: FlowControlSettings) -> FlowLimits:
         return cls(max_engine_wait_s=settings.max_engine_wait_ms / 1000.0,
                    max_engine_waiting=settings.max_engine_waiting, kv_usage_limit=settings.kv_usage_limit,
                    max_queued_per_pool=settings.max_queued_per_pool,
-                   max_queued_per_tenant=settings.max_queued_per_tenant, flex_reserve=settings.flex_reserve)
+                   max_queued_per_tenant=settings.max_queued_per_tenant, flex_reserve=settings.flex_reserve,
+                   flex_max_share=settings.flex_max_share)
 
 
 @dataclass(frozen=True)
@@ -96,17 +109,25 @@ class WorkerLoad:
 class PoolLoad:
     """A pool's workers as flow control sees them. `starting`: requests this router placed that have
     no first token yet (in an engine's queue or prefill): fresh where the reports' `waiting` is not,
-    and the bound that holds when decoding, not prefill, is what the requests wait for."""
+    and the bound that holds when decoding, not prefill, is what the requests wait for.
+    `slots`: the pool's sequence slots (0: unknown); `flex_holding`: flex requests this router
+    started that have not ended."""
 
     workers: tuple[WorkerLoad, ...]
     starting: int = 0
+    slots: int = 0
+    flex_holding: int = 0
 
     def can_start(self, limits: FlowLimits, tier: Tier = Tier.DEFAULT) -> bool:
         """Whether a request of `tier` may start now: flex leaves `flex_reserve` of the starting bound
-        to the tiers above it, so they need not queue behind flex in the engines."""
+        and `1 - flex_max_share` of the slots to the tiers above it, so they need not queue behind
+        flex in the engines."""
         bound = limits.max_engine_waiting * sum(w.dp_ranks for w in self.workers)
         if tier is Tier.FLEX:
             bound = max(1, bound - limits.flex_reserve)
+            cap = limits.flex_slots(self.slots)
+            if cap is not None and self.flex_holding >= cap:
+                return False
         return self.starting < bound and any(w.can_start(limits) for w in self.workers)
 
     @property
@@ -119,7 +140,7 @@ class PoolLoad:
             return math.inf
         return max(0.0, min(w.wait_s for w in self.workers) - limits.max_engine_wait_s)
 
-    def placed(self, tokens: int, limits: FlowLimits) -> PoolLoad:
+    def placed(self, tokens: int, limits: FlowLimits, tier: Tier = Tier.DEFAULT) -> PoolLoad:
         """The load once `tokens` more are queued on the worker that can start them soonest: what a
         second placement in the same pass sees before any load report or booking shows the first."""
         startable = [i for i, w in enumerate(self.workers) if w.can_start(limits)] or list(range(len(self.workers)))
@@ -129,13 +150,19 @@ class PoolLoad:
         w = self.workers[i]
         moved = WorkerLoad(w.wait_s + tokens / w.prefill_tokens_per_s, w.prefill_tokens_per_s, w.waiting,
                            w.dp_ranks, w.kv_usage)
-        return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:], self.starting + 1)
+        return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:], self.starting + 1, self.slots,
+                        self.flex_holding + (tier is Tier.FLEX))
+
+
+def pool_slots(members: Sequence[WorkerView]) -> int:
+    """The pool's sequence slots; 0 (unknown) if any member's are."""
+    return 0 if any(not v.slots for v in members) else sum(v.slots for v in members)
 
 
 def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
-              granted_tokens: int = 0, starting: int = 0) -> PoolLoad:
+              granted_tokens: int = 0, starting: int = 0, flex_holding: int = 0) -> PoolLoad:
     """`pool`'s load from the views; `granted_tokens`: placed by flow control and not yet in any
-    view (no booking yet), spread over the pool's speed; `starting`: `PoolLoad`'s.
+    view (no booking yet), spread over the pool's speed; `starting`, `flex_holding`: `PoolLoad`'s.
     `prefill_tokens_per_s`: by hardware."""
     members = [v for v in views if v.pool == pool]
     speed = sum(prefill_tokens_per_s[v.hardware] for v in members) or 1.0
@@ -143,16 +170,21 @@ def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict
     return PoolLoad(tuple(
         WorkerLoad(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra,
                    prefill_tokens_per_s[v.hardware], v.waiting, max(1, v.dp_ranks), v.kv_usage)
-        for v in members), starting)
+        for v in members), starting, pool_slots(members), flex_holding)
 
 
 def can_start_now(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
-                  limits: FlowLimits, granted_tokens: int = 0, starting: int = 0, tier: Tier = Tier.DEFAULT) -> bool:
+                  limits: FlowLimits, granted_tokens: int = 0, starting: int = 0, tier: Tier = Tier.DEFAULT,
+                  flex_holding: int = 0) -> bool:
     """`pool_load(...).can_start(limits, tier)` without building it, stopping at the first worker that
     can start: the unsaturated path's cost, paid by every request."""
     members = [v for v in views if v.pool == pool]
     if not members:
         return False
+    if tier is Tier.FLEX and flex_holding:
+        cap = limits.flex_slots(pool_slots(members))
+        if cap is not None and flex_holding >= cap:
+            return False
     reserve = limits.flex_reserve if tier is Tier.FLEX else 0
     if starting >= max(1, limits.max_engine_waiting - reserve):  # else under the bound whatever the ranks
         bound = limits.max_engine_waiting * sum(max(1, v.dp_ranks) for v in members)
@@ -222,8 +254,12 @@ class PoolQueue:
     def depth(self, tier: Tier) -> int:
         return self.bands[tier].count
 
+    def ahead_of(self, tier: Tier) -> bool:
+        """Whether a request of `tier` or above waits: one of `tier` would start after it."""
+        return any(b.count for b in self.bands[:tier + 1])
+
     def arrive(self, request: FlowRequest, load: PoolLoad, now: float) -> Arrival:
-        if not len(self) and load.can_start(self.limits, request.tier):
+        if not self.ahead_of(request.tier) and load.can_start(self.limits, request.tier):
             return Arrival(start=True)
         ahead = self.tokens_ahead(request)
         wait = load.wait_past(self.limits) + ahead / self.drain_rate(load, now)
@@ -349,7 +385,7 @@ class FlowPolicy:
         started = []
         while (request := queue.next_start(load, now)) is not None:
             started.append(request)
-            load = load.placed(request.prompt_tokens, self.limits)
+            load = load.placed(request.prompt_tokens, self.limits, request.tier)
         return started
 
 

@@ -24,4 +24,5 @@ class WorkerView:
     waiting: int = 0  # requests the engine holds, not yet running (last load report): flow control reads it
     kv_usage: float = 0.0  # of its KV memory, 0..1 (last load report)
     dp_ranks: int = 1
+    slots: int = 0  # sequences it runs at once, all DP ranks (0: unknown); flow control's flex share
     prefills: bool = True  # a decode worker that can take a PD bypass

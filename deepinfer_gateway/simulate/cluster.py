@@ -125,6 +125,7 @@ class SimWorker:
                 kv_format=self.profile.kv_format, model=self.model,
                 queued_prefill_tokens=max(0, self.report_queued + self.reserved), booked_tokens=self.reserved,
                 running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
+                slots=self.profile.max_num_seqs * self.report_ranks,
             )
         return view
 

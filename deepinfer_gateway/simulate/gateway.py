@@ -61,6 +61,7 @@ class RequestState:
     last_token_t: float = -1.0
     emitted: int = 0
     flow_pool: str | None = None  # flow control: the pool it counts as starting in, until its first token
+    flex_pool: str | None = None  # flow control: the pool where it holds a flex slot, until its end
     session: SessionIdentity | None = None  # a session round's
     avoid: frozenset[str] = frozenset()  # session capacity: workers without room for its session
     session_begun: bool = False  # session capacity counts it as its session's round in flight
@@ -106,6 +107,7 @@ class SimGateway:
         # requests wait in `flow`, `pump` starts them as the workers free up.
         self.flow = FlowPolicy(FlowLimits.of(flow)) if flow.enabled else None
         self.flow_starting: dict[str, int] = {}
+        self.flex_holding: dict[str, int] = {}
         self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
                        for hardware in {str(w.profile.hardware) for w in workers}}
         self.session_of: dict[int, SessionIdentity] = {}  # trace index -> its round's session, until it arrives
@@ -227,6 +229,9 @@ class SimGateway:
         if req.session_begun and self.sessions is not None and req.session is not None and req.session.session:
             req.session_begun = False
             self.sessions.end(req.session.session, self.clock())
+        if req.flex_pool is not None:
+            self.flex_holding[req.flex_pool] -= 1
+            req.flex_pool = None
         if self.on_end is not None:
             self.on_end(req)
 
@@ -255,15 +260,18 @@ class SimGateway:
             self.fail(req, RecordError.RATE_LIMITED, f"pool {pool}: flow control ({arrival.shed.reason})")
             return False
         if arrival.start:
-            self._starting(req, pool)
+            self._starting(req, pool, tier)
         return arrival.start
 
     def _load(self, views: ViewList, pool: str) -> PoolLoad:
-        return pool_load(views, pool, self.speeds, 0, self.flow_starting.get(pool, 0))
+        return pool_load(views, pool, self.speeds, 0, self.flow_starting.get(pool, 0), self.flex_holding.get(pool, 0))
 
-    def _starting(self, req: RequestState, pool: str) -> None:
+    def _starting(self, req: RequestState, pool: str, tier: Tier) -> None:
         req.flow_pool = pool
         self.flow_starting[pool] = self.flow_starting.get(pool, 0) + 1
+        if tier is Tier.FLEX:
+            req.flex_pool = pool
+            self.flex_holding[pool] = self.flex_holding.get(pool, 0) + 1
 
     def started(self, req: RequestState) -> None:
         """Its first token (or its end): it no longer counts as starting in its pool."""
@@ -282,7 +290,7 @@ class SimGateway:
                 self.fail(_held(late), RecordError.RATE_LIMITED, f"pool {pool}: flow control (deadline)")
             for request in self.flow.starts(pool, self._load(self.current_views(), pool), t):
                 req = _held(request)
-                self._starting(req, pool)
+                self._starting(req, pool, request.tier)
                 views = self.current_views()
                 worker = self._place(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
                 if worker is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -149,6 +150,35 @@ def test_flex_is_shed_with_retry_after_while_others_are_served(cluster: SimClust
         assert max(served) < 4.0  # every default request served, none refused
         assert _metric(gw, "dgw_flow_shed_total", service_tier="flex") > 0
         assert _metric(gw, "dgw_flow_shed_total", service_tier="default") == 0
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_flex_share_keeps_slots_for_the_tiers_above(cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory,
+                                                    share: float) -> None:
+    """Long flex answers (4 s each) hold the worker's slots: with flex held to half of the 4 slots a
+    default request starts at once; with no cap it waits for a flex answer to end."""
+    gw = _gateway(tmp_path_factory.mktemp("flow-share"), cluster,
+                  FLOW.format(flex=60000) + f"flex_max_share = {share}\n")
+    try:
+        async def run() -> list[float]:
+            stop, outcomes = asyncio.Event(), list[int]()
+            flood = [asyncio.create_task(_flood(gw, "sk-batch", stop, outcomes, max_tokens=240)) for _ in range(12)]
+            await _queued(gw)
+            await asyncio.sleep(1.0)  # the flex requests started first are decoding
+            default = [await _ttft(gw, "sk-chat") for _ in range(4)]
+            stop.set()
+            for task in flood:
+                task.cancel()
+            await asyncio.gather(*flood, return_exceptions=True)
+            return default
+
+        default = asyncio.run(run())
+        if share < 1.0:
+            assert max(default) < 0.5, default
+        else:  # the control: without the share the same requests wait for a slot
+            assert statistics.median(default) > 0.5, default
     finally:
         gw.stop()
 

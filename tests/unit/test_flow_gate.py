@@ -4,6 +4,7 @@ views the test sets (the load view is plain data: router/worker_view.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -101,5 +102,30 @@ def test_priority_goes_first_and_a_request_past_its_deadline_is_refused_with_ret
         assert not default.done()
         held.started()  # a first token: the default request's turn
         await asyncio.wait_for(default, 1.0)
+
+    asyncio.run(run())
+
+
+def test_flex_holds_its_share_of_the_slots_from_its_start_to_its_end() -> None:
+    async def run() -> None:
+        views = Views(0)
+        views.now = [dataclasses.replace(view(0), slots=4)]
+        metrics = GatewayMetrics()
+        g = FlowGate(SETTINGS.model_copy(update={"flex_max_share": 0.5, "max_engine_waiting": 8}), views,
+                     lambda hardware: 10_000.0, metrics)
+        flex = [await g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()) for _ in range(2)]
+        for grant in flex:
+            grant.started()  # a first token: no longer starting, still holding a slot
+        assert g.flex_holding["p"] == 2 and g.starting["p"] == 0
+        third = asyncio.create_task(g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()))
+        default = await asyncio.wait_for(g.admit(ticket(), 100, "p", views.now, time.perf_counter()), 0.1)
+        assert default.waited_s == 0  # the tiers above pass the waiting flex request at once
+        await asyncio.sleep(0.05)
+        assert not third.done()
+        flex[0].ended()
+        flex[0].ended()  # idempotent
+        assert (await asyncio.wait_for(third, 1.0)).waited_s > 0 and g.flex_holding["p"] == 2
+        default.ended()  # not flex: it held no slot
+        assert g.flex_holding["p"] == 2
 
     asyncio.run(run())

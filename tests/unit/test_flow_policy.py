@@ -29,9 +29,10 @@ def request(tenant: str = "a", tier: Tier = Tier.DEFAULT, tokens: int = 100, dea
     return FlowRequest(tenant, tier, tokens, tokens, arrival, deadline, weight)
 
 
-def view(queued: int = 0, waiting: int = 0, kv: float = 0.0, pool: str = "p") -> WorkerView:
+def view(queued: int = 0, waiting: int = 0, kv: float = 0.0, pool: str = "p", slots: int = 0) -> WorkerView:
     return WorkerView(worker_id=f"w{queued}{waiting}{kv}", role=Role.UNIFIED, pool=pool, hardware="sm100",
-                      kv_format="f", model="m", queued_prefill_tokens=queued, waiting=waiting, kv_usage=kv)
+                      kv_format="f", model="m", queued_prefill_tokens=queued, waiting=waiting, kv_usage=kv,
+                      slots=slots)
 
 
 def test_saturation_from_queue_wait_waiting_requests_and_kv_usage() -> None:
@@ -172,23 +173,48 @@ def test_flex_leaves_a_reserve_of_the_starting_bound_to_higher_tiers() -> None:
     assert one_starting.can_start(limits, Tier.DEFAULT) and not one_starting.can_start(limits, Tier.FLEX)
     queue = PoolQueue(limits)
     assert not queue.arrive(request("f", Tier.FLEX), one_starting, 0.0).start  # waits: only the reserve is left
-    assert queue.arrive(request("d", Tier.DEFAULT), one_starting, 1.0).shed is None  # queued behind nothing higher
-    assert queue.next_start(one_starting, 1.0).tier is Tier.DEFAULT
+    assert queue.arrive(request("d", Tier.DEFAULT), one_starting, 1.0).start  # nothing of its band or above waits
     assert queue.next_start(one_starting, 1.0) is None  # flex keeps waiting for a start to end
     assert queue.next_start(IDLE, 1.0).tier is Tier.FLEX
     # a pool whose bound is one request still starts flex (the reserve never takes it all)
     assert PoolLoad((WorkerLoad(0.0, 10_000.0, 0, 1, 0.1),)).can_start(FlowLimits(max_engine_waiting=1), Tier.FLEX)
 
 
+def test_flex_holds_at_most_its_share_of_the_pools_slots() -> None:
+    speed = {"sm100": 10_000.0}
+    limits = FlowLimits(flex_max_share=0.75)
+    pool = [view(slots=4), view(slots=4, pool="q"), view(queued=1, slots=4)]  # 8 slots in pool p: 6 for flex
+    assert pool_load(pool, "p", speed, flex_holding=5).can_start(limits, Tier.FLEX)
+    held = pool_load(pool, "p", speed, flex_holding=6)
+    assert not held.can_start(limits, Tier.FLEX) and held.can_start(limits, Tier.DEFAULT)
+    queue = PoolQueue(limits)
+    assert not queue.arrive(request("f", Tier.FLEX), held, 0.0).start  # waits for a flex request to end
+    assert queue.arrive(request("d"), held, 0.0).start  # the tiers above start at once
+    assert queue.next_start(held, 1.0) is None
+    assert queue.next_start(pool_load(pool, "p", speed, flex_holding=5), 1.0).tier is Tier.FLEX
+    # starting flex in one pass counts each start against the share
+    policy = FlowPolicy(limits)
+    for i in range(3):
+        policy.pool("p").arrive(request(f"f{i}", Tier.FLEX), held, 0.0)
+    assert len(policy.starts("p", pool_load(pool, "p", speed, flex_holding=4), 1.0)) == 2
+    # no cap where the slots are unknown (a worker that does not say them), or at a share of 1
+    assert pool_load([view(slots=4), view(queued=1)], "p", speed, flex_holding=99).can_start(limits, Tier.FLEX)
+    assert held.can_start(FlowLimits(), Tier.FLEX)
+    # a pool too small for the share still lets one flex request run
+    assert limits.flex_slots(1) == 1 and limits.flex_slots(0) is None
+
+
 def test_the_cheap_unsaturated_check_agrees_with_the_pool_load() -> None:
     speed = {"sm100": 10_000.0}
     cases = [[view()], [view(queued=3_000)], [view(waiting=4)], [view(kv=0.97)], [view(queued=3_000), view()],
-             [view(queued=1_500), view(queued=1_600, waiting=1)], [view(pool="q")]]
-    limits = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=2, flex_reserve=1)
+             [view(queued=1_500), view(queued=1_600, waiting=1)], [view(pool="q")], [view(slots=4)],
+             [view(slots=2), view(queued=1, slots=2)]]
+    limits = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=2, flex_reserve=1, flex_max_share=0.5)
     for views in cases:
         for granted, starting in ((0, 0), (1_000, 0), (0, 1), (0, 2), (600, 3)):
             for tier in Tier:
-                full = pool_load(views, "p", speed, granted, starting)
-                expected = bool(full.workers) and full.can_start(limits, tier)
-                assert can_start_now(views, "p", speed, limits, granted, starting, tier) == expected, (
-                    views, granted, starting, tier)
+                for holding in (0, 1, 2):
+                    full = pool_load(views, "p", speed, granted, starting, holding)
+                    expected = bool(full.workers) and full.can_start(limits, tier)
+                    assert can_start_now(views, "p", speed, limits, granted, starting, tier, holding) == expected, (
+                        views, granted, starting, tier, holding)

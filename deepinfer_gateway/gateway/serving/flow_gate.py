@@ -9,8 +9,9 @@ deadlines expire on the clock). The pump reads the views afresh each pass, so bo
 requests it just started count before the next pass.
 
 A request started here holds its prompt tokens as "granted" in its pool's load until its leg
-is booked on a worker (`Grant.booked`): the views cannot show it before that; and it counts
-as starting until its first token (`Grant.started`).
+is booked on a worker (`Grant.booked`): the views cannot show it before that; it counts
+as starting until its first token (`Grant.started`); and a flex request holds one of its
+pool's sequence slots until its first leg ends (`Grant.ended`).
 A client that disconnects while queued cancels its waiter: it leaves the queue at once.
 """
 
@@ -32,6 +33,7 @@ from deepinfer_gateway.router.flow import (
     FlowLimits,
     FlowPolicy,
     FlowRequest,
+    PoolLoad,
     Shed,
     ShedReason,
     Tier,
@@ -59,12 +61,15 @@ class FlowTicket:
 
 class Grant:
     """A request's permission to be placed: `booked` once its leg is booked on a worker, `started`
-    once it has its first token or failed (each idempotent; `started` implies `booked`)."""
+    once it has its first token or failed, `ended` once its first leg ended or it failed (each
+    idempotent; `ended` implies `started`, which implies `booked`)."""
 
-    __slots__ = ("_gate", "_booked", "pool", "tokens", "waited_s")
+    __slots__ = ("_gate", "_holder", "_booked", "pool", "tokens", "waited_s")
 
-    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float) -> None:
+    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float, holds_slot: bool = False
+                 ) -> None:
         self._gate, self.pool, self.tokens, self.waited_s = gate, pool, tokens, waited_s
+        self._holder = gate if holds_slot else None
         self._booked = False
 
     def booked(self) -> None:
@@ -79,6 +84,14 @@ class Grant:
             self._gate = None
             gate.starting[self.pool] -= 1
             gate.wake()
+
+    def ended(self) -> None:
+        self.started()
+        holder = self._holder
+        if holder is not None:
+            self._holder = None
+            holder.flex_holding[self.pool] -= 1
+            holder.wake()
 
 
 class _Speeds(dict[str, float]):
@@ -103,6 +116,7 @@ class FlowGate:
         self.metrics = metrics
         self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
         self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
+        self.flex_holding: defaultdict[str, int] = defaultdict(int)  # started flex requests not ended
         self._wake = asyncio.Event()
         self._wait_series: dict[tuple[str, Tier], Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
@@ -122,10 +136,10 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
-        if not len(queue) and can_start_now(views, pool, self.speeds, self.policy.limits, self.granted[pool],
-                                            self.starting[pool], ticket.tier):
+        if not queue.ahead_of(ticket.tier) and can_start_now(views, pool, self.speeds, self.policy.limits, self.granted[pool],
+                                            self.starting[pool], ticket.tier, self.flex_holding[pool]):
             return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
-        load = pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool])
+        load = self._load(views, pool)
         outcome = queue.arrive(request, load, now)
         for displaced in outcome.displaced:
             self._refuse(pool, displaced, Shed(ShedReason.DISPLACED, retry_after(ticket.target_s)))
@@ -146,17 +160,23 @@ class FlowGate:
             if queue.remove(request):  # its client left while it waited
                 self._gauge(pool)
             elif future.done() and not future.cancelled() and future.exception() is None:
-                future.result().started()  # started, then cancelled before it was placed
+                future.result().ended()  # started, then cancelled before it was placed
             raise
 
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
         self.starting[pool] += 1
+        holds_slot = request.tier is Tier.FLEX
+        if holds_slot:
+            self.flex_holding[pool] += 1
         series = self._wait_series.get((pool, request.tier))
         if series is None:  # a labels() lookup costs more than the rest of an unsaturated admission
             series = self._wait_series[pool, request.tier] = self.metrics.flow_wait.labels(pool, request.tier.label)
         series.observe(waited_s)
-        return Grant(self, pool, request.prompt_tokens, waited_s)
+        return Grant(self, pool, request.prompt_tokens, waited_s, holds_slot)
+
+    def _load(self, views: Sequence[WorkerView], pool: str) -> PoolLoad:
+        return pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool], self.flex_holding[pool])
 
     def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
         why = {ShedReason.DEADLINE: "cannot start within its time-to-first-token target",
@@ -189,7 +209,7 @@ class FlowGate:
                 now = loop.time()
                 for pool in pools:
                     queue = self.policy.pool(pool)
-                    load = pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool])
+                    load = self._load(views, pool)
                     for late in queue.expired(now):
                         self._refuse(pool, late, Shed(ShedReason.DEADLINE, retry_after(load.wait_past(
                             self.policy.limits) + 1.0)))

@@ -55,7 +55,7 @@ class Lease:
     worker's in-flight count; on a first leg, its share of the worker's queue until the
     first token) and the process gauge."""
 
-    __slots__ = ("booking", "_metrics", "_on_release", "stream", "ready_at", "released")
+    __slots__ = ("booking", "_metrics", "_on_release", "stream", "ready_at", "released", "grant")
 
     def __init__(self, booking: Booking[WorkerState], metrics: GatewayMetrics,
                  on_release: Callable[[], None] | None = None):
@@ -65,6 +65,7 @@ class Lease:
         self.stream: EventStream | None = None
         self.ready_at = 0.0  # perf_counter when the leg's `ready` event arrived
         self.released = False
+        self.grant: Grant | None = None  # flow control's, on a first leg: its slot is held until the leg ends
         metrics.inflight.inc()
 
     @property
@@ -84,6 +85,8 @@ class Lease:
         self.released = True
         self.booking.end()
         self._metrics.inflight.dec()
+        if self.grant is not None:
+            self.grant.ended()
         if self._on_release is not None:
             self._on_release()
         if self.stream is not None:
@@ -170,7 +173,7 @@ class Legs:
                 try:  # the load (and the cache) moved while it waited: plan on what is there now
                     views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
                 except BaseException:
-                    grant.started()
+                    grant.ended()
                     raise
 
         def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
@@ -191,14 +194,18 @@ class Legs:
 
         try:
             lease, ready, first = await self._open_any(choose, leg.request_id, reserve=prepared.prompt_tokens)
-        except _Exhausted as exc:
+        except BaseException as exc:
+            if grant is not None:
+                grant.ended()
+            if not isinstance(exc, _Exhausted):
+                raise
             if exc.last is None:
                 raise NoHealthyWorker("No healthy worker is available to serve this request; retry shortly.") from None
             # each failure was logged with its worker (`_failed`); the client reads no address
             raise UpstreamFailed(f"All {exc.attempts} attempted workers failed: {exc.last.detail}") from None
-        finally:
-            if grant is not None:
-                grant.started()  # its first token (or its end): the pool may start another
+        if grant is not None:
+            grant.started()  # its first token: the pool may start another
+            lease.grant = grant  # ... and its slot is free when the leg ends
         plan = plans[-1]
         await self.routing.remember(session, plan)
         if plan.mode is Mode.PD and first["event"] == "finish" and "kv_handoff" in first:

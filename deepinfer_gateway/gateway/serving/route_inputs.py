@@ -39,6 +39,7 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0
     if worker.info is None:
         return None
     load = worker.load
+    dp_ranks = len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size
     return WorkerView(
         worker_id=worker.worker_id, role=worker.spec.role, pool=worker.pool, hardware=str(worker.spec.hardware),
         kv_format=worker.kv_format, model=worker.info.model,
@@ -46,7 +47,7 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0
         booked_tokens=booked, own_booked=own, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
         waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
-        dp_ranks=len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size,
+        dp_ranks=dp_ranks, slots=(worker.spec.max_num_seqs or worker.info.max_num_seqs or 0) * dp_ranks,
         prefills=worker.info.prefills,
     )
 

@@ -172,6 +172,7 @@ class DeepInferEngine:
             kv_format=c.resolved_kv_format,
             model=c.served_model,
             dp_size=c.dp_size,
+            max_num_seqs=c.max_num_seqs,
             prefills=c.role is not Role.DECODE,  # a COMPLETION engine only continues handed-off KV
             epoch=self._events.epoch,
         )

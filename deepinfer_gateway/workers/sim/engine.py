@@ -107,6 +107,7 @@ class SimEngine:
             kv_format=self.profile.kv_format,
             model=self._model,
             dp_size=self.profile.dp_ranks,
+            max_num_seqs=self.profile.max_num_seqs,
             epoch=self._events.epoch,
         )
 
