@@ -82,6 +82,10 @@ class _WorkerSpecBase(_Frozen):
     kv_format: str = Field("", description="KV cache format; empty: learned from the worker's info endpoint.")
     pool: str = Field("", description="Pool name; empty: the role's default pool.")
     id: str = Field("", description="Worker id in metrics and logs; empty: host:port of the URL.")
+    max_num_seqs: int = Field(
+        0, ge=0, description="Sequences its engine runs at once per DP rank (vLLM's --max-num-seqs); 0: what the "
+                             "worker's info says (dgw workers say it; vllm and openai workers do not). Flow control's "
+                             "flex_max_share counts these slots; a pool with a worker of unknown slots has no cap.")
 
     # The planner pairs prefill and decode workers by KV format alone: a vLLM worker's KV must
     # never look compatible with another engine's, nor the other way round.
