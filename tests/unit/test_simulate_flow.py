@@ -20,7 +20,8 @@ PROFILE = small_sm100()
 TRACE = [TraceRequest(i, i / 12.0, 512, 30, (10_000 + 10 * i, 10_001 + 10 * i)) for i in range(150)]
 
 
-def run(tmp_path: Path, enabled: bool) -> list[RequestRecord]:
+def run(tmp_path: Path, enabled: bool, flex_share: float = 1.0, trace: list[TraceRequest] = TRACE
+        ) -> list[RequestRecord]:
     profiles = tmp_path / "profiles.toml"
     profiles.write_text(PROFILE)
     config = ClusterConfig(
@@ -28,8 +29,8 @@ def run(tmp_path: Path, enabled: bool) -> list[RequestRecord]:
         router=RouterSettings(hardware={"sm100": HardwareCost(prefill_tokens_per_s=20_000.0,
                                                               kv_load_bytes_per_s=25e9)}),
         flow_control=FlowControlSettings(enabled=enabled, max_engine_waiting=2, default_ttft_ms=2000,
-                                         flex_ttft_ms=3000))
-    return Simulator(config).run(TRACE)
+                                         flex_ttft_ms=3000, flex_max_share=flex_share))
+    return Simulator(config).run(trace)
 
 
 def p99(values: list[float]) -> float:
@@ -52,3 +53,23 @@ def test_default_keeps_its_target_while_flex_waits_or_is_refused(tmp_path: Path,
     else:
         assert p99(default_ttft) > 2.0  # the engine's queue holds flex and default alike
         assert not any(r.error == RecordError.RATE_LIMITED for r in records)
+
+
+# 4 requests/s, every second one flex: default answers of 30 tokens (about one slot busy), flex
+# answers of 120 (2 s each: flex alone fills the 4 slots and its queue grows)
+LONG_FLEX = [TraceRequest(i, i / 4.0, 512, 120 if i % 2 else 30, (20_000 + 10 * i, 20_001 + 10 * i))
+             for i in range(120)]
+
+
+def test_flex_share_keeps_slots_free_for_default(tmp_path: Path) -> None:
+    """Flex held to half the worker's 4 slots: default requests find a free slot instead of waiting
+    for a flex answer to end, at the price of flex throughput."""
+    def default_p99(records: list[RequestRecord]) -> float:
+        return p99([r.ttft_s for r in records if r.index % 2 == 0 and r.ttft_s is not None])
+
+    def flex_served(records: list[RequestRecord]) -> int:
+        return sum(r.index % 2 == 1 and r.ttft_s is not None for r in records)
+
+    shared, unshared = run(tmp_path, True, 0.5, LONG_FLEX), run(tmp_path, True, 1.0, LONG_FLEX)
+    assert default_p99(shared) < 0.5 * default_p99(unshared), (default_p99(shared), default_p99(unshared))
+    assert 0 < flex_served(shared) < flex_served(unshared)
