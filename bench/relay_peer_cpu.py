@@ -1,7 +1,7 @@
 """CPU per relayed chunk: this gateway against sglang-router, relaying the same streams.
 
     python bench/relay_peer_cpu.py [--streams 100] [--seconds 6] [--rounds 3] [--nextn 0]
-        [--toml 'worker_protocol = "auto"'] [--servers uvicorn,granian]
+        [--toml 'worker_protocol = "auto"']
 
 One sim worker decoding at 50 tokens/s per stream (`--nextn` draft tokens per step: 0 is one
 token per step and per chunk; 3 is DSpark's sweep, ~3.25), in front of it the gateway
@@ -12,12 +12,6 @@ round runs `--streams` concurrent streams of `--seconds` through each router in 
 minus its idle rate x the round's wall time: `*_cpu_us_per_chunk` and `*_cpu_us_per_token`
 (per content chunk and per output token the clients received; per-request work included,
 alike for both), medians over rounds with the rounds listed, and `gateway_vs_sglang_router`.
-Each round runs the routers in another order (rotated), so no router always follows another.
-
-`--servers uvicorn,granian`: one gateway per HTTP server (its `http_server` setting), all in
-the same rounds; their figures are `gateway_<server>_*`, each against sglang-router
-(`gateway_<server>_vs_sglang_router`), and `granian_vs_uvicorn` is the ratio of their median
-CPU per chunk (`granian_vs_uvicorn_rounds`: the ratio within each round).
 The gateway parses, detokenizes and re-frames every step (deepseek-recipe); sglang-router
 passes the worker's SSE bytes through, so this is the price of the gateway's relay against a
 byte-forwarding proxy in Rust, both paying the same kernel writes.
@@ -53,21 +47,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--nextn", type=int, default=0)
     parser.add_argument("--toml", default='worker_protocol = "auto"\n')
-    parser.add_argument("--servers", default="uvicorn", help="gateway HTTP servers (http_server), comma-separated")
     args = parser.parse_args()
-    servers = args.servers.split(",")
 
     worker, worker_url = start_worker(1.0, flat_decode_profiles(TOKENS_PER_S, args.nextn))
-    gateways = {("gateway" if len(servers) == 1 else f"gateway_{server}"):
-                start_gateway(worker_url, extra_toml=f'between_events_timeout_s = 30\nhttp_server = "{server}"\n'
-                                                     + args.toml + "\n")
-                for server in servers}
+    gateway = start_gateway(worker_url, extra_toml="between_events_timeout_s = 30\n" + args.toml + "\n")
     port = free_port()
     venv = ensure_venv(SGLANG_ROUTER)
     router = subprocess.Popen(peer_command("round-robin", venv, port, [worker_url]),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    targets = {name: (gateway.url, gateway.proc.proc.pid) for name, gateway in gateways.items()}
-    targets["sglang_router"] = (f"http://127.0.0.1:{port}", router.pid)
+    targets = {"gateway": (gateway.url, gateway.proc.proc.pid),
+               "sglang_router": (f"http://127.0.0.1:{port}", router.pid)}
     per_chunk: dict[str, list[float]] = {name: [] for name in targets}
     per_token: dict[str, list[float]] = {name: [] for name in targets}
     idle: dict[str, float] = {}
@@ -78,11 +67,8 @@ def main() -> None:
             cpu0 = tree_cpu_s(pid)
             time.sleep(2.0)
             idle[name] = (tree_cpu_s(pid) - cpu0) / 2.0
-        names = list(targets)
         for round_no in range(args.rounds):
-            shift = round_no % len(names)
-            for name in names[shift:] + names[:shift]:
-                url, pid = targets[name]
+            for name, (url, pid) in targets.items():
                 cpu0, wall0 = tree_cpu_s(pid), time.perf_counter()
                 _, _, errors, chunks, tokens = asyncio.run(streams(url + "/v1/chat/completions", args.streams,
                                                                    args.seconds))
@@ -97,8 +83,7 @@ def main() -> None:
     finally:
         router.terminate()
         router.wait(timeout=10)
-        for gateway in gateways.values():
-            gateway.stop()
+        gateway.stop()
         worker.stop()
     out: dict[str, object] = {"nextn": args.nextn, "streams": args.streams, "loadavg_1m": round(os.getloadavg()[0], 2)}
     for name in targets:
@@ -106,13 +91,8 @@ def main() -> None:
         out[f"{name}_cpu_us_per_chunk_rounds"] = [round(x, 1) for x in per_chunk[name]]
         out[f"{name}_cpu_us_per_token"] = round(statistics.median(per_token[name]), 1)
         out[f"{name}_idle_cpu_ms_per_s"] = round(1000 * idle[name], 1)
-    for name in gateways:
-        out[f"{name}_vs_sglang_router"] = round(statistics.median(per_chunk[name]) /
-                                                statistics.median(per_chunk["sglang_router"]), 2)
-    if {"uvicorn", "granian"} <= set(servers):
-        uvicorn, granian = per_chunk["gateway_uvicorn"], per_chunk["gateway_granian"]
-        out["granian_vs_uvicorn"] = round(statistics.median(granian) / statistics.median(uvicorn), 3)
-        out["granian_vs_uvicorn_rounds"] = [round(g / u, 3) for g, u in zip(granian, uvicorn, strict=True)]
+    out["gateway_vs_sglang_router"] = round(statistics.median(per_chunk["gateway"]) /
+                                            statistics.median(per_chunk["sglang_router"]), 2)
     print(json.dumps(out))
 
 

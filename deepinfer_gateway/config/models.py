@@ -536,12 +536,6 @@ class GatewaySettings(_Frozen):
         "auto",
         description="Sim and DeepInfer workers: auto: worker protocol v2 (one multiplexed connection per worker) "
                     "where the worker speaks it, else v1; v1: one HTTP stream per request (docs/worker-protocol.md).")
-    http_server: Literal["uvicorn", "granian"] = Field(
-        "uvicorn",
-        description="The HTTP server of the gateway process. granian: a trial (Rust HTTP/1.1, the granian package "
-                    "of the dev extra), measured to cost more CPU than uvicorn, for processes = 1 only; it does not "
-                    "bound a request head's size or a non-reading client's writes, and does not cut streams in "
-                    "flight at shutdown_grace_s.")
     shutdown_delay_s: float = Field(
         0.0, ge=0,
         description="SIGTERM: /ready answers 503 and the listener stays open this long (load balancers stop sending).")

@@ -32,8 +32,6 @@ def run_gateway(settings: GatewaySettings, log_level: str, log_format: str) -> i
     check_gateway_bind(settings)
     processes = resolve_processes(settings.processes)
     if processes > 1:
-        if settings.http_server == "granian":  # its host binds a socket of its own, not the supervisor's shared one
-            raise SystemExit(f"http_server granian serves one process only, not {processes}: set processes = 1")
         return Supervisor(settings, processes, log_level=log_level, log_format=log_format).run()
     tracing.configure(settings.tracing)
     try:

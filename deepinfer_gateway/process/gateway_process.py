@@ -43,13 +43,6 @@ def serve_gateway(app: Any, shutting_down: threading.Event, settings: GatewaySet
     limits = settings.client_connections
     bounds = ConnectionBounds(limits.header_timeout_s, limits.max_header_bytes, limits.max_connections,
                               limits.write_timeout_s)
-    if settings.http_server == "granian":
-        from deepinfer_gateway.infra import granian_host
-
-        assert not options, "the granian host binds its own socket and sets no extra headers"
-        return granian_host.run_until_signal(app, settings.host, settings.port, log_level=log_level,
-                                             drain_delay_s=settings.shutdown_delay_s, on_signal=shutting_down.set,
-                                             bounds=bounds)
     return run_until_signal(app, settings.host, settings.port, log_level=log_level,
                             graceful_s=settings.shutdown_grace_s, drain_delay_s=settings.shutdown_delay_s,
                             on_signal=shutting_down.set, bounds=bounds, **options)

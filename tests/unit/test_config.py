@@ -116,7 +116,6 @@ def test_every_top_level_setting_has_an_environment_variable(monkeypatch: pytest
               "log_format": "json", "access_log": "false", "tracing": '{"enabled": true}',
               "worker_token": "tok", "worker_token_file": "/run/secrets/worker-token",
               "responses": '{"max_per_key": 5}', "conversations": '{"max_per_key": 5}', "worker_protocol": "v1",
-              "http_server": "granian",
               "admin_worker_hosts": '["10.0.0.0/8"]', "metrics_port": "9100", "api_docs": "false"}
     assert set(values) == set(GatewaySettings.model_fields), "a new setting: add it here"
     for name, value in values.items():
