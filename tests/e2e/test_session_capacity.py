@@ -1,7 +1,8 @@
 """Sessions under cache pressure through the live gateway, real HTTP and the openai SDK, against
 a sim worker whose KV cache holds one session's context and not two: a second session's round
 waits in the gateway while the first session is live (its next round comes back within the TTL
-and finds its whole context cached), then goes once the first session's TTL has run out."""
+and finds its whole context cached), then goes once the first session's TTL has run out; the same
+with flow control on beside it (its queue after the session's wait)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ ttl_ms = {TTL_S * 1000:.0f}
 headroom = 0.1
 max_wait_ms = 30000
 """
+FLOW = """[flow_control]
+enabled = true
+"""
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+@pytest.fixture(scope="module", params=["sessions", "sessions-and-flow-control"])
+def gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("session-capacity")
     profile = tmp / "profiles.toml"
     profile.write_text(PROFILE)
-    with one_worker_gateway(tmp, SESSIONS, time_scale=1.0, worker_args=["--profiles", str(profile)]) as gw:
+    settings = SESSIONS + (FLOW if request.param == "sessions-and-flow-control" else "")
+    with one_worker_gateway(tmp, settings, time_scale=1.0, worker_args=["--profiles", str(profile)]) as gw:
         yield gw
 
 
@@ -70,7 +75,8 @@ async def _round(client: openai.AsyncOpenAI, session: str, messages: list[dict[s
     return first - started, answer, prompt, cached
 
 
-async def test_a_second_session_waits_for_room_instead_of_evicting_a_live_one(gateway: Gateway) -> None:
+async def test_a_second_session_waits_for_room_instead_of_evicting_a_live_one(gateway: Gateway,
+                                                                             request: pytest.FixtureRequest) -> None:
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=60)
     waits0 = _metric(gateway, "dgw_session_waits_total")
     first = [{"role": "user", "content": _context("alpha")}]
@@ -96,3 +102,7 @@ async def test_a_second_session_waits_for_room_instead_of_evicting_a_live_one(ga
     assert _metric(gateway, "dgw_session_waits_total") == waits0 + 1
     assert _metric(gateway, "dgw_session_proceeded_total") == 0
     assert _metric(gateway, "dgw_session_wait_seconds_sum") >= TTL_S * 0.8
+    # with flow control on, each of the three rounds passed its gate too, and none is left queued there
+    flow_on = request.node.callspec.params["gateway"] == "sessions-and-flow-control"
+    assert _metric(gateway, "dgw_flow_wait_seconds_count") == (3 if flow_on else 0)
+    assert _metric(gateway, "dgw_flow_queued_requests") == 0
