@@ -15,14 +15,19 @@ policy keeps each worker's live sessions within its cache:
   - else the worker whose cache holds at least `hold_share` of the prompt (the prefix index's
     overlap) is its holder: the round goes there at once if its context fits beside the live
     ones (within capacity x (1 - headroom)) and no round waits there before it, else it waits
-    for that worker (moving it would recompute its context elsewhere and evict another's);
+    for that worker, pinned to it (moving it would recompute its context elsewhere and evict
+    another's);
   - else (cached nowhere worth keeping: a first round, a context already evicted) it goes to
-    a worker with room (the planner chooses among them), or, when none has room, waits for the
-    worker with the shortest line.
-- Waiting rounds start first come first served per worker (`starts`): the head starts when its
-  context fits, and none behind it overtakes it, so no session starves; a round that has waited
-  `max_wait_s` starts anyway (`Start.timed_out`). A worker with nothing live takes any round,
-  however large.
+    a worker with room (the planner chooses among them) unless unpinned rounds wait for those
+    workers before it; else it waits unpinned, for whichever of its candidate workers (those
+    asked about) has room first.
+- Pinned rounds start first come first served per worker (`starts`): the head starts when its
+  context fits, and none behind it overtakes it, so no session starves. Unpinned rounds wait in
+  one line (`starts_floating`): each, in arrival order, starts on the candidate with the most
+  free room where it fits and no pinned round waits (a pinned line has that worker first); one
+  that fits nowhere holds its candidates for itself, so none behind it overtakes it there. A
+  round that has waited `max_wait_s` starts anyway (`Start.timed_out`; an unpinned one on its
+  least used candidate). A worker with nothing live takes any round, however large.
 
 Cost: a dict lookup per decision plus one pass over the candidate workers; expiries come off
 a heap. No I/O, the clock is a parameter: the gateway (gateway/serving/session_gate.py) and the
@@ -70,7 +75,8 @@ class Verdict(StrEnum):
 @dataclass(frozen=True)
 class Placement:
     """`GO` with `worker` set: its session's worker; with `avoid`: the workers without room,
-    for the planner to leave out. `WAIT`: the worker whose room it waits for."""
+    for the planner to leave out. `WAIT` with `worker` set: the worker whose room it waits for
+    (pinned); without: room on any of the workers asked about (unpinned)."""
 
     verdict: Verdict
     worker: str | None = None
@@ -79,20 +85,27 @@ class Placement:
 
 @dataclass(eq=False)
 class Waiter:
-    """A round waiting for room on `worker`. `handle`: the caller's (e.g. the future to resolve)."""
+    """A round waiting for room on `worker` (pinned), or, `worker` None, on any of `candidates`
+    (unpinned: the placement's workers). `handle`: the caller's (e.g. the future to resolve)."""
 
     session: str
     blocks: int
-    worker: str
+    worker: str | None
     arrival: float
     handle: object = None
+    candidates: frozenset[str] = frozenset()
     queued: bool = field(default=False, init=False)
+
+    @property
+    def pinned(self) -> bool:
+        return self.worker is not None
 
 
 @dataclass(frozen=True)
 class Start:
     waiter: Waiter
     timed_out: bool  # it waited max_wait_s without room and starts anyway
+    worker: str  # where it began (an unpinned waiter's pick among its candidates)
 
 
 @dataclass
@@ -111,7 +124,9 @@ class SessionCapacity:
         self._live: dict[str, _Live] = {}
         self._on: dict[str, dict[str, _Live]] = {}  # worker -> its live sessions
         self._used: dict[str, int] = {}  # worker -> its live sessions' blocks
-        self._queues: dict[str, deque[Waiter]] = {}
+        self._queues: dict[str, deque[Waiter]] = {}  # worker -> the rounds pinned to it
+        self._floating: deque[Waiter] = deque()  # the unpinned rounds, in arrival order
+        self._floating_on: dict[str, int] = {}  # worker -> unpinned rounds it is a candidate of
         self._expiring: list[tuple[float, str]] = []  # (until, session), stale entries skipped
 
     # --- what is live ----------------------------------------------------------------------
@@ -160,10 +175,9 @@ class SessionCapacity:
                 return Placement(Verdict.GO, holder)
             return Placement(Verdict.WAIT, holder)
         full = frozenset(w for w, capacity in capacities.items() if not self._room(w, blocks, capacity, now))
-        if len(full) < len(capacities):
+        if len(full) < len(capacities) and not any(w in self._floating_on for w in capacities):
             return Placement(Verdict.GO, avoid=full)
-        shortest = min(capacities, key=lambda w: (len(self._queues.get(w, ())), self._used.get(w, 0), w))
-        return Placement(Verdict.WAIT, shortest)
+        return Placement(Verdict.WAIT)  # unpinned: behind the rounds that wait for these workers
 
     def begin(self, session: str, worker: str, blocks: int, now: float) -> None:
         """A round of `session` (its prompt: `blocks`) was placed on `worker`: the session is live
@@ -205,22 +219,40 @@ class SessionCapacity:
     # --- the waiting rounds ---------------------------------------------------------------
 
     def wait(self, waiter: Waiter) -> None:
-        self._queues.setdefault(waiter.worker, deque()).append(waiter)
+        """`waiter` waits from now on: pinned in its worker's line, else in the unpinned line."""
+        if waiter.worker is not None:
+            self._queues.setdefault(waiter.worker, deque()).append(waiter)
+        else:
+            self._floating.append(waiter)
+            for worker in waiter.candidates:
+                self._floating_on[worker] = self._floating_on.get(worker, 0) + 1
         waiter.queued = True
 
     def remove(self, waiter: Waiter) -> bool:
         """Take a waiting round out (its client left); False if it no longer waits."""
         if not waiter.queued:
             return False
-        waiter.queued = False
-        queue = self._queues[waiter.worker]
-        queue.remove(waiter)
-        if not queue:
-            del self._queues[waiter.worker]
+        if waiter.worker is not None:
+            waiter.queued = False
+            queue = self._queues[waiter.worker]
+            queue.remove(waiter)
+            if not queue:
+                del self._queues[waiter.worker]
+        else:
+            self._floating.remove(waiter)
+            self._unfloat(waiter)
         return True
 
     def waiting_workers(self) -> list[str]:
+        """The workers pinned rounds wait for (`starts`)."""
         return list(self._queues)
+
+    def floating_workers(self) -> list[str]:
+        """The workers unpinned rounds may start on (`starts_floating`)."""
+        return list(self._floating_on)
+
+    def any_waiting(self) -> bool:
+        return bool(self._queues or self._floating)
 
     def waiting(self, worker: str) -> int:
         return len(self._queues.get(worker, ()))
@@ -241,23 +273,83 @@ class SessionCapacity:
             queue.popleft()
             head.queued = False
             self.begin(head.session, worker, head.blocks, now)
-            started.append(Start(head, timed_out))
+            started.append(Start(head, timed_out, worker))
         if queue is not None and not queue:
             del self._queues[worker]
         return started
 
+    def starts_floating(self, capacities: Mapping[str, int], now: float) -> list[Start]:
+        """The unpinned rounds that start now, in arrival order, each begun on its pick among its
+        candidates that are in `capacities` (worker -> capacity in blocks): its session's worker
+        when live on one, else the one with the most free room (ties by name) where it fits and no
+        pinned round waits; once it has waited `max_wait_s`, its least used candidate. A round
+        that starts nowhere keeps its candidates from the rounds behind it (first come first
+        served)."""
+        self._expire(now)
+        started: list[Start] = []
+        held: set[str] = set()  # candidates of the rounds ahead that could not start
+        kept: list[Waiter] = []
+        floating = self._floating
+        while floating:
+            waiter = floating[0]
+            worker = self._floating_pick(waiter, capacities, held, now)
+            timed_out = False
+            if worker is None:
+                if now < waiter.arrival + self.limits.max_wait_s:  # as `next_change` computes it
+                    kept.append(floating.popleft())
+                    held |= waiter.candidates
+                    if held.issuperset(self._floating_on):  # none behind it can start anywhere
+                        break
+                    continue
+                timed_out = True
+                present = [w for w in waiter.candidates if w in capacities] or list(waiter.candidates)
+                worker = min(present, key=lambda w: (self._used.get(w, 0), w))
+            floating.popleft()
+            self._unfloat(waiter)
+            self.begin(waiter.session, worker, waiter.blocks, now)
+            started.append(Start(waiter, timed_out, worker))
+        floating.extendleft(reversed(kept))
+        return started
+
     def next_change(self, now: float) -> float | None:
-        """When `starts` may next answer otherwise with nothing else happening (a session's TTL
-        ends, a head's wait runs out); None when no round waits."""
-        if not self._queues:
+        """When `starts` or `starts_floating` may next answer otherwise with nothing else
+        happening (a session's TTL ends, a head's wait runs out); None when no round waits."""
+        if not self._queues and not self._floating:
             return None
         self._expire(now)
         times = [q[0].arrival + self.limits.max_wait_s for q in self._queues.values()]
+        if self._floating:
+            times.append(self._floating[0].arrival + self.limits.max_wait_s)
         if self._expiring:
             times.append(self._expiring[0][0])
         return min(times)
 
     # --- bookkeeping ------------------------------------------------------------------------
+
+    def _floating_pick(self, waiter: Waiter, capacities: Mapping[str, int], held: set[str],
+                       now: float) -> str | None:
+        """Where an unpinned round may start now, none of `held`: None when nowhere."""
+        live = self._live.get(waiter.session)
+        if live is not None and live.worker in waiter.candidates and live.worker in capacities:
+            return live.worker  # its context is counted there already
+        best, best_free = None, -math.inf
+        for worker in waiter.candidates:
+            capacity = capacities.get(worker)
+            if capacity is None or worker in held or not self._room(worker, waiter.blocks, capacity, now):
+                continue
+            free = capacity * (1.0 - self.limits.headroom) - self._used.get(worker, 0) if capacity > 0 else math.inf
+            if free > best_free or (free == best_free and best is not None and worker < best):
+                best, best_free = worker, free
+        return best
+
+    def _unfloat(self, waiter: Waiter) -> None:
+        waiter.queued = False
+        for worker in waiter.candidates:
+            left = self._floating_on[worker] - 1
+            if left:
+                self._floating_on[worker] = left
+            else:
+                del self._floating_on[worker]
 
     def _detach(self, session: str, live: _Live) -> None:
         on = self._on[live.worker]

@@ -13,8 +13,9 @@ store, else the direct transfer bandwidth). `SimGateway` also holds the requests
 A session round (`session_of`, filled by sessions.py) is planned with its session key and its
 parent (lineage), as the live gateway's; with `session_capacity` on, the policy of
 router/session_capacity.py decides before flow control and planning, as `SessionGate` does:
-a round that waits is held until `pump` starts it; its round ends (`finished`) when it is
-answered or fails.
+a round that waits is held until `pump` starts it (one cached nowhere on whichever worker of
+its pool has room first, planned there); its round ends (`finished`) when it is answered or
+fails.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from deepinfer_gateway.router.booking import Booking
 from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, PoolLoad, Tier, pool_load
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
 from deepinfer_gateway.router.policy import Lineage
-from deepinfer_gateway.router.session_capacity import CapacityLimits, SessionCapacity, Verdict, Waiter, blocks_of
+from deepinfer_gateway.router.session_capacity import (
+    CapacityLimits,
+    SessionCapacity,
+    Start,
+    Verdict,
+    Waiter,
+    blocks_of,
+)
 from deepinfer_gateway.simulate.cluster import SimWorker
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.stats import SimStats
@@ -197,28 +205,35 @@ class SimGateway:
         if placement.verdict is Verdict.GO:
             req.avoid = placement.avoid
             return True
-        assert placement.worker is not None
-        self.sessions.wait(Waiter(session, blocks_of(tokens), placement.worker, t, req))
+        self.sessions.wait(Waiter(session, blocks_of(tokens), placement.worker, t, req,
+                                  candidates=frozenset(capacities) if placement.worker is None else frozenset()))
         self.stats.session_waits += 1
         return False
 
     def _session_starts(self, t: float) -> list[SimWorker]:
         """The waiting rounds that have room now (or waited their longest), on to flow control and
         their plan; the workers to kick."""
-        assert self.sessions is not None
-        kicked = []
-        for worker in self.sessions.waiting_workers():
-            for start in self.sessions.starts(worker, self.capacity[worker], t):
-                req = start.waiter.handle
-                assert isinstance(req, RequestState)
-                req.session_begun = True
-                self.stats.session_wait_s += t - start.waiter.arrival
-                self.stats.session_proceeded += start.timed_out
-                views = self.current_views()
-                placed = self._admitted(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
-                if placed is not None:
-                    kicked.append(placed)
+        sessions = self.sessions
+        assert sessions is not None
+        kicked: list[SimWorker] = []
+        for worker in sessions.waiting_workers():  # pinned lines first: they have their workers first
+            self._session_started(sessions.starts(worker, self.capacity[worker], t), t, kicked)
+        if sessions.floating_workers():
+            self._session_started(sessions.starts_floating(self.capacity, t), t, kicked)
         return kicked
+
+    def _session_started(self, starts: list[Start], t: float, kicked: list[SimWorker]) -> None:
+        for start in starts:
+            req = start.waiter.handle
+            assert isinstance(req, RequestState)
+            req.session_begun = True
+            req.avoid = start.waiter.candidates - {start.worker}  # an unpinned one: planned where it began
+            self.stats.session_wait_s += t - start.waiter.arrival
+            self.stats.session_proceeded += start.timed_out
+            views = self.current_views()
+            placed = self._admitted(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
+            if placed is not None:
+                kicked.append(placed)
 
     def next_session_change(self, t: float) -> float | None:
         """When a waiting round may start with nothing else happening (the simulator wakes then)."""

@@ -1,5 +1,6 @@
 """router/session_capacity.py: live sessions within each worker's cache, waiting rounds first
-come first served, the TTL after a round and the bounded wait."""
+come first served (pinned to their context's worker, or unpinned: on whichever worker has room
+first), the TTL after a round and the bounded wait."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from deepinfer_gateway.router.session_capacity import (
     CapacityLimits,
     Placement,
     SessionCapacity,
+    Start,
     Verdict,
     Waiter,
     blocks_of,
@@ -28,8 +30,8 @@ def test_a_session_that_fits_goes_and_a_live_one_always_goes_on() -> None:
     policy = SessionCapacity(LIMITS)
     assert policy.place("s1", 60, ONE, {}, 0.0) == Placement(Verdict.GO, avoid=frozenset())
     policy.begin("s1", "w", 60, 0.0)
-    # a second session's context would not fit beside it: no room anywhere, so it waits
-    assert policy.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT, "w")
+    # a second session's context would not fit beside it: no room anywhere, so it waits (unpinned)
+    assert policy.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT)
     # s1's next round, however grown, goes on: its context is counted already
     policy.end("s1", 1.0)
     assert policy.place("s1", 90, ONE, {"w": 60}, 1.5) == Placement(Verdict.GO, "w")
@@ -58,14 +60,123 @@ def test_a_held_context_waits_for_its_worker_and_an_uncached_one_goes_where_ther
     assert policy.place("s4", 40, TWO, {"b": 40}, 0.0) == Placement(Verdict.GO, "b")
 
 
-def test_no_room_anywhere_waits_for_the_shortest_line() -> None:
+def unpinned(session: str, blocks: int, arrival: float, candidates: frozenset[str] = frozenset(TWO)) -> Waiter:
+    return Waiter(session, blocks, None, arrival, candidates=candidates)
+
+
+def test_an_unpinned_round_starts_on_whichever_worker_frees_room_first() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 80, 0.0)
+    policy.begin("s2", "b", 90, 0.0)  # b has less room, and frees it first
+    assert policy.place("s3", 40, TWO, {}, 0.0) == Placement(Verdict.WAIT)  # no room anywhere: unpinned
+    waiter = unpinned("s3", 40, 0.0)
+    policy.wait(waiter)
+    assert waiter.pinned is False and sorted(policy.floating_workers()) == ["a", "b"]
+    assert policy.waiting_workers() == [] and policy.any_waiting()
+    assert policy.starts_floating(TWO, 0.5) == []
+    policy.end("s2", 1.0)
+    assert policy.starts_floating(TWO, 2.9) == []  # s2's TTL runs until 3.0
+    assert policy.starts_floating(TWO, 3.0) == [Start(waiter, False, "b")]
+    assert policy.where("s3", 3.0) == "b" and policy.used("b", 3.0) == 40
+    assert not waiter.queued and not policy.any_waiting() and policy.floating_workers() == []
+    assert policy.next_change(3.0) is None
+
+
+def test_an_unpinned_round_takes_the_candidate_with_the_most_free_room() -> None:
+    policy = SessionCapacity(LIMITS)
+    three = {"a": 100, "b": 100, "c": 100}
+    for session, worker, blocks in (("s1", "a", 90), ("s2", "b", 90), ("s3", "c", 95)):
+        policy.begin(session, worker, blocks, 0.0)
+    waiter = unpinned("new", 20, 0.0, frozenset(three))
+    policy.wait(waiter)
+    policy.end("s2", 0.0)  # b frees all of its room at 2.0
+    policy.end("s3", 0.0)  # ... and c too
+    policy.begin("s4", "b", 60, 1.0)  # b: 40 free from 2.0; c: 100
+    assert [s.worker for s in policy.starts_floating(three, 2.0)] == ["c"]
+    # ties by name; a worker of unknown capacity (0) has the most
+    tie = SessionCapacity(LIMITS)
+    tie.wait(unpinned("x", 10, 0.0))
+    tie.wait(unpinned("y", 10, 0.0))
+    assert [s.worker for s in tie.starts_floating(TWO, 0.0)] == ["a", "b"]  # then b has more room
+    tie.wait(unpinned("z", 10, 0.0))
+    assert [s.worker for s in tie.starts_floating({"a": 100, "b": 0}, 0.0)] == ["b"]
+
+
+def test_a_pinned_round_still_waits_for_its_holder_and_has_it_first() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 80, 0.0)
+    policy.begin("s2", "b", 80, 0.0)
+    # s3's context is cached on a: it waits for a, though b may free room first
+    assert policy.place("s3", 40, TWO, {"a": 30}, 0.0) == Placement(Verdict.WAIT, "a")
+    pinned = Waiter("s3", 40, "a", 0.0)
+    policy.wait(pinned)
+    floating = unpinned("s4", 30, 0.1)
+    policy.wait(floating)
+    policy.end("s1", 0.2)
+    policy.end("s2", 0.2)
+    assert policy.starts_floating(TWO, 1.0) == [] and policy.starts("b", 100, 1.0) == []
+    # both TTLs run out at 2.2: the unpinned round would take a (ties by name), but a's pinned line waits
+    assert policy.starts_floating(TWO, 2.2) == [Start(floating, False, "b")]
+    assert policy.starts("a", 100, 2.2) == [Start(pinned, False, "a")]
+    assert pinned.pinned and policy.where("s3", 2.2) == "a"
+
+
+def test_unpinned_rounds_start_in_arrival_order_and_none_overtakes_the_head() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("live-a", "a", 70, 0.0)
+    policy.begin("live-b", "b", 70, 0.0)
+    big, small = unpinned("big", 50, 0.1), unpinned("small", 10, 0.2)
+    other_pool = unpinned("elsewhere", 10, 0.3, frozenset({"c"}))
+    policy.wait(big)
+    policy.wait(small)
+    policy.wait(other_pool)
+    # small would fit beside either live session, but big came first; another pool's round goes on
+    assert policy.starts_floating({**TWO, "c": 100}, 0.5) == [Start(other_pool, False, "c")]
+    # a newcomer that would fit joins the line too, rather than overtaking it
+    assert policy.place("newcomer", 5, TWO, {}, 0.5) == Placement(Verdict.WAIT)
+    policy.end("live-b", 1.0)
+    started = policy.starts_floating(TWO, 3.0)  # live-b's TTL ran out: big on b, then small where most room is
+    assert started == [Start(big, False, "b"), Start(small, False, "b")]
+    assert policy.used("b", 3.0) == 60 and policy.used("a", 3.0) == 70
+
+
+def test_an_unpinned_round_past_max_wait_starts_on_its_least_used_candidate() -> None:
     policy = SessionCapacity(LIMITS)
     policy.begin("s1", "a", 90, 0.0)
     policy.begin("s2", "b", 80, 0.0)
-    first = policy.place("s3", 40, TWO, {}, 0.0)
-    assert first == Placement(Verdict.WAIT, "b")  # equal lines: the one with less live
-    policy.wait(Waiter("s3", 40, "b", 0.0))
-    assert policy.place("s4", 40, TWO, {}, 0.0) == Placement(Verdict.WAIT, "a")
+    waiter = unpinned("late", 50, 1.0)
+    policy.wait(waiter)
+    assert policy.next_change(1.0) == 11.0
+    assert policy.starts_floating(TWO, 10.9) == []
+    assert policy.starts_floating(TWO, 11.0) == [Start(waiter, True, "b")]
+    assert policy.used("b", 11.0) == 130  # over capacity, as counted
+    assert policy.next_change(11.0) is None
+
+
+def test_next_change_counts_the_unpinned_line_and_a_leaver_leaves_it() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 90, 0.0)
+    policy.begin("s2", "b", 90, 0.0)
+    policy.wait(Waiter("pinned", 50, "a", 5.0))
+    gone, kept = unpinned("gone", 50, 1.0), unpinned("kept", 50, 2.0)
+    policy.wait(gone)
+    policy.wait(kept)
+    assert policy.next_change(5.0) == 11.0  # the unpinned head's wait runs out first
+    assert policy.remove(gone) and not policy.remove(gone)
+    assert policy.next_change(5.0) == 12.0
+    policy.end("s2", 5.0)
+    assert policy.next_change(5.0) == 7.0  # s2's TTL
+    assert policy.remove(kept) and policy.floating_workers() == []
+    assert policy.next_change(5.0) == 7.0 and policy.any_waiting()  # the pinned one still waits
+
+
+def test_an_unpinned_round_of_a_session_live_on_a_candidate_starts_there() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 90, 0.0)
+    policy.begin("s2", "b", 90, 0.0)
+    waiter = unpinned("s2", 95, 0.0)  # s2's second round, sent before its first was placed
+    policy.wait(waiter)
+    assert policy.starts_floating(TWO, 0.1) == [Start(waiter, False, "b")]
 
 
 def test_waiting_rounds_start_in_arrival_order_and_none_overtakes_the_head() -> None:
@@ -76,8 +187,8 @@ def test_waiting_rounds_start_in_arrival_order_and_none_overtakes_the_head() -> 
     policy.wait(small)
     # small would fit beside the live session, but big came first: nothing starts
     assert policy.starts("w", 100, 0.5) == []
-    # a newcomer that would fit joins the line too, rather than overtaking it
-    assert policy.place("newcomer", 5, ONE, {}, 0.5) == Placement(Verdict.WAIT, "w")
+    # a newcomer that would fit joins a line too, rather than overtaking it
+    assert policy.place("newcomer", 5, ONE, {}, 0.5) == Placement(Verdict.WAIT)
     policy.end("live", 1.0)
     assert policy.starts("w", 100, 2.9) == []  # the live session's TTL runs until 3.0
     started = policy.starts("w", 100, 3.0)

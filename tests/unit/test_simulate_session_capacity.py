@@ -2,7 +2,8 @@
 (router/session_capacity.py) in virtual time. One worker whose cache holds one agent session's
 context and not two: with the policy, the second session waits while the first is live and every
 follow-up finds its context cached; without it, the two sessions evict each other's contexts.
-Session rounds reach the planner with their session key (affinity holds them to their worker)."""
+Session rounds reach the planner with their session key (affinity holds them to their worker).
+With two such workers both full, a third session's first round takes whichever frees room first."""
 
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ def _session(sid: str, kind: int, arrival: float, rounds: int = 4) -> Session:
 TRACE = SessionTrace("two-sessions", (_session("a", 0, 0.0), _session("b", 1, 0.05)))
 
 
-def _run(tmp_path: Path, capacity: SessionCapacitySettings, workers: int = 1
+def _run(tmp_path: Path, capacity: SessionCapacitySettings, workers: int = 1, trace: SessionTrace = TRACE
          ) -> tuple[list[RequestRecord], Simulator]:
     profiles = tmp_path / "profiles.toml"
     profiles.write_text(PROFILE)
     config = ClusterConfig(profiles=str(profiles), workers=(WorkerGroup(count=workers),), session_capacity=capacity,
                            store=StoreSettings(enabled=False))  # memory only, as bench/peers.py's cluster
     sim = Simulator(config)
-    return SessionDriver(sim, TRACE).run(), sim
+    return SessionDriver(sim, trace).run(), sim
 
 
 def _follow_up_hit(records: list[RequestRecord]) -> float:
@@ -75,4 +76,26 @@ def test_with_room_elsewhere_nothing_waits_and_each_session_keeps_its_worker(tmp
     assert all(r.ok for r in records) and sim.stats.session_waits == 0
     workers = {sid: {r.worker for r in records if r.session_id == sid} for sid in ("a", "b")}
     assert len(workers["a"]) == 1 and len(workers["b"]) == 1 and workers["a"] != workers["b"]
+    assert _follow_up_hit(records) > 0.95
+
+
+def test_a_round_cached_nowhere_takes_the_first_worker_that_frees_room(tmp_path: Path) -> None:
+    # a (4 rounds) fills one worker, b (1 round) the other; c's first round finds no room on either
+    trace = SessionTrace("three-sessions", (_session("a", 0, 0.0), _session("b", 1, 0.05, rounds=1),
+                                            _session("c", 2, 0.1, rounds=2)))
+    records, sim = _run(tmp_path, SessionCapacitySettings(enabled=True, ttl_ms=1000, max_wait_ms=30_000),
+                        workers=2, trace=trace)
+    assert all(r.ok for r in records)
+    assert sim.stats.session_waits == 1 and sim.stats.session_proceeded == 0
+
+    def end(sid: str) -> float:
+        return max(r.arrival_s + (r.e2e_s or 0) for r in records if r.session_id == sid)
+
+    worker = {sid: {r.worker for r in records if r.session_id == sid} for sid in "abc"}
+    assert worker["c"] == worker["b"] != worker["a"]
+    # c waited for b's TTL (~1.7 s), not for a's whole chain and its TTL (~4.1 s: a wait in a's
+    # worker's line)
+    assert 1.0 <= sim.stats.session_wait_s < 2.2
+    c_first = next(r for r in records if r.session_id == "c" and r.round_idx == 0)
+    assert end("b") + 1.0 <= c_first.arrival_s + (c_first.ttft_s or 0) < end("a")
     assert _follow_up_hit(records) > 0.95

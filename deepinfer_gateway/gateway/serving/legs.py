@@ -178,8 +178,16 @@ class Legs:
 
         def choose(tried: frozenset[str]) -> tuple[str, LegRequest]:
             now = self.routing.current(views)
-            plan = planner.plan_first(now, prepared.prompt_tokens, hashes, overlap, session.session,
-                                      tried or (room.avoid if room is not None else tried), lineage=lineage)
+            avoid = tried or (room.avoid if room is not None else tried)
+            try:
+                plan = planner.plan_first(now, prepared.prompt_tokens, hashes, overlap, session.session, avoid,
+                                          lineage=lineage)
+            except NoCandidate:
+                if tried or not avoid:
+                    raise
+                # the workers its room left in (a waited round's: the one it began on) are gone
+                plan = planner.plan_first(now, prepared.prompt_tokens, hashes, overlap, session.session,
+                                          lineage=lineage)
             if not plans:
                 if grant is not None:
                     grant.booked()  # its booking on the worker counts its tokens from here

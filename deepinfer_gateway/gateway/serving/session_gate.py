@@ -7,7 +7,10 @@ and waiters. `admit` decides before the round is planned (`Legs.first`): at once
 session is live on a worker or fits where its context is cached, with the workers to leave out
 when its context is cached nowhere; otherwise the round waits on a future that one pump task
 resolves, woken when a round ends and at the policy's next change (a session's TTL ending, a
-wait running out). `SessionPass.placed` begins the round on the worker its plan chose; `ended`
+wait running out). A round pinned to its context's worker waits for that worker; one cached
+nowhere waits for whichever worker of its pool has room first, and its pass then leaves the
+pool's other workers out, so that its plan takes the worker it began on.
+`SessionPass.placed` begins the round on the worker its plan chose; `ended`
 starts the session's TTL when the round's exchange closes (or its first leg failed).
 A client that disconnects while waiting leaves the line at once.
 """
@@ -98,9 +101,9 @@ class SessionGate:
         placement = self.policy.place(session, blocks, capacities, {w: memory.get(w, 0) for w in capacities}, now)
         if placement.verdict is Verdict.GO:
             return SessionPass(self, request_id, session, blocks, placement.avoid)
-        assert placement.worker is not None
         future: asyncio.Future[Start] = asyncio.get_running_loop().create_future()
-        waiter = Waiter(session, blocks, placement.worker, now, future)
+        waiter = Waiter(session, blocks, placement.worker, now, future,
+                        candidates=frozenset(capacities) if placement.worker is None else frozenset())
         self.policy.wait(waiter)
         self.metrics.session_waits.labels(pool).inc()
         if self._pump_task is None:
@@ -117,7 +120,9 @@ class SessionGate:
         self.metrics.session_wait.labels(pool).observe(waited)
         if start.timed_out:
             self.metrics.session_proceeded.labels(pool).inc()
-        return SessionPass(self, request_id, session, blocks, waited_s=waited, begun=True)
+        # unpinned: it began on the worker that had room, which its plan then takes
+        avoid = waiter.candidates - {start.worker}
+        return SessionPass(self, request_id, session, blocks, avoid, waited_s=waited, begun=True)
 
     def ended(self, request_id: str) -> None:
         """The round's exchange closed, or its first leg failed: its session's TTL starts (a
@@ -145,27 +150,34 @@ class SessionGate:
 
     async def _pump(self) -> None:
         loop = asyncio.get_running_loop()
+        policy = self.policy
         try:
-            while workers := self.policy.waiting_workers():
+            while policy.any_waiting():
                 self._wake.clear()
                 now = loop.time()
-                for worker in workers:
-                    for start in self.policy.starts(worker, self._capacity_of(worker), now):
-                        future = start.waiter.handle
-                        if isinstance(future, asyncio.Future) and not future.done():
-                            future.set_result(start)
-                    self.gauge(worker)
-                change = self.policy.next_change(now)
+                for worker in policy.waiting_workers():  # pinned lines first: they have their workers first
+                    self._resolve(policy.starts(worker, self._capacity_of(worker), now))
+                    self.gauge(worker)  # its live sessions, TTLs run out included
+                if floating := policy.floating_workers():
+                    self._resolve(policy.starts_floating({w: self._capacity_of(w) for w in floating}, now))
+                change = policy.next_change(now)
                 if change is None:
                     continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), min(MAX_SLEEP_S, max(0.001, change - now)))
         except Exception:
             log.exception("session capacity pump failed; waiting rounds go on at once")
-            for worker in self.policy.waiting_workers():
-                for start in self.policy.starts(worker, 0, loop.time()):  # capacity 0: not limited
-                    future = start.waiter.handle
-                    if isinstance(future, asyncio.Future) and not future.done():
-                        future.set_result(start)
+            now = loop.time()
+            for worker in policy.waiting_workers():
+                self._resolve(policy.starts(worker, 0, now))  # capacity 0: not limited
+            self._resolve(policy.starts_floating(dict.fromkeys(policy.floating_workers(), 0), now))
         finally:
             self._pump_task = None
+
+    def _resolve(self, starts: list[Start]) -> None:
+        """Wake the started rounds' `admit`s."""
+        for start in starts:
+            future = start.waiter.handle
+            if isinstance(future, asyncio.Future) and not future.done():
+                future.set_result(start)
+            self.gauge(start.worker)
