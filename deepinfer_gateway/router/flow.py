@@ -15,7 +15,10 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
   engines' max_num_seqs x DP ranks), counted from their start to their end. Engines here
   neither prioritise nor preempt, so a request that finds every slot taken waits for one to
   finish; the share keeps slots free for the tiers above flex, whose requests then start at
-  once however deep the flex backlog. A pool whose slots are unknown has no such cap.
+  once however deep the flex backlog. With `flex_yield_window_s`, flex also leaves free as
+  many slots as the tiers above held at most at once over the last window (`RecentPeak`):
+  the reserve follows their demand, and flex takes every slot they leave.
+  A pool whose slots are unknown has no such cap.
 - Bands: `priority` before `default` before `flex`; a lower band starts only when no higher
   band waits.
 - Fair share within a band: start-time fair queuing by tokens. A tenant's request is tagged
@@ -76,12 +79,17 @@ class FlowLimits:
     max_queued_per_tenant: int = 256
     flex_reserve: int = 0  # of a pool's starting bound, kept for higher tiers (flex gets at least 1)
     flex_max_share: float = 1.0  # of a pool's sequence slots flex may hold (1: no cap)
+    flex_yield_window_s: float = 0.0  # flex leaves the tiers above their recent peak (0: off)
 
-    def flex_slots(self, slots: int) -> int | None:
-        """Slots flex may hold in a pool of `slots` (0: unknown); None: no cap."""
-        if self.flex_max_share >= 1.0 or slots <= 0:
+    def flex_slots(self, slots: int, others_peak: int = 0) -> int | None:
+        """Slots flex may hold in a pool of `slots` (0: unknown) whose tiers above flex held at most
+        `others_peak` at once lately; None: no cap. Flex always gets one."""
+        if slots <= 0 or (self.flex_max_share >= 1.0 and not self.flex_yield_window_s):
             return None
-        return max(1, math.floor(self.flex_max_share * slots))
+        cap = math.floor(self.flex_max_share * slots)
+        if self.flex_yield_window_s:
+            cap = min(cap, slots - others_peak)
+        return max(1, cap)
 
     @classmethod
     def of(cls, settings: FlowControlSettings) -> FlowLimits:
@@ -89,7 +97,8 @@ class FlowLimits:
                    max_engine_waiting=settings.max_engine_waiting, kv_usage_limit=settings.kv_usage_limit,
                    max_queued_per_pool=settings.max_queued_per_pool,
                    max_queued_per_tenant=settings.max_queued_per_tenant, flex_reserve=settings.flex_reserve,
-                   flex_max_share=settings.flex_max_share)
+                   flex_max_share=settings.flex_max_share,
+                   flex_yield_window_s=settings.flex_yield_window_ms / 1000.0)
 
 
 @dataclass(frozen=True)
@@ -111,12 +120,14 @@ class PoolLoad:
     no first token yet (in an engine's queue or prefill): fresh where the reports' `waiting` is not,
     and the bound that holds when decoding, not prefill, is what the requests wait for.
     `slots`: the pool's sequence slots (0: unknown); `flex_holding`: flex requests this router
-    started that have not ended."""
+    started that have not ended; `others_peak`: the most requests of the tiers above held at once
+    lately (`RecentPeak`)."""
 
     workers: tuple[WorkerLoad, ...]
     starting: int = 0
     slots: int = 0
     flex_holding: int = 0
+    others_peak: int = 0
 
     def can_start(self, limits: FlowLimits, tier: Tier = Tier.DEFAULT) -> bool:
         """Whether a request of `tier` may start now: flex leaves `flex_reserve` of the starting bound
@@ -125,7 +136,7 @@ class PoolLoad:
         bound = limits.max_engine_waiting * sum(w.dp_ranks for w in self.workers)
         if tier is Tier.FLEX:
             bound = max(1, bound - limits.flex_reserve)
-            cap = limits.flex_slots(self.slots)
+            cap = limits.flex_slots(self.slots, self.others_peak)
             if cap is not None and self.flex_holding >= cap:
                 return False
         return self.starting < bound and any(w.can_start(limits) for w in self.workers)
@@ -151,7 +162,7 @@ class PoolLoad:
         moved = WorkerLoad(w.wait_s + tokens / w.prefill_tokens_per_s, w.prefill_tokens_per_s, w.waiting,
                            w.dp_ranks, w.kv_usage)
         return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:], self.starting + 1, self.slots,
-                        self.flex_holding + (tier is Tier.FLEX))
+                        self.flex_holding + (tier is Tier.FLEX), self.others_peak)
 
 
 def pool_slots(members: Sequence[WorkerView]) -> int:
@@ -160,9 +171,10 @@ def pool_slots(members: Sequence[WorkerView]) -> int:
 
 
 def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
-              granted_tokens: int = 0, starting: int = 0, flex_holding: int = 0) -> PoolLoad:
+              granted_tokens: int = 0, starting: int = 0, flex_holding: int = 0, others_peak: int = 0) -> PoolLoad:
     """`pool`'s load from the views; `granted_tokens`: placed by flow control and not yet in any
-    view (no booking yet), spread over the pool's speed; `starting`, `flex_holding`: `PoolLoad`'s.
+    view (no booking yet), spread over the pool's speed; `starting`, `flex_holding`, `others_peak`:
+    `PoolLoad`'s.
     `prefill_tokens_per_s`: by hardware."""
     members = [v for v in views if v.pool == pool]
     speed = sum(prefill_tokens_per_s[v.hardware] for v in members) or 1.0
@@ -170,19 +182,19 @@ def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict
     return PoolLoad(tuple(
         WorkerLoad(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra,
                    prefill_tokens_per_s[v.hardware], v.waiting, max(1, v.dp_ranks), v.kv_usage)
-        for v in members), starting, pool_slots(members), flex_holding)
+        for v in members), starting, pool_slots(members), flex_holding, others_peak)
 
 
 def can_start_now(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
                   limits: FlowLimits, granted_tokens: int = 0, starting: int = 0, tier: Tier = Tier.DEFAULT,
-                  flex_holding: int = 0) -> bool:
+                  flex_holding: int = 0, others_peak: int = 0) -> bool:
     """`pool_load(...).can_start(limits, tier)` without building it, stopping at the first worker that
     can start: the unsaturated path's cost, paid by every request."""
     members = [v for v in views if v.pool == pool]
     if not members:
         return False
     if tier is Tier.FLEX and flex_holding:
-        cap = limits.flex_slots(pool_slots(members))
+        cap = limits.flex_slots(pool_slots(members), others_peak)
         if cap is not None and flex_holding >= cap:
             return False
     reserve = limits.flex_reserve if tier is Tier.FLEX else 0
@@ -194,6 +206,32 @@ def can_start_now(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: 
     return any(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra < limits.max_engine_wait_s
                and v.waiting < limits.max_engine_waiting * max(1, v.dp_ranks) and v.kv_usage < limits.kv_usage_limit
                for v in members)
+
+
+class RecentPeak:
+    """The most a count reached over the last window (to two): two buckets, O(1) per change."""
+
+    __slots__ = ("window_s", "value", "_start", "_current", "_previous")
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.value = 0
+        self._start = -math.inf
+        self._current = self._previous = 0
+
+    def add(self, delta: int, now: float) -> None:
+        self._roll(now)
+        self.value += delta
+        self._current = max(self._current, self.value)
+
+    def peak(self, now: float) -> int:
+        self._roll(now)
+        return max(self._previous, self._current)
+
+    def _roll(self, now: float) -> None:
+        if now - self._start >= self.window_s:
+            self._previous = self._current if now - self._start < 2 * self.window_s else self.value
+            self._current, self._start = self.value, now
 
 
 @dataclass(eq=False)

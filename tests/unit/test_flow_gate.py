@@ -129,3 +129,23 @@ def test_flex_holds_its_share_of_the_slots_from_its_start_to_its_end() -> None:
         assert g.flex_holding["p"] == 2
 
     asyncio.run(run())
+
+
+def test_flex_yields_the_slots_the_tiers_above_held_lately() -> None:
+    async def run() -> None:
+        views = Views(0)
+        views.now = [dataclasses.replace(view(0), slots=4)]
+        g = FlowGate(SETTINGS.model_copy(update={"flex_yield_window_ms": 60_000, "max_engine_waiting": 8}), views,
+                     lambda hardware: 10_000.0, GatewayMetrics())
+        defaults = [await g.admit(ticket(), 100, "p", views.now, time.perf_counter()) for _ in range(3)]
+        for grant in defaults:
+            grant.ended()  # their peak, 3, stays reserved for the window
+        flex = await g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter())
+        assert flex.waited_s == 0  # 4 slots - 3 = 1 for flex
+        second = asyncio.create_task(g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()))
+        await asyncio.sleep(0.05)
+        assert not second.done()
+        flex.ended()
+        assert (await asyncio.wait_for(second, 1.0)).waited_s > 0
+
+    asyncio.run(run())

@@ -9,6 +9,7 @@ from deepinfer_gateway.router.flow import (
     FlowRequest,
     PoolLoad,
     PoolQueue,
+    RecentPeak,
     ShedReason,
     Tier,
     WorkerLoad,
@@ -204,17 +205,42 @@ def test_flex_holds_at_most_its_share_of_the_pools_slots() -> None:
     assert limits.flex_slots(1) == 1 and limits.flex_slots(0) is None
 
 
+def test_flex_yields_the_tiers_above_their_recent_peak() -> None:
+    speed = {"sm100": 10_000.0}
+    limits = FlowLimits(flex_yield_window_s=10.0)
+    pool = [view(slots=4), view(queued=1, slots=4)]  # 8 slots
+    assert pool_load(pool, "p", speed, flex_holding=4, others_peak=3).can_start(limits, Tier.FLEX)
+    assert not pool_load(pool, "p", speed, flex_holding=5, others_peak=3).can_start(limits, Tier.FLEX)
+    assert pool_load(pool, "p", speed, flex_holding=7).can_start(limits, Tier.FLEX)  # the tiers above idle: all
+    assert limits.flex_slots(8, 8) == 1  # flex always gets one
+    assert FlowLimits(flex_max_share=0.5, flex_yield_window_s=10.0).flex_slots(8, 1) == 4  # the smaller cap
+
+
+def test_recent_peak_is_the_most_held_over_the_last_window() -> None:
+    peak = RecentPeak(10.0)
+    assert peak.peak(0.0) == 0
+    for t in (1.0, 2.0, 3.0):
+        peak.add(1, t)
+    peak.add(-2, 4.0)
+    assert peak.value == 1 and peak.peak(5.0) == 3
+    assert peak.peak(15.0) == 3  # a window later the last window's peak still counts
+    assert peak.peak(26.0) == 1  # two windows later only what is held now
+    peak.add(-1, 27.0)
+    assert peak.peak(27.0) == 1 and peak.peak(48.0) == 0
+
+
 def test_the_cheap_unsaturated_check_agrees_with_the_pool_load() -> None:
     speed = {"sm100": 10_000.0}
     cases = [[view()], [view(queued=3_000)], [view(waiting=4)], [view(kv=0.97)], [view(queued=3_000), view()],
              [view(queued=1_500), view(queued=1_600, waiting=1)], [view(pool="q")], [view(slots=4)],
              [view(slots=2), view(queued=1, slots=2)]]
-    limits = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=2, flex_reserve=1, flex_max_share=0.5)
+    limits = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=2, flex_reserve=1, flex_max_share=0.75,
+                        flex_yield_window_s=5.0)
     for views in cases:
         for granted, starting in ((0, 0), (1_000, 0), (0, 1), (0, 2), (600, 3)):
             for tier in Tier:
-                for holding in (0, 1, 2):
-                    full = pool_load(views, "p", speed, granted, starting, holding)
+                for holding, peak in ((0, 0), (1, 0), (2, 0), (1, 2), (2, 3)):
+                    full = pool_load(views, "p", speed, granted, starting, holding, peak)
                     expected = bool(full.workers) and full.can_start(limits, tier)
-                    assert can_start_now(views, "p", speed, limits, granted, starting, tier, holding) == expected, (
-                        views, granted, starting, tier, holding)
+                    got = can_start_now(views, "p", speed, limits, granted, starting, tier, holding, peak)
+                    assert got == expected, (views, granted, starting, tier, holding, peak)

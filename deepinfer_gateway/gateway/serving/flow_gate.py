@@ -10,8 +10,9 @@ requests it just started count before the next pass.
 
 A request started here holds its prompt tokens as "granted" in its pool's load until its leg
 is booked on a worker (`Grant.booked`): the views cannot show it before that; it counts
-as starting until its first token (`Grant.started`); and a flex request holds one of its
-pool's sequence slots until its first leg ends (`Grant.ended`).
+as starting until its first token (`Grant.started`); and it holds one of its pool's sequence
+slots until its first leg ends (`Grant.ended`): counted for flex against its share, for the
+tiers above in their recent peak (`flex_yield_window_ms`).
 A client that disconnects while queued cancels its waiter: it leaves the queue at once.
 """
 
@@ -34,6 +35,7 @@ from deepinfer_gateway.router.flow import (
     FlowPolicy,
     FlowRequest,
     PoolLoad,
+    RecentPeak,
     Shed,
     ShedReason,
     Tier,
@@ -64,12 +66,12 @@ class Grant:
     once it has its first token or failed, `ended` once its first leg ended or it failed (each
     idempotent; `ended` implies `started`, which implies `booked`)."""
 
-    __slots__ = ("_gate", "_holder", "_booked", "pool", "tokens", "waited_s")
+    __slots__ = ("_gate", "_holder", "_booked", "_flex", "pool", "tokens", "waited_s")
 
-    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float, holds_slot: bool = False
-                 ) -> None:
+    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float, flex: bool = False) -> None:
         self._gate, self.pool, self.tokens, self.waited_s = gate, pool, tokens, waited_s
-        self._holder = gate if holds_slot else None
+        self._holder = gate
+        self._flex = flex
         self._booked = False
 
     def booked(self) -> None:
@@ -90,8 +92,7 @@ class Grant:
         holder = self._holder
         if holder is not None:
             self._holder = None
-            holder.flex_holding[self.pool] -= 1
-            holder.wake()
+            holder.release_slot(self.pool, self._flex)
 
 
 class _Speeds(dict[str, float]):
@@ -117,6 +118,7 @@ class FlowGate:
         self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
         self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
         self.flex_holding: defaultdict[str, int] = defaultdict(int)  # started flex requests not ended
+        self.others: dict[str, RecentPeak] = {}  # pool -> started requests above flex not ended (with yield)
         self._wake = asyncio.Event()
         self._wait_series: dict[tuple[str, Tier], Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
@@ -136,8 +138,10 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
-        if not queue.ahead_of(ticket.tier) and can_start_now(views, pool, self.speeds, self.policy.limits, self.granted[pool],
-                                            self.starting[pool], ticket.tier, self.flex_holding[pool]):
+        others_peak = self._others_peak(pool) if ticket.tier is Tier.FLEX else 0
+        if not queue.ahead_of(ticket.tier) and can_start_now(views, pool, self.speeds, self.policy.limits,
+                                                             self.granted[pool], self.starting[pool], ticket.tier,
+                                                             self.flex_holding[pool], others_peak):
             return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
         load = self._load(views, pool)
         outcome = queue.arrive(request, load, now)
@@ -166,17 +170,37 @@ class FlowGate:
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
         self.starting[pool] += 1
-        holds_slot = request.tier is Tier.FLEX
-        if holds_slot:
+        flex = request.tier is Tier.FLEX
+        if flex:
             self.flex_holding[pool] += 1
+        elif self.policy.limits.flex_yield_window_s:
+            self._others(pool).add(1, time.monotonic())
         series = self._wait_series.get((pool, request.tier))
         if series is None:  # a labels() lookup costs more than the rest of an unsaturated admission
             series = self._wait_series[pool, request.tier] = self.metrics.flow_wait.labels(pool, request.tier.label)
         series.observe(waited_s)
-        return Grant(self, pool, request.prompt_tokens, waited_s, holds_slot)
+        return Grant(self, pool, request.prompt_tokens, waited_s, flex)
+
+    def release_slot(self, pool: str, flex: bool) -> None:
+        if flex:
+            self.flex_holding[pool] -= 1
+        elif self.policy.limits.flex_yield_window_s:
+            self._others(pool).add(-1, time.monotonic())
+        self.wake()
+
+    def _others(self, pool: str) -> RecentPeak:
+        peak = self.others.get(pool)
+        if peak is None:
+            peak = self.others[pool] = RecentPeak(self.policy.limits.flex_yield_window_s)
+        return peak
+
+    def _others_peak(self, pool: str) -> int:
+        peak = self.others.get(pool)
+        return peak.peak(time.monotonic()) if peak is not None else 0
 
     def _load(self, views: Sequence[WorkerView], pool: str) -> PoolLoad:
-        return pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool], self.flex_holding[pool])
+        return pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool], self.flex_holding[pool],
+                         self._others_peak(pool))
 
     def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
         why = {ShedReason.DEADLINE: "cannot start within its time-to-first-token target",
