@@ -13,8 +13,9 @@ class SessionCapacitySettings(BaseModel):
         False,
         description="Keep each worker's live sessions (a request's session: x-session-id and the agent clients' "
                     "headers, docs/api.md) within what its KV cache holds: a session's round that would evict "
-                    "another live session's context waits in the gateway, first come first served, or goes to a "
-                    "worker with room when its context is cached nowhere. Needs workers that report their cache's "
+                    "another live session's context waits in the gateway, first come first served: for the worker "
+                    "its context is cached on, or, cached nowhere, for whichever worker of its pool has room first. "
+                    "Needs workers that report their cache's "
                     "size (memory_capacity_blocks: sim and DeepInfer workers); others are not limited.")
     ttl_ms: float = Field(
         3_000.0, ge=0,
@@ -26,9 +27,10 @@ class SessionCapacitySettings(BaseModel):
                     "output, requests without a session).")
     max_wait_ms: float = Field(
         10_000.0, ge=0,
-        description="Longest a round waits for room on its worker; past it, it goes anyway "
-                    "(dgw_session_proceeded_total).")
+        description="Longest a round waits for room (on the worker its context is cached on, else on any of its "
+                    "pool); past it, it goes anyway (dgw_session_proceeded_total).")
     hold_share: float = Field(
         0.5, gt=0, le=1,
         description="A round whose prompt a worker's cache holds at least this share of waits for that worker; "
-                    "one cached less (a first round, a context already evicted) goes to a worker with room.")
+                    "one cached less (a first round, a context already evicted) goes to a worker with room, or waits "
+                    "for the first of its pool to have some.")
