@@ -91,6 +91,11 @@ class FlowLimits:
             cap = min(cap, slots - others_peak)
         return max(1, cap)
 
+    def flex_full(self, slots: int, flex_holding: int, others_peak: int) -> bool:
+        """Whether flex holds all the slots it may (`flex_slots`)."""
+        cap = self.flex_slots(slots, others_peak)
+        return cap is not None and flex_holding >= cap
+
     @classmethod
     def of(cls, settings: FlowControlSettings) -> FlowLimits:
         return cls(max_engine_wait_s=settings.max_engine_wait_ms / 1000.0,
@@ -136,8 +141,7 @@ class PoolLoad:
         bound = limits.max_engine_waiting * sum(w.dp_ranks for w in self.workers)
         if tier is Tier.FLEX:
             bound = max(1, bound - limits.flex_reserve)
-            cap = limits.flex_slots(self.slots, self.others_peak)
-            if cap is not None and self.flex_holding >= cap:
+            if limits.flex_full(self.slots, self.flex_holding, self.others_peak):
                 return False
         return self.starting < bound and any(w.can_start(limits) for w in self.workers)
 
@@ -193,10 +197,8 @@ def can_start_now(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: 
     members = [v for v in views if v.pool == pool]
     if not members:
         return False
-    if tier is Tier.FLEX and flex_holding:
-        cap = limits.flex_slots(pool_slots(members), others_peak)
-        if cap is not None and flex_holding >= cap:
-            return False
+    if tier is Tier.FLEX and flex_holding and limits.flex_full(pool_slots(members), flex_holding, others_peak):
+        return False
     reserve = limits.flex_reserve if tier is Tier.FLEX else 0
     if starting >= max(1, limits.max_engine_waiting - reserve):  # else under the bound whatever the ranks
         bound = limits.max_engine_waiting * sum(max(1, v.dp_ranks) for v in members)
@@ -232,6 +234,42 @@ class RecentPeak:
         if now - self._start >= self.window_s:
             self._previous = self._current if now - self._start < 2 * self.window_s else self.value
             self._current, self._start = self.value, now
+
+
+class HeldSlots:
+    """The sequence slots held in each pool by the requests flow control started, from their start
+    to their end: flex's count (against `flex_max_share`), and with a yield window the recent
+    peak of the tiers above (`flex_yield_window_s`). The clock is the caller's."""
+
+    def __init__(self, limits: FlowLimits) -> None:
+        self.limits = limits
+        self.flex: dict[str, int] = {}
+        self._others: dict[str, RecentPeak] = {}
+
+    def take(self, pool: str, tier: Tier, now: float) -> None:
+        self._change(pool, tier, 1, now)
+
+    def release(self, pool: str, tier: Tier, now: float) -> None:
+        self._change(pool, tier, -1, now)
+
+    def others_peak(self, pool: str, now: float) -> int:
+        others = self._others.get(pool)
+        return others.peak(now) if others is not None else 0
+
+    def load(self, views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float], now: float,
+             granted_tokens: int = 0, starting: int = 0) -> PoolLoad:
+        """`pool_load` with these slots."""
+        return pool_load(views, pool, prefill_tokens_per_s, granted_tokens, starting, self.flex.get(pool, 0),
+                         self.others_peak(pool, now))
+
+    def _change(self, pool: str, tier: Tier, delta: int, now: float) -> None:
+        if tier is Tier.FLEX:
+            self.flex[pool] = self.flex.get(pool, 0) + delta
+        elif self.limits.flex_yield_window_s:
+            others = self._others.get(pool)
+            if others is None:
+                others = self._others[pool] = RecentPeak(self.limits.flex_yield_window_s)
+            others.add(delta, now)
 
 
 @dataclass(eq=False)

@@ -32,7 +32,7 @@ from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.booking import Booking
-from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, PoolLoad, RecentPeak, Tier, pool_load
+from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, HeldSlots, PoolLoad, Tier
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
 from deepinfer_gateway.router.policy import Lineage
 from deepinfer_gateway.router.session_capacity import (
@@ -70,7 +70,7 @@ class RequestState:
     emitted: int = 0
     flow_pool: str | None = None  # flow control: the pool it counts as starting in, until its first token
     slot_pool: str | None = None  # flow control: the pool where it holds a sequence slot, until its end
-    slot_flex: bool = False  # ... counted against flex's share, else in the tiers above's recent peak
+    slot_tier: Tier = Tier.DEFAULT  # ... at this tier (router/flow.py HeldSlots)
     session: SessionIdentity | None = None  # a session round's
     avoid: frozenset[str] = frozenset()  # session capacity: workers without room for its session
     session_begun: bool = False  # session capacity counts it as its session's round in flight
@@ -116,8 +116,7 @@ class SimGateway:
         # requests wait in `flow`, `pump` starts them as the workers free up.
         self.flow = FlowPolicy(FlowLimits.of(flow)) if flow.enabled else None
         self.flow_starting: dict[str, int] = {}
-        self.flex_holding: dict[str, int] = {}
-        self.others: dict[str, RecentPeak] = {}  # pool -> requests above flex holding slots (with yield)
+        self.slots = HeldSlots(self.flow.limits) if self.flow is not None else None
         self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
                        for hardware in {str(w.profile.hardware) for w in workers}}
         self.session_of: dict[int, SessionIdentity] = {}  # trace index -> its round's session, until it arrives
@@ -246,11 +245,8 @@ class SimGateway:
         if req.session_begun and self.sessions is not None and req.session is not None and req.session.session:
             req.session_begun = False
             self.sessions.end(req.session.session, self.clock())
-        if req.slot_pool is not None:
-            if req.slot_flex:
-                self.flex_holding[req.slot_pool] -= 1
-            else:
-                self._others(req.slot_pool).add(-1, self.clock())
+        if req.slot_pool is not None and self.slots is not None:
+            self.slots.release(req.slot_pool, req.slot_tier, self.clock())
             req.slot_pool = None
         if self.on_end is not None:
             self.on_end(req)
@@ -284,25 +280,15 @@ class SimGateway:
         return arrival.start
 
     def _load(self, views: ViewList, pool: str) -> PoolLoad:
-        others = self.others.get(pool)
-        return pool_load(views, pool, self.speeds, 0, self.flow_starting.get(pool, 0), self.flex_holding.get(pool, 0),
-                         others.peak(self.clock()) if others is not None else 0)
+        assert self.slots is not None
+        return self.slots.load(views, pool, self.speeds, self.clock(), 0, self.flow_starting.get(pool, 0))
 
     def _starting(self, req: RequestState, pool: str, tier: Tier) -> None:
         req.flow_pool = pool
         self.flow_starting[pool] = self.flow_starting.get(pool, 0) + 1
-        req.slot_pool, req.slot_flex = pool, tier is Tier.FLEX
-        if tier is Tier.FLEX:
-            self.flex_holding[pool] = self.flex_holding.get(pool, 0) + 1
-        else:
-            self._others(pool).add(1, self.clock())
-
-    def _others(self, pool: str) -> RecentPeak:
-        assert self.flow is not None
-        others = self.others.get(pool)
-        if others is None:
-            others = self.others[pool] = RecentPeak(self.flow.limits.flex_yield_window_s)
-        return others
+        assert self.slots is not None
+        req.slot_pool, req.slot_tier = pool, tier
+        self.slots.take(pool, tier, self.clock())
 
     def started(self, req: RequestState) -> None:
         """Its first token (or its end): it no longer counts as starting in its pool."""

@@ -116,7 +116,7 @@ def test_flex_holds_its_share_of_the_slots_from_its_start_to_its_end() -> None:
         flex = [await g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()) for _ in range(2)]
         for grant in flex:
             grant.started()  # a first token: no longer starting, still holding a slot
-        assert g.flex_holding["p"] == 2 and g.starting["p"] == 0
+        assert g.slots.flex["p"] == 2 and g.starting["p"] == 0
         third = asyncio.create_task(g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()))
         default = await asyncio.wait_for(g.admit(ticket(), 100, "p", views.now, time.perf_counter()), 0.1)
         assert default.waited_s == 0  # the tiers above pass the waiting flex request at once
@@ -124,9 +124,9 @@ def test_flex_holds_its_share_of_the_slots_from_its_start_to_its_end() -> None:
         assert not third.done()
         flex[0].ended()
         flex[0].ended()  # idempotent
-        assert (await asyncio.wait_for(third, 1.0)).waited_s > 0 and g.flex_holding["p"] == 2
+        assert (await asyncio.wait_for(third, 1.0)).waited_s > 0 and g.slots.flex["p"] == 2
         default.ended()  # not flex: it held no slot
-        assert g.flex_holding["p"] == 2
+        assert g.slots.flex["p"] == 2
 
     asyncio.run(run())
 

@@ -34,13 +34,12 @@ from deepinfer_gateway.router.flow import (
     FlowLimits,
     FlowPolicy,
     FlowRequest,
+    HeldSlots,
     PoolLoad,
-    RecentPeak,
     Shed,
     ShedReason,
     Tier,
     can_start_now,
-    pool_load,
     retry_after,
 )
 from deepinfer_gateway.router.worker_view import WorkerView
@@ -66,12 +65,12 @@ class Grant:
     once it has its first token or failed, `ended` once its first leg ended or it failed (each
     idempotent; `ended` implies `started`, which implies `booked`)."""
 
-    __slots__ = ("_gate", "_holder", "_booked", "_flex", "pool", "tokens", "waited_s")
+    __slots__ = ("_gate", "_holder", "_booked", "tier", "pool", "tokens", "waited_s")
 
-    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float, flex: bool = False) -> None:
-        self._gate, self.pool, self.tokens, self.waited_s = gate, pool, tokens, waited_s
+    def __init__(self, gate: FlowGate | None, pool: str, tokens: int, waited_s: float, tier: Tier = Tier.DEFAULT
+                 ) -> None:
+        self._gate, self.pool, self.tokens, self.waited_s, self.tier = gate, pool, tokens, waited_s, tier
         self._holder = gate
-        self._flex = flex
         self._booked = False
 
     def booked(self) -> None:
@@ -92,7 +91,7 @@ class Grant:
         holder = self._holder
         if holder is not None:
             self._holder = None
-            holder.release_slot(self.pool, self._flex)
+            holder.release_slot(self.pool, self.tier)
 
 
 class _Speeds(dict[str, float]):
@@ -117,8 +116,7 @@ class FlowGate:
         self.metrics = metrics
         self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
         self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
-        self.flex_holding: defaultdict[str, int] = defaultdict(int)  # started flex requests not ended
-        self.others: dict[str, RecentPeak] = {}  # pool -> started requests above flex not ended (with yield)
+        self.slots = HeldSlots(self.policy.limits)  # started requests not ended
         self._wake = asyncio.Event()
         self._wait_series: dict[tuple[str, Tier], Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
@@ -138,10 +136,11 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
-        others_peak = self._others_peak(pool) if ticket.tier is Tier.FLEX else 0
+        flex = self.slots.flex.get(pool, 0) if ticket.tier is Tier.FLEX else 0
+        others_peak = self.slots.others_peak(pool, time.monotonic()) if flex else 0
         if not queue.ahead_of(ticket.tier) and can_start_now(views, pool, self.speeds, self.policy.limits,
                                                              self.granted[pool], self.starting[pool], ticket.tier,
-                                                             self.flex_holding[pool], others_peak):
+                                                             flex, others_peak):
             return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
         load = self._load(views, pool)
         outcome = queue.arrive(request, load, now)
@@ -170,37 +169,19 @@ class FlowGate:
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
         self.starting[pool] += 1
-        flex = request.tier is Tier.FLEX
-        if flex:
-            self.flex_holding[pool] += 1
-        elif self.policy.limits.flex_yield_window_s:
-            self._others(pool).add(1, time.monotonic())
+        self.slots.take(pool, request.tier, time.monotonic())
         series = self._wait_series.get((pool, request.tier))
         if series is None:  # a labels() lookup costs more than the rest of an unsaturated admission
             series = self._wait_series[pool, request.tier] = self.metrics.flow_wait.labels(pool, request.tier.label)
         series.observe(waited_s)
-        return Grant(self, pool, request.prompt_tokens, waited_s, flex)
+        return Grant(self, pool, request.prompt_tokens, waited_s, request.tier)
 
-    def release_slot(self, pool: str, flex: bool) -> None:
-        if flex:
-            self.flex_holding[pool] -= 1
-        elif self.policy.limits.flex_yield_window_s:
-            self._others(pool).add(-1, time.monotonic())
+    def release_slot(self, pool: str, tier: Tier) -> None:
+        self.slots.release(pool, tier, time.monotonic())
         self.wake()
 
-    def _others(self, pool: str) -> RecentPeak:
-        peak = self.others.get(pool)
-        if peak is None:
-            peak = self.others[pool] = RecentPeak(self.policy.limits.flex_yield_window_s)
-        return peak
-
-    def _others_peak(self, pool: str) -> int:
-        peak = self.others.get(pool)
-        return peak.peak(time.monotonic()) if peak is not None else 0
-
     def _load(self, views: Sequence[WorkerView], pool: str) -> PoolLoad:
-        return pool_load(views, pool, self.speeds, self.granted[pool], self.starting[pool], self.flex_holding[pool],
-                         self._others_peak(pool))
+        return self.slots.load(views, pool, self.speeds, time.monotonic(), self.granted[pool], self.starting[pool])
 
     def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
         why = {ShedReason.DEADLINE: "cannot start within its time-to-first-token target",
