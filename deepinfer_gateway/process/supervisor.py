@@ -20,11 +20,11 @@ binds a fresh one for the replacement. So no new connection waits for a process 
 starting or restarting: held open, a dead slot's socket kept its share of new connections
 waiting for the replacement, its restart delay (up to MAX_RESTART_DELAY_S for a slot whose
 processes keep dying young) plus its start-up (~1.7 s here: the tokenizer loads).
-Connections queued on a dead slot's socket are reset, as the dead process's own are (with
-the sysctl `net.ipv4.tcp_migrate_req=1`, Linux 5.14+, the kernel moves them to a live
-socket instead). A keep-alive connection stays with the process that accepted it. Where
-SO_REUSEPORT does not balance (not Linux), all processes share one socket, held for the
-supervisor's whole life.
+Connections queued on a dead slot's socket are reset, as the dead process's own are, and one
+whose handshake races the close is refused: clients retry (with the sysctl
+`net.ipv4.tcp_migrate_req=1`, Linux 5.14+, the kernel moves them to a live socket instead).
+A keep-alive connection stays with the process that accepted it. Where SO_REUSEPORT does
+not balance (not Linux), all processes share one socket, held for the supervisor's whole life.
 
 uvicorn.supervisors.Multiprocess is not used: its children run uvicorn's own signal
 handling (no `/ready` 503 and no drain delay), it restarts a dead child at once (a crash

@@ -16,6 +16,7 @@ import hashlib
 import os
 import signal
 import time
+import urllib.error
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -186,13 +187,17 @@ def _shared_dir(pid: int) -> Path:
 
 def _scrape_until_pids(gw: Gateway, done: Callable[[set[int]], bool]) -> Samples:
     """Scrape until the CPU series' pids satisfy `done` (children start and restart on their own).
-    A connection that reached a killed child's socket before the supervisor closed it is reset:
-    scraped again, as a client retries."""
+    A connection that reached a killed child's socket before the supervisor closed it is reset,
+    or refused if it was still being set up (supervisor.py): scraped again, as a client retries."""
     deadline = time.monotonic() + 30
     while True:
         try:
             samples = scrape(gw.url)
-        except ConnectionResetError:
+        except (ConnectionResetError, urllib.error.URLError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if not isinstance(reason, ConnectionResetError | ConnectionRefusedError) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
             continue
         if done(set(_cpu_pids(samples))) or time.monotonic() > deadline:
             return samples
