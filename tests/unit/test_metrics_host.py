@@ -4,14 +4,17 @@ tests/e2e/test_metrics_multiprocess.py."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+from prometheus_client.mmap_dict import MmapedDict
 
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.gateway.telemetry.metrics_host import (
     MULTIPROC_ENV,
+    HostCollector,
     cpu_seconds,
     live_pids,
     multiprocess_dir,
@@ -51,3 +54,15 @@ def test_a_variable_set_after_prometheus_client_was_imported_is_refused(
     monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="before the process starts"):
         multiprocess_dir()
+
+
+def test_the_merge_skips_a_file_a_starting_process_has_not_sized_yet(tmp_path: Path) -> None:
+    """prometheus-client creates a value file, then truncates it to its first size; a scrape in
+    between must still answer, with every other process's values."""
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    written.write_value(json.dumps(["dgw_x", "dgw_x_total", {"worker": "w1"}, "x"]), 3.0, 0.0)
+    written.close()
+    (tmp_path / "counter_202.db").touch()
+    collector = HostCollector(str(tmp_path), local=(), label="worker", visible=lambda: {"w1"})
+    samples = [(s.name, s.value) for family in collector.collect() for s in family.samples]
+    assert samples == [("dgw_x_total", 3.0)]

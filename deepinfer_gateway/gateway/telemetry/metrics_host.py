@@ -63,6 +63,20 @@ def live_processes(path: str) -> set[int]:
     return live_pids(glob.glob(os.path.join(path, "gauge_live*.db"))) | {os.getpid()}
 
 
+def written_files(path: str) -> list[str]:
+    """The folder's value files, less those a starting process has created but not yet sized:
+    prometheus-client opens a file, then truncates it to its first size, and a scrape that reads
+    it in between would fail on the empty file. Such a file holds no value yet."""
+    files = []
+    for name in glob.glob(os.path.join(path, "*.db")):
+        try:
+            if os.path.getsize(name) > 0:
+                files.append(name)
+        except FileNotFoundError:  # marked dead since the glob
+            continue
+    return files
+
+
 def stat_cpu_seconds(stat: str, ticks_per_second: int) -> float:
     """User + system CPU seconds from the text of /proc/<pid>/stat (proc(5): utime and stime
     are fields 14 and 15, counted after the parenthesised command name, which may hold spaces)."""
@@ -114,14 +128,14 @@ class HostCollector(Collector):
 
     def __init__(self, path: str, local: Iterable[Collector], label: str,
                  visible: Callable[[], Collection[str]]) -> None:
-        self._files = MultiProcessCollector(None, path)
+        self._path = path
         self._local = tuple(local)
         self._label = label
         self._visible = visible
 
     def collect(self) -> Iterator[Metric]:
         visible, label = self._visible(), self._label
-        for family in self._files.collect():
+        for family in MultiProcessCollector.merge(written_files(self._path), accumulate=True):
             family.samples = [s for s in family.samples if label not in s.labels or s.labels[label] in visible]
             yield family
         for collector in self._local:
