@@ -20,7 +20,10 @@ Each target gets a fresh cluster and router; the interactive and agent tenants r
 (`--alone-s`), then with the batch flood (`--flood-s`). Targets: `gateway-flow` (the gateway
 with `[flow_control]` on, flex holding at most `--flex-share` of the slots and yielding the
 tiers above their peak over `--flex-yield-ms`), `gateway-flow-noslots` (the same with no cap
-on flex's slots), `gateway` (no flow control: every
+on flex's slots), `gateway-flow-preempt` (gateway-flow on engines that schedule by priority and
+preempt, profile `scheduling_policy = "priority"`: the gateway sends each request its tier as the
+engine's priority and drops the slot caps there; the other targets' engines are first come,
+first served, and none of them sends a priority), `gateway` (no flow control: every
 request into the engines' queues), `sglang-router` and `vllm-router` (bench/peers.py's pinned peers, installed into
 cached venvs on first use; `--no-peers` skips them). `--repeats N` interleaves N repetitions
 and every figure is the median over them.
@@ -36,7 +39,9 @@ request: the phases draw their own arrivals),
 `goodput_vs_best_peer` (cluster goodput under the flood over the best of sglang-router and
 vllm-router; null when neither ran), `interactive_ttft_p99_flood_vs_noslots` and `goodput_vs_noslots`
 (against `gateway-flow-noslots`), `goodput_vs_no_flow_control`, `hit_rate_vs_no_flow_control`, `shed_non_flex`
-(interactive and agent requests refused under the flood) and `lost`.
+(interactive and agent requests refused under the flood) and `lost`; `flow_targets`: the headline
+ratios (p99 flood/alone, interactive goodput flood/alone, goodput vs the best peer, shed_non_flex,
+lost) of each `gateway-flow*` target run.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ KEYS = {"interactive": ("sk-interactive", "default"), "agent": ("sk-agent", "def
 PEERS = ("sglang-router", "vllm-router")
 
 
-def profile(decode_tps: float, max_num_seqs: int) -> str:
+def profile(decode_tps: float, max_num_seqs: int, scheduling_policy: str = "fcfs") -> str:
     return f"""[sm100]
 hardware = "sm100"
 kv_format = "v4.1-flash/sm100-fp8"
@@ -82,6 +87,7 @@ dp_ranks = 1
 max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = 8192
 nextn = 0
+scheduling_policy = "{scheduling_policy}"
 """
 
 
@@ -120,9 +126,9 @@ class Spec:
 class Cluster:
     """The sim cluster, with what peers.start_router needs of it (`urls`, `gateway`)."""
 
-    def __init__(self, spec: Spec, tmp: Path, flow: bool, slots: bool = False) -> None:
+    def __init__(self, spec: Spec, tmp: Path, flow: bool, slots: bool = False, preempts: bool = False) -> None:
         path = tmp / "profiles.toml"
-        path.write_text(profile(spec.decode_tps, spec.max_num_seqs))
+        path.write_text(profile(spec.decode_tps, spec.max_num_seqs, "priority" if preempts else "fcfs"))
         self._cluster = SimCluster(",".join(["unified:sm100"] * spec.workers), time_scale=1.0,
                                    extra=["--no-store", "--profiles", str(path)])
         self.urls = self._cluster.urls
@@ -303,7 +309,8 @@ def run_target(target: str, spec: Spec, repetition: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"overload-{target}-") as tmp_dir:
         tmp = Path(tmp_dir)
         cluster = Cluster(spec, tmp, flow=target.startswith("gateway-flow"),
-                          slots=target == "gateway-flow")
+                          slots=target in ("gateway-flow", "gateway-flow-preempt"),
+                          preempts=target == "gateway-flow-preempt")
         try:
             router: Router = start_router("gateway" if target.startswith("gateway") else target, cluster, tmp)  # type: ignore[arg-type]
             try:
@@ -379,6 +386,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                    for r in by["gateway-flow"]]),
             lost=_median([r["flood"]["lost"] + r["alone"]["lost"] for r in by["gateway-flow"]]),
         )
+    peers = [result["targets"][p]["cluster_goodput_flood_rps"] for p in PEERS if p in result["targets"]]
+    best_peer = max((p for p in peers if p is not None), default=None)
+    result["flow_targets"] = {t: {  # the headline ratios of every flow-control variant run
+        "interactive_ttft_p99_flood_vs_alone": _ratio(f["interactive_ttft_p99_flood_s"],
+                                                      f["interactive_ttft_p99_alone_s"]),
+        "interactive_goodput_flood_vs_alone": _ratio(f["interactive_good_share_flood"],
+                                                     f["interactive_good_share_alone"]),
+        "goodput_vs_best_peer": _ratio(f["cluster_goodput_flood_rps"], best_peer),
+        "shed_non_flex": _median([sum(r["flood"].get(n, {}).get("shed", 0) for n in ("interactive", "agent"))
+                                  for r in by[t]]),
+        "lost": _median([r["flood"]["lost"] + r["alone"]["lost"] for r in by[t]]),
+    } for t, f in result["targets"].items() if t.startswith("gateway-flow")}
     return result
 
 

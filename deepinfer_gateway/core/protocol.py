@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 PROTOCOL_VERSION = 1
 KV_BLOCK_TOKENS = 128  # DeepInfer V4.1-Flash resolved_tokens_per_block
+MAX_PRIORITY = 1000  # a generate request's `priority` lies within +-this
 
 # Paths (all HTTP/1.1 on the worker's port).
 GENERATE_PATH = "/v1/worker/generate"
@@ -162,6 +163,10 @@ class GenerateRequest(_Model):
     # Prefix-cache isolation (vLLM's `cache_salt`): blocks are shared only among requests with
     # the same salt (kvcache.hashing.kv_salt); a worker that cannot isolate them refuses it.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Scheduling priority (vLLM's `priority`): a lower value runs first and, on a worker whose
+    # `scheduling_policy` is "priority", preempts a running request of a higher value; a worker
+    # scheduling first come, first served refuses any value but 0.
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
 
 class AbortRequest(_Model):
@@ -189,6 +194,7 @@ class LoadReport(_Model):
     # Counters since start, for engine-side hit-rate dashboards.
     prompt_tokens_total: int = 0
     cached_tokens_total: dict[KvTier, int] = Field(default_factory=dict)
+    preemptions_total: int = 0  # running requests preempted by a more urgent one (vLLM's num_preemptions)
     epoch: str = ""
 
 
@@ -207,6 +213,9 @@ class WorkerInfo(_Model):
     # A decode worker that can also prefill a prompt itself (PD bypass of short uncached parts).
     # DeepInfer's COMPLETION engine cannot; absent (older workers) means it can.
     prefills: bool = True
+    # "priority": waiting requests run by (`priority`, arrival), and one that finds no free slot
+    # or KV preempts the running request of the highest value above its own (recomputed later).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     epoch: str  # changes on every (re)start; a consumer seeing a new epoch drops the worker's memory tier
 
 

@@ -19,6 +19,11 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
   many slots as the tiers above held at most at once over the last window (`RecentPeak`):
   the reserve follows their demand, and flex takes every slot they leave.
   A pool whose slots are unknown has no such cap.
+- Engines that preempt (a worker's `scheduling_policy` "priority": the gateway sends each
+  request its tier as the engine's `priority`): flex has no slot cap there, since a request of
+  a tier above preempts flex in the engine; such a request waits only for its own tiers' load
+  (`preempting`): fewer of their requests starting than the bound, and of their held slots
+  fewer than the pool's. Flex's queued work in the engines does not delay it.
 - Bands: `priority` before `default` before `flex`; a lower band starts only when no higher
   band waits.
 - Fair share within a band: start-time fair queuing by tokens. A tenant's request is tagged
@@ -59,6 +64,11 @@ class Tier(IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower()
+
+    @property
+    def engine_priority(self) -> int:
+        """The engines' `priority` (vLLM's: a lower value first, 0 by default): -1, 0, 1."""
+        return int(self) - int(Tier.DEFAULT)
 
 
 class ShedReason(StrEnum):
@@ -126,22 +136,30 @@ class PoolLoad:
     and the bound that holds when decoding, not prefill, is what the requests wait for.
     `slots`: the pool's sequence slots (0: unknown); `flex_holding`: flex requests this router
     started that have not ended; `others_peak`: the most requests of the tiers above held at once
-    lately (`RecentPeak`)."""
+    lately (`RecentPeak`). `preempts`: every worker schedules by priority (`preempting`), and
+    `starting_above`, `held_above` are `starting` and the held slots of the tiers above flex."""
 
     workers: tuple[WorkerLoad, ...]
     starting: int = 0
     slots: int = 0
     flex_holding: int = 0
     others_peak: int = 0
+    preempts: bool = False
+    starting_above: int = 0
+    held_above: int = 0
 
     def can_start(self, limits: FlowLimits, tier: Tier = Tier.DEFAULT) -> bool:
         """Whether a request of `tier` may start now: flex leaves `flex_reserve` of the starting bound
         and `1 - flex_max_share` of the slots to the tiers above it, so they need not queue behind
-        flex in the engines."""
+        flex in the engines. Where the engines preempt, the tiers above flex look only at their own
+        requests and flex's slots have no cap (`preempting`)."""
         bound = limits.max_engine_waiting * sum(w.dp_ranks for w in self.workers)
+        if self.preempts and tier is not Tier.FLEX:
+            return bool(self.workers) and self.starting_above < bound and (
+                not self.slots or self.held_above < self.slots)
         if tier is Tier.FLEX:
             bound = max(1, bound - limits.flex_reserve)
-            if limits.flex_full(self.slots, self.flex_holding, self.others_peak):
+            if not self.preempts and limits.flex_full(self.slots, self.flex_holding, self.others_peak):
                 return False
         return self.starting < bound and any(w.can_start(limits) for w in self.workers)
 
@@ -165,8 +183,10 @@ class PoolLoad:
         w = self.workers[i]
         moved = WorkerLoad(w.wait_s + tokens / w.prefill_tokens_per_s, w.prefill_tokens_per_s, w.waiting,
                            w.dp_ranks, w.kv_usage)
+        above = tier is not Tier.FLEX
         return PoolLoad(self.workers[:i] + (moved,) + self.workers[i + 1:], self.starting + 1, self.slots,
-                        self.flex_holding + (tier is Tier.FLEX), self.others_peak)
+                        self.flex_holding + (not above), self.others_peak, self.preempts,
+                        self.starting_above + above, self.held_above + above)
 
 
 def pool_slots(members: Sequence[WorkerView]) -> int:
@@ -174,11 +194,19 @@ def pool_slots(members: Sequence[WorkerView]) -> int:
     return 0 if any(not v.slots for v in members) else sum(v.slots for v in members)
 
 
+def preempting(members: Sequence[WorkerView]) -> bool:
+    """Every member schedules by priority: a request of a tier above flex preempts flex's running
+    requests in the engine, so it waits for neither their slots nor their queue, and flex may hold
+    every slot. What such a request waits for is its own tiers' load, as this router started it."""
+    return bool(members) and all(v.preempts for v in members)
+
+
 def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
-              granted_tokens: int = 0, starting: int = 0, flex_holding: int = 0, others_peak: int = 0) -> PoolLoad:
+              granted_tokens: int = 0, starting: int = 0, flex_holding: int = 0, others_peak: int = 0,
+              starting_above: int = 0, held_above: int = 0) -> PoolLoad:
     """`pool`'s load from the views; `granted_tokens`: placed by flow control and not yet in any
-    view (no booking yet), spread over the pool's speed; `starting`, `flex_holding`, `others_peak`:
-    `PoolLoad`'s.
+    view (no booking yet), spread over the pool's speed; `starting`, `flex_holding`, `others_peak`,
+    `starting_above`, `held_above`: `PoolLoad`'s.
     `prefill_tokens_per_s`: by hardware."""
     members = [v for v in views if v.pool == pool]
     speed = sum(prefill_tokens_per_s[v.hardware] for v in members) or 1.0
@@ -186,18 +214,25 @@ def pool_load(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict
     return PoolLoad(tuple(
         WorkerLoad(v.queued_prefill_tokens / prefill_tokens_per_s[v.hardware] + extra,
                    prefill_tokens_per_s[v.hardware], v.waiting, max(1, v.dp_ranks), v.kv_usage)
-        for v in members), starting, pool_slots(members), flex_holding, others_peak)
+        for v in members), starting, pool_slots(members), flex_holding, others_peak, preempting(members),
+        starting_above, held_above)
 
 
 def can_start_now(views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float],
                   limits: FlowLimits, granted_tokens: int = 0, starting: int = 0, tier: Tier = Tier.DEFAULT,
-                  flex_holding: int = 0, others_peak: int = 0) -> bool:
+                  flex_holding: int = 0, others_peak: int = 0, starting_above: int = 0,
+                  held_above: int = 0) -> bool:
     """`pool_load(...).can_start(limits, tier)` without building it, stopping at the first worker that
     can start: the unsaturated path's cost, paid by every request."""
     members = [v for v in views if v.pool == pool]
     if not members:
         return False
-    if tier is Tier.FLEX and flex_holding and limits.flex_full(pool_slots(members), flex_holding, others_peak):
+    if members[0].preempts and preempting(members):
+        if tier is not Tier.FLEX:
+            slots = pool_slots(members)
+            return (starting_above < limits.max_engine_waiting * sum(max(1, v.dp_ranks) for v in members)
+                    and (not slots or held_above < slots))
+    elif tier is Tier.FLEX and flex_holding and limits.flex_full(pool_slots(members), flex_holding, others_peak):
         return False
     reserve = limits.flex_reserve if tier is Tier.FLEX else 0
     if starting >= max(1, limits.max_engine_waiting - reserve):  # else under the bound whatever the ranks
@@ -238,12 +273,14 @@ class RecentPeak:
 
 class HeldSlots:
     """The sequence slots held in each pool by the requests flow control started, from their start
-    to their end: flex's count (against `flex_max_share`), and with a yield window the recent
-    peak of the tiers above (`flex_yield_window_s`). The clock is the caller's."""
+    to their end: flex's count (against `flex_max_share`), the tiers above's count (`above`: what
+    they wait for where the engines preempt) and, with a yield window, the tiers above's recent
+    peak (`flex_yield_window_s`). The clock is the caller's."""
 
     def __init__(self, limits: FlowLimits) -> None:
         self.limits = limits
         self.flex: dict[str, int] = {}
+        self.above: dict[str, int] = {}
         self._others: dict[str, RecentPeak] = {}
 
     def take(self, pool: str, tier: Tier, now: float) -> None:
@@ -257,15 +294,17 @@ class HeldSlots:
         return others.peak(now) if others is not None else 0
 
     def load(self, views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float], now: float,
-             granted_tokens: int = 0, starting: int = 0) -> PoolLoad:
+             granted_tokens: int = 0, starting: int = 0, starting_above: int = 0) -> PoolLoad:
         """`pool_load` with these slots."""
         return pool_load(views, pool, prefill_tokens_per_s, granted_tokens, starting, self.flex.get(pool, 0),
-                         self.others_peak(pool, now))
+                         self.others_peak(pool, now), starting_above, self.above.get(pool, 0))
 
     def _change(self, pool: str, tier: Tier, delta: int, now: float) -> None:
         if tier is Tier.FLEX:
             self.flex[pool] = self.flex.get(pool, 0) + delta
-        elif self.limits.flex_yield_window_s:
+            return
+        self.above[pool] = self.above.get(pool, 0) + delta
+        if self.limits.flex_yield_window_s:
             others = self._others.get(pool)
             if others is None:
                 others = self._others[pool] = RecentPeak(self.limits.flex_yield_window_s)

@@ -26,3 +26,4 @@ class WorkerView:
     dp_ranks: int = 1
     slots: int = 0  # sequences it runs at once, all DP ranks (0: unknown); flow control's flex share
     prefills: bool = True  # a decode worker that can take a PD bypass
+    preempts: bool = False  # it schedules by the requests' priority and preempts (flow control reads it)

@@ -126,6 +126,7 @@ class SimWorker:
                 queued_prefill_tokens=max(0, self.report_queued + self.reserved), booked_tokens=self.reserved,
                 running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
                 slots=self.profile.max_num_seqs * self.report_ranks,
+                preempts=self.profile.scheduling_policy == "priority",
             )
         return view
 

@@ -116,6 +116,7 @@ class SimGateway:
         # requests wait in `flow`, `pump` starts them as the workers free up.
         self.flow = FlowPolicy(FlowLimits.of(flow)) if flow.enabled else None
         self.flow_starting: dict[str, int] = {}
+        self.flow_starting_above: dict[str, int] = {}  # of which the tiers above flex
         self.slots = HeldSlots(self.flow.limits) if self.flow is not None else None
         self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
                        for hardware in {str(w.profile.hardware) for w in workers}}
@@ -179,7 +180,9 @@ class SimGateway:
         self.stats.modes[mode] = self.stats.modes.get(mode, 0) + 1
         worker = self.by_id[plan.worker.worker_id]
         record.worker = worker.worker_id
-        sim = SimRequest(rid, req.tokens, req.output, FinishReason.LENGTH, stop_after_first=plan.mode is Mode.PD)
+        priority = req.slot_tier.engine_priority if worker.core.by_priority and req.slot_pool is not None else 0
+        sim = SimRequest(rid, req.tokens, req.output, FinishReason.LENGTH, stop_after_first=plan.mode is Mode.PD,
+                         priority=priority)
         try:
             worker.core.add_request(sim, hashes[worker.kv_format])
         except AdmissionError as exc:
@@ -281,11 +284,14 @@ class SimGateway:
 
     def _load(self, views: ViewList, pool: str) -> PoolLoad:
         assert self.slots is not None
-        return self.slots.load(views, pool, self.speeds, self.clock(), 0, self.flow_starting.get(pool, 0))
+        return self.slots.load(views, pool, self.speeds, self.clock(), 0, self.flow_starting.get(pool, 0),
+                               self.flow_starting_above.get(pool, 0))
 
     def _starting(self, req: RequestState, pool: str, tier: Tier) -> None:
         req.flow_pool = pool
         self.flow_starting[pool] = self.flow_starting.get(pool, 0) + 1
+        if tier is not Tier.FLEX:
+            self.flow_starting_above[pool] = self.flow_starting_above.get(pool, 0) + 1
         assert self.slots is not None
         req.slot_pool, req.slot_tier = pool, tier
         self.slots.take(pool, tier, self.clock())
@@ -294,6 +300,8 @@ class SimGateway:
         """Its first token (or its end): it no longer counts as starting in its pool."""
         if req.flow_pool is not None:
             self.flow_starting[req.flow_pool] -= 1
+            if req.slot_tier is not Tier.FLEX:
+                self.flow_starting_above[req.flow_pool] -= 1
             req.flow_pool = None
 
     def pump(self, t: float) -> list[SimWorker]:

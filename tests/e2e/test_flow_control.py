@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
 import time
 import urllib.request
@@ -179,6 +180,51 @@ def test_flex_share_keeps_slots_for_the_tiers_above(cluster: SimCluster, tmp_pat
             assert max(default) < 0.5, default
         else:  # the control: without the share the same requests wait for a slot
             assert statistics.median(default) > 0.5, default
+    finally:
+        gw.stop()
+
+
+@pytest.fixture(scope="module")
+def preempting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimCluster]:
+    """The same worker scheduling by priority: a request of a tier above preempts flex."""
+    profile = tmp_path_factory.mktemp("flow-preempt-profile") / "profiles.toml"
+    profile.write_text(small_sm100(scheduling_policy="priority"))
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    yield cluster
+    cluster.stop()
+
+
+def test_where_the_engine_preempts_flex_takes_every_slot_and_the_tiers_above_start_at_once(
+        preempting: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Long flex answers hold all 4 slots (no share, no yield: the worker says it preempts); a default
+    request gets its tier's engine priority and preempts one at once; the preempted answer resumes
+    and ends whole."""
+    gw = _gateway(tmp_path_factory.mktemp("flow-preempt"), preempting,
+                  FLOW.format(flex=60000) + "flex_max_share = 0.5\nflex_yield_window_ms = 10000\n")
+    try:
+        async def flood(stop: asyncio.Event, lengths: list[int]) -> None:
+            c = client(gw, "sk-batch")
+            while not stop.is_set():
+                answer = await c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=240,
+                                                         extra_body={"ignore_eos": True})
+                assert answer.usage is not None
+                lengths.append(answer.usage.completion_tokens)
+
+        async def run() -> tuple[list[float], list[int]]:
+            stop, lengths = asyncio.Event(), list[int]()
+            flood_tasks = [asyncio.create_task(flood(stop, lengths)) for _ in range(6)]
+            await _queued(gw)
+            await asyncio.sleep(1.0)  # the flex requests started first are decoding, in every slot
+            default = [await _ttft(gw, "sk-chat") for _ in range(4)]
+            stop.set()
+            await asyncio.gather(*flood_tasks)  # every flex answer ends, the preempted ones included
+            return default, lengths
+
+        default, lengths = asyncio.run(run())
+        assert max(default) < 0.5, default
+        assert lengths and set(lengths) == {240}, lengths
+        with urllib.request.urlopen(preempting.urls[0] + "/v1/worker/load", timeout=5) as r:
+            assert json.loads(r.read())["preemptions_total"] >= 4
     finally:
         gw.stop()
 

@@ -30,10 +30,11 @@ def request(tenant: str = "a", tier: Tier = Tier.DEFAULT, tokens: int = 100, dea
     return FlowRequest(tenant, tier, tokens, tokens, arrival, deadline, weight)
 
 
-def view(queued: int = 0, waiting: int = 0, kv: float = 0.0, pool: str = "p", slots: int = 0) -> WorkerView:
+def view(queued: int = 0, waiting: int = 0, kv: float = 0.0, pool: str = "p", slots: int = 0,
+         preempts: bool = False) -> WorkerView:
     return WorkerView(worker_id=f"w{queued}{waiting}{kv}", role=Role.UNIFIED, pool=pool, hardware="sm100",
                       kv_format="f", model="m", queued_prefill_tokens=queued, waiting=waiting, kv_usage=kv,
-                      slots=slots)
+                      slots=slots, preempts=preempts)
 
 
 def test_saturation_from_queue_wait_waiting_requests_and_kv_usage() -> None:
@@ -216,6 +217,26 @@ def test_flex_yields_the_tiers_above_their_recent_peak() -> None:
     assert FlowLimits(flex_max_share=0.5, flex_yield_window_s=10.0).flex_slots(8, 1) == 4  # the smaller cap
 
 
+def test_where_the_engines_preempt_flex_fills_the_pool_and_the_tiers_above_see_only_their_own_load() -> None:
+    speed = {"sm100": 10_000.0}
+    limits = FlowLimits(max_engine_waiting=1, flex_max_share=0.5, flex_yield_window_s=10.0)
+    # flex holds every slot, its requests fill the engine's queue and prefill backlog
+    busy = [view(queued=5_000, waiting=3, kv=0.97, slots=4, preempts=True)]
+    full = pool_load(busy, "p", speed, starting=1, flex_holding=4, others_peak=4)
+    assert full.preempts and full.can_start(limits, Tier.DEFAULT) and full.can_start(limits, Tier.PRIORITY)
+    assert not full.can_start(limits, Tier.FLEX)  # flex still waits for the engine's queue
+    idle = pool_load([view(slots=4, preempts=True)], "p", speed, flex_holding=3, others_peak=3)
+    assert idle.can_start(limits, Tier.FLEX)  # no share, no yield: the tiers above preempt it
+    # what the tiers above wait for: their own starting requests and held slots
+    assert not pool_load(busy, "p", speed, starting=1, starting_above=1).can_start(limits, Tier.DEFAULT)
+    assert not pool_load(busy, "p", speed, held_above=4).can_start(limits, Tier.DEFAULT)
+    assert pool_load(busy, "p", speed, held_above=3).placed(100, limits).held_above == 4
+    # a pool with one worker that does not preempt keeps the caps
+    mixed = pool_load([*busy, view(slots=4)], "p", speed, flex_holding=4, others_peak=4)
+    assert not mixed.preempts and not mixed.can_start(limits, Tier.FLEX)
+    assert Tier.PRIORITY.engine_priority == -1 and Tier.DEFAULT.engine_priority == 0 and Tier.FLEX.engine_priority == 1
+
+
 def test_recent_peak_is_the_most_held_over_the_last_window() -> None:
     peak = RecentPeak(10.0)
     assert peak.peak(0.0) == 0
@@ -233,14 +254,16 @@ def test_the_cheap_unsaturated_check_agrees_with_the_pool_load() -> None:
     speed = {"sm100": 10_000.0}
     cases = [[view()], [view(queued=3_000)], [view(waiting=4)], [view(kv=0.97)], [view(queued=3_000), view()],
              [view(queued=1_500), view(queued=1_600, waiting=1)], [view(pool="q")], [view(slots=4)],
-             [view(slots=2), view(queued=1, slots=2)]]
+             [view(slots=2), view(queued=1, slots=2)], [view(queued=3_000, slots=2, preempts=True)],
+             [view(waiting=4, preempts=True), view(queued=1, slots=2, preempts=True)],
+             [view(slots=2, preempts=True), view(queued=1, slots=2)]]
     limits = FlowLimits(max_engine_wait_s=0.2, max_engine_waiting=2, flex_reserve=1, flex_max_share=0.75,
                         flex_yield_window_s=5.0)
     for views in cases:
-        for granted, starting in ((0, 0), (1_000, 0), (0, 1), (0, 2), (600, 3)):
+        for granted, starting, above in ((0, 0, 0), (1_000, 0, 0), (0, 1, 1), (0, 2, 0), (0, 2, 2), (600, 3, 1)):
             for tier in Tier:
-                for holding, peak in ((0, 0), (1, 0), (2, 0), (1, 2), (2, 3)):
-                    full = pool_load(views, "p", speed, granted, starting, holding, peak)
+                for holding, peak, held in ((0, 0, 0), (1, 0, 0), (2, 0, 0), (1, 2, 2), (2, 3, 1), (0, 4, 4)):
+                    full = pool_load(views, "p", speed, granted, starting, holding, peak, above, held)
                     expected = bool(full.workers) and full.can_start(limits, tier)
-                    got = can_start_now(views, "p", speed, limits, granted, starting, tier, holding, peak)
-                    assert got == expected, (views, granted, starting, tier, holding, peak)
+                    got = can_start_now(views, "p", speed, limits, granted, starting, tier, holding, peak, above, held)
+                    assert got == expected, (views, granted, starting, above, tier, holding, peak, held)

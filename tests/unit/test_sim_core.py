@@ -196,3 +196,56 @@ def test_fixed_step_sizes_without_draws(nextn: int, acceptance: float, size: int
 def test_decode_step_time_keeps_the_mean_per_user_speed() -> None:
     """The charts' per-user speed includes MTP: a step lasts its mean group's time."""
     assert decode_seconds(SM100, 8) == pytest.approx(3.25 * decode_seconds(replace(SM100, nextn=0), 8))
+
+
+PRIORITY_2_SLOTS = replace(ONE_RANK, max_num_seqs=2, scheduling_policy="priority")
+
+
+def _step_until(c: SchedulerCore, done: set[str], seen: dict[str, list[RequestUpdate]]) -> None:
+    """Step until every request of `done` has finished, collecting updates."""
+    while not done <= {rid for rid, ups in seen.items() if ups[-1].finish is not None}:
+        _, ups = c.step(0.0)
+        for u in ups:
+            seen.setdefault(u.request_id, []).append(u)
+
+
+def test_priority_scheduling_preempts_the_least_urgent_latest_request_and_resumes_it() -> None:
+    c = core(PRIORITY_2_SLOTS)
+    seen: dict[str, list[RequestUpdate]] = {}
+    c.add_request(req("flex-old", list(range(300)), n_out=40, priority=1))
+    c.add_request(req("flex-new", list(range(1000, 1300)), n_out=40, priority=1))
+    for _ in range(5):  # both decode: every slot is taken
+        _, ups = c.step(0.0)
+        for u in ups:
+            seen.setdefault(u.request_id, []).append(u)
+    c.add_request(req("urgent", list(range(2000, 2300)), n_out=3, priority=-1))
+    _step_until(c, {"urgent"}, seen)
+    assert c.preemptions_total == 1
+    # The latest of the least urgent made room; the older one kept decoding.
+    assert len([t for u in seen["flex-old"] for t in u.token_ids]) > len(
+        [t for u in seen["flex-new"] for t in u.token_ids])
+    _step_until(c, {"flex-old", "flex-new"}, seen)
+    for rid in ("flex-old", "flex-new"):  # the preempted one resumes where it stopped: no token lost or repeated
+        assert [t for u in seen[rid] for t in u.token_ids] == list(range(500, 540))
+        assert [u.ready for u in seen[rid] if u.ready is not None] == [(0, 0)]  # announced once
+    assert c.kv_usage == 0 and not c.has_work()
+
+
+def test_priority_orders_the_waiting_line_and_fcfs_never_preempts() -> None:
+    c = core(PRIORITY_2_SLOTS)
+    for i, priority in enumerate([0, 0, 1, 0, -1]):
+        c.add_request(req(f"r{i}", list(range(i * 1000, i * 1000 + 300)), n_out=4, priority=priority))
+    admitted: list[str] = []
+    while c.has_work():
+        _, ups = c.step(0.0)
+        admitted += [u.request_id for u in ups if u.ready is not None]
+    assert admitted == ["r4", "r0", "r1", "r3", "r2"]  # by (priority, arrival)
+    assert c.preemptions_total == 0  # equal priorities never preempt each other
+
+    fcfs = core(replace(PRIORITY_2_SLOTS, scheduling_policy="fcfs"))
+    for i in range(2):
+        fcfs.add_request(req(f"f{i}", list(range(i * 1000, i * 1000 + 300)), n_out=40, priority=1))
+    fcfs.step(0.0)
+    fcfs.add_request(req("u", list(range(5000, 5300)), n_out=3, priority=-1))
+    run(fcfs)
+    assert fcfs.preemptions_total == 0

@@ -84,6 +84,8 @@ class Grant:
             self.booked()
             self._gate = None
             gate.starting[self.pool] -= 1
+            if self.tier is not Tier.FLEX:
+                gate.starting_above[self.pool] -= 1
             gate.wake()
 
     def ended(self) -> None:
@@ -116,6 +118,7 @@ class FlowGate:
         self.metrics = metrics
         self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
         self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
+        self.starting_above: defaultdict[str, int] = defaultdict(int)  # of which the tiers above flex
         self.slots = HeldSlots(self.policy.limits)  # started requests not ended
         self._wake = asyncio.Event()
         self._wait_series: dict[tuple[str, Tier], Any] = {}
@@ -138,9 +141,9 @@ class FlowGate:
         queue = self.policy.pool(pool)
         flex = self.slots.flex.get(pool, 0) if ticket.tier is Tier.FLEX else 0
         others_peak = self.slots.others_peak(pool, time.monotonic()) if flex else 0
-        if not queue.ahead_of(ticket.tier) and can_start_now(views, pool, self.speeds, self.policy.limits,
-                                                             self.granted[pool], self.starting[pool], ticket.tier,
-                                                             flex, others_peak):
+        if not queue.ahead_of(ticket.tier) and can_start_now(
+                views, pool, self.speeds, self.policy.limits, self.granted[pool], self.starting[pool], ticket.tier,
+                flex, others_peak, self.starting_above[pool], self.slots.above.get(pool, 0)):
             return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
         load = self._load(views, pool)
         outcome = queue.arrive(request, load, now)
@@ -169,6 +172,8 @@ class FlowGate:
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
         self.starting[pool] += 1
+        if request.tier is not Tier.FLEX:
+            self.starting_above[pool] += 1
         self.slots.take(pool, request.tier, time.monotonic())
         series = self._wait_series.get((pool, request.tier))
         if series is None:  # a labels() lookup costs more than the rest of an unsaturated admission
@@ -181,7 +186,8 @@ class FlowGate:
         self.wake()
 
     def _load(self, views: Sequence[WorkerView], pool: str) -> PoolLoad:
-        return self.slots.load(views, pool, self.speeds, time.monotonic(), self.granted[pool], self.starting[pool])
+        return self.slots.load(views, pool, self.speeds, time.monotonic(), self.granted[pool], self.starting[pool],
+                               self.starting_above[pool])
 
     def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
         why = {ShedReason.DEADLINE: "cannot start within its time-to-first-token target",

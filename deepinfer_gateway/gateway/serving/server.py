@@ -90,7 +90,7 @@ class RequestServer:
         leg = LegRequest(random_id(), prepared.token_ids,
                          prepared.sampling.model_dump(by_alias=True, exclude_defaults=True), workload_class,
                          images=prepared.images or None, image_token_adjustment=prepared.image_token_adjustment,
-                         cache_salt=cache_salt)
+                         cache_salt=cache_salt, priority=flow.tier.engine_priority if flow is not None else 0)
         # `response_id`: one chosen before it runs (a background response's)
         response = response_stream(prepared, self.bundle,
                                    response_id or ID_PREFIX[prepared.protocol] + uuid.uuid4().hex)

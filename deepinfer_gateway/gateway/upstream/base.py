@@ -89,13 +89,15 @@ class LegRequest:
     images: list[str] | None = None
     image_token_adjustment: int = 0
     cache_salt: str | None = None  # the request's prefix-cache salt (serving/cache_salt.py)
+    priority: int = 0  # its engine priority (flow control's tier), sent to workers that schedule by it
     # The router's predicted cached prompt tokens on the chosen worker. Engines that report
     # their cached count only at the end (vLLM, OpenAI servers) give it as `ready`'s
     # provisional count; not a wire field.
     predicted_cached: int = 0
 
-    def wire(self) -> dict[str, Any]:
-        """The worker protocol's generate body."""
+    def wire(self, by_priority: bool = False) -> dict[str, Any]:
+        """The worker protocol's generate body; `priority` only for a worker that schedules by
+        it (`by_priority`): one that does not refuses it."""
         body: dict[str, Any] = {"request_id": self.request_id, "token_ids": self.token_ids,
                                 "sampling": self.sampling, "workload_class": self.workload_class,
                                 "role": str(self.role)}
@@ -106,6 +108,8 @@ class LegRequest:
             body["image_token_adjustment"] = self.image_token_adjustment
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt
+        if by_priority and self.priority:
+            body["priority"] = self.priority
         return body
 
     def decode(self, handoff: dict[str, Any], token_ids: Sequence[int] | None = None) -> LegRequest:

@@ -75,6 +75,7 @@ class DgwUpstream:
         self._on_load: LoadListener | None = None
         self._on_down: Callable[[], None] | None = None
         self._push_epoch: str | None = None  # the epoch whose connection did not push
+        self._by_priority = False  # the worker schedules by `priority` (its info)
 
     @property
     def protocol(self) -> int:
@@ -88,6 +89,7 @@ class DgwUpstream:
         if known is None or (load.epoch and load.epoch != known.epoch):
             known = wp.WorkerInfo.model_validate(await self._http.get_json(url, wp.INFO_PATH))
         self._epoch = known.epoch
+        self._by_priority = known.scheduling_policy == "priority"
         if self._v1_epoch is not None and self._v1_epoch != known.epoch:
             self._v1_epoch = None  # restarted: it may speak v2 now
         return Probe(known, load)
@@ -98,7 +100,7 @@ class DgwUpstream:
             reason = wp.V1Fallback.NOT_SPOKEN
             if conn is not None:
                 try:
-                    return await conn.submit(leg)
+                    return await conn.submit(leg, self._by_priority)
                 except TooLarge:
                     reason = wp.V1Fallback.TOO_LARGE  # v1 takes it: its body limit is the gateway's own
             self._http.mux_metrics.mux_fallback(self.spec.worker_id, reason)
@@ -170,7 +172,7 @@ class DgwUpstream:
 
     async def _generate_v1(self, leg: LegRequest) -> WorkerStream:
         url = self.spec.url
-        response = await self._http.post(url, wp.GENERATE_PATH, leg.wire(), leg.request_id)
+        response = await self._http.post(url, wp.GENERATE_PATH, leg.wire(self._by_priority), leg.request_id)
         if response.status != 200:
             text = (await response.read())[:300].decode(errors="replace")
             response.release()

@@ -253,13 +253,13 @@ class MuxConnection:
     def streams(self) -> int:
         return len(self._streams)
 
-    async def submit(self, leg: LegRequest) -> MuxStream:
+    async def submit(self, leg: LegRequest, by_priority: bool = False) -> MuxStream:
         rid = leg.request_id
         if self._closed:
             raise UpstreamError(UpstreamKind.DISCONNECT, f"connection to {self.url} closed")
         if rid in self._streams:
             raise UpstreamError(UpstreamKind.PROTOCOL, f"request {rid} is already open on {self.url}", retryable=False)
-        data = ids_json([wp.generate_op(leg.wire(), tracing.inject({}))])
+        data = ids_json([wp.generate_op(leg.wire(by_priority), tracing.inject({}))])
         if len(data) > wp.MAX_MUX_MESSAGE_BYTES:
             raise TooLarge(f"a {len(data)}-byte generate op")
         stream = self._streams[rid] = MuxStream(self, rid)

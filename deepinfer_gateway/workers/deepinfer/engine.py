@@ -228,6 +228,10 @@ class DeepInferEngine:
         if request.cache_salt is not None:  # served unsalted, the blocks would be shared: refused, not ignored
             return self._refused(request, ErrorKind.INVALID_REQUEST,
                                  "cache_salt is not supported by DeepInfer workers (their prefix cache has no salt)")
+        if request.priority:  # WorkerInfo says scheduling_policy "fcfs": the gateway sends none
+            return self._refused(request, ErrorKind.INVALID_REQUEST,
+                                 "priority is not supported by DeepInfer workers (LLMEngine schedules first come, "
+                                 "first served)")
         if request.request_id in self._streams:
             return self._refused(request, ErrorKind.INVALID_REQUEST, f"request id {request.request_id!r} is in flight")
         return None

@@ -7,11 +7,17 @@ virtual clock instead.
 
 Per step and per DP rank (ranks step in lockstep; the instance's step lasts as long as
 its slowest rank), like DeepInfer/vLLM with chunked prefill:
-1. admit waiting requests (FIFO) while the rank has fewer than `max_num_seqs` running
-   and the instance has KV blocks for the whole request (prompt + planned output: the
-   sim knows its output length, so it never needs to preempt). Admission looks the
-   prompt up in the memory prefix cache, then in the shared store: memory hits are
-   free, store hits cost their KV bytes at the profile's store read bandwidth;
+1. admit waiting requests while the rank has fewer than `max_num_seqs` running and the
+   instance has KV blocks for the whole request (prompt + planned output: the sim knows
+   its output length, so it never runs out mid-request). Admission looks the prompt up
+   in the memory prefix cache, then in the shared store: memory hits are free, store
+   hits cost their KV bytes at the profile's store read bandwidth. The order is the
+   profile's `scheduling_policy`: "fcfs" by arrival; "priority" (vLLM's and SGLang's
+   priority scheduling) by (`priority`, arrival), and a waiting request that finds no
+   slot or no KV preempts the running request of the highest priority value above its
+   own, latest arrival first: its KV is freed and it waits again at its place, then
+   recomputes its prompt and the tokens it had emitted (the prefix cache may hold part)
+   and goes on from there. A decode-role request (KV handed over) is never preempted;
 2. every running request past prefill decodes: 1 token, plus with speculative decoding
    (`nextn` > 0) each of `nextn` draft tokens accepted with probability `acceptance`,
    drawn per step from the request's own RNG (seeded by its request id, so a run is
@@ -69,6 +75,7 @@ class SimRequest:
     stop_after_first: bool = False  # prefill role
     kv_loaded_seconds: float | None = None  # decode role: KV arrives by transfer at this cost
     cache_salt: str | None = None  # its blocks are shared only with requests of the same salt
+    priority: int = 0  # a lower value runs first (the profile's scheduling_policy "priority")
 
 
 @dataclass
@@ -93,10 +100,18 @@ class _Seq:
     emitted: int = 0
     prefilled: bool = False
     rng: random.Random | None = None  # speculative decoding's acceptance draws (None: no draws)
+    order: int = 0  # arrival order on this worker
+    recompute: int = 0  # emitted tokens to recompute after a preemption, besides the prompt
+    preemptions: int = 0
 
     @property
     def remaining_prefill(self) -> int:
-        return len(self.req.token_ids) - self.computed
+        return len(self.req.token_ids) + self.recompute - self.computed
+
+    @property
+    def rank_key(self) -> tuple[int, int]:
+        """Priority scheduling's order: the least key runs first and is preempted last."""
+        return self.req.priority, self.order
 
 
 def _blocks(tokens: int) -> int:
@@ -125,6 +140,9 @@ class SchedulerCore:
         self._running: list[list[_Seq]] = [[] for _ in range(profile.dp_ranks)]
         self._seqs: dict[str, _Seq] = {}
         self._used_blocks = 0
+        self._arrivals = 0
+        self.by_priority = profile.scheduling_policy == "priority"
+        self.preemptions_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = {KvTier.MEMORY: 0, KvTier.STORE: 0}
 
@@ -164,8 +182,20 @@ class SchedulerCore:
                    blocks)
         if self.profile.nextn and 0.0 < self.profile.acceptance < 1.0:
             seq.rng = random.Random(req.request_id)  # str seeds are hashed with SHA-512: stable across runs
+        self._arrivals += 1
+        seq.order = self._arrivals
         self._seqs[req.request_id] = seq
-        self._waiting[rank].append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Into its rank's waiting line: at the end, or under priority scheduling before the first
+        request it outranks."""
+        waiting = self._waiting[seq.rank]
+        if self.by_priority and waiting and waiting[-1].rank_key > seq.rank_key:
+            key = seq.rank_key
+            waiting.insert(next(i for i, w in enumerate(waiting) if w.rank_key > key), seq)
+        else:
+            waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)
@@ -229,14 +259,21 @@ class SchedulerCore:
         """Move waiting requests into the batch; returns the KV load time they cost."""
         waiting, running = self._waiting[rank], self._running[rank]
         load_s = 0.0
-        while waiting and len(running) < self.profile.max_num_seqs:
+        while waiting:
             seq = waiting[0]
-            if self._used_blocks + seq.blocks > self.profile.memory_capacity_blocks:
+            if (len(running) >= self.profile.max_num_seqs
+                    or self._used_blocks + seq.blocks > self.profile.memory_capacity_blocks):
+                if self.by_priority and self._preempt_for(seq):
+                    continue
                 break  # wait for running requests to finish
             waiting.popleft()
             running.append(seq)
             self._used_blocks += seq.blocks
             prompt = len(seq.req.token_ids)
+            if seq.preemptions:  # resumed: recompute what the cache no longer holds, announced once
+                usable = seq.hashes[: (prompt - 1) // KV_BLOCK_TOKENS]
+                seq.computed = self.cache.match(usable) * KV_BLOCK_TOKENS
+                continue
             if seq.req.kv_loaded_seconds is not None:  # decode role: KV handed over
                 seq.computed = prompt
                 seq.prefilled = True
@@ -257,6 +294,23 @@ class SchedulerCore:
             self.cached_tokens_total[KvTier.STORE] += store_tokens
             updates[seq.req.request_id] = RequestUpdate(seq.req.request_id, ready=(mem_tokens, store_tokens))
         return load_s
+
+    def _preempt_for(self, seq: _Seq) -> bool:
+        """Preempt the running request of `seq`'s rank that `seq` outranks by priority value, the
+        least urgent and latest first; False when there is none (decode-role requests stay)."""
+        victims = [r for r in self._running[seq.rank]
+                   if r.req.priority > seq.req.priority and r.req.kv_loaded_seconds is None]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: r.rank_key)
+        self._running[seq.rank].remove(victim)
+        self._used_blocks -= victim.blocks
+        victim.computed, victim.prefilled = 0, False
+        victim.recompute = victim.emitted
+        victim.preemptions += 1
+        self.preemptions_total += 1
+        self._enqueue(victim)
+        return True
 
     def _emit(self, seq: _Seq, n: int, now: float, updates: dict[str, RequestUpdate]) -> None:
         req = seq.req

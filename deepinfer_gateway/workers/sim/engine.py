@@ -108,6 +108,7 @@ class SimEngine:
             model=self._model,
             dp_size=self.profile.dp_ranks,
             max_num_seqs=self.profile.max_num_seqs,
+            scheduling_policy="priority" if self._core.by_priority else "fcfs",
             epoch=self._events.epoch,
         )
 
@@ -166,6 +167,10 @@ class SimEngine:
         tokens = request.token_ids
         if min(tokens) < 0 or max(tokens) >= self._planner.vocab_size:
             raise AdmissionError(ErrorKind.INVALID_TOKENS, "token id outside the vocabulary")
+        if request.priority and not self._core.by_priority:
+            raise AdmissionError(ErrorKind.INVALID_REQUEST,
+                                 "priority is set but this worker schedules first come, first served "
+                                 "(its profile's scheduling_policy is not \"priority\")")
         role = request.role
         # A decode worker also prefills small prompts itself (PD bypass: role unified).
         bypass = self.role is Role.DECODE and role is Role.UNIFIED
@@ -183,6 +188,7 @@ class SimEngine:
                 request.workload_class,
                 stop_after_first=role is Role.PREFILL,
                 cache_salt=request.cache_salt,
+                priority=request.priority,
             )
         hashes = self._core.hashes(tokens, cache_salt=request.cache_salt)
         self._core.add_request(sim, hashes)
@@ -219,6 +225,7 @@ class SimEngine:
             request.workload_class,
             kv_loaded_seconds=kv_load_seconds(self.profile, handoff.num_tokens, bandwidth),
             cache_salt=request.cache_salt,
+            priority=request.priority,
         )
 
     # --- step loop --------------------------------------------------------------------
@@ -317,6 +324,7 @@ class SimEngine:
             dp_ranks=ranks,
             prompt_tokens_total=self._core.prompt_tokens_total,
             cached_tokens_total=dict(self._core.cached_tokens_total),
+            preemptions_total=self._core.preemptions_total,
             epoch=self._events.epoch,
         )
 

@@ -44,6 +44,8 @@ class HardwareProfile:
     nextn: int = 3
     acceptance: float = 0.75
     speed_factor: float = 1.0  # already applied to the curves; kept for display
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (requests' `priority`, with preemption; core.py)
+    scheduling_policy: str = "fcfs"
 
     @property
     def decode_tokens_per_step(self) -> float:
@@ -71,6 +73,7 @@ _SCALARS = {
     "transfer_bytes_per_s": float,
     "nextn": int,
     "acceptance": float,
+    "scheduling_policy": str,
 }
 _KNOWN = set(_SCALARS) | {
     "hardware",
@@ -126,6 +129,8 @@ def _build(name: str, tables: dict[str, dict[str, Any]], seen: tuple[str, ...] =
         profile = replace(profile, memory_capacity_blocks=int(per_gpu * profile.gpus_per_instance // block_bytes))
     if profile.nextn < 0 or not 0.0 <= profile.acceptance <= 1.0:
         raise ValueError(f"profile {name!r}: nextn must be >= 0 and acceptance within [0, 1]")
+    if profile.scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"profile {name!r}: scheduling_policy must be \"fcfs\" or \"priority\"")
     if profile.dp_ranks < 1 or profile.gpus_per_instance < 1 or profile.memory_capacity_blocks < 1:
         raise ValueError(f"profile {name!r}: dp_ranks, gpus_per_instance and memory capacity must be >= 1")
     return profile
