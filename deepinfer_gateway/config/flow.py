@@ -34,14 +34,16 @@ class FlowControlSettings(BaseModel):
         1.0, gt=0, le=1,
         description="Of a pool's sequence slots (its workers' max_num_seqs x DP ranks), the share flex requests "
                     "may hold, from their start to their end: the rest stays free for the tiers above, which then "
-                    "start at once however deep the flex backlog (engines here neither prioritise nor preempt). "
+                    "start at once however deep the flex backlog, on engines that neither prioritise nor preempt. "
                     "1: no cap. A pool with a worker of unknown slots (a vllm or openai worker without "
-                    "max_num_seqs) has no cap.")
+                    "max_num_seqs) has no cap, nor one whose workers all preempt for a slot (their info's "
+                    "priority_preemption: the tiers above preempt flex there).")
     flex_yield_window_ms: float = Field(
         0.0, ge=0,
         description="Flex also leaves free as many slots as the tiers above held at most at once in the pool over "
                     "this window (this gateway's count): a reserve that follows their demand, all of it flex's while "
-                    "they are idle. 0: off (flex_max_share alone). Needs the pool's slots, as flex_max_share does.")
+                    "they are idle. 0: off (flex_max_share alone). Needs the pool's slots, as flex_max_share does, "
+                    "and does not apply where the workers preempt.")
     priority_ttft_ms: float = Field(2_000.0, gt=0, description="TTFT target of service_tier priority requests.")
     default_ttft_ms: float = Field(10_000.0, gt=0, description="TTFT target of default (and auto) requests.")
     flex_ttft_ms: float = Field(60_000.0, gt=0, description="TTFT target of flex requests.")

@@ -133,6 +133,11 @@ class VllmWorkerSpec(_WorkerSpecBase):
     kv_events_replay_endpoint: str = Field(
         "", description="vllm: its KV events replay socket (ZMQ ROUTER); empty: a gap clears its index entries.")
     kv_events_topic: str = Field("", description="vllm: the topic its KV events publisher uses.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vllm: its --scheduling-policy. \"priority\": each request is sent its flow-control tier "
+                            "as vLLM's `priority` (-1 priority, 0 default, 1 flex), which orders vLLM's waiting line "
+                            "(vLLM preempts only on KV shortage, not for a sequence slot, so flow control keeps flex's "
+                            "slot caps there; docs/api.md); \"fcfs\": no priority is sent (vLLM refuses one).")
 
 
 class OpenAIWorkerSpec(_WorkerSpecBase):

@@ -163,9 +163,9 @@ class GenerateRequest(_Model):
     # Prefix-cache isolation (vLLM's `cache_salt`): blocks are shared only among requests with
     # the same salt (kvcache.hashing.kv_salt); a worker that cannot isolate them refuses it.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    # Scheduling priority (vLLM's `priority`): a lower value runs first and, on a worker whose
-    # `scheduling_policy` is "priority", preempts a running request of a higher value; a worker
-    # scheduling first come, first served refuses any value but 0.
+    # Scheduling priority (vLLM's `priority`): on a worker whose `scheduling_policy` is "priority"
+    # a lower value runs first (and preempts, with `priority_preemption`); a worker scheduling
+    # first come, first served refuses any value but 0.
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
 
@@ -213,9 +213,15 @@ class WorkerInfo(_Model):
     # A decode worker that can also prefill a prompt itself (PD bypass of short uncached parts).
     # DeepInfer's COMPLETION engine cannot; absent (older workers) means it can.
     prefills: bool = True
-    # "priority": waiting requests run by (`priority`, arrival), and one that finds no free slot
-    # or KV preempts the running request of the highest value above its own (recomputed later).
+    # "priority": waiting requests run by (`priority`, arrival), as vLLM's --scheduling-policy
+    # priority does (which preempts only when a running request runs out of KV); "fcfs": by
+    # arrival, and a request with a non-zero `priority` is refused.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # With "priority": a waiting request that finds no free sequence slot (or KV) preempts the
+    # running request of the highest value above its own, which is recomputed later (SGLang's
+    # priority scheduling with preemption; the sim's). Flow control then lets the tiers above
+    # flex start whatever flex holds.
+    priority_preemption: bool = False
     epoch: str  # changes on every (re)start; a consumer seeing a new epoch drops the worker's memory tier
 
 

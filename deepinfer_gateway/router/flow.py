@@ -19,7 +19,7 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
   many slots as the tiers above held at most at once over the last window (`RecentPeak`):
   the reserve follows their demand, and flex takes every slot they leave.
   A pool whose slots are unknown has no such cap.
-- Engines that preempt (a worker's `scheduling_policy` "priority": the gateway sends each
+- Engines that preempt (a worker's info says `priority_preemption`; the gateway sends each
   request its tier as the engine's `priority`): flex has no slot cap there, since a request of
   a tier above preempts flex in the engine; such a request waits only for its own tiers' load
   (`preempting`): fewer of their requests starting than the bound, and of their held slots

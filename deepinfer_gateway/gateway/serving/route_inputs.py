@@ -48,7 +48,7 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0
         running=(load.running if load else 0) + worker.inflight,
         waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
         dp_ranks=dp_ranks, slots=(worker.spec.max_num_seqs or worker.info.max_num_seqs or 0) * dp_ranks,
-        prefills=worker.info.prefills, preempts=worker.info.scheduling_policy == "priority",
+        prefills=worker.info.prefills, preempts=worker.info.priority_preemption,
     )
 
 

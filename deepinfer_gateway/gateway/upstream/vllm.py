@@ -75,7 +75,8 @@ class VllmFacts:
     def info(self, spec: VllmWorkerSpec) -> wp.WorkerInfo:
         return wp.WorkerInfo(worker_id=spec.worker_id, engine="vllm", role=spec.role, hardware=spec.hardware,
                              kv_format=spec.kv_format or vllm_kv_format(self.model, self.block_size),
-                             model=self.model, block_tokens=self.block_size, epoch=self.started_at)
+                             model=self.model, block_tokens=self.block_size,
+                             scheduling_policy=spec.scheduling_policy, epoch=self.started_at)
 
     def load(self, spec: VllmWorkerSpec) -> wp.LoadReport:
         return wp.LoadReport(worker_id=spec.worker_id, role=spec.role, hardware=spec.hardware,
@@ -97,9 +98,10 @@ async def probe(http: HttpPool, spec: VllmWorkerSpec) -> VllmFacts:
 
 
 def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, Any], max_tokens: int,
-                    cache_salt: str | None = None) -> dict[str, Any]:
+                    cache_salt: str | None = None, priority: int = 0) -> dict[str, Any]:
     """The `/v1/completions` body for a worker-protocol request (`sampling` as the worker
-    body carries it: non-default fields only; `cache_salt`: the request's, vLLM's own field)."""
+    body carries it: non-default fields only; `cache_salt`, `priority`: the request's, vLLM's
+    own fields; a server without priority scheduling refuses a non-zero priority)."""
     body: dict[str, Any] = {
         "model": model, "prompt": token_ids, "max_tokens": max_tokens,
         "temperature": sampling.get("temperature", 1.0), "top_p": sampling.get("top_p", 1.0),
@@ -123,6 +125,8 @@ def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, An
         body["structured_outputs"] = structured
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if priority:
+        body["priority"] = priority
     return body
 
 
@@ -250,16 +254,21 @@ class VllmUpstream:
         if refused is not None:
             stream.refuse(refused)
             return stream
-        request = completion_body(facts.model, token_ids, sampling, max_tokens, leg.cache_salt)
+        request = completion_body(facts.model, token_ids, sampling, max_tokens, leg.cache_salt, self._priority(leg))
         if role == wp.Role.DECODE:
             request = vllm_pd.decode_body(request, transfer)
         await stream.start(self._http, leg.request_id, request)
         return stream
 
+    def _priority(self, leg: LegRequest) -> int:
+        """The leg's priority where the server schedules by it (its entry says so), else 0."""
+        return leg.priority if self.spec.scheduling_policy == "priority" else 0
+
     async def _prefill(self, facts: VllmFacts, leg: LegRequest) -> EventStream:
         """A PD prefill leg (vllm_pd.py): one non-streamed call, its events held."""
         url = self.spec.url
-        body = vllm_pd.prefill_body(completion_body(facts.model, leg.token_ids, leg.sampling, 1, leg.cache_salt))
+        body = vllm_pd.prefill_body(completion_body(facts.model, leg.token_ids, leg.sampling, 1, leg.cache_salt,
+                                                    self._priority(leg)))
         answer = await read_answer(self._http, url, leg.request_id, body)
         try:
             events = vllm_pd.prefill_events(answer, self.spec.worker_id, facts.info(self.spec).kv_format)

@@ -109,6 +109,7 @@ class SimEngine:
             dp_size=self.profile.dp_ranks,
             max_num_seqs=self.profile.max_num_seqs,
             scheduling_policy="priority" if self._core.by_priority else "fcfs",
+            priority_preemption=self._core.by_priority,
             epoch=self._events.epoch,
         )
 
