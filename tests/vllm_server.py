@@ -1,5 +1,7 @@
 """A real vLLM (CPU build) on loopback for the tests: a tiny random-weight Llama that speaks the
-gateway's vocabulary, with prefix caching, prompt token details and KV events on.
+gateway's vocabulary, with prefix caching, prompt token details and KV events on, scheduling
+by priority (`--scheduling-policy priority`: requests of equal priority run in arrival order,
+as without it; the gateway sends flow control's tiers to a worker entry that says so).
 
 The model directory holds a `config.json` (LlamaForCausalLM, 2 layers, hidden 256, head_dim 64:
 the CPU attention kernel refuses head_dim 16) and the gateway's own tokenizer.json (the
@@ -122,6 +124,7 @@ class VllmServer:
             "--max-model-len", "4096", "--max-num-seqs", "8",
             "--enforce-eager",  # no torch.compile warm-up: start-up ~40 s instead of ~190 s on 2 cores
             "--enable-prompt-tokens-details",
+            "--scheduling-policy", "priority",
             "--kv-events-config", json.dumps(kv_events),
             *self.extra_args,
         ]

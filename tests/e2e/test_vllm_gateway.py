@@ -29,6 +29,7 @@ from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, BridgeConfig, R
 from deepinfer_gateway.recipe_bridge.tokenizer import load_tokenizer
 from harness.launch import Gateway, SimCluster, free_port
 from tests.fault_doubles import scrape, total
+from tests.gateways import api_key
 from tests.vllm_server import KV_TOPIC, MODEL_NAME, VllmServer
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -193,6 +194,25 @@ def mixed_gateway(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFact
             gw.stop()
     finally:
         sim.stop()
+
+
+def test_flow_control_tiers_reach_vllm_as_its_priority(vllm_server: VllmServer, tmp_path: Path) -> None:
+    """The session's vLLM schedules by priority; an entry saying so sends each request its tier as
+    vLLM's `priority` (-1, 0, 1), which vLLM takes (it refuses one it does not schedule by)."""
+    toml = (vllm_worker_toml(vllm_server, events=False) + 'scheduling_policy = "priority"\n'
+            + "[flow_control]\nenabled = true\n"
+            + "".join(api_key(name, f"sk-{name}", service_tier=tier)
+                      for name, tier in (("vip", "priority"), ("chat", "default"), ("batch", "flex"))))
+    gw = Gateway(tmp_path, [], extra_toml=toml)
+    try:
+        gw.wait_ready(1, timeout=30)
+        for name, tier in (("vip", "priority"), ("chat", "default"), ("batch", "flex")):
+            with openai.OpenAI(base_url=gw.url + "/v1", api_key=f"sk-{name}", max_retries=0, timeout=60) as c:
+                answer = c.chat.completions.create(model=MODEL_NAME, max_tokens=4, service_tier=tier,
+                                                   messages=[{"role": "user", "content": f"a {tier} request"}])
+            assert answer.service_tier == tier and answer.usage is not None and answer.usage.completion_tokens == 4
+    finally:
+        gw.stop()
 
 
 def test_shared_prefix_routes_back_to_the_vllm_holding_it(mixed_gateway: Gateway, vllm_server: VllmServer) -> None:

@@ -54,6 +54,19 @@ def test_prefill_body_asks_for_a_remote_decode_and_drops_what_the_discarded_toke
     assert base["stream"] is True and base["max_tokens"] == 50  # the base body is left alone
 
 
+def test_priority_goes_to_vllm_only_when_set_and_to_a_worker_protocol_worker_only_if_it_schedules_by_it() -> None:
+    assert "priority" not in completion_body("tiny", [1], {}, 5)
+    assert completion_body("tiny", [1], {}, 5, priority=-1)["priority"] == -1
+    leg = LegRequest("r", [1, 2], {}, priority=1)
+    assert "priority" not in leg.wire() and leg.wire(by_priority=True)["priority"] == 1
+    assert "priority" not in LegRequest("r", [1, 2], {}).wire(by_priority=True)  # 0: the engines' default
+    entry = {"url": "http://127.0.0.1:1", "engine": "vllm", "id": "v", "hardware": "sm100"}
+    assert parse_worker_spec(entry).scheduling_policy == "fcfs"
+    assert parse_worker_spec({**entry, "scheduling_policy": "priority"}).scheduling_policy == "priority"
+    with pytest.raises(ValueError):
+        parse_worker_spec({**entry, "scheduling_policy": "lifo"})
+
+
 def test_prefill_answer_becomes_ready_and_a_hand_off_carrying_the_transfer_params() -> None:
     ready, finish = vllm_pd.prefill_events(vllm_answer(NIXL_PARAMS), "vllm-p", FORMAT)
     assert ready == wp.ready_event(300, 128, 0)
