@@ -75,7 +75,8 @@ class EppRuntime:
         routing = RouteInputs(core.registry, core.planner, core.index, core.inflight, metrics, settings,
                               core.affinity)
         gate = (FlowGate(settings.flow_control, routing.views,
-                         lambda hardware: core.planner.hardware_cost(hardware).prefill_tokens_per_s, metrics)
+                         lambda hardware: core.planner.hardware_cost(hardware).prefill_tokens_per_s, metrics,
+                         sends_priority=False)  # Envoy forwards the client's own body
                 if settings.flow_control.enabled else None)
         self.picker = EndpointPicker(core.registry, routing, metrics, self.options.fallbacks, gate)
         service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings,

@@ -18,6 +18,7 @@ from harness.launch import Envoy, Epp, SimCluster
 from tests.e2e.test_epp_envoy import wait_ready
 from tests.e2e.test_flow_control import PROFILE, PROMPT
 from tests.fault_doubles import scrape, total
+from tests.sim_profiles import small_sm100
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,12 +68,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowStack]:
 
 
 async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list[int], max_tokens: int,
-                 tier: str = "flex", slo_ms: int | None = None) -> None:
+                 tier: str = "flex", slo_ms: int | None = None, whole: bool = False) -> None:
+    """`whole`: every answer runs to `max_tokens` (ignore_eos)."""
     headers = {"x-slo-ttft-ms": str(slo_ms)} if slo_ms else None
+    extra = {"ignore_eos": True} if whole else None
     while not stop.is_set():
         try:
             await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens,
-                                                 service_tier=tier, extra_headers=headers)
+                                                 service_tier=tier, extra_headers=headers, extra_body=extra)
             outcomes.append(200)
         except openai.RateLimitError as exc:
             assert int(exc.response.headers["retry-after"]) >= 1
@@ -140,3 +143,50 @@ def test_client_leaving_while_queued_in_the_epp(stack: FlowStack) -> None:
 
     before, during, after = asyncio.run(run())
     assert (before, during, after) == (0, 1, 0)
+
+
+def test_the_epp_keeps_flexs_slot_share_where_the_workers_preempt(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The worker preempts by priority, but Envoy forwards the client's body: the engine gets no tier
+    from the EPP, so the EPP keeps flex to half of the 4 slots and a default request starts at once
+    while long flex answers fill the other half."""
+    tmp = tmp_path_factory.mktemp("epp-flow-preempt")
+    profile = tmp / "profiles.toml"
+    profile.write_text(small_sm100(scheduling_policy="priority"))
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    epp = envoy = None
+    try:
+        toml = FLOW.replace("flex_ttft_ms = 600", "flex_ttft_ms = 60000") + "flex_max_share = 0.5\n"
+        epp = Epp(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml, fallbacks=0)
+        envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
+        wait_ready(epp)
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2}
+        assert httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        stack = FlowStack(epp, envoy)
+
+        async def run() -> list[float]:
+            stop, outcomes = asyncio.Event(), list[int]()
+            flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 240, whole=True)) for _ in range(8)]
+            await _queued(stack)
+            await asyncio.sleep(1.0)  # the flex requests started first are decoding
+            served = []
+            for _ in range(4):
+                started = time.perf_counter()
+                stream = await stack.client().chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4,
+                                                                      stream=True)
+                first = None
+                async for _chunk in stream:
+                    first = first or time.perf_counter()
+                assert first is not None
+                served.append(first - started)
+            stop.set()
+            for task in flood:
+                task.cancel()
+            await asyncio.gather(*flood, return_exceptions=True)
+            return served
+
+        served = asyncio.run(run())
+        assert max(served) < 0.5, served
+    finally:
+        for proc in (envoy, epp, cluster):
+            if proc is not None:
+                proc.stop()

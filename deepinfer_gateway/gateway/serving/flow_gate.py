@@ -24,7 +24,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deepinfer_gateway.config import FlowControlSettings
@@ -110,8 +110,12 @@ class FlowGate:
     """One per process: every pool's queue and the pump that starts its requests."""
 
     def __init__(self, settings: FlowControlSettings, views: Callable[[], Awaitable[list[WorkerView]]],
-                 speed_of: Callable[[str], float], metrics: GatewayMetrics) -> None:
+                 speed_of: Callable[[str], float], metrics: GatewayMetrics, sends_priority: bool = True) -> None:
+        """`sends_priority`: this router's requests reach the engines with their tier as the engine's
+        priority (the gateway's do; the EPP's carry the client's own body), so a pool whose workers
+        preempt lets the tiers above flex past flex's load; without it no pool counts as preempting."""
         self.settings = settings
+        self.sends_priority = sends_priority
         self.policy = FlowPolicy(FlowLimits.of(settings))
         self._views = views
         self.speeds = _Speeds(speed_of)
@@ -135,6 +139,7 @@ class FlowGate:
         (429 + Retry-After) when it cannot start before its deadline or the queue is full."""
         loop = asyncio.get_running_loop()
         now = loop.time()
+        views = self._as_seen(views)
         waited_before = time.perf_counter() - arrival  # preparation already spent part of the target
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
@@ -168,6 +173,13 @@ class FlowGate:
             elif future.done() and not future.cancelled() and future.exception() is None:
                 future.result().ended()  # started, then cancelled before it was placed
             raise
+
+    def _as_seen(self, views: Sequence[WorkerView]) -> Sequence[WorkerView]:
+        """The views as flow control may take them: a worker preempts for this router's requests
+        only if they carry their tier as its priority."""
+        if self.sends_priority or not any(v.preempts for v in views):
+            return views
+        return [replace(v, preempts=False) if v.preempts else v for v in views]
 
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
@@ -216,7 +228,7 @@ class FlowGate:
         try:
             while pools := self.policy.waiting_pools():
                 self._wake.clear()
-                views = await self._views()
+                views = self._as_seen(await self._views())
                 now = loop.time()
                 for pool in pools:
                     queue = self.policy.pool(pool)
