@@ -15,15 +15,14 @@ from deepinfer_gateway.simulate.simulator import Simulator
 from deepinfer_gateway.workload.types import RecordError, RequestRecord, TraceRequest
 from tests.sim_profiles import small_sm100
 
-PROFILE = small_sm100()
 # 4 sequences of 30 tokens at 60 tokens/s: ~8 requests/s; 12/s arrive, every second one flex
 TRACE = [TraceRequest(i, i / 12.0, 512, 30, (10_000 + 10 * i, 10_001 + 10 * i)) for i in range(150)]
 
 
-def run(tmp_path: Path, enabled: bool, flex_share: float = 1.0, trace: list[TraceRequest] = TRACE
-        ) -> list[RequestRecord]:
+def run(tmp_path: Path, enabled: bool, flex_share: float = 1.0, trace: list[TraceRequest] = TRACE,
+        scheduling_policy: str = "fcfs") -> list[RequestRecord]:
     profiles = tmp_path / "profiles.toml"
-    profiles.write_text(PROFILE)
+    profiles.write_text(small_sm100(scheduling_policy=scheduling_policy))
     config = ClusterConfig(
         profiles=str(profiles), workers=(WorkerGroup(count=1),), flex_every=2,
         router=RouterSettings(hardware={"sm100": HardwareCost(prefill_tokens_per_s=20_000.0,
@@ -73,3 +72,18 @@ def test_flex_share_keeps_slots_free_for_default(tmp_path: Path) -> None:
     shared, unshared = run(tmp_path, True, 0.5, LONG_FLEX), run(tmp_path, True, 1.0, LONG_FLEX)
     assert default_p99(shared) < 0.5 * default_p99(unshared), (default_p99(shared), default_p99(unshared))
     assert 0 < flex_served(shared) < flex_served(unshared)
+
+
+def test_where_the_engine_preempts_flex_takes_every_slot_and_default_keeps_its_start(tmp_path: Path) -> None:
+    """The worker preempts by priority: flex runs with no share (the tiers above take slots back as
+    they need them), so default starts as with the share while flex is served as without it."""
+    def default_p99(records: list[RequestRecord]) -> float:
+        return p99([r.ttft_s for r in records if r.index % 2 == 0 and r.ttft_s is not None])
+
+    def flex_served(records: list[RequestRecord]) -> int:
+        return sum(r.index % 2 == 1 and r.ttft_s is not None for r in records)
+
+    preempting = run(tmp_path, True, 0.5, LONG_FLEX, scheduling_policy="priority")
+    shared, unshared = run(tmp_path, True, 0.5, LONG_FLEX), run(tmp_path, True, 1.0, LONG_FLEX)
+    assert default_p99(preempting) <= default_p99(shared) * 1.5, (default_p99(preempting), default_p99(shared))
+    assert flex_served(preempting) >= flex_served(unshared) > flex_served(shared)
