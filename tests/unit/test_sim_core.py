@@ -249,3 +249,21 @@ def test_priority_orders_the_waiting_line_and_fcfs_never_preempts() -> None:
     fcfs.add_request(req("u", list(range(5000, 5300)), n_out=3, priority=-1))
     run(fcfs)
     assert fcfs.preemptions_total == 0
+
+
+def test_priority_scheduling_prefills_the_most_urgent_first() -> None:
+    """A long flex prompt is mid-prefill when an urgent request arrives: the urgent one takes the
+    step's prefill budget first (under fcfs it waits for the flex prompt's chunks)."""
+    def first_token_step(policy: str) -> int:
+        c = core(replace(ONE_RANK, max_num_seqs=4, max_num_batched_tokens=1024, scheduling_policy=policy))
+        c.add_request(req("flex", list(range(8000)), n_out=4, priority=1 if policy == "priority" else 0))
+        c.step(0.0)
+        c.add_request(req("urgent", list(range(9000, 9500)), n_out=4, priority=-1 if policy == "priority" else 0))
+        for step in range(1, 20):
+            _, ups = c.step(0.0)
+            if any(u.request_id == "urgent" and u.token_ids for u in ups):
+                return step
+        raise AssertionError("no first token")
+
+    assert first_token_step("priority") == 1
+    assert first_token_step("fcfs") > 1

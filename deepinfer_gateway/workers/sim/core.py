@@ -24,7 +24,8 @@ its slowest rank), like DeepInfer/vLLM with chunked prefill:
    reproducible and a request's draws do not depend on what else runs; cruise.py relies
    on that);
 3. the rest of the `max_num_batched_tokens` budget prefills waiting prompt tokens in
-   chunks, oldest first; a request whose prefill completes emits its first token.
+   chunks, oldest first (under priority scheduling, most urgent first); a request whose
+   prefill completes emits its first token.
 After prefill the prompt's blocks enter the memory cache and the store; at finish the
 full sequence's blocks do (multi-turn prompts re-send the previous answer).
 
@@ -227,7 +228,9 @@ class SchedulerCore:
         budget = self.profile.max_num_batched_tokens - len(decoding)
         chunk = 0
         completed: list[_Seq] = []
-        for seq in running:
+        # Priority scheduling prefills the most urgent first (SGLang builds its prefill batch from
+        # the priority-ordered queue); otherwise the oldest first.
+        for seq in sorted(running, key=lambda r: r.rank_key) if self.by_priority else running:
             if budget <= 0:
                 break
             if seq.prefilled or seq.remaining_prefill == 0:
