@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,7 +17,7 @@ import pytest
 
 from harness.launch import Envoy, Epp, SimCluster
 from tests.e2e.test_epp_envoy import wait_ready
-from tests.e2e.test_flow_control import PROFILE, PROMPT
+from tests.e2e.test_flow_control import PROFILE, PROMPT, ttft_of
 from tests.fault_doubles import scrape, total
 from tests.sim_profiles import small_sm100
 
@@ -46,15 +47,15 @@ class FlowStack:
         return total(scrape(self.epp.url), name, **labels)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowStack]:
-    tmp = tmp_path_factory.mktemp("epp-flow")
+@contextlib.contextmanager
+def flow_stack(tmp: Path, profile_text: str, toml: str) -> Iterator[FlowStack]:
+    """A sim worker with `profile_text`, the EPP with `toml`, Envoy; the worker warmed up."""
     profile = tmp / "profiles.toml"
-    profile.write_text(PROFILE)
+    profile.write_text(profile_text)
     cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
     epp = envoy = None
     try:
-        epp = Epp(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=FLOW, fallbacks=0)
+        epp = Epp(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml, fallbacks=0)
         envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
         wait_ready(epp)
         # the worker's first chat request loads its tokenizer (seconds): not under the flood's deadlines
@@ -65,6 +66,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowStack]:
         for proc in (envoy, epp, cluster):
             if proc is not None:
                 proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowStack]:
+    with flow_stack(tmp_path_factory.mktemp("epp-flow"), PROFILE, FLOW) as stack:
+        yield stack
 
 
 async def _flood(client: openai.AsyncOpenAI, stop: asyncio.Event, outcomes: list[int], max_tokens: int,
@@ -149,35 +156,15 @@ def test_the_epp_keeps_flexs_slot_share_where_the_workers_preempt(tmp_path_facto
     """The worker preempts by priority, but Envoy forwards the client's body: the engine gets no tier
     from the EPP, so the EPP keeps flex to half of the 4 slots and a default request starts at once
     while long flex answers fill the other half."""
-    tmp = tmp_path_factory.mktemp("epp-flow-preempt")
-    profile = tmp / "profiles.toml"
-    profile.write_text(small_sm100(scheduling_policy="priority"))
-    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
-    epp = envoy = None
-    try:
-        toml = FLOW.replace("flex_ttft_ms = 600", "flex_ttft_ms = 60000") + "flex_max_share = 0.5\n"
-        epp = Epp(tmp, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml, fallbacks=0)
-        envoy = Envoy(tmp, "epp-original-dst.yaml", epp.grpc_port)
-        wait_ready(epp)
-        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2}
-        assert httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-        stack = FlowStack(epp, envoy)
-
+    toml = FLOW.replace("flex_ttft_ms = 600", "flex_ttft_ms = 60000") + "flex_max_share = 0.5\n"
+    with flow_stack(tmp_path_factory.mktemp("epp-flow-preempt"), small_sm100(scheduling_policy="priority"),
+                    toml) as stack:
         async def run() -> list[float]:
             stop, outcomes = asyncio.Event(), list[int]()
             flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 240, whole=True)) for _ in range(8)]
             await _queued(stack)
             await asyncio.sleep(1.0)  # the flex requests started first are decoding
-            served = []
-            for _ in range(4):
-                started = time.perf_counter()
-                stream = await stack.client().chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4,
-                                                                      stream=True)
-                first = None
-                async for _chunk in stream:
-                    first = first or time.perf_counter()
-                assert first is not None
-                served.append(first - started)
+            served = [await ttft_of(stack.client()) for _ in range(4)]
             stop.set()
             for task in flood:
                 task.cancel()
@@ -186,7 +173,3 @@ def test_the_epp_keeps_flexs_slot_share_where_the_workers_preempt(tmp_path_facto
 
         served = asyncio.run(run())
         assert max(served) < 0.5, served
-    finally:
-        for proc in (envoy, epp, cluster):
-            if proc is not None:
-                proc.stop()

@@ -73,10 +73,14 @@ def client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
 
 
 async def _ttft(gw: Gateway, key: str, tier: str | None = None) -> float:
+    return await ttft_of(client(gw, key), tier)
+
+
+async def ttft_of(c: openai.AsyncOpenAI, tier: str | None = None) -> float:
+    """Seconds to the first chunk of a short streamed chat request."""
     started = time.perf_counter()
     extra = {"service_tier": tier} if tier else {}
-    stream = await client(gw, key).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4, stream=True,
-                                                           **extra)
+    stream = await c.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4, stream=True, **extra)
     first = None
     async for _ in stream:
         first = first or time.perf_counter()
