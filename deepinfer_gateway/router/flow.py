@@ -136,7 +136,7 @@ class PoolLoad:
     and the bound that holds when decoding, not prefill, is what the requests wait for.
     `slots`: the pool's sequence slots (0: unknown); `flex_holding`: flex requests this router
     started that have not ended; `others_peak`: the most requests of the tiers above held at once
-    lately (`RecentPeak`). `preempts`: every worker schedules by priority (`preempting`), and
+    lately (`RecentPeak`). `preempts`: every worker preempts for a slot by priority (`preempting`), and
     `starting_above`, `held_above` are `starting` and the held slots of the tiers above flex."""
 
     workers: tuple[WorkerLoad, ...]
@@ -195,7 +195,7 @@ def pool_slots(members: Sequence[WorkerView]) -> int:
 
 
 def preempting(members: Sequence[WorkerView]) -> bool:
-    """Every member schedules by priority: a request of a tier above flex preempts flex's running
+    """Every member preempts for a slot by priority: a request of a tier above flex preempts flex's running
     requests in the engine, so it waits for neither their slots nor their queue, and flex may hold
     every slot. What such a request waits for is its own tiers' load, as this router started it."""
     return bool(members) and all(v.preempts for v in members)
