@@ -137,7 +137,7 @@ class VllmWorkerSpec(_WorkerSpecBase):
         "fcfs", description="vllm: its --scheduling-policy. \"priority\": each request is sent its flow-control tier "
                             "as vLLM's `priority` (-1 priority, 0 default, 1 flex), which orders vLLM's waiting line "
                             "(vLLM preempts only on KV shortage, not for a sequence slot, so flow control keeps flex's "
-                            "slot caps there; docs/api.md); \"fcfs\": no priority is sent (vLLM refuses one).")
+                            "slot caps there; docs/api.md); \"fcfs\": no priority is sent (vLLM 0.32 ignores one).")
 
 
 class OpenAIWorkerSpec(_WorkerSpecBase):

@@ -198,19 +198,47 @@ def mixed_gateway(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFact
 
 def test_flow_control_tiers_reach_vllm_as_its_priority(vllm_server: VllmServer, tmp_path: Path) -> None:
     """The session's vLLM schedules by priority; an entry saying so sends each request its tier as
-    vLLM's `priority` (-1, 0, 1), which vLLM takes (it refuses one it does not schedule by)."""
+    vLLM's `priority`. Its 8 slots held by fillers of staggered lengths, a flex request and then a
+    priority one wait in vLLM's queue: the priority one starts first, at the first freed slot (against
+    a vLLM started without --scheduling-policy priority the flex one does: checked once by hand)."""
     toml = (vllm_worker_toml(vllm_server, events=False) + 'scheduling_policy = "priority"\n'
-            + "[flow_control]\nenabled = true\n"
+            + "[flow_control]\nenabled = true\nmax_engine_waiting = 64\nmax_engine_wait_ms = 600000\n"
             + "".join(api_key(name, f"sk-{name}", service_tier=tier)
                       for name, tier in (("vip", "priority"), ("chat", "default"), ("batch", "flex"))))
     gw = Gateway(tmp_path, [], extra_toml=toml)
     try:
         gw.wait_ready(1, timeout=30)
-        for name, tier in (("vip", "priority"), ("chat", "default"), ("batch", "flex")):
-            with openai.OpenAI(base_url=gw.url + "/v1", api_key=f"sk-{name}", max_retries=0, timeout=60) as c:
-                answer = c.chat.completions.create(model=MODEL_NAME, max_tokens=4, service_tier=tier,
-                                                   messages=[{"role": "user", "content": f"a {tier} request"}])
-            assert answer.service_tier == tier and answer.usage is not None and answer.usage.completion_tokens == 4
+
+        def client(name: str) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=f"sk-{name}", max_retries=0, timeout=120)
+
+        async def first_token_at(name: str, tier: str, max_tokens: int) -> float:
+            stream = await client(name).chat.completions.create(
+                model=MODEL, max_tokens=max_tokens, service_tier=tier, stream=True, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": f"a {tier} request for {max_tokens} tokens"}])
+            first = 0.0
+            async for _chunk in stream:
+                first = first or time.monotonic()
+            return first
+
+        async def until(name: str, count: int) -> None:
+            deadline = time.monotonic() + 60
+            while total(scrape(vllm_server.url), name) < count:
+                assert time.monotonic() < deadline, f"{name} never reached {count}"
+                await asyncio.sleep(0.02)
+
+        async def run() -> tuple[float, float]:
+            fillers = [asyncio.create_task(first_token_at("chat", "default", 400 + 40 * i)) for i in range(8)]
+            await until("vllm:num_requests_running", 8)  # every slot decoding
+            flex = asyncio.create_task(first_token_at("batch", "flex", 4))
+            await until("vllm:num_requests_waiting", 1)
+            urgent = asyncio.create_task(first_token_at("vip", "priority", 4))
+            await until("vllm:num_requests_waiting", 2)
+            flex_at, urgent_at, *_ = await asyncio.gather(flex, urgent, *fillers)
+            return flex_at, urgent_at
+
+        flex_at, urgent_at = asyncio.run(run())
+        assert urgent_at < flex_at, (urgent_at, flex_at)  # first come, first served would start flex first
     finally:
         gw.stop()
 

@@ -101,7 +101,7 @@ def completion_body(model: str, token_ids: Sequence[int], sampling: dict[str, An
                     cache_salt: str | None = None, priority: int = 0) -> dict[str, Any]:
     """The `/v1/completions` body for a worker-protocol request (`sampling` as the worker
     body carries it: non-default fields only; `cache_salt`, `priority`: the request's, vLLM's
-    own fields; a server without priority scheduling refuses a non-zero priority)."""
+    own fields; `priority` only matters to a server started with `--scheduling-policy priority`)."""
     body: dict[str, Any] = {
         "model": model, "prompt": token_ids, "max_tokens": max_tokens,
         "temperature": sampling.get("temperature", 1.0), "top_p": sampling.get("top_p", 1.0),
