@@ -228,7 +228,7 @@ def test_flow_control_tiers_reach_vllm_as_its_priority(vllm_server: VllmServer, 
                 await asyncio.sleep(0.02)
 
         async def run() -> tuple[float, float]:
-            fillers = [asyncio.create_task(first_token_at("chat", "default", 400 + 40 * i)) for i in range(8)]
+            fillers = [asyncio.create_task(first_token_at("chat", "default", 200 + 30 * i)) for i in range(8)]
             await until("vllm:num_requests_running", 8)  # every slot decoding
             flex = asyncio.create_task(first_token_at("batch", "flex", 4))
             await until("vllm:num_requests_waiting", 1)
