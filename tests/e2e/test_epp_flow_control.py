@@ -17,7 +17,7 @@ import pytest
 
 from harness.launch import Envoy, Epp, SimCluster
 from tests.e2e.test_epp_envoy import wait_ready
-from tests.e2e.test_flow_control import PROFILE, PROMPT, ttft_of
+from tests.e2e.test_flow_control import PROFILE, PROMPT, ttft_of, ttfts_beside
 from tests.fault_doubles import scrape, total
 from tests.sim_profiles import small_sm100
 
@@ -162,14 +162,7 @@ def test_the_epp_keeps_flexs_slot_share_where_the_workers_preempt(tmp_path_facto
         async def run() -> list[float]:
             stop, outcomes = asyncio.Event(), list[int]()
             flood = [asyncio.create_task(_flood(stack.client(), stop, outcomes, 240, whole=True)) for _ in range(8)]
-            await _queued(stack)
-            await asyncio.sleep(1.0)  # the flex requests started first are decoding
-            served = [await ttft_of(stack.client()) for _ in range(4)]
-            stop.set()
-            for task in flood:
-                task.cancel()
-            await asyncio.gather(*flood, return_exceptions=True)
-            return served
+            return await ttfts_beside(flood, _queued(stack), lambda: ttft_of(stack.client()))
 
         served = asyncio.run(run())
         assert max(served) < 0.5, served

@@ -11,7 +11,7 @@ import json
 import statistics
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anthropic
@@ -100,6 +100,19 @@ async def _flood(gw: Gateway, key: str, stop: asyncio.Event, outcomes: list[int]
             await asyncio.sleep(0.05)
 
 
+async def ttfts_beside(flood: list[asyncio.Task[None]], queued: Awaitable[None],
+                       ttft: Callable[[], Awaitable[float]]) -> list[float]:
+    """Four TTFTs once flex waits in flow control (`queued`) and the flex requests started first
+    are decoding; then the flood's clients leave."""
+    await queued
+    await asyncio.sleep(1.0)
+    ttfts = [await ttft() for _ in range(4)]
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    return ttfts
+
+
 def _metric(gw: Gateway, name: str, **labels: str) -> float:
     with urllib.request.urlopen(gw.url + "/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -170,14 +183,7 @@ def test_flex_share_keeps_slots_for_the_tiers_above(cluster: SimCluster, tmp_pat
         async def run() -> list[float]:
             stop, outcomes = asyncio.Event(), list[int]()
             flood = [asyncio.create_task(_flood(gw, "sk-batch", stop, outcomes, max_tokens=240)) for _ in range(12)]
-            await _queued(gw)
-            await asyncio.sleep(1.0)  # the flex requests started first are decoding
-            default = [await _ttft(gw, "sk-chat") for _ in range(4)]
-            stop.set()
-            for task in flood:
-                task.cancel()
-            await asyncio.gather(*flood, return_exceptions=True)
-            return default
+            return await ttfts_beside(flood, _queued(gw), lambda: _ttft(gw, "sk-chat"))
 
         default = asyncio.run(run())
         if share < 1.0:
