@@ -230,6 +230,16 @@ async def test_invalid_requests_are_client_errors(
     assert tokens_of(await collect(engine, req("good"))) == expected([11, 12, 13], 8)
 
 
+async def test_priority_is_refused_not_ignored(started: Any) -> None:
+    """LLMEngine has no priority: the worker says scheduling_policy fcfs and refuses one."""
+    engine = await started()
+    assert engine.info.scheduling_policy == "fcfs" and not engine.info.priority_preemption
+    events = await collect(engine, req("urgent").model_copy(update={"priority": -1}))
+    assert events[-1]["error"]["kind"] == "invalid_request" and "priority" in events[-1]["error"]["message"]
+    plain = req("plain").model_copy(update={"priority": 0})
+    assert tokens_of(await collect(engine, plain)) == expected([11, 12, 13], 8)
+
+
 async def test_duplicate_request_id_is_refused(started: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(core, "STEP_DELAY_S", 0.005)
     engine = await started()
