@@ -154,9 +154,8 @@ class PoolLoad:
         flex in the engines. Where the engines preempt, the tiers above flex look only at their own
         requests and flex's slots have no cap (`preempting`)."""
         bound = limits.max_engine_waiting * sum(w.dp_ranks for w in self.workers)
-        if self.preempts and tier is not Tier.FLEX:
-            return bool(self.workers) and self.starting_above < bound and (
-                not self.slots or self.held_above < self.slots)
+        if self.preempts and tier is not Tier.FLEX:  # `preempting`: at least one worker
+            return self.starting_above < bound and (not self.slots or self.held_above < self.slots)
         if tier is Tier.FLEX:
             bound = max(1, bound - limits.flex_reserve)
             if not self.preempts and limits.flex_full(self.slots, self.flex_holding, self.others_peak):
@@ -271,35 +270,51 @@ class RecentPeak:
             self._current, self._start = self.value, now
 
 
-class HeldSlots:
-    """The sequence slots held in each pool by the requests flow control started, from their start
-    to their end: flex's count (against `flex_max_share`), the tiers above's count (`above`: what
-    they wait for where the engines preempt) and, with a yield window, the tiers above's recent
-    peak (`flex_yield_window_s`). The clock is the caller's."""
+class Holds:
+    """What the requests flow control started hold in each pool: a place among the starting, from
+    their start to their first token (`starting`; of which the tiers above flex, `starting_above`),
+    and a sequence slot, from their start to their end: flex's count (against `flex_max_share`),
+    the tiers above's count (`above`: what they wait for where the engines preempt) and, with a
+    yield window, the tiers above's recent peak (`flex_yield_window_s`). The clock is the caller's."""
 
     def __init__(self, limits: FlowLimits) -> None:
         self.limits = limits
+        self.starting: dict[str, int] = {}
+        self.starting_above: dict[str, int] = {}
         self.flex: dict[str, int] = {}
         self.above: dict[str, int] = {}
         self._others: dict[str, RecentPeak] = {}
 
     def take(self, pool: str, tier: Tier, now: float) -> None:
-        self._change(pool, tier, 1, now)
+        """A request started: it counts as starting and holds a slot."""
+        self._starting(pool, tier, 1)
+        self._slot(pool, tier, 1, now)
+
+    def started(self, pool: str, tier: Tier) -> None:
+        """Its first token (or its failure): no longer starting."""
+        self._starting(pool, tier, -1)
 
     def release(self, pool: str, tier: Tier, now: float) -> None:
-        self._change(pool, tier, -1, now)
+        """Its end: its slot is free."""
+        self._slot(pool, tier, -1, now)
 
     def others_peak(self, pool: str, now: float) -> int:
         others = self._others.get(pool)
         return others.peak(now) if others is not None else 0
 
     def load(self, views: Iterable[WorkerView], pool: str, prefill_tokens_per_s: dict[str, float], now: float,
-             granted_tokens: int = 0, starting: int = 0, starting_above: int = 0) -> PoolLoad:
-        """`pool_load` with these slots."""
-        return pool_load(views, pool, prefill_tokens_per_s, granted_tokens, starting, self.flex.get(pool, 0),
-                         self.others_peak(pool, now), starting_above, self.above.get(pool, 0))
+             granted_tokens: int = 0) -> PoolLoad:
+        """`pool_load` with these holds."""
+        return pool_load(views, pool, prefill_tokens_per_s, granted_tokens, self.starting.get(pool, 0),
+                         self.flex.get(pool, 0), self.others_peak(pool, now), self.starting_above.get(pool, 0),
+                         self.above.get(pool, 0))
 
-    def _change(self, pool: str, tier: Tier, delta: int, now: float) -> None:
+    def _starting(self, pool: str, tier: Tier, delta: int) -> None:
+        self.starting[pool] = self.starting.get(pool, 0) + delta
+        if tier is not Tier.FLEX:
+            self.starting_above[pool] = self.starting_above.get(pool, 0) + delta
+
+    def _slot(self, pool: str, tier: Tier, delta: int, now: float) -> None:
         if tier is Tier.FLEX:
             self.flex[pool] = self.flex.get(pool, 0) + delta
             return

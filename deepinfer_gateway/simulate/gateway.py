@@ -32,7 +32,7 @@ from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.booking import Booking
-from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, HeldSlots, PoolLoad, Tier
+from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, Holds, PoolLoad, Tier
 from deepinfer_gateway.router.planner import Mode, NoCandidate, Plan, RoutePlanner, prompt_hashes
 from deepinfer_gateway.router.policy import Lineage
 from deepinfer_gateway.router.session_capacity import (
@@ -70,7 +70,7 @@ class RequestState:
     emitted: int = 0
     flow_pool: str | None = None  # flow control: the pool it counts as starting in, until its first token
     slot_pool: str | None = None  # flow control: the pool where it holds a sequence slot, until its end
-    slot_tier: Tier = Tier.DEFAULT  # ... at this tier (router/flow.py HeldSlots)
+    slot_tier: Tier = Tier.DEFAULT  # ... at this tier (router/flow.py Holds)
     session: SessionIdentity | None = None  # a session round's
     avoid: frozenset[str] = frozenset()  # session capacity: workers without room for its session
     session_begun: bool = False  # session capacity counts it as its session's round in flight
@@ -115,9 +115,7 @@ class SimGateway:
         # Flow control as the gateway's (gateway/serving/flow_gate.py), on the virtual clock: held
         # requests wait in `flow`, `pump` starts them as the workers free up.
         self.flow = FlowPolicy(FlowLimits.of(flow)) if flow.enabled else None
-        self.flow_starting: dict[str, int] = {}
-        self.flow_starting_above: dict[str, int] = {}  # of which the tiers above flex
-        self.slots = HeldSlots(self.flow.limits) if self.flow is not None else None
+        self.holds = Holds(self.flow.limits) if self.flow is not None else None
         self.speeds = {hardware: self.planner.hardware_cost(hardware).prefill_tokens_per_s
                        for hardware in {str(w.profile.hardware) for w in workers}}
         self.session_of: dict[int, SessionIdentity] = {}  # trace index -> its round's session, until it arrives
@@ -248,8 +246,8 @@ class SimGateway:
         if req.session_begun and self.sessions is not None and req.session is not None and req.session.session:
             req.session_begun = False
             self.sessions.end(req.session.session, self.clock())
-        if req.slot_pool is not None and self.slots is not None:
-            self.slots.release(req.slot_pool, req.slot_tier, self.clock())
+        if req.slot_pool is not None and self.holds is not None:
+            self.holds.release(req.slot_pool, req.slot_tier, self.clock())
             req.slot_pool = None
         if self.on_end is not None:
             self.on_end(req)
@@ -283,25 +281,19 @@ class SimGateway:
         return arrival.start
 
     def _load(self, views: ViewList, pool: str) -> PoolLoad:
-        assert self.slots is not None
-        return self.slots.load(views, pool, self.speeds, self.clock(), 0, self.flow_starting.get(pool, 0),
-                               self.flow_starting_above.get(pool, 0))
+        assert self.holds is not None
+        return self.holds.load(views, pool, self.speeds, self.clock())
 
     def _starting(self, req: RequestState, pool: str, tier: Tier) -> None:
-        req.flow_pool = pool
-        self.flow_starting[pool] = self.flow_starting.get(pool, 0) + 1
-        if tier is not Tier.FLEX:
-            self.flow_starting_above[pool] = self.flow_starting_above.get(pool, 0) + 1
-        assert self.slots is not None
-        req.slot_pool, req.slot_tier = pool, tier
-        self.slots.take(pool, tier, self.clock())
+        assert self.holds is not None
+        req.flow_pool = req.slot_pool = pool
+        req.slot_tier = tier
+        self.holds.take(pool, tier, self.clock())
 
     def started(self, req: RequestState) -> None:
         """Its first token (or its end): it no longer counts as starting in its pool."""
-        if req.flow_pool is not None:
-            self.flow_starting[req.flow_pool] -= 1
-            if req.slot_tier is not Tier.FLEX:
-                self.flow_starting_above[req.flow_pool] -= 1
+        if req.flow_pool is not None and self.holds is not None:
+            self.holds.started(req.flow_pool, req.slot_tier)
             req.flow_pool = None
 
     def pump(self, t: float) -> list[SimWorker]:

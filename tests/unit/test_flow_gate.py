@@ -53,14 +53,15 @@ def test_unsaturated_passes_at_once_and_counts_as_starting_until_its_first_token
         views = Views(0)
         g, _ = gate(views)
         grants = [await g.admit(ticket(), 100, "p", views.now, time.perf_counter()) for _ in range(2)]
-        assert all(grant.waited_s == 0 for grant in grants) and g.starting["p"] == 2 and g.granted["p"] == 200
+        assert all(grant.waited_s == 0 for grant in grants)
+        assert g.holds.starting.get("p", 0) == 2 and g.granted["p"] == 200
         waiting = asyncio.create_task(g.admit(ticket(), 100, "p", views.now, time.perf_counter()))
         await asyncio.sleep(0.05)
         assert not waiting.done()  # two starting: the bound for one DP rank
         grants[0].booked()
         grants[0].started()
         grant = await asyncio.wait_for(waiting, 1.0)
-        assert grant.waited_s > 0 and g.granted["p"] == 200 and g.starting["p"] == 2
+        assert grant.waited_s > 0 and g.granted["p"] == 200 and g.holds.starting.get("p", 0) == 2
 
     asyncio.run(run())
 
@@ -76,7 +77,7 @@ def test_a_client_leaving_while_queued_leaves_the_queue_at_once() -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert queued(metrics, "default") == 0 and len(g.policy.pool("p")) == 0
-        assert g.starting["p"] == 0 and g.granted["p"] == 0
+        assert g.holds.starting.get("p", 0) == 0 and g.granted["p"] == 0
 
     asyncio.run(run())
 
@@ -116,7 +117,7 @@ def test_flex_holds_its_share_of_the_slots_from_its_start_to_its_end() -> None:
         flex = [await g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()) for _ in range(2)]
         for grant in flex:
             grant.started()  # a first token: no longer starting, still holding a slot
-        assert g.slots.flex["p"] == 2 and g.starting["p"] == 0
+        assert g.holds.flex["p"] == 2 and g.holds.starting.get("p", 0) == 0
         third = asyncio.create_task(g.admit(ticket(Tier.FLEX), 100, "p", views.now, time.perf_counter()))
         default = await asyncio.wait_for(g.admit(ticket(), 100, "p", views.now, time.perf_counter()), 0.1)
         assert default.waited_s == 0  # the tiers above pass the waiting flex request at once
@@ -124,9 +125,9 @@ def test_flex_holds_its_share_of_the_slots_from_its_start_to_its_end() -> None:
         assert not third.done()
         flex[0].ended()
         flex[0].ended()  # idempotent
-        assert (await asyncio.wait_for(third, 1.0)).waited_s > 0 and g.slots.flex["p"] == 2
+        assert (await asyncio.wait_for(third, 1.0)).waited_s > 0 and g.holds.flex["p"] == 2
         default.ended()  # not flex: it held no slot
-        assert g.slots.flex["p"] == 2
+        assert g.holds.flex["p"] == 2
 
     asyncio.run(run())
 

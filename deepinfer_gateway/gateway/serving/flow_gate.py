@@ -34,7 +34,7 @@ from deepinfer_gateway.router.flow import (
     FlowLimits,
     FlowPolicy,
     FlowRequest,
-    HeldSlots,
+    Holds,
     PoolLoad,
     Shed,
     ShedReason,
@@ -83,9 +83,7 @@ class Grant:
         if gate is not None:
             self.booked()
             self._gate = None
-            gate.starting[self.pool] -= 1
-            if self.tier is not Tier.FLEX:
-                gate.starting_above[self.pool] -= 1
+            gate.holds.started(self.pool, self.tier)
             gate.wake()
 
     def ended(self) -> None:
@@ -121,9 +119,7 @@ class FlowGate:
         self.speeds = _Speeds(speed_of)
         self.metrics = metrics
         self.granted: defaultdict[str, int] = defaultdict(int)  # tokens of started requests not yet booked
-        self.starting: defaultdict[str, int] = defaultdict(int)  # started requests without a first token
-        self.starting_above: defaultdict[str, int] = defaultdict(int)  # of which the tiers above flex
-        self.slots = HeldSlots(self.policy.limits)  # started requests not ended
+        self.holds = Holds(self.policy.limits)  # started requests: starting, then holding a slot
         self._wake = asyncio.Event()
         self._wait_series: dict[tuple[str, Tier], Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
@@ -144,11 +140,12 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
-        flex = self.slots.flex.get(pool, 0) if ticket.tier is Tier.FLEX else 0
-        others_peak = self.slots.others_peak(pool, time.monotonic()) if flex else 0
+        holds = self.holds
+        flex = holds.flex.get(pool, 0) if ticket.tier is Tier.FLEX else 0
+        others_peak = holds.others_peak(pool, time.monotonic()) if flex else 0
         if not queue.ahead_of(ticket.tier) and can_start_now(
-                views, pool, self.speeds, self.policy.limits, self.granted[pool], self.starting[pool], ticket.tier,
-                flex, others_peak, self.starting_above[pool], self.slots.above.get(pool, 0)):
+                views, pool, self.speeds, self.policy.limits, self.granted[pool], holds.starting.get(pool, 0),
+                ticket.tier, flex, others_peak, holds.starting_above.get(pool, 0), holds.above.get(pool, 0)):
             return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
         load = self._load(views, pool)
         outcome = queue.arrive(request, load, now)
@@ -183,10 +180,7 @@ class FlowGate:
 
     def _grant(self, pool: str, request: FlowRequest, waited_s: float) -> Grant:
         self.granted[pool] += request.prompt_tokens
-        self.starting[pool] += 1
-        if request.tier is not Tier.FLEX:
-            self.starting_above[pool] += 1
-        self.slots.take(pool, request.tier, time.monotonic())
+        self.holds.take(pool, request.tier, time.monotonic())
         series = self._wait_series.get((pool, request.tier))
         if series is None:  # a labels() lookup costs more than the rest of an unsaturated admission
             series = self._wait_series[pool, request.tier] = self.metrics.flow_wait.labels(pool, request.tier.label)
@@ -194,12 +188,11 @@ class FlowGate:
         return Grant(self, pool, request.prompt_tokens, waited_s, request.tier)
 
     def release_slot(self, pool: str, tier: Tier) -> None:
-        self.slots.release(pool, tier, time.monotonic())
+        self.holds.release(pool, tier, time.monotonic())
         self.wake()
 
     def _load(self, views: Sequence[WorkerView], pool: str) -> PoolLoad:
-        return self.slots.load(views, pool, self.speeds, time.monotonic(), self.granted[pool], self.starting[pool],
-                               self.starting_above[pool])
+        return self.holds.load(views, pool, self.speeds, time.monotonic(), self.granted[pool])
 
     def _overloaded(self, pool: str, request: FlowRequest, shed: Shed) -> Overloaded:
         why = {ShedReason.DEADLINE: "cannot start within its time-to-first-token target",
