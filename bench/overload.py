@@ -362,35 +362,12 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "shed_rate_flood": {tenant: med(t, "flood", tenant, "shed_rate") for tenant in KEYS},
         "lost": med(t, "flood", "lost"),
     } for t in by}}
-    flow = result["targets"].get("gateway-flow")
-    if flow is not None:
-        peers = [result["targets"][p]["cluster_goodput_flood_rps"] for p in PEERS if p in result["targets"]]
-        best_peer = max((p for p in peers if p is not None), default=None)
-        no_flow = result["targets"].get("gateway", {}).get("cluster_goodput_flood_rps")
-        no_slots = result["targets"].get("gateway-flow-noslots", {})
-        result.update(
-            interactive_ttft_p99_flood_vs_alone=_ratio(flow["interactive_ttft_p99_flood_s"],
-                                                       flow["interactive_ttft_p99_alone_s"]),
-            # per offered request (goodput / arrival rate): the two phases draw different arrivals
-            interactive_goodput_flood_vs_alone=_ratio(flow["interactive_good_share_flood"],
-                                                      flow["interactive_good_share_alone"]),
-            goodput_vs_best_peer=_ratio(flow["cluster_goodput_flood_rps"], best_peer),
-            # the flex slot share's own effect: the same flow control without it
-            interactive_ttft_p99_flood_vs_noslots=_ratio(flow["interactive_ttft_p99_flood_s"],
-                                                         no_slots.get("interactive_ttft_p99_flood_s")),
-            goodput_vs_noslots=_ratio(flow["cluster_goodput_flood_rps"], no_slots.get("cluster_goodput_flood_rps")),
-            goodput_vs_no_flow_control=_ratio(flow["cluster_goodput_flood_rps"], no_flow),
-            hit_rate_vs_no_flow_control=_ratio(flow["hit_rate_flood"],
-                                               result["targets"].get("gateway", {}).get("hit_rate_flood")),
-            shed_non_flex=_median([sum(r["flood"].get(t, {}).get("shed", 0) for t in ("interactive", "agent"))
-                                   for r in by["gateway-flow"]]),
-            lost=_median([r["flood"]["lost"] + r["alone"]["lost"] for r in by["gateway-flow"]]),
-        )
     peers = [result["targets"][p]["cluster_goodput_flood_rps"] for p in PEERS if p in result["targets"]]
     best_peer = max((p for p in peers if p is not None), default=None)
     result["flow_targets"] = {t: {  # the headline ratios of every flow-control variant run
         "interactive_ttft_p99_flood_vs_alone": _ratio(f["interactive_ttft_p99_flood_s"],
                                                       f["interactive_ttft_p99_alone_s"]),
+        # per offered request (goodput / arrival rate): the two phases draw different arrivals
         "interactive_goodput_flood_vs_alone": _ratio(f["interactive_good_share_flood"],
                                                      f["interactive_good_share_alone"]),
         "goodput_vs_best_peer": _ratio(f["cluster_goodput_flood_rps"], best_peer),
@@ -398,6 +375,20 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                   for r in by[t]]),
         "lost": _median([r["flood"]["lost"] + r["alone"]["lost"] for r in by[t]]),
     } for t, f in result["targets"].items() if t.startswith("gateway-flow")}
+    flow = result["targets"].get("gateway-flow")
+    if flow is not None:
+        no_flow = result["targets"].get("gateway", {})
+        no_slots = result["targets"].get("gateway-flow-noslots", {})
+        result.update(
+            **result["flow_targets"]["gateway-flow"],
+            # the flex slot share's own effect: the same flow control without it
+            interactive_ttft_p99_flood_vs_noslots=_ratio(flow["interactive_ttft_p99_flood_s"],
+                                                         no_slots.get("interactive_ttft_p99_flood_s")),
+            goodput_vs_noslots=_ratio(flow["cluster_goodput_flood_rps"], no_slots.get("cluster_goodput_flood_rps")),
+            goodput_vs_no_flow_control=_ratio(flow["cluster_goodput_flood_rps"],
+                                              no_flow.get("cluster_goodput_flood_rps")),
+            hit_rate_vs_no_flow_control=_ratio(flow["hit_rate_flood"], no_flow.get("hit_rate_flood")),
+        )
     return result
 
 

@@ -12,10 +12,11 @@ its slowest rank), like DeepInfer/vLLM with chunked prefill:
    its output length, so it never runs out mid-request). Admission looks the prompt up
    in the memory prefix cache, then in the shared store: memory hits are free, store
    hits cost their KV bytes at the profile's store read bandwidth. The order is the
-   profile's `scheduling_policy`: "fcfs" by arrival; "priority" (vLLM's and SGLang's
-   priority scheduling) by (`priority`, arrival), and a waiting request that finds no
-   slot or no KV preempts the running request of the highest priority value above its
-   own, latest arrival first: its KV is freed and it waits again at its place, then
+   profile's `scheduling_policy`: "fcfs" by arrival; "priority" (SGLang's priority
+   scheduling with preemption; vLLM's orders the same way but preempts only on KV
+   shortage) by (`priority`, arrival), and a waiting request that finds no slot or no KV
+   preempts the running request of the highest priority value above its own, latest
+   arrival first: its KV is freed and it waits again at its place, then
    recomputes its prompt and the tokens it had emitted (the prefix cache may hold part)
    and goes on from there. A decode-role request (KV handed over) is never preempted;
 2. every running request past prefill decodes: 1 token, plus with speculative decoding
