@@ -59,6 +59,20 @@ class FlowControlSettings(BaseModel):
     tenant_weights: dict[str, float] = Field(
         default_factory=dict,
         description="Tenant (an API key's tenant, else its name) -> weight of its fair share; absent: 1.")
+    shared_share: bool = Field(
+        True,
+        description="With redis.url: the routers queueing for a pool (gateway replicas, serve --processes, EPPs) "
+                    "keep one fair share between tenants through Redis, each yielding a start to another's "
+                    "queued request of a higher tier or of a tenant served less (docs/api.md). Off: each keeps "
+                    "its own.")
+    share_interval_ms: float = Field(
+        100.0, gt=0, le=10_000,
+        description="How often a router with flow-control traffic exchanges its queues and its tenants' service "
+                    "with the others (shared_share); a report older than 10 intervals counts for nothing.")
+    share_half_life_ms: float = Field(
+        10_000.0, gt=0,
+        description="With shared_share: a tenant's service (tokens started / weight) halves over this; the share "
+                    "evens out the service of the last few half-lives.")
     tier_header: bool = Field(
         False,
         description="Honour x-dgw-service-tier (priority|default|flex), set by a trusted proxy in front, over the "

@@ -76,7 +76,7 @@ class EppRuntime:
                               core.affinity)
         gate = (FlowGate(settings.flow_control, routing.views,
                          lambda hardware: core.planner.hardware_cost(hardware).prefill_tokens_per_s, metrics,
-                         sends_priority=False)  # Envoy forwards the client's own body
+                         sends_priority=False, redis=core.redis)  # Envoy forwards the client's own body
                 if settings.flow_control.enabled else None)
         self.picker = EndpointPicker(core.registry, routing, metrics, self.options.fallbacks, gate)
         service = EndpointPickerService(self.picker, self.preparer, self.metrics, settings,
@@ -122,6 +122,8 @@ class EppRuntime:
         await self.grpc.stop(grace_s)
         await self.health_server.stop(0)
         self.http.shutdown()
+        if self.picker.gate is not None:
+            await self.picker.gate.close()
         await self.core.stop()
 
 

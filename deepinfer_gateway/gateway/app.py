@@ -167,7 +167,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         limiter = (RedisRateLimiter(redis, on_error=metrics.redis_errors.labels("ratelimit").inc) if redis
                    else MemoryRateLimiter())
         server = RequestServer(core.registry, core.planner, core.index, core.inflight, bundle, metrics, settings,
-                               core.affinity)
+                               core.affinity, redis)
         conversations = ConversationsState(conversation_store(settings.conversations, redis),
                                            on_error=metrics.redis_errors.labels("conversations").inc)
         stored = response_store(settings.responses, redis)
@@ -190,6 +190,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                 await responses.background.stop()  # its runs end failed, their engine requests aborted
             if listener is not None:
                 await asyncio.to_thread(listener.stop)
+            if server.gate is not None:
+                await server.gate.close()
             await core.stop()
 
     docs: dict[str, Any] = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}

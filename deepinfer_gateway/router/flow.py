@@ -46,12 +46,16 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from typing import TYPE_CHECKING
 
 from deepinfer_gateway.config import FlowControlSettings
 from deepinfer_gateway.router.worker_view import WorkerView
+
+if TYPE_CHECKING:
+    from deepinfer_gateway.router.flow_share import SharedShare
 
 
 class Tier(IntEnum):
@@ -369,10 +373,13 @@ class _Band:
 
 
 class PoolQueue:
-    """One pool's waiting requests (module doc)."""
+    """One pool's waiting requests (module doc). With `share`, the routers that queue for the pool keep
+    one fair share (flow_share.py): a band starts the request its tenant's service over every router
+    makes next, or none while another router should start first."""
 
-    def __init__(self, limits: FlowLimits) -> None:
+    def __init__(self, limits: FlowLimits, share: SharedShare | None = None) -> None:
         self.limits = limits
+        self.share = share
         self.bands = [_Band() for _ in Tier]
         self.per_tenant: dict[str, int] = {}
         self._seq = itertools.count()
@@ -384,12 +391,15 @@ class PoolQueue:
     def depth(self, tier: Tier) -> int:
         return self.bands[tier].count
 
-    def ahead_of(self, tier: Tier) -> bool:
-        """Whether a request of `tier` or above waits: one of `tier` would start after it."""
-        return any(b.count for b in self.bands[:tier + 1])
+    def ahead_of(self, tier: Tier, now: float) -> bool:
+        """Whether a request of `tier` or above waits, here or at another router sharing the pool: one
+        of `tier` would start after it."""
+        return (any(b.count for b in self.bands[:tier + 1])
+                or (self.share is not None and self.share.waits_elsewhere(tier, now)))
 
     def arrive(self, request: FlowRequest, load: PoolLoad, now: float) -> Arrival:
-        if not self.ahead_of(request.tier) and load.can_start(self.limits, request.tier):
+        if not self.ahead_of(request.tier, now) and load.can_start(self.limits, request.tier):
+            self.served(request, now)
             return Arrival(start=True)
         ahead = self.tokens_ahead(request)
         wait = load.wait_past(self.limits) + ahead / self.drain_rate(load, now)
@@ -475,17 +485,54 @@ class PoolQueue:
         if not len(self) or not load.can_start(self.limits):
             return None
         for tier, band in zip(Tier, self.bands, strict=True):
-            if band.count and not load.can_start(self.limits, tier):
+            if not band.count:
+                continue
+            if not load.can_start(self.limits, tier):
                 return None  # flex, and only the higher tiers' reserve is left
-            while band.heap:
-                tag, _, request = heapq.heappop(band.heap)
-                if not request.queued:
-                    continue
-                band.virtual = max(band.virtual, tag)
-                self.remove(request)
-                self._drained.append((now, request.prompt_tokens))
-                return request
+            request = self._next_of(band) if self.share is None else self.share.pick(self._heads(band), tier, now)
+            if request is None:
+                return None  # another router starts first
+            band.virtual = max(band.virtual, request.start_tag)
+            self.remove(request)
+            self._drained.append((now, request.prompt_tokens))
+            self.served(request, now)
+            return request
         return None
+
+    def served(self, request: FlowRequest, now: float) -> None:
+        """`request` starts (from the queue or at once): the shared fair share counts it."""
+        if self.share is not None:
+            self.share.served(request, now)
+
+    def queued_by_tenant(self) -> dict[tuple[Tier, str], int]:
+        """(band, tenant) -> requests waiting: what this router reports to the others."""
+        counts: dict[tuple[Tier, str], int] = {}
+        for tier, band in zip(Tier, self.bands, strict=True):
+            for _, _, r in band.heap:
+                if r.queued:
+                    counts[tier, r.tenant] = counts.get((tier, r.tenant), 0) + 1
+        return counts
+
+    @staticmethod
+    def _next_of(band: _Band) -> FlowRequest | None:
+        """The least start tag: start-time fair queuing among this router's tenants."""
+        while band.heap:
+            _, _, request = band.heap[0]
+            if request.queued:
+                return request
+            heapq.heappop(band.heap)
+        return None
+
+    @staticmethod
+    def _heads(band: _Band) -> list[FlowRequest]:
+        """Each tenant's next request in the band (least start tag)."""
+        heads: dict[str, FlowRequest] = {}
+        for _, _, r in band.heap:
+            if r.queued:
+                head = heads.get(r.tenant)
+                if head is None or (r.start_tag, r.seq) < (head.start_tag, head.seq):
+                    heads[r.tenant] = r
+        return list(heads.values())
 
 
 def retry_after(wait_s: float) -> int:
@@ -494,16 +541,18 @@ def retry_after(wait_s: float) -> int:
 
 
 class FlowPolicy:
-    """Every pool's `PoolQueue`."""
+    """Every pool's `PoolQueue`; `share` makes each pool's `SharedShare` (flow_share.py), for routers
+    that keep one fair share with others."""
 
-    def __init__(self, limits: FlowLimits) -> None:
+    def __init__(self, limits: FlowLimits, share: Callable[[], SharedShare] | None = None) -> None:
         self.limits = limits
         self.pools: dict[str, PoolQueue] = {}
+        self._share = share
 
     def pool(self, name: str) -> PoolQueue:
         queue = self.pools.get(name)
         if queue is None:
-            queue = self.pools[name] = PoolQueue(self.limits)
+            queue = self.pools[name] = PoolQueue(self.limits, self._share() if self._share is not None else None)
         return queue
 
     def waiting_pools(self) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from deepinfer_gateway.config import FlowControlSettings
 from deepinfer_gateway.core.errors import Overloaded
+from deepinfer_gateway.gateway.serving.flow_share_sync import FlowShareSync
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.router.flow import (
     FlowLimits,
@@ -42,6 +43,7 @@ from deepinfer_gateway.router.flow import (
     can_start_now,
     retry_after,
 )
+from deepinfer_gateway.router.flow_share import STALE_INTERVALS, SharedShare
 from deepinfer_gateway.router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -108,13 +110,21 @@ class FlowGate:
     """One per process: every pool's queue and the pump that starts its requests."""
 
     def __init__(self, settings: FlowControlSettings, views: Callable[[], Awaitable[list[WorkerView]]],
-                 speed_of: Callable[[str], float], metrics: GatewayMetrics, sends_priority: bool = True) -> None:
+                 speed_of: Callable[[str], float], metrics: GatewayMetrics, sends_priority: bool = True,
+                 redis: Any = None) -> None:
         """`sends_priority`: this router's requests reach the engines with their tier as the engine's
         priority (the gateway's do; the EPP's carry the client's own body), so a pool whose workers
-        preempt lets the tiers above flex past flex's load; without it no pool counts as preempting."""
+        preempt lets the tiers above flex past flex's load; without it no pool counts as preempting.
+        `redis`: the routers sharing it keep one fair share (`shared_share`, flow_share_sync.py)."""
         self.settings = settings
         self.sends_priority = sends_priority
-        self.policy = FlowPolicy(FlowLimits.of(settings))
+        interval_s = settings.share_interval_ms / 1000.0
+        shared = redis is not None and settings.shared_share
+        self.policy = FlowPolicy(FlowLimits.of(settings), (lambda: SharedShare(
+            settings.share_half_life_ms / 1000.0, STALE_INTERVALS * interval_s)) if shared else None)
+        self.exchange = (FlowShareSync(redis, self.policy, interval_s, metrics.redis_errors.labels("flow").inc,
+                                       lambda pool, n: metrics.flow_routers.labels(pool).set(n))
+                         if shared else None)
         self._views = views
         self.speeds = _Speeds(speed_of)
         self.metrics = metrics
@@ -123,6 +133,10 @@ class FlowGate:
         self._wake = asyncio.Event()
         self._wait_series: dict[tuple[str, Tier], Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        if self.exchange is not None:
+            await self.exchange.close()
 
     def wake(self) -> None:
         """Something changed (a leg ended): look again at once if anything waits."""
@@ -140,12 +154,15 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
+        if self.exchange is not None:
+            self.exchange.admitted(now)
         holds = self.holds
         flex = holds.flex.get(pool, 0) if ticket.tier is Tier.FLEX else 0
         others_peak = holds.others_peak(pool, time.monotonic()) if flex else 0
-        if not queue.ahead_of(ticket.tier) and can_start_now(
+        if not queue.ahead_of(ticket.tier, now) and can_start_now(
                 views, pool, self.speeds, self.policy.limits, self.granted[pool], holds.starting.get(pool, 0),
                 ticket.tier, flex, others_peak, holds.starting_above.get(pool, 0), holds.above.get(pool, 0)):
+            queue.served(request, now)
             return self._grant(pool, request, 0.0)  # not saturated: the common case, kept cheap
         load = self._load(views, pool)
         outcome = queue.arrive(request, load, now)

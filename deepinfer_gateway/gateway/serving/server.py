@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from starlette.responses import Response
 
@@ -50,10 +51,12 @@ class RequestServer:
 
     def __init__(self, registry: WorkerRegistry, planner: RoutePlanner, index: PrefixIndex,
                  inflight: MemoryInflight | RedisInflight, bundle: TokenizerBundle, metrics: GatewayMetrics,
-                 settings: GatewaySettings, affinity: SharedAffinity | None = None):
+                 settings: GatewaySettings, affinity: SharedAffinity | None = None, redis: Any = None):
+        """`redis`: the replicas' (flow control's shared fair share)."""
         self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings, affinity)
         self.gate = (FlowGate(settings.flow_control, self.routing.views,
-                              lambda hardware: planner.hardware_cost(hardware).prefill_tokens_per_s, metrics)
+                              lambda hardware: planner.hardware_cost(hardware).prefill_tokens_per_s, metrics,
+                              redis=redis)
                      if settings.flow_control.enabled else None)
         self.sessions = (SessionGate(settings.session_capacity, reported_capacity(registry), metrics)
                          if settings.session_capacity.enabled else None)

@@ -167,6 +167,9 @@ class GatewayMetrics:
         self.flow_ttft = Counter("dgw_flow_ttft", "Requests under flow control that got a first token, by whether "
                                  "it came within their TTFT target (met: goodput)", ["service_tier", "met"],
                                  registry=r)
+        self.flow_routers = Gauge("dgw_flow_share_routers", "Other routers whose fresh reports this one's last "
+                                  "fair-share exchange heard (flow_control.shared_share)", ["pool"],
+                                  multiprocess_mode="livemax", registry=r)
         self.session_waits = Counter("dgw_session_waits", "Session rounds that waited for room in their worker's KV "
                                      "cache (session_capacity)", ["pool"], registry=r)
         self.session_wait = Histogram("dgw_session_wait_seconds", "Time a session round waited for room in its "
