@@ -30,7 +30,9 @@ with it; the same code runs anywhere a clock and the pools' load views are at ha
   `start = max(V, the tenant's last finish)`, `finish = start + cost / weight` (cost: prompt
   plus expected output tokens); the least start tag goes first and V moves to it. A tenant
   flooding the band advances its own tags only, so another tenant's next request overtakes
-  its backlog, and an agent's sessions share their tenant's tags.
+  its backlog, and an agent's sessions share their tenant's tags. Routers that queue for the
+  same pool and share a Redis keep one share instead (flow_share.py: least service over every
+  router, and a router yields a start to another's request that should go first).
 - Deadlines: each request has a TTFT target (its tier's, or the request's own). One that
   cannot start before it is refused on arrival with a Retry-After (the wait ahead of it:
   higher bands' and its own band's earlier tags, at the pool's drain rate), and one still
@@ -49,13 +51,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from deepinfer_gateway.config import FlowControlSettings
 from deepinfer_gateway.router.worker_view import WorkerView
-
-if TYPE_CHECKING:
-    from deepinfer_gateway.router.flow_share import SharedShare
 
 
 class Tier(IntEnum):
@@ -372,12 +371,22 @@ class _Band:
         self.tokens = 0
 
 
+class FairShare(Protocol):
+    """A fair share kept with other routers that queue for the pool (flow_share.py's SharedShare)."""
+
+    def pick(self, candidates: Iterable[FlowRequest], tier: Tier, now: float) -> FlowRequest | None: ...
+
+    def served(self, request: FlowRequest, now: float) -> None: ...
+
+    def waits_elsewhere(self, tier: Tier, now: float) -> bool: ...
+
+
 class PoolQueue:
     """One pool's waiting requests (module doc). With `share`, the routers that queue for the pool keep
     one fair share (flow_share.py): a band starts the request its tenant's service over every router
     makes next, or none while another router should start first."""
 
-    def __init__(self, limits: FlowLimits, share: SharedShare | None = None) -> None:
+    def __init__(self, limits: FlowLimits, share: FairShare | None = None) -> None:
         self.limits = limits
         self.share = share
         self.bands = [_Band() for _ in Tier]
@@ -541,18 +550,19 @@ def retry_after(wait_s: float) -> int:
 
 
 class FlowPolicy:
-    """Every pool's `PoolQueue`; `share` makes each pool's `SharedShare` (flow_share.py), for routers
-    that keep one fair share with others."""
+    """Every pool's `PoolQueue`; `share_of(pool)` gives a pool its `FairShare`, for routers that keep one
+    fair share with others."""
 
-    def __init__(self, limits: FlowLimits, share: Callable[[], SharedShare] | None = None) -> None:
+    def __init__(self, limits: FlowLimits, share_of: Callable[[str], FairShare] | None = None) -> None:
         self.limits = limits
         self.pools: dict[str, PoolQueue] = {}
-        self._share = share
+        self._share_of = share_of
 
     def pool(self, name: str) -> PoolQueue:
         queue = self.pools.get(name)
         if queue is None:
-            queue = self.pools[name] = PoolQueue(self.limits, self._share() if self._share is not None else None)
+            share = self._share_of(name) if self._share_of is not None else None
+            queue = self.pools[name] = PoolQueue(self.limits, share)
         return queue
 
     def waiting_pools(self) -> list[str]:

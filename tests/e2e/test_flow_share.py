@@ -12,13 +12,18 @@ from pathlib import Path
 
 import openai
 import pytest
+from redis import asyncio as aioredis
 
+from deepinfer_gateway.gateway.serving.flow_share_sync import FlowShareSync
+from deepinfer_gateway.infra.redis_process import RedisProcess as RedisServer
+from deepinfer_gateway.router.flow import FlowLimits, FlowPolicy, FlowRequest, PoolLoad, Tier, WorkerLoad
 from harness.launch import Gateway, SimCluster
 from tests.fault_doubles import scrape, total
 from tests.gateways import api_key
 from tests.sim_profiles import small_sm100
 
 MODEL = "DeepSeek-V4.1-Flash"
+BUSY = PoolLoad((WorkerLoad(0.5, 10_000.0, 0, 1, 0.1),))
 PROMPT = [{"role": "user", "content": "share the pool fairly " * 20}]
 FLOW = """[flow_control]
 enabled = true
@@ -90,3 +95,36 @@ def test_replicas_keep_one_fair_share(cluster: SimCluster, redis_url: str, tmp_p
     else:  # each replica alone: B competes for the first replica's half of the pool only
         assert share < 0.36, share
         assert heard == 0
+
+
+async def test_the_exchange_through_redis_survives_an_outage(redis_server: RedisServer) -> None:
+    """Two routers' exchanges on a real Redis: each hears the other's queued tenant; with Redis down
+    each keeps its own share (errors counted, nothing held back); back up, they hear each other again."""
+    errors: list[int] = []
+    routers = []
+    for tenant in ("a", "b"):
+        client = aioredis.Redis.from_url(redis_server.url, socket_timeout=1.0)
+        sync = FlowShareSync(client, half_life_s=10.0, interval_s=0.1, on_error=lambda: errors.append(1))
+        sync.policy = policy = FlowPolicy(FlowLimits(), sync.share_of)
+        policy.pool("p").arrive(FlowRequest(tenant, Tier.DEFAULT, 100, 100, 0.0, 1e9), BUSY, 0.0)
+        routers.append((sync, client))
+    try:
+        for sync, _ in routers * 2:
+            await sync.sync()
+        now = asyncio.get_running_loop().time()
+        for (sync, _), other in zip(routers, ("b", "a"), strict=True):
+            assert [r.queued for r in sync.shares["p"].others] == [{(Tier.DEFAULT, other): 1}]
+            assert sync.shares["p"].waits_elsewhere(Tier.DEFAULT, now)
+        redis_server.stop()
+        await routers[0][0].sync()
+        assert errors and routers[0][0].shares["p"].others == []
+        redis_server.start()  # empty, same port; each client's first call fails on its old connection
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not all(len(sync.shares["p"].others) == 1 for sync, _ in routers):
+            assert asyncio.get_running_loop().time() < deadline, "the routers never heard each other again"
+            for sync, _ in routers:
+                await sync.sync()
+            await asyncio.sleep(0.1)
+    finally:
+        for _, client in routers:
+            await client.aclose()

@@ -43,7 +43,6 @@ from deepinfer_gateway.router.flow import (
     can_start_now,
     retry_after,
 )
-from deepinfer_gateway.router.flow_share import STALE_INTERVALS, SharedShare
 from deepinfer_gateway.router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -118,13 +117,14 @@ class FlowGate:
         `redis`: the routers sharing it keep one fair share (`shared_share`, flow_share_sync.py)."""
         self.settings = settings
         self.sends_priority = sends_priority
-        interval_s = settings.share_interval_ms / 1000.0
-        shared = redis is not None and settings.shared_share
-        self.policy = FlowPolicy(FlowLimits.of(settings), (lambda: SharedShare(
-            settings.share_half_life_ms / 1000.0, STALE_INTERVALS * interval_s)) if shared else None)
-        self.exchange = (FlowShareSync(redis, self.policy, interval_s, metrics.redis_errors.labels("flow").inc,
+        self.exchange = (FlowShareSync(redis, settings.share_half_life_ms / 1000.0, settings.share_interval_ms / 1000.0,
+                                       metrics.redis_errors.labels("flow").inc,
                                        lambda pool, n: metrics.flow_routers.labels(pool).set(n))
-                         if shared else None)
+                         if redis is not None and settings.shared_share else None)
+        self.policy = FlowPolicy(FlowLimits.of(settings),
+                                 self.exchange.share_of if self.exchange is not None else None)
+        if self.exchange is not None:
+            self.exchange.policy = self.policy
         self._views = views
         self.speeds = _Speeds(speed_of)
         self.metrics = metrics

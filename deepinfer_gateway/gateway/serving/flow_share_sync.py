@@ -22,7 +22,7 @@ from typing import Any
 
 from deepinfer_gateway.core.outage import Outage
 from deepinfer_gateway.router.flow import FlowPolicy
-from deepinfer_gateway.router.flow_share import Report, decode, encode
+from deepinfer_gateway.router.flow_share import STALE_INTERVALS, Report, SharedShare, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +35,28 @@ def share_key(pool: str) -> str:
 
 
 class FlowShareSync:
-    def __init__(self, redis: Any, policy: FlowPolicy, interval_s: float,
+    """Every pool's `SharedShare` (`share_of`, for FlowPolicy) and their exchange."""
+
+    def __init__(self, redis: Any, half_life_s: float, interval_s: float,
                  on_error: Callable[[], None] | None = None,
                  on_routers: Callable[[str, int], None] | None = None) -> None:
         """`on_routers(pool, n)`: how many other routers' fresh reports a sync heard."""
         self._redis = redis
-        self._policy = policy
+        self.policy: FlowPolicy | None = None  # the queues reported: the policy built with `share_of`
+        self.shares: dict[str, SharedShare] = {}
+        self.half_life_s = half_life_s
         self.interval_s = interval_s
         self.router_id = uuid.uuid4().hex
         self._on_routers = on_routers
         self._outage = Outage("flow control's shared fair share", "keeping this router's own share", on_error)
         self._admitted_at = -LINGER_S
         self._task: asyncio.Task[None] | None = None
+
+    def share_of(self, pool: str) -> SharedShare:
+        share = self.shares.get(pool)
+        if share is None:
+            share = self.shares[pool] = SharedShare(self.half_life_s, STALE_INTERVALS * self.interval_s)
+        return share
 
     def admitted(self, now: float) -> None:
         """A request came under flow control (`now`: the loop's clock): exchange while traffic lasts."""
@@ -64,7 +74,8 @@ class FlowShareSync:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                active = bool(self._policy.waiting_pools()) or loop.time() - self._admitted_at < LINGER_S
+                waiting = self.policy is not None and self.policy.waiting_pools()
+                active = bool(waiting) or loop.time() - self._admitted_at < LINGER_S
                 await self.sync()
                 if not active:
                     return  # that sync said this router holds nothing
@@ -78,27 +89,26 @@ class FlowShareSync:
 
     async def sync(self) -> None:
         """Write this router's report of every pool and read the others'."""
-        pools = [(name, queue) for name, queue in self._policy.pools.items() if queue.share is not None]
-        if not pools or not self._outage.due():
+        policy = self.policy
+        if policy is None or not self.shares or not self._outage.due():
             return
+        pools = [(name, share, policy.pool(name)) for name, share in self.shares.items()]
         now, wall = asyncio.get_running_loop().time(), time.time()
         forget_ms = int(FORGET_S * 1000)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for name, queue in pools:
-                    assert queue.share is not None
+                for name, share, queue in pools:
                     key = share_key(name)
-                    pipe.hset(key, self.router_id, encode(queue.share.report(queue.queued_by_tenant(), now, wall)))
+                    pipe.hset(key, self.router_id, encode(share.report(queue.queued_by_tenant(), now, wall)))
                     pipe.pexpire(key, forget_ms)
                     pipe.hgetall(key)
                 replies = await pipe.execute()
             stale: list[tuple[str, Any]] = []
-            for (name, queue), fields in zip(pools, replies[2::3], strict=True):
-                assert queue.share is not None
+            for (name, share, _), fields in zip(pools, replies[2::3], strict=True):
                 reports = self._others(fields, now, wall, stale, name)
-                queue.share.heard([r for r in reports if now - r.at <= queue.share.stale_s])
+                share.heard([r for r in reports if now - r.at <= share.stale_s])
                 if self._on_routers is not None:
-                    self._on_routers(name, len(queue.share.others))
+                    self._on_routers(name, len(share.others))
             if stale:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for name, router in stale:
@@ -106,9 +116,8 @@ class FlowShareSync:
                     await pipe.execute()
         except Exception as exc:  # any Redis failure: each router's own share
             self._outage.failed(exc)
-            for _, queue in pools:
-                assert queue.share is not None
-                queue.share.heard([])
+            for _, share, _ in pools:
+                share.heard([])
             return
         self._outage.ok()
 

@@ -169,7 +169,7 @@ class GatewayMetrics:
                                  registry=r)
         self.flow_routers = Gauge("dgw_flow_share_routers", "Other routers whose fresh reports this one's last "
                                   "fair-share exchange heard (flow_control.shared_share)", ["pool"],
-                                  multiprocess_mode="livemax", registry=r)
+                                  multiprocess_mode="livemostrecent", registry=r)
         self.session_waits = Counter("dgw_session_waits", "Session rounds that waited for room in their worker's KV "
                                      "cache (session_capacity)", ["pool"], registry=r)
         self.session_wait = Histogram("dgw_session_wait_seconds", "Time a session round waited for room in its "
