@@ -344,6 +344,7 @@ class FlowRequest:
     start_tag: float = field(default=0.0, init=False)
     seq: int = field(default=0, init=False)
     queued: bool = field(default=False, init=False)
+    starved: bool = field(default=False, init=False)  # refused at its deadline without a turn (`expired`)
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,7 @@ class _Band:
         self.heap: list[tuple[float, int, FlowRequest]] = []
         self.virtual = 0.0
         self.finish: dict[str, float] = {}  # tenant -> its last finish tag
+        self.started_arrival: dict[str, float] = {}  # tenant -> the latest arrival among its started requests
         self.count = 0
         self.tokens = 0
 
@@ -473,6 +475,7 @@ class PoolQueue:
             # An idle band forgets its tags: a tenant's history counts only while others wait.
             band.heap.clear()
             band.finish.clear()
+            band.started_arrival.clear()
         return True
 
     def _newest_below(self, tier: Tier) -> FlowRequest | None:
@@ -483,8 +486,19 @@ class PoolQueue:
         return None
 
     def expired(self, now: float) -> list[FlowRequest]:
-        """Queued requests whose deadline has passed, taken out (the caller refuses them)."""
-        late = [r for b in self.bands for _, _, r in b.heap if r.queued and r.deadline <= now]
+        """Queued requests whose deadline has passed, taken out (the caller refuses them); `starved`
+        marks those that were their tenant's next in their band while requests of other tenants that
+        arrived after them started: the tenant got no turn before the deadline."""
+        late = []
+        for band in self.bands:
+            expiring = [r for _, _, r in band.heap if r.queued and r.deadline <= now]
+            if not expiring:
+                continue
+            heads = {id(r) for r in self._heads(band)}
+            for r in expiring:
+                r.starved = id(r) in heads and any(arrival > r.arrival for tenant, arrival
+                                                   in band.started_arrival.items() if tenant != r.tenant)
+            late += expiring
         for r in late:
             self.remove(r)
         return late
@@ -502,6 +516,8 @@ class PoolQueue:
             if request is None:
                 return None  # another router starts first
             band.virtual = max(band.virtual, request.start_tag)
+            band.started_arrival[request.tenant] = max(band.started_arrival.get(request.tenant, -math.inf),
+                                                       request.arrival)
             self.remove(request)
             self._drained.append((now, request.prompt_tokens))
             self.served(request, now)

@@ -124,10 +124,10 @@ def _metric(gw: Gateway, name: str, **labels: str) -> float:
     return total
 
 
-async def _queued(gw: Gateway, timeout: float = 20.0) -> None:
-    """Until flex requests wait in flow control (a loaded machine takes a while to send the flood)."""
+async def _queued(gw: Gateway, tier: str = "flex", timeout: float = 20.0) -> None:
+    """Until requests of `tier` wait in flow control (a loaded machine takes a while to send the flood)."""
     deadline = time.monotonic() + timeout
-    while _metric(gw, "dgw_flow_queued_requests", service_tier="flex") == 0:
+    while _metric(gw, "dgw_flow_queued_requests", service_tier=tier) == 0:
         assert time.monotonic() < deadline, "the flood never queued"
         await asyncio.sleep(0.1)
 
@@ -168,6 +168,40 @@ def test_flex_is_shed_with_retry_after_while_others_are_served(cluster: SimClust
         assert max(served) < 4.0  # every default request served, none refused
         assert _metric(gw, "dgw_flow_shed_total", service_tier="flex") > 0
         assert _metric(gw, "dgw_flow_shed_total", service_tier="default") == 0
+    finally:
+        gw.stop()
+
+
+def test_a_tenant_whose_share_is_too_small_for_its_deadline_is_counted_starved(
+        cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """"batch" (weight 100) floods flex; "other-batch" (weight 1) sends two requests with a 3 s
+    target: its first starts, its second waits behind a hundred of batch's and is refused at its
+    deadline while batch's later requests start: counted in dgw_flow_starved_total."""
+    flow = FLOW.format(flex=20000) + '[flow_control.tenant_weights]\nbatch = 100.0\n'
+    gw = _gateway(tmp_path_factory.mktemp("flow-starved"), cluster, flow)
+    try:
+        async def run() -> list[int]:
+            stop, outcomes = asyncio.Event(), list[int]()
+            flood = [asyncio.create_task(_flood(gw, "sk-batch", stop, outcomes)) for _ in range(24)]
+            await _queued(gw)
+            light = client(gw, "sk-batch2")
+
+            async def one() -> int:
+                try:
+                    await light.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4,
+                                                        extra_headers={"x-slo-ttft-ms": "3000"})
+                    return 200
+                except openai.RateLimitError:
+                    return 429
+
+            statuses = await asyncio.gather(one(), one())
+            stop.set()
+            await asyncio.gather(*flood)
+            return sorted(statuses)
+
+        assert asyncio.run(run()) == [200, 429]
+        assert _metric(gw, "dgw_flow_starved_total", service_tier="flex") == 1
+        assert _metric(gw, "dgw_flow_shed_total", service_tier="flex", reason="deadline") >= 1
     finally:
         gw.stop()
 
@@ -243,11 +277,12 @@ def test_client_leaving_while_queued_leaves_the_queue(gateway: Gateway) -> None:
     async def run() -> tuple[float, float, float, float]:
         stop, outcomes = asyncio.Event(), list[int]()
         # long requests: nothing ends during the test, so the queue holds still
-        flood = [asyncio.create_task(_flood(gateway, "sk-batch", stop, outcomes, max_tokens=3000)) for _ in range(12)]
-        await _queued(gateway)
-        await asyncio.sleep(0.5)
-        before = _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
+        flood = [asyncio.create_task(_flood(gateway, "sk-chat", stop, outcomes, max_tokens=3000)) for _ in range(12)]
+        await _queued(gateway, "default")
         body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4}
+        # a flex request: it waits behind the default ones, alone in its tier (the flood's clients
+        # refused at their deadline retry, so the default queue's depth moves)
+        before = _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
         async with httpx.AsyncClient(base_url=gateway.url) as http:
             queued = asyncio.create_task(http.post("/v1/chat/completions", json=body, timeout=30,
                                                    headers={"authorization": "Bearer sk-batch"}))
@@ -262,12 +297,12 @@ def test_client_leaving_while_queued_leaves_the_queue(gateway: Gateway) -> None:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
         await asyncio.sleep(0.5)
-        return before, during, after, _metric(gateway, "dgw_flow_queued_requests", service_tier="flex")
+        return before, during, after, sum(_metric(gateway, "dgw_flow_queued_requests", service_tier=tier)
+                                          for tier in ("priority", "default", "flex"))
 
     before, during, after, drained = asyncio.run(run())
-    assert before > 0
-    assert during == before + 1
-    assert after == before  # gone at once, not when its turn came
+    assert (before, during) == (0, 1)
+    assert after == 0  # gone at once, not when its turn came
     assert drained == 0  # the flood's clients left too
 
 

@@ -111,6 +111,25 @@ def test_request_that_cannot_start_before_its_deadline_is_refused_on_arrival() -
     assert behind.arrive(request("p2", Tier.PRIORITY, deadline=2.0), BUSY, 0.0).shed is None
 
 
+def test_an_expired_request_is_starved_when_later_requests_of_other_tenants_started() -> None:
+    queue = PoolQueue(FlowLimits(max_queued_per_pool=100, max_queued_per_tenant=100))
+    light = [request("light", tokens=1000, deadline=1.0, arrival=0.0) for _ in range(3)]
+    heavy = [request("heavy", tokens=1000, weight=100.0, arrival=0.1) for _ in range(3)]
+    for r in light + heavy:
+        queue.arrive(r, BUSY, r.arrival)
+    # After light's first, the weight-100 tenant's later requests all go first (tags 0, 10, 20 < 1000).
+    assert [queue.next_start(IDLE, 0.5) for _ in range(4)] == [light[0], *heavy]
+    late = queue.expired(1.0)
+    assert late == light[1:]
+    assert [r.starved for r in late] == [True, False]  # only light's next one was passed over
+    # A request that expires while nothing of another tenant started after it is not starved.
+    alone = PoolQueue(LIMITS)
+    first, second = request("a", deadline=1.0, arrival=0.0), request("b", deadline=5.0, arrival=0.2)
+    alone.arrive(first, BUSY, 0.0)
+    alone.arrive(second, BUSY, 0.2)
+    assert alone.expired(1.0) == [first] and not first.starved
+
+
 def test_queued_request_past_its_deadline_expires() -> None:
     queue = PoolQueue(LIMITS)
     early, later = request(deadline=1.0), request(deadline=5.0)

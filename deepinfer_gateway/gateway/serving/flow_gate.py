@@ -246,6 +246,8 @@ class FlowGate:
                     for late in queue.expired(now):
                         self._refuse(pool, late, Shed(ShedReason.DEADLINE, retry_after(load.wait_past(
                             self.policy.limits) + 1.0)))
+                        if late.starved:
+                            self.metrics.flow_starved.labels(pool, late.tier.label).inc()
                     for request in self.policy.starts(pool, load, now):
                         future = request.handle
                         if isinstance(future, asyncio.Future) and not future.done():

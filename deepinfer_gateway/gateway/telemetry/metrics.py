@@ -167,6 +167,10 @@ class GatewayMetrics:
         self.flow_ttft = Counter("dgw_flow_ttft", "Requests under flow control that got a first token, by whether "
                                  "it came within their TTFT target (met: goodput)", ["service_tier", "met"],
                                  registry=r)
+        self.flow_starved = Counter("dgw_flow_starved", "Requests refused at their deadline as their tenant's next "
+                                    "in their tier, while requests of other tenants of that tier that arrived after "
+                                    "them started: the tenant got no turn (a fair share too small for the "
+                                    "deadline, or a bug)", ["pool", "service_tier"], registry=r)
         self.flow_routers = Gauge("dgw_flow_share_routers", "Other routers whose fresh reports this one's last "
                                   "fair-share exchange heard (flow_control.shared_share)", ["pool"],
                                   multiprocess_mode="livemostrecent", registry=r)
