@@ -269,6 +269,11 @@ def test_where_the_engine_preempts_flex_takes_every_slot_and_the_tiers_above_sta
         assert lengths and set(lengths) == {240}, lengths
         with urllib.request.urlopen(preempting.urls[0] + "/v1/worker/load", timeout=5) as r:
             assert json.loads(r.read())["preemptions_total"] >= 4
+        deadline = time.monotonic() + 5  # the gateway shows the engine's count from its load reports
+        worker = preempting.urls[0].split("://", 1)[1]
+        while _metric(gw, "dgw_worker_preemptions", worker=worker) < 4:
+            assert time.monotonic() < deadline, "dgw_worker_preemptions never showed the engine's preemptions"
+            time.sleep(0.1)
     finally:
         gw.stop()
 

@@ -248,6 +248,7 @@ class WorkerRegistry:
         self._metrics.worker_queue_tokens.labels(worker.worker_id).set(load.queued_prefill_tokens)
         self._metrics.worker_running.labels(worker.worker_id).set(load.running)
         self._metrics.worker_kv_usage.labels(worker.worker_id).set(load.kv_usage)
+        self._metrics.worker_preemptions.labels(worker.worker_id).set(load.preemptions_total)
 
     @staticmethod
     def after_report(worker: WorkerState, at: float, hook: Callable[[], None]) -> None:

@@ -135,6 +135,9 @@ class GatewayMetrics:
         self.worker_queue_tokens = worker_gauge("dgw_worker_queue_tokens", "Queued prefill tokens (load report)")
         self.worker_running = worker_gauge("dgw_worker_running_requests", "Running sequences (load report)")
         self.worker_kv_usage = worker_gauge("dgw_worker_kv_usage_ratio", "KV memory in use (load report)")
+        self.worker_preemptions = worker_gauge("dgw_worker_preemptions", "Running requests the engine preempted "
+                                               "for a more urgent one since it started (load report; a worker "
+                                               "that schedules by priority)")
         self.prefix_lookup = Histogram("dgw_prefix_index_lookup_seconds", "Prefix index lookup latency",
                                        buckets=LOOKUP_BUCKETS, registry=r)
         self.upstream_errors = Counter("dgw_upstream_errors", "Failed worker calls", [WORKER_LABEL, "kind"],
@@ -223,6 +226,7 @@ class GatewayMetrics:
             self.responses_not_stored.labels(reason)
         # Every metric labelled by worker: a removed worker's series go with it.
         self.per_worker = (self.worker_healthy, self.worker_queue_tokens, self.worker_running, self.worker_kv_usage,
+                           self.worker_preemptions,
                            self.upstream_errors, self.v2_connections, self.v2_reconnects, self.v2_coalesced,
                            self.v1_fallbacks, self.session_live)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
