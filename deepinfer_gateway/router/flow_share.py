@@ -9,7 +9,8 @@ weighted service, whichever routers their requests reach) and yields a start, le
 to another router, when another router holds a request of a higher band, or of this band from a
 tenant whose total service trails the pick's by more than the pick's own cost. Reports older than
 `stale_s` count for nothing, so a router gone stops holding the others back. The exchange itself
-is I/O (gateway/serving/flow_share_sync.py); everything here is pure, on the caller's clock.
+is I/O (gateway/serving/flow_share_sync.py, router_exchange.py); everything here is pure, on the
+caller's clock.
 """
 
 from __future__ import annotations
@@ -67,24 +68,22 @@ class Report:
 
 
 def encode(report: Report) -> str:
-    """The report as the routers exchange it: `at` (wall-clock seconds) and [band, tenant, queued,
+    """The report as the routers exchange it (its time goes beside it): [band, tenant, queued,
     service] rows, queued tenants first, then the most served, at most MAX_ENTRIES."""
     keys = sorted(set(report.queued) | set(report.service),
                   key=lambda k: (-report.queued.get(k, 0), -report.service.get(k, 0.0)))[:MAX_ENTRIES]
-    return json.dumps({"at": report.at, "rows": [[int(band), tenant, report.queued.get((band, tenant), 0),
-                                                  round(report.service.get((band, tenant), 0.0), 1)]
-                                                 for band, tenant in keys]}, separators=(",", ":"))
+    return json.dumps([[int(band), tenant, report.queued.get((band, tenant), 0),
+                        round(report.service.get((band, tenant), 0.0), 1)] for band, tenant in keys],
+                      separators=(",", ":"))
 
 
-def decode(text: str | bytes, now: float, wall_now: float) -> Report | None:
-    """A report read back, its `at` moved onto the reader's clock (`now` is `wall_now` there); None if
-    it is not one (another version's, or damaged)."""
+def decode(text: str, at: float) -> Report | None:
+    """A report read back, as of `at` (the reader's clock); None if it is not one (another
+    version's, or damaged)."""
     try:
-        data = json.loads(text)
-        at = float(data["at"])
         queued: dict[Key, int] = {}
         service: dict[Key, float] = {}
-        for band, tenant, count, served in data["rows"][:MAX_ENTRIES]:
+        for band, tenant, count, served in json.loads(text)[:MAX_ENTRIES]:
             key = (Tier(band), str(tenant))
             if count:
                 queued[key] = int(count)
@@ -92,7 +91,7 @@ def decode(text: str | bytes, now: float, wall_now: float) -> Report | None:
                 service[key] = float(served)
     except (ValueError, TypeError, KeyError):
         return None
-    return Report(now - (wall_now - at), queued, service) if math.isfinite(at) else None
+    return Report(at, queued, service)
 
 
 class SharedShare:
@@ -145,9 +144,9 @@ class SharedShare:
         self._tops = [(min(band for (band, _), count in r.queued.items() if count), r.at)
                       for r in reports if any(r.queued.values())]
 
-    def report(self, queued: dict[Key, int], now: float, wall_now: float) -> Report:
-        """This router's report as of `now`, stamped with the wall clock (`wall_now`) it is sent with."""
-        return Report(wall_now, queued, self.own.current(now))
+    def report(self, queued: dict[Key, int], now: float) -> Report:
+        """This router's report as of `now`."""
+        return Report(now, queued, self.own.current(now))
 
     def _fresh(self, now: float) -> list[Report]:
         return [r for r in self.others if now - r.at <= self.stale_s]
