@@ -34,3 +34,12 @@ class SessionCapacitySettings(BaseModel):
         description="A round whose prompt a worker's cache holds at least this share of waits for that worker; "
                     "one cached less (a first round, a context already evicted) goes to a worker with room, or waits "
                     "for the first of its pool to have some.")
+    shared: bool = Field(
+        True,
+        description="With redis.url: the routers that share the workers (gateway replicas, serve --processes) tell "
+                    "each other their live sessions through Redis every share_interval_ms while they have session "
+                    "traffic, and count the others' against each worker's room. Off: each counts its own only.")
+    share_interval_ms: float = Field(
+        100.0, gt=0, le=10_000,
+        description="How often a router with live sessions exchanges them (shared); a report older than 10 intervals "
+                    "counts for nothing.")

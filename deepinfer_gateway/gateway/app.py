@@ -192,6 +192,8 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
                 await asyncio.to_thread(listener.stop)
             if server.gate is not None:
                 await server.gate.close()
+            if server.sessions is not None:
+                await server.sessions.close()
             await core.stop()
 
     docs: dict[str, Any] = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}

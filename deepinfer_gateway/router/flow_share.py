@@ -26,7 +26,6 @@ Key = tuple[Tier, str]  # (band, tenant)
 
 MAX_ENTRIES = 1024  # per report: the most-served and every queued tenant first
 MIN_SERVICE = 1.0  # below a token's worth a tenant's service is forgotten
-STALE_INTERVALS = 10  # a report older than this many exchange intervals counts for nothing
 
 
 class Service:

@@ -29,6 +29,11 @@ policy keeps each worker's live sessions within its cache:
   round that has waited `max_wait_s` starts anyway (`Start.timed_out`; an unpinned one on its
   least used candidate). A worker with nothing live takes any round, however large.
 
+Routers that share the workers (gateway replicas on one Redis) tell each other their live
+sessions (`live_report`; gateway/serving/session_share_sync.py): the blocks other routers'
+live sessions hold on a worker, those not live here (`external_use`), count against its room
+as this router's own do (`set_external`).
+
 Cost: a dict lookup per decision plus one pass over the candidate workers; expiries come off
 a heap. No I/O, the clock is a parameter: the gateway (gateway/serving/session_gate.py) and the
 simulator (simulate/gateway.py) run this same code.
@@ -39,7 +44,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -128,6 +133,7 @@ class SessionCapacity:
         self._floating: deque[Waiter] = deque()  # the unpinned rounds, in arrival order
         self._floating_on: dict[str, int] = {}  # worker -> unpinned rounds it is a candidate of
         self._expiring: list[tuple[float, str]] = []  # (until, session), stale entries skipped
+        self._external = ExternalUse()  # other routers' live sessions
 
     # --- what is live ----------------------------------------------------------------------
 
@@ -143,16 +149,47 @@ class SessionCapacity:
     def live_sessions(self, worker: str) -> int:
         return len(self._on.get(worker, ()))
 
-    def fits(self, worker: str, blocks: int, capacity: int, now: float) -> bool:
-        """Whether a context of `blocks` fits on `worker` beside its live sessions (it always does
-        on a worker of unknown capacity, or one with nothing live)."""
+    def fits(self, worker: str, blocks: int, capacity: int, now: float, session: str | None = None) -> bool:
+        """Whether a context of `blocks` fits on `worker` beside its live sessions, other routers'
+        included but for `session`'s own (it always does on a worker of unknown capacity, or one
+        with nothing live)."""
         self._expire(now)
-        if capacity <= 0 or not self._on.get(worker):
+        external = self._external_on(worker, session)
+        if capacity <= 0 or not (self._on.get(worker) or external):
             return True
-        return self._used[worker] + blocks <= capacity * (1.0 - self.limits.headroom)
+        return self._used.get(worker, 0) + external + blocks <= capacity * (1.0 - self.limits.headroom)
 
-    def _room(self, worker: str, blocks: int, capacity: int, now: float) -> bool:
-        return not self._queues.get(worker) and self.fits(worker, blocks, capacity, now)
+    def _external_on(self, worker: str, session: str | None) -> int:
+        """Blocks other routers' live sessions hold on `worker`, `session`'s own left out."""
+        used = self._external.used.get(worker, 0)
+        if used and session is not None:
+            own = self._external.sessions.get(session)
+            if own is not None and own[0] == worker:
+                used -= own[1]
+        return used
+
+    def _in_use(self, worker: str, session: str | None = None) -> int:
+        return self._used.get(worker, 0) + self._external_on(worker, session)
+
+    def set_external(self, external: ExternalUse) -> None:
+        """What other routers' live sessions hold (`external_use`)."""
+        self._external = external
+
+    def live_report(self, now: float) -> dict[str, dict[str, int]]:
+        """worker -> {session: blocks} of the sessions live here: what other routers count."""
+        self._expire(now)
+        return {worker: {session: live.blocks for session, live in on.items()} for worker, on in self._on.items()}
+
+    def any_live(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def sessions(self) -> Container[str]:
+        """The sessions live here."""
+        return self._live.keys()
+
+    def _room(self, worker: str, blocks: int, capacity: int, now: float, session: str | None = None) -> bool:
+        return not self._queues.get(worker) and self.fits(worker, blocks, capacity, now, session)
 
     # --- decisions ------------------------------------------------------------------------
 
@@ -171,10 +208,11 @@ class SessionCapacity:
             if hit > held or (hit == held and holder is not None and worker < holder):
                 holder, held = worker, hit
         if holder is not None and held >= self.limits.hold_share * blocks:
-            if self._room(holder, blocks, capacities[holder], now):
+            if self._room(holder, blocks, capacities[holder], now, session):
                 return Placement(Verdict.GO, holder)
             return Placement(Verdict.WAIT, holder)
-        full = frozenset(w for w, capacity in capacities.items() if not self._room(w, blocks, capacity, now))
+        full = frozenset(w for w, capacity in capacities.items()
+                         if not self._room(w, blocks, capacity, now, session))
         if len(full) < len(capacities) and not any(w in self._floating_on for w in capacities):
             return Placement(Verdict.GO, avoid=full)
         return Placement(Verdict.WAIT)  # unpinned: behind the rounds that wait for these workers
@@ -266,7 +304,8 @@ class SessionCapacity:
             head = queue[0]
             live = self._live.get(head.session)
             timed_out = False
-            if not ((live is not None and live.worker == worker) or self.fits(worker, head.blocks, capacity, now)):
+            if not ((live is not None and live.worker == worker)
+                    or self.fits(worker, head.blocks, capacity, now, head.session)):
                 if now < head.arrival + self.limits.max_wait_s:  # as `next_change` computes it
                     break
                 timed_out = True
@@ -303,7 +342,7 @@ class SessionCapacity:
                     continue
                 timed_out = True
                 present = [w for w in waiter.candidates if w in capacities] or list(waiter.candidates)
-                worker = min(present, key=lambda w: (self._used.get(w, 0), w))
+                worker = min(present, key=lambda w: (self._in_use(w), w))
             floating.popleft()
             self._unfloat(waiter)
             self.begin(waiter.session, worker, waiter.blocks, now)
@@ -335,9 +374,11 @@ class SessionCapacity:
         best, best_free = None, -math.inf
         for worker in waiter.candidates:
             capacity = capacities.get(worker)
-            if capacity is None or worker in held or not self._room(worker, waiter.blocks, capacity, now):
+            if capacity is None or worker in held or not self._room(worker, waiter.blocks, capacity, now,
+                                                                    waiter.session):
                 continue
-            free = capacity * (1.0 - self.limits.headroom) - self._used.get(worker, 0) if capacity > 0 else math.inf
+            free = (capacity * (1.0 - self.limits.headroom) - self._in_use(worker, waiter.session) if capacity > 0
+                    else math.inf)
             if free > best_free or (free == best_free and best is not None and worker < best):
                 best, best_free = worker, free
         return best
@@ -367,3 +408,28 @@ class SessionCapacity:
             if live is not None and live.rounds == 0 and live.until == until:
                 self._detach(session, live)
                 del self._live[session]
+
+
+@dataclass(frozen=True)
+class ExternalUse:
+    """Other routers' live sessions not live here: `used`, worker -> their blocks there;
+    `sessions`, session -> (its worker, its blocks)."""
+
+    used: dict[str, int] = field(default_factory=dict)
+    sessions: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+
+def external_use(reports: Iterable[Mapping[str, Mapping[str, int]]], local: Container[str]) -> ExternalUse:
+    """What other routers' live sessions hold (`reports`: their `live_report`s), a session live on
+    several routers counted once (its largest context) and one live here (`local`) not at all:
+    this router counts it itself."""
+    sessions: dict[str, tuple[str, int]] = {}
+    for report in reports:
+        for worker, live in report.items():
+            for session, blocks in live.items():
+                if session not in local and blocks > sessions.get(session, ("", 0))[1]:
+                    sessions[session] = (worker, blocks)
+    used: dict[str, int] = {}
+    for worker, blocks in sessions.values():
+        used[worker] = used.get(worker, 0) + blocks
+    return ExternalUse(used, sessions)

@@ -10,11 +10,12 @@ import asyncio
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
-from harness.launch import Gateway
+from harness.launch import Gateway, SimCluster
 from tests.gateways import one_worker_gateway
 from tests.sim_profiles import small_sm100
 
@@ -106,3 +107,43 @@ async def test_a_second_session_waits_for_room_instead_of_evicting_a_live_one(ga
     flow_on = request.node.callspec.params["gateway"] == "sessions-and-flow-control"
     assert _metric(gateway, "dgw_flow_wait_seconds_count") == (3 if flow_on else 0)
     assert _metric(gateway, "dgw_flow_queued_requests") == 0
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_replicas_on_one_redis_count_each_others_live_sessions(redis_url: str, tmp_path: Path,
+                                                                     shared: bool) -> None:
+    """Session a's rounds through one replica, session b's through another, one worker that holds
+    one context: shared, b waits for a's TTL as it would on one gateway; each replica alone, b
+    goes at once, beside a's live context (the thrash the capacity exists to prevent)."""
+    profile = tmp_path / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    toml = f'redis.url = "{redis_url}"\nredis.timeout_s = 10\n' + SESSIONS + f"shared = {str(shared).lower()}\n"
+    replicas = []
+    try:
+        for _ in range(2):
+            replicas.append(Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml))
+            replicas[-1].wait_ready(1)
+        one, two = (openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+                    for gw in replicas)
+        first = [{"role": "user", "content": _context("alpha")}]
+        _, answer, prompt, _ = await _round(one, "agent-a", first)
+        other = asyncio.create_task(_round(two, "agent-b", [{"role": "user", "content": _context("bravo")}]))
+        await asyncio.sleep(0.3) if shared else await asyncio.wait_for(asyncio.shield(other), 10)
+        assert not other.done() if shared else other.done()
+        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and the tests?"}]
+        _, _, _, cached2 = await _round(one, "agent-a", second)
+        a_done = time.perf_counter()
+        ttft_b, _, _, _ = await other
+        if shared:  # a's context stayed whole; b went once a's TTL had run out
+            assert cached2 >= prompt - 128
+            assert time.perf_counter() - a_done >= TTL_S * 0.8
+            assert _metric(replicas[1], "dgw_session_waits_total") == 1
+        else:  # b went at once, beside a's live context
+            assert ttft_b < TTL_S
+            assert _metric(replicas[1], "dgw_session_waits_total") == 0
+        assert _metric(replicas[1], "dgw_redis_errors_total") == 0
+    finally:
+        for gw in replicas:
+            gw.stop()
+        cluster.stop()

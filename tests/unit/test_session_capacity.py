@@ -5,6 +5,7 @@ first), the TTL after a round and the bounded wait."""
 from __future__ import annotations
 
 from deepinfer_gateway.config import SessionCapacitySettings
+from deepinfer_gateway.gateway.serving.session_share_sync import decode_live, encode_live
 from deepinfer_gateway.router.session_capacity import (
     CapacityLimits,
     Placement,
@@ -13,6 +14,7 @@ from deepinfer_gateway.router.session_capacity import (
     Verdict,
     Waiter,
     blocks_of,
+    external_use,
 )
 
 LIMITS = CapacityLimits(ttl_s=2.0, headroom=0.0, max_wait_s=10.0, hold_share=0.5)
@@ -272,3 +274,30 @@ def test_headroom_keeps_part_of_the_cache_free() -> None:
     policy.begin("s1", "w", 50, 0.0)
     assert policy.fits("w", 30, 100, 0.0)
     assert not policy.fits("w", 31, 100, 0.0)
+
+
+def test_other_routers_live_sessions_count_against_a_workers_room_once_each() -> None:
+    here, there, third = (SessionCapacity(LIMITS) for _ in range(3))
+    there.begin("s1", "w", 60, 0.0)
+    third.begin("s1", "w", 50, 0.0)  # the same session live on two other routers: counted once, its largest
+    external = external_use([there.live_report(0.0), third.live_report(0.0)], here.sessions)
+    assert external.used == {"w": 60} and external.sessions == {"s1": ("w", 60)}
+    here.set_external(external)
+    assert here.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT)  # 60 + 60 > 100
+    assert here.place("s3", 40, ONE, {}, 0.1) == Placement(Verdict.GO, avoid=frozenset())
+    # s1's own round here finds its context counted elsewhere: not twice
+    assert here.place("s1", 70, ONE, {"w": 60}, 0.2) == Placement(Verdict.GO, "w")
+    # a session live here is this router's to count, whatever the others say
+    here.begin("s1", "w", 70, 0.3)
+    assert external_use([there.live_report(0.3)], here.sessions).used == {}
+
+
+def test_live_reports_round_trip_and_damaged_ones_are_dropped() -> None:
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 12, 0.0)
+    policy.begin("s2", "b", 30, 0.0)
+    live = policy.live_report(0.0)
+    assert live == {"a": {"s1": 12}, "b": {"s2": 30}}
+    assert decode_live(encode_live(live)) == live
+    for damaged in ("", "{}", '[["a", "s1"]]', '[["a", "s1", "x"]]'):
+        assert decode_live(damaged) is None

@@ -154,8 +154,9 @@ class FlowGate:
         request = FlowRequest(ticket.tenant, ticket.tier, prompt_tokens, prompt_tokens + ticket.expected_output,
                               now, now + max(0.0, ticket.target_s - waited_before), ticket.weight)
         queue = self.policy.pool(pool)
-        if self.exchange is not None:
-            self.exchange.admitted(now)
+        if self.exchange is not None:  # after the pool's share exists: the first exchange reports it
+            await self.exchange.admitted(now)
+            now = loop.time()
         holds = self.holds
         flex = holds.flex.get(pool, 0) if ticket.tier is Tier.FLEX else 0
         others_peak = holds.others_peak(pool, time.monotonic()) if flex else 0

@@ -10,7 +10,7 @@ from typing import Any
 
 from deepinfer_gateway.gateway.serving.router_exchange import Heard, RouterExchange
 from deepinfer_gateway.router.flow import FlowPolicy
-from deepinfer_gateway.router.flow_share import STALE_INTERVALS, SharedShare, decode, encode
+from deepinfer_gateway.router.flow_share import SharedShare, decode, encode
 
 
 def share_key(pool: str) -> str:
@@ -29,8 +29,8 @@ class FlowShareSync:
         self._pools: dict[str, str] = {}  # key -> pool
         self.half_life_s = half_life_s
         self._on_routers = on_routers
-        self.exchange = RouterExchange(redis, "flow control's shared fair share", interval_s,
-                                       STALE_INTERVALS * interval_s, self._reports, self._heard, self._busy, on_error)
+        self.exchange = RouterExchange(redis, "flow control's shared fair share", interval_s, self._reports,
+                                       self._heard, self._busy, on_error)
 
     def share_of(self, pool: str) -> SharedShare:
         share = self.shares.get(pool)
@@ -39,9 +39,9 @@ class FlowShareSync:
             self._pools[share_key(pool)] = pool
         return share
 
-    def admitted(self, now: float) -> None:
+    async def admitted(self, now: float) -> None:
         """A request came under flow control (`now`: the loop's clock): exchange while traffic lasts."""
-        self.exchange.touched(now)
+        await self.exchange.touched(now)
 
     async def sync(self) -> None:
         await self.exchange.sync()

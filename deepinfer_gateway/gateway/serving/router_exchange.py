@@ -7,7 +7,7 @@ wall clock it was written at. Every `interval_s` while its owner is busy (`busy(
 request within `LINGER_S` of `touched`), one Redis round trip writes this router's reports
 (`collect`) and reads the others' (`hear`: the fresh ones, each with its age on this router's
 clock); idle, it costs nothing. Its last write, once no longer busy, tells the others what it
-holds then. A report older than `stale_s` counts for nothing (its router died, or went idle);
+holds then. A report older than `stale_s` (10 intervals) counts for nothing (its router died, or went idle);
 past `FORGET_S` it is deleted, and a key expires `FORGET_S` after its last write. The state is
 volatile and rebuilds itself within an interval. Redis errors leave each router on its own
 state, counted and logged once per outage.
@@ -30,6 +30,7 @@ from deepinfer_gateway.core.outage import Outage
 log = logging.getLogger(__name__)
 
 LINGER_S = 2.0  # keep exchanging this long after the last request
+STALE_INTERVALS = 10  # a report older than this many intervals counts for nothing
 FORGET_S = 30.0  # a report this old is deleted (its router is gone)
 
 
@@ -42,25 +43,32 @@ class Heard:
 
 
 class RouterExchange:
-    def __init__(self, redis: Any, component: str, interval_s: float, stale_s: float,
+    def __init__(self, redis: Any, component: str, interval_s: float,
                  collect: Callable[[float], dict[str, str]], hear: Callable[[str, list[Heard], float], None],
                  busy: Callable[[], bool], on_error: Callable[[], None] | None = None) -> None:
         """`collect(now)`: key -> this router's report; `hear(key, reports, now)`: the others' fresh
         reports of a key this router wrote (none while Redis fails); `now`: the loop's clock."""
         self._redis = redis
         self.interval_s = interval_s
-        self.stale_s = stale_s
+        self.stale_s = STALE_INTERVALS * interval_s
         self._collect, self._hear, self._busy = collect, hear, busy
         self.router_id = uuid.uuid4().hex
         self._outage = Outage(component, "keeping this router's own state", on_error)
         self._touched_at = -math.inf
         self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()  # the running exchange has synced once
 
-    def touched(self, now: float) -> None:
-        """A request came (`now`: the loop's clock): exchange while traffic lasts."""
+    async def touched(self, now: float) -> None:
+        """A request came (`now`: the loop's clock): exchange while traffic lasts. The first request
+        after an idle spell waits for the first exchange (at most an interval): an idle router
+        holds nothing of the others' state."""
         self._touched_at = now
         if self._task is None:
+            self._synced.clear()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="router-exchange")
+        if not self._synced.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._synced.wait(), self.interval_s)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -74,6 +82,7 @@ class RouterExchange:
             while True:
                 active = self._busy() or loop.time() - self._touched_at < LINGER_S
                 await self.sync()
+                self._synced.set()
                 if not active:
                     return  # that sync said what this router holds idle
                 await asyncio.sleep(self.interval_s)
@@ -83,6 +92,7 @@ class RouterExchange:
             log.exception("%s: the exchange failed; this router keeps its own state", self._outage.component)
         finally:
             self._task = None
+            self._synced.set()  # nothing to wait for: a request that finds no exchange starts one
 
     async def sync(self) -> None:
         """Write this router's reports and read the others'."""

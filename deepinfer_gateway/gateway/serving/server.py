@@ -52,13 +52,13 @@ class RequestServer:
     def __init__(self, registry: WorkerRegistry, planner: RoutePlanner, index: PrefixIndex,
                  inflight: MemoryInflight | RedisInflight, bundle: TokenizerBundle, metrics: GatewayMetrics,
                  settings: GatewaySettings, affinity: SharedAffinity | None = None, redis: Any = None):
-        """`redis`: the replicas' (flow control's shared fair share)."""
+        """`redis`: the replicas' (flow control's fair share, sessions' capacity: shared)."""
         self.routing = RouteInputs(registry, planner, index, inflight, metrics, settings, affinity)
         self.gate = (FlowGate(settings.flow_control, self.routing.views,
                               lambda hardware: planner.hardware_cost(hardware).prefill_tokens_per_s, metrics,
                               redis=redis)
                      if settings.flow_control.enabled else None)
-        self.sessions = (SessionGate(settings.session_capacity, reported_capacity(registry), metrics)
+        self.sessions = (SessionGate(settings.session_capacity, reported_capacity(registry), metrics, redis)
                          if settings.session_capacity.enabled else None)
         self.legs = Legs(registry, self.routing, metrics, settings, self.gate, self.sessions)
         self.relay = Relay(self.legs, registry)

@@ -12,7 +12,8 @@ nowhere waits for whichever worker of its pool has room first, and its pass then
 pool's other workers out, so that its plan takes the worker it began on.
 `SessionPass.placed` begins the round on the worker its plan chose; `ended`
 starts the session's TTL when the round's exchange closes (or its first leg failed).
-A client that disconnects while waiting leaves the line at once.
+A client that disconnects while waiting leaves the line at once. With Redis, the routers that
+share the workers count each other's live sessions (session_share_sync.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from deepinfer_gateway.config import SessionCapacitySettings
 from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry
+from deepinfer_gateway.gateway.serving.session_share_sync import SessionShareSync
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.router.session_capacity import (
@@ -77,8 +80,12 @@ class SessionGate:
     """One per process: every worker's live sessions and the pump that starts waiting rounds."""
 
     def __init__(self, settings: SessionCapacitySettings, capacity_of: Callable[[str], int],
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, redis: Any = None) -> None:
+        """`redis`: the routers sharing it count each other's live sessions (`shared`)."""
         self.policy = SessionCapacity(CapacityLimits.of(settings))
+        self.share = (SessionShareSync(redis, self.policy, settings.share_interval_ms / 1000.0,
+                                       metrics.redis_errors.labels("sessions").inc)
+                      if redis is not None and settings.shared else None)
         self._capacity_of = capacity_of
         self.metrics = metrics
         self.rounds: dict[str, str] = {}  # request id -> session, rounds begun and not ended
@@ -96,6 +103,8 @@ class SessionGate:
         capacities = {v.worker_id: self._capacity_of(v.worker_id) for v in views if v.pool == pool}
         if not any(capacities.values()):
             return SessionPass(self, request_id, session, blocks)  # no worker says what its cache holds
+        if self.share is not None:
+            await self.share.touched(self.now())
         now = self.now()
         memory = overlap.memory
         placement = self.policy.place(session, blocks, capacities, {w: memory.get(w, 0) for w in capacities}, now)
@@ -123,6 +132,10 @@ class SessionGate:
         # unpinned: it began on the worker that had room, which its plan then takes
         avoid = waiter.candidates - {start.worker}
         return SessionPass(self, request_id, session, blocks, avoid, waited_s=waited, begun=True)
+
+    async def close(self) -> None:
+        if self.share is not None:
+            await self.share.close()
 
     def ended(self, request_id: str) -> None:
         """The round's exchange closed, or its first leg failed: its session's TTL starts (a

@@ -51,7 +51,8 @@ LABELS: dict[str, str] = {
     "worker": "a worker id from the configuration or `POST /admin/workers`; its series go when it is removed",
     "component": "`ratelimit`, `inflight`, `apikeys` (keys kept in Redis), `admin` (shared admin changes), "
                  "`responses` (stored Responses), `conversations` (the Conversations API), `affinity` (the "
-                 "replicas' session affinity), `flow` (flow control's shared fair share)",
+                 "replicas' session affinity), `flow` (flow control's shared fair share), `sessions` (session "
+                 "capacity's shared live sessions)",
     "outcome": "a background response's final status: `completed`, `incomplete`, `failed`, `cancelled`",
     "op": "the Redis prefix index's operation: `apply`, `lookup`, `remove_worker`",
     "version": "the installed `deepinfer-gateway` version",
