@@ -10,8 +10,15 @@ fresh `serve` processes on their own ports:
 - `shared`: every replica on one Redis (started here, redis_process.py; emptied per run):
   one prefix index, shared in-flight reservations;
 - `per_replica` (the baseline): no Redis, each replica its own in-memory index (fed by its
-  own polls of every worker's KV events) and its own reservations.
-Modes alternate per N (shared, then per_replica) so both see the same machine.
+  own polls of every worker's KV events) and its own reservations;
+- `shared_local_sessions` (only with `--modes`): as `shared`, but each replica counts only its
+  own live sessions against the workers' caches (`session_capacity.shared = false`): what
+  sharing the sessions adds, with `--session-ids`, `--memory-blocks` and session capacity on
+  in `--gateway-toml`.
+Modes alternate per N (in `--modes` order, default shared then per_replica) so all see the
+same machine. `--session-ids` sends each session's id (`x-session-id`), `--memory-blocks N`
+sizes each worker's prefix cache (sim-cluster's), `--gateway-toml` adds settings to every
+replica (e.g. `'[session_capacity]\nenabled = true'`).
 
 Workload: multi-turn chat sessions (`--sessions` x `--turns`), one started every
 `--session-interval-s`; each turn sends the whole conversation so far (one of 4 shared
@@ -67,7 +74,7 @@ from deepinfer_gateway.infra.redis_process import RedisProcess
 from harness.launch import Gateway, SimCluster
 
 DEFAULT_WORKERS = "unified:sm100,unified:sm100,unified:sm100,unified:sm100"
-MODES = ("shared", "per_replica")
+MODES = ("shared", "per_replica", "shared_local_sessions")
 SYSTEM_PROMPTS = 4
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -123,12 +130,14 @@ def messages(work: Workload, session: int, turn: int) -> list[Any]:  # the SDK's
     return out + [{"role": "user", "content": work.users[session][turn]}]
 
 
-async def one_turn(client: openai.AsyncOpenAI, work: Workload, out: Outcome) -> None:
+async def one_turn(client: openai.AsyncOpenAI, work: Workload, out: Outcome, session_ids: bool) -> None:
     started = time.perf_counter()
+    headers = {"x-session-id": f"bench-session-{out.session}"} if session_ids else {}
     try:
         stream = await client.chat.completions.create(
             model=DEFAULT_MODEL, messages=messages(work, out.session, out.turn), max_tokens=8, stream=True,
-            stream_options={"include_usage": True}, extra_body={"thinking": {"type": "disabled"}})
+            stream_options={"include_usage": True}, extra_body={"thinking": {"type": "disabled"}},
+            extra_headers=headers)
         async for chunk in stream:
             if out.ttft_s is None and chunk.choices and chunk.choices[0].delta.content:
                 out.ttft_s = time.perf_counter() - started
@@ -143,7 +152,7 @@ async def one_turn(client: openai.AsyncOpenAI, work: Workload, out: Outcome) -> 
 
 
 async def replay(urls: list[str], work: Workload, sessions: int, turns: int, interval_s: float,
-                 think_s: float) -> list[Outcome]:
+                 think_s: float, session_ids: bool = False) -> list[Outcome]:
     n = len(urls)
     clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="bench", max_retries=0, timeout=120) for u in urls]
     outcomes: list[Outcome] = []
@@ -153,7 +162,7 @@ async def replay(urls: list[str], work: Workload, sessions: int, turns: int, int
         for t in range(turns):
             out = Outcome(s, t, work.replica_of[n][s][t])
             outcomes.append(out)
-            await one_turn(clients[out.replica], work, out)
+            await one_turn(clients[out.replica], work, out, session_ids)
             await asyncio.sleep(think_s)
 
     await asyncio.gather(*(session(s) for s in range(sessions)))
@@ -184,11 +193,14 @@ def _hit(outs: list[Outcome]) -> float | None:
     return round(sum(o.cached_tokens for o in outs) / prompt, 4) if prompt else None
 
 
-def start_gateways(tmp: Path, cluster: SimCluster, n: int, redis_url: str | None) -> list[Gateway]:
+def start_gateways(tmp: Path, cluster: SimCluster, n: int, redis_url: str | None, extra_toml: str = "",
+                   env: dict[str, str] | None = None) -> list[Gateway]:
     workers = [(url, *spec.split(":")) for url, spec in zip(cluster.urls, cluster.specs, strict=True)]
-    toml = (f'redis.url = "{redis_url}"\n' if redis_url else "") + "[router]\nkv_events_interval_s = 0.2\n"
+    toml = ((f'redis.url = "{redis_url}"\n' if redis_url else "") + extra_toml
+            + "\n[router]\nkv_events_interval_s = 0.2\n")
+
     def start() -> Gateway:
-        return Gateway(tmp, workers, extra_toml=toml, health_interval_s=1.0)  # type: ignore[arg-type]
+        return Gateway(tmp, workers, extra_toml=toml, health_interval_s=1.0, env=env)  # type: ignore[arg-type]
 
     with ThreadPoolExecutor(n) as pool:  # each start waits for its port: start them side by side
         futures = [pool.submit(start) for _ in range(n)]
@@ -206,16 +218,20 @@ def start_gateways(tmp: Path, cluster: SimCluster, n: int, redis_url: str | None
 
 
 def run_one(args: argparse.Namespace, work: Workload, n: int, mode: str, redis_url: str) -> dict[str, Any]:
-    if mode == "shared":
+    uses_redis = mode != "per_replica"
+    if uses_redis:
         redis.Redis.from_url(redis_url).flushall()
-    cluster = SimCluster(args.workers, time_scale=args.time_scale, extra=["--no-store"])
+    memory = ["--memory-blocks", str(args.memory_blocks)] if args.memory_blocks else []
+    cluster = SimCluster(args.workers, time_scale=args.time_scale, extra=["--no-store", *memory])
+    env = {"DGW_SESSION_CAPACITY__SHARED": "false"} if mode == "shared_local_sessions" else None
     gateways: list[Gateway] = []
     try:
         with tempfile.TemporaryDirectory(prefix="dgw-bench-replicas-") as tmp:
-            gateways = start_gateways(Path(tmp), cluster, n, redis_url if mode == "shared" else None)
+            gateways = start_gateways(Path(tmp), cluster, n, redis_url if uses_redis else None, args.gateway_toml,
+                                      env)
             t0 = time.perf_counter()
             outs = asyncio.run(replay([g.url for g in gateways], work, args.sessions, args.turns,
-                                      args.session_interval_s, args.think_s))
+                                      args.session_interval_s, args.think_s, args.session_ids))
             wall = time.perf_counter() - t0
             counted = sum(requests_counted(g.url) for g in gateways)
             loads = [_get_json(u + LOAD_PATH) for u in cluster.urls]
@@ -258,25 +274,33 @@ def main() -> None:
     parser.add_argument("--workers", default=DEFAULT_WORKERS)
     parser.add_argument("--time-scale", type=float, default=1.0, help="sim-cluster: divide simulated durations by this")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--modes", default="shared,per_replica", help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--session-ids", action="store_true", help="send each session's id (x-session-id)")
+    parser.add_argument("--memory-blocks", type=int, default=0, help="each worker's prefix cache in KV blocks "
+                                                                     "(0: the profile's)")
+    parser.add_argument("--gateway-toml", default="", help="settings added to every replica's (TOML)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {list(MODES)}")
     counts = [int(x) for x in args.replicas.split(",")]
     work = make_workload(args.sessions, args.turns, counts, args.seed)
-    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with RedisProcess() as server:
         for n in counts:
-            for mode in MODES:
+            for mode in modes:
                 rows[mode].append(run_one(args, work, n, mode, server.url))
-    hit_min, ttft_ratio = ratios(rows["shared"])
-    base_hit_min, base_ttft_ratio = ratios(rows["per_replica"])
-    every = rows["shared"] + rows["per_replica"]
-    print(json.dumps({
-        "follow_up_hit_ratio_min": hit_min, "ttft_p99_ratio_8_to_1": ttft_ratio,
-        "per_replica_follow_up_hit_ratio_min": base_hit_min, "per_replica_ttft_p99_ratio_8_to_1": base_ttft_ratio,
+    summary: dict[str, Any] = {}
+    for mode in modes:
+        prefix = "" if mode == "shared" else mode + "_"
+        hit_min, ttft_ratio = ratios(rows[mode])
+        summary |= {f"{prefix}follow_up_hit_ratio_min": hit_min, f"{prefix}ttft_p99_ratio_8_to_1": ttft_ratio}
+    every = [r for mode in modes for r in rows[mode]]
+    print(json.dumps(summary | {
         "nothing_lost_or_duplicated": all(r["lost"] == 0 and r["duplicated"] == 0 and r["errors"] == 0
                                           and r["worker_prompt_tokens_minus_client"] == 0 for r in every),
         "replica_counts": counts, "sessions": args.sessions, "turns": args.turns,
-        "rows": rows["shared"], "per_replica_rows": rows["per_replica"],
-    }))
+    } | {("rows" if mode == "shared" else f"{mode}_rows"): rows[mode] for mode in modes}))
 
 
 if __name__ == "__main__":

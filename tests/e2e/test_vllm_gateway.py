@@ -201,7 +201,10 @@ def test_flow_control_tiers_reach_vllm_as_its_priority(vllm_server: VllmServer, 
     vLLM's `priority`. Its 8 slots held by fillers of staggered lengths, a flex request and then a
     priority one wait in vLLM's queue: the priority one starts first, at the first freed slot (against
     a vLLM started without --scheduling-policy priority the flex one does: checked once by hand)."""
-    toml = (vllm_worker_toml(vllm_server, events=False) + 'scheduling_policy = "priority"\n'
+    # The two waiting requests wait for a filler's 200+ tokens: on a loaded CPU longer than the
+    # default wait for a first event.
+    toml = ("first_event_timeout_s = 300\n" + vllm_worker_toml(vllm_server, events=False)
+            + 'scheduling_policy = "priority"\n'
             + "[flow_control]\nenabled = true\nmax_engine_waiting = 64\nmax_engine_wait_ms = 600000\n"
             + "".join(api_key(name, f"sk-{name}", service_tier=tier)
                       for name, tier in (("vip", "priority"), ("chat", "default"), ("batch", "flex"))))
