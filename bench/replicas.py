@@ -176,11 +176,10 @@ def _get_json(url: str) -> Any:
         return json.load(r)
 
 
-def requests_counted(gateway_url: str) -> float:
+def counted(gateway_url: str, name: str = "dgw_requests_total") -> float:
     with urllib.request.urlopen(gateway_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "dgw_requests_total")
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -233,7 +232,9 @@ def run_one(args: argparse.Namespace, work: Workload, n: int, mode: str, redis_u
             outs = asyncio.run(replay([g.url for g in gateways], work, args.sessions, args.turns,
                                       args.session_interval_s, args.think_s, args.session_ids))
             wall = time.perf_counter() - t0
-            counted = sum(requests_counted(g.url) for g in gateways)
+            requests = sum(counted(g.url) for g in gateways)
+            waits = sum(counted(g.url, "dgw_session_waits_total") for g in gateways)
+            proceeded = sum(counted(g.url, "dgw_session_proceeded_total") for g in gateways)
             loads = [_get_json(u + LOAD_PATH) for u in cluster.urls]
     finally:
         for gw in gateways:
@@ -245,13 +246,14 @@ def run_one(args: argparse.Namespace, work: Workload, n: int, mode: str, redis_u
     unanswered = sent - len(ok) - errors
     row = {
         "replicas": n, "mode": mode, "sent": sent, "ok": len(ok), "errors": errors,
-        "lost": unanswered + max(0, sent - int(counted)), "duplicated": max(0, int(counted) - sent),
+        "lost": unanswered + max(0, sent - int(requests)), "duplicated": max(0, int(requests) - sent),
         "follow_up_hit": _hit([o for o in ok if o.turn > 0]), "first_turn_hit": _hit([o for o in ok if o.turn == 0]),
         "ttft_p50_s": pct([o.ttft_s for o in ok if o.ttft_s is not None], 0.5),
         "ttft_p99_s": pct([o.ttft_s for o in ok if o.ttft_s is not None], 0.99),
         "worker_prompt_tokens_minus_client": sum(int(x["prompt_tokens_total"]) for x in loads)
         - sum(o.prompt_tokens for o in ok),
         "req_per_s": round(sent / wall, 2),
+        "session_waits": int(waits), "session_proceeded": int(proceeded),  # session_capacity's, every replica's
     }
     print(json.dumps(row), flush=True)
     return row

@@ -11,7 +11,8 @@ policy keeps each worker's live sessions within its cache:
   Its context counts `blocks` (its latest prompt, in KV blocks) against the worker's capacity
   (the engine's reported `memory_capacity_blocks`; 0, unknown: the worker is not limited).
 - A new round of session S (`place`):
-  - S live on a worker: it goes there at once (its context is counted already);
+  - S live on a worker (here, or at another router): it goes there at once (its context is
+    counted already);
   - else the worker whose cache holds at least `hold_share` of the prompt (the prefix index's
     overlap) is its holder: the round goes there at once if its context fits beside the live
     ones (within capacity x (1 - headroom)) and no round waits there before it, else it waits
@@ -168,6 +169,14 @@ class SessionCapacity:
                 used -= own[1]
         return used
 
+    def _live_on(self, session: str) -> str | None:
+        """The worker `session` is live on, here or at another router."""
+        live = self._live.get(session)
+        if live is not None:
+            return live.worker
+        elsewhere = self._external.sessions.get(session)
+        return elsewhere[0] if elsewhere is not None else None
+
     def _in_use(self, worker: str, session: str | None = None) -> int:
         return self._used.get(worker, 0) + self._external_on(worker, session)
 
@@ -199,9 +208,9 @@ class SessionCapacity:
         `capacities` (worker -> capacity in blocks); `cached`: worker -> leading blocks of the
         prompt in its cache."""
         self._expire(now)
-        live = self._live.get(session)
-        if live is not None and live.worker in capacities:
-            return Placement(Verdict.GO, live.worker)
+        worker = self._live_on(session)
+        if worker is not None and worker in capacities:
+            return Placement(Verdict.GO, worker)
         holder, held = None, 0
         for worker in capacities:
             hit = cached.get(worker, 0)
@@ -302,9 +311,8 @@ class SessionCapacity:
         started: list[Start] = []
         while queue:
             head = queue[0]
-            live = self._live.get(head.session)
             timed_out = False
-            if not ((live is not None and live.worker == worker)
+            if not (self._live_on(head.session) == worker
                     or self.fits(worker, head.blocks, capacity, now, head.session)):
                 if now < head.arrival + self.limits.max_wait_s:  # as `next_change` computes it
                     break
@@ -368,9 +376,9 @@ class SessionCapacity:
     def _floating_pick(self, waiter: Waiter, capacities: Mapping[str, int], held: set[str],
                        now: float) -> str | None:
         """Where an unpinned round may start now, none of `held`: None when nowhere."""
-        live = self._live.get(waiter.session)
-        if live is not None and live.worker in waiter.candidates and live.worker in capacities:
-            return live.worker  # its context is counted there already
+        live = self._live_on(waiter.session)
+        if live is not None and live in waiter.candidates and live in capacities:
+            return live  # its context is counted there already
         best, best_free = None, -math.inf
         for worker in waiter.candidates:
             capacity = capacities.get(worker)

@@ -285,7 +285,9 @@ def test_other_routers_live_sessions_count_against_a_workers_room_once_each() ->
     here.set_external(external)
     assert here.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT)  # 60 + 60 > 100
     assert here.place("s3", 40, ONE, {}, 0.1) == Placement(Verdict.GO, avoid=frozenset())
-    # s1's own round here finds its context counted elsewhere: not twice
+    # s1's own round here goes on where it is live elsewhere, as a session live here does, even
+    # past a round that waits there (its context is counted already, not twice)
+    here.wait(Waiter("s2", 60, "w", 0.1))
     assert here.place("s1", 70, ONE, {"w": 60}, 0.2) == Placement(Verdict.GO, "w")
     # a session live here is this router's to count, whatever the others say
     here.begin("s1", "w", 70, 0.3)

@@ -84,7 +84,7 @@ class SessionGate:
         """`redis`: the routers sharing it count each other's live sessions (`shared`)."""
         self.policy = SessionCapacity(CapacityLimits.of(settings))
         self.share = (SessionShareSync(redis, self.policy, settings.share_interval_ms / 1000.0,
-                                       metrics.redis_errors.labels("sessions").inc)
+                                       metrics.redis_errors.labels("sessions").inc, self._wake_pump)
                       if redis is not None and settings.shared else None)
         self._capacity_of = capacity_of
         self.metrics = metrics
@@ -136,6 +136,11 @@ class SessionGate:
     async def close(self) -> None:
         if self.share is not None:
             await self.share.close()
+
+    def _wake_pump(self) -> None:
+        """Look again at the waiting rounds (other routers' sessions may have ended)."""
+        if self._pump_task is not None:
+            self._wake.set()
 
     def ended(self, request_id: str) -> None:
         """The round's exchange closed, or its first leg failed: its session's TTL starts (a

@@ -36,8 +36,10 @@ def decode_live(text: str) -> dict[str, dict[str, int]] | None:
 
 class SessionShareSync:
     def __init__(self, redis: Any, policy: SessionCapacity, interval_s: float,
-                 on_error: Callable[[], None] | None = None) -> None:
+                 on_error: Callable[[], None] | None = None, on_heard: Callable[[], None] | None = None) -> None:
+        """`on_heard`: after each exchange (the room the others leave may have changed)."""
         self.policy = policy
+        self._on_heard = on_heard
         self.exchange = RouterExchange(redis, "session capacity's shared live sessions", interval_s, self._reports,
                                        self._heard, self._busy, on_error)
 
@@ -58,3 +60,5 @@ class SessionShareSync:
     def _heard(self, key: str, heard: list[Heard], now: float) -> None:
         reports = [r for h in heard if (r := decode_live(h.text)) is not None]
         self.policy.set_external(external_use(reports, self.policy.sessions))
+        if self._on_heard is not None:
+            self._on_heard()
