@@ -40,9 +40,12 @@ Figures per N and mode
   counts above the requests sent); `worker_prompt_tokens_minus_client`: the workers'
   `prompt_tokens_total` (load reports) less the prompt tokens of the ok answers: 0 when every
   answered request ran on a worker exactly once.
+- `session_waits`, `session_proceeded`: session capacity's rounds that waited for room, and
+  those that went at the wait's bound (`max_wait_ms`), over every replica.
 Last line: one JSON object with `rows` (shared), `per_replica_rows`, `follow_up_hit_ratio_min`
 (min over N of follow-up hit at N / at the smallest N), `ttft_p99_ratio_8_to_1` (largest N to
-smallest), the same two for the baseline, and `nothing_lost_or_duplicated`.
+smallest), the same two for each other mode prefixed with its name (`per_replica_...`), and
+`nothing_lost_or_duplicated`.
 
 Sized for 2 shared cores: 8 gateway processes each poll every worker's KV events, so the
 replicas poll every 0.2 s (`router.kv_events_interval_s`, default 0.05 s) in both modes, and
