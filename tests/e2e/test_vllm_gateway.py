@@ -261,11 +261,13 @@ def test_shared_prefix_routes_back_to_the_vllm_holding_it(mixed_gateway: Gateway
     direct.completions.create(model=MODEL_NAME, prompt=first_ids, max_tokens=1)
 
     with openai.OpenAI(base_url=mixed_gateway.url + "/v1", api_key="t", max_retries=0, timeout=60) as client:
-        # vLLM's KV events reach the index asynchronously: the follow-up may race them once.
-        deadline = time.monotonic() + 15
+        # vLLM's KV events reach the index asynchronously (slowly on a loaded machine): a follow-up
+        # may race them, and land on vLLM by its load alone; ask again until one is a prefix hit.
+        deadline = time.monotonic() + 30
         while True:
             raw = client.chat.completions.with_raw_response.create(**chat("second question"))
-            if raw.headers["x-dgw-worker"] == "vllm" or time.monotonic() > deadline:
+            hits = total(scrape(mixed_gateway.url), "dgw_routing_decisions_total", reason="prefix_hit")
+            if (raw.headers["x-dgw-worker"] == "vllm" and hits >= 1) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     assert raw.headers["x-dgw-worker"] == "vllm"
