@@ -45,9 +45,16 @@ class Prometheus:
                           f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=self.log)
         try:
             wait_for_port(self.port, timeout=30)
+            self._wait_ready(30.0)  # the port opens before the TSDB is loaded: queries answer 503 until then
         except BaseException:
             self.stop()
             raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.url + "/-/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "Prometheus never became ready"
+            time.sleep(0.1)
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         r = httpx.get(self.url + "/api/v1/query", params={"query": promql}, timeout=10)
