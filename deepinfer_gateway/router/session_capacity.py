@@ -17,7 +17,11 @@ policy keeps each worker's live sessions within its cache:
     overlap) is its holder: the round goes there at once if its context fits beside the live
     ones (within capacity x (1 - headroom)) and no round waits there before it, else it waits
     for that worker, pinned to it (moving it would recompute its context elsewhere and evict
-    another's);
+    another's). Unless other workers cache nearly as much (less than `hold_share` of the
+    prompt short of the holder: a system prompt and tools every session shares, its own
+    context evicted): it is held to none of them, and goes to whichever of them has room, or
+    waits unpinned for the first of them to have some (pinned, such rounds would all line up
+    for the one worker the ties pick);
   - else (cached nowhere worth keeping: a first round, a context already evicted) it goes to
     a worker with room (the planner chooses among them) unless unpinned rounds wait for those
     workers before it; else it waits unpinned, for whichever of its candidate workers (those
@@ -80,13 +84,15 @@ class Verdict(StrEnum):
 
 @dataclass(frozen=True)
 class Placement:
-    """`GO` with `worker` set: its session's worker; with `avoid`: the workers without room,
-    for the planner to leave out. `WAIT` with `worker` set: the worker whose room it waits for
-    (pinned); without: room on any of the workers asked about (unpinned)."""
+    """`GO` with `worker` set: its session's worker; with `avoid`: the workers for the planner
+    to leave out (without room, or not among a shared prefix's holders). `WAIT` with `worker`
+    set: the worker whose room it waits for (pinned); without: room on any of `candidates`
+    (unpinned)."""
 
     verdict: Verdict
     worker: str | None = None
     avoid: frozenset[str] = frozenset()
+    candidates: frozenset[str] = frozenset()  # unpinned `WAIT`: the workers whose room it waits for
 
 
 @dataclass(eq=False)
@@ -216,15 +222,27 @@ class SessionCapacity:
             hit = cached.get(worker, 0)
             if hit > held or (hit == held and holder is not None and worker < holder):
                 holder, held = worker, hit
-        if holder is not None and held >= self.limits.hold_share * blocks:
+        keep = self.limits.hold_share * blocks
+        if holder is not None and held >= keep:
             if self._room(holder, blocks, capacities[holder], now, session):
                 return Placement(Verdict.GO, holder)
-            return Placement(Verdict.WAIT, holder)
-        full = frozenset(w for w, capacity in capacities.items()
-                         if not self._room(w, blocks, capacity, now, session))
-        if len(full) < len(capacities) and not any(w in self._floating_on for w in capacities):
-            return Placement(Verdict.GO, avoid=full)
-        return Placement(Verdict.WAIT)  # unpinned: behind the rounds that wait for these workers
+            # Workers where the round would recompute less than `keep` more than on its holder:
+            # a prefix cached on several (a shared system prompt, tools) holds it to none of them.
+            alike = frozenset(w for w in capacities if held - cached.get(w, 0) < keep)
+            if len(alike) == 1:
+                return Placement(Verdict.WAIT, holder)
+            return self._unpinned(session, blocks, capacities, alike, now)
+        return self._unpinned(session, blocks, capacities, frozenset(capacities), now)
+
+    def _unpinned(self, session: str, blocks: int, capacities: Mapping[str, int], candidates: frozenset[str],
+                  now: float) -> Placement:
+        """A round held by no one worker, among `candidates`: on to the planner, away from those
+        without room, if one has room and no unpinned round waits for them before it; else it
+        waits for the first of them to have room."""
+        full = frozenset(w for w in candidates if not self._room(w, blocks, capacities[w], now, session))
+        if len(full) < len(candidates) and not any(w in self._floating_on for w in candidates):
+            return Placement(Verdict.GO, avoid=full | (capacities.keys() - candidates))
+        return Placement(Verdict.WAIT, candidates=candidates)
 
     def begin(self, session: str, worker: str, blocks: int, now: float) -> None:
         """A round of `session` (its prompt: `blocks`) was placed on `worker`: the session is live

@@ -208,7 +208,7 @@ class SimGateway:
             req.avoid = placement.avoid
             return True
         self.sessions.wait(Waiter(session, blocks_of(tokens), placement.worker, t, req,
-                                  candidates=frozenset(capacities) if placement.worker is None else frozenset()))
+                                  candidates=placement.candidates))
         self.stats.session_waits += 1
         return False
 

@@ -33,7 +33,7 @@ def test_a_session_that_fits_goes_and_a_live_one_always_goes_on() -> None:
     assert policy.place("s1", 60, ONE, {}, 0.0) == Placement(Verdict.GO, avoid=frozenset())
     policy.begin("s1", "w", 60, 0.0)
     # a second session's context would not fit beside it: no room anywhere, so it waits (unpinned)
-    assert policy.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT)
+    assert policy.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT, candidates=frozenset(ONE))
     # s1's next round, however grown, goes on: its context is counted already
     policy.end("s1", 1.0)
     assert policy.place("s1", 90, ONE, {"w": 60}, 1.5) == Placement(Verdict.GO, "w")
@@ -62,6 +62,28 @@ def test_a_held_context_waits_for_its_worker_and_an_uncached_one_goes_where_ther
     assert policy.place("s4", 40, TWO, {"b": 40}, 0.0) == Placement(Verdict.GO, "b")
 
 
+def test_a_prefix_cached_on_several_workers_holds_the_round_to_none_of_them() -> None:
+    three = {"a": 100, "b": 100, "c": 100}
+    policy = SessionCapacity(LIMITS)
+    policy.begin("s1", "a", 80, 0.0)
+    # 30 of 40 blocks cached on a and b alike (a shared system prompt): not pinned to a, the
+    # ties' pick, but on to b, the other with room; c, which caches none of it, is left out
+    shared = {"a": 30, "b": 30}
+    assert policy.place("s2", 40, three, shared, 0.0) == Placement(Verdict.GO, avoid=frozenset({"a", "c"}))
+    # b caches less than a, but within hold_share of the prompt (20 of 40 blocks): still alike
+    assert policy.place("s2", 40, three, {"a": 30, "b": 12}, 0.0) == Placement(Verdict.GO,
+                                                                                  avoid=frozenset({"a", "c"}))
+    # a's own context (30 blocks more than b's): pinned to a, as before
+    assert policy.place("s2", 40, three, {"a": 35, "b": 5}, 0.0) == Placement(Verdict.WAIT, "a")
+    # both holders full: it waits for the first of them to have room, not for a alone
+    policy.begin("s3", "b", 80, 0.0)
+    assert policy.place("s4", 40, three, shared, 0.0) == Placement(Verdict.WAIT, candidates=frozenset({"a", "b"}))
+    waiter = unpinned("s4", 40, 0.0, frozenset({"a", "b"}))
+    policy.wait(waiter)
+    policy.end("s3", 0.5)
+    assert policy.starts_floating(three, 2.5) == [Start(waiter, False, "b")]
+
+
 def unpinned(session: str, blocks: int, arrival: float, candidates: frozenset[str] = frozenset(TWO)) -> Waiter:
     return Waiter(session, blocks, None, arrival, candidates=candidates)
 
@@ -70,7 +92,8 @@ def test_an_unpinned_round_starts_on_whichever_worker_frees_room_first() -> None
     policy = SessionCapacity(LIMITS)
     policy.begin("s1", "a", 80, 0.0)
     policy.begin("s2", "b", 90, 0.0)  # b has less room, and frees it first
-    assert policy.place("s3", 40, TWO, {}, 0.0) == Placement(Verdict.WAIT)  # no room anywhere: unpinned
+    # no room anywhere: unpinned
+    assert policy.place("s3", 40, TWO, {}, 0.0) == Placement(Verdict.WAIT, candidates=frozenset(TWO))
     waiter = unpinned("s3", 40, 0.0)
     policy.wait(waiter)
     assert waiter.pinned is False and sorted(policy.floating_workers()) == ["a", "b"]
@@ -135,7 +158,7 @@ def test_unpinned_rounds_start_in_arrival_order_and_none_overtakes_the_head() ->
     # small would fit beside either live session, but big came first; another pool's round goes on
     assert policy.starts_floating({**TWO, "c": 100}, 0.5) == [Start(other_pool, False, "c")]
     # a newcomer that would fit joins the line too, rather than overtaking it
-    assert policy.place("newcomer", 5, TWO, {}, 0.5) == Placement(Verdict.WAIT)
+    assert policy.place("newcomer", 5, TWO, {}, 0.5) == Placement(Verdict.WAIT, candidates=frozenset(TWO))
     policy.end("live-b", 1.0)
     started = policy.starts_floating(TWO, 3.0)  # live-b's TTL ran out: big on b, then small where most room is
     assert started == [Start(big, False, "b"), Start(small, False, "b")]
@@ -190,7 +213,7 @@ def test_waiting_rounds_start_in_arrival_order_and_none_overtakes_the_head() -> 
     # small would fit beside the live session, but big came first: nothing starts
     assert policy.starts("w", 100, 0.5) == []
     # a newcomer that would fit joins a line too, rather than overtaking it
-    assert policy.place("newcomer", 5, ONE, {}, 0.5) == Placement(Verdict.WAIT)
+    assert policy.place("newcomer", 5, ONE, {}, 0.5) == Placement(Verdict.WAIT, candidates=frozenset(ONE))
     policy.end("live", 1.0)
     assert policy.starts("w", 100, 2.9) == []  # the live session's TTL runs until 3.0
     started = policy.starts("w", 100, 3.0)
@@ -283,7 +306,7 @@ def test_other_routers_live_sessions_count_against_a_workers_room_once_each() ->
     external = external_use([there.live_report(0.0), third.live_report(0.0)], here.sessions)
     assert external.used == {"w": 60} and external.sessions == {"s1": ("w", 60)}
     here.set_external(external)
-    assert here.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT)  # 60 + 60 > 100
+    assert here.place("s2", 60, ONE, {}, 0.1) == Placement(Verdict.WAIT, candidates=frozenset(ONE))  # 60 + 60 > 100
     assert here.place("s3", 40, ONE, {}, 0.1) == Placement(Verdict.GO, avoid=frozenset())
     # s1's own round here goes on where it is live elsewhere, as a session live here does, even
     # past a round that waits there (its context is counted already, not twice)

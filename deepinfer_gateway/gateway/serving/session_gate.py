@@ -112,7 +112,7 @@ class SessionGate:
             return SessionPass(self, request_id, session, blocks, placement.avoid)
         future: asyncio.Future[Start] = asyncio.get_running_loop().create_future()
         waiter = Waiter(session, blocks, placement.worker, now, future,
-                        candidates=frozenset(capacities) if placement.worker is None else frozenset())
+                        candidates=placement.candidates)
         self.policy.wait(waiter)
         self.metrics.session_waits.labels(pool).inc()
         if self._pump_task is None:
