@@ -2,7 +2,8 @@
 a sim worker whose KV cache holds one session's context and not two: a second session's round
 waits in the gateway while the first session is live (its next round comes back within the TTL
 and finds its whole context cached), then goes once the first session's TTL has run out; the same
-with flow control on beside it (its queue after the session's wait)."""
+with flow control on beside it (its queue after the session's wait). A round whose prefix both of two
+full workers cache alike waits for whichever has room first.
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from deepinfer_gateway.gateway.fleet.client_ids import digest_of
 from harness.launch import Gateway, SimCluster
 from tests.gateways import one_worker_gateway
 from tests.sim_profiles import small_sm100
@@ -146,4 +148,54 @@ async def test_replicas_on_one_redis_count_each_others_live_sessions(redis_url: 
     finally:
         for gw in replicas:
             gw.stop()
+        cluster.stop()
+
+
+def _words(word: str, n: int) -> str:
+    return " ".join(f"{word}{i}" for i in range(n))
+
+
+async def _served(client: openai.AsyncOpenAI, session: str, messages: list[dict[str, str]]) -> tuple[str, int]:
+    """(the worker that served it, as the x-dgw-worker header names it; cached tokens) of one round."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4, extra_headers={"x-session-id": session})
+    usage = raw.parse().usage
+    details = usage.prompt_tokens_details if usage is not None else None
+    return raw.headers["x-dgw-worker"], (details.cached_tokens or 0) if details is not None else 0
+
+
+async def test_a_round_whose_prefix_every_worker_caches_takes_whichever_has_room_first(tmp_path: Path) -> None:
+    """Two workers, each full with one live session (a shared system prompt and ~20 blocks of its
+    own); a third session's round is mostly that system prompt, cached on both alike. It waits for
+    room on either and starts on the one whose session's TTL runs out first: not pinned to the one
+    that sorts first (it had all such rounds line up for it)."""
+    profile = tmp_path / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100,unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    try:
+        gw = Gateway(tmp_path, [(url, "unified", "sm100") for url in cluster.urls], extra_toml=SESSIONS)
+        try:
+            gw.wait_ready(2)
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            system = {"role": "system", "content": _words("shared", 1100)}  # ~20 blocks
+            rounds = {s: [system, {"role": "user", "content": _words(s, 1100)}] for s in ("agent-a", "agent-b")}
+            worker_of = {s: (await _served(client, s, rounds[s]))[0] for s in rounds}
+            assert len(set(worker_of.values())) == 2  # the second found no room beside the first
+            # The worker ids (host:port) the policy's ties sort by, as the header names them.
+            ids = sorted(url.removeprefix("http://") for url in cluster.urls)
+            first, last = digest_of(ids[0]), digest_of(ids[-1])
+            keep = next(s for s, w in worker_of.items() if w == first)
+            await asyncio.sleep(0.8)
+            await _served(client, keep, rounds[keep])  # the first-sorting worker's session stays live longer
+            started = time.perf_counter()
+            served, cached = await _served(client, "agent-c", [system, {"role": "user", "content": "hello"}])
+            waited = time.perf_counter() - started
+            assert served == last  # pinned to `first`, it would have waited for `keep`'s TTL
+            assert cached >= 18 * 128  # the system prompt, cached there
+            assert TTL_S * 0.2 < waited < TTL_S  # it waited for room, and less than `keep`'s TTL
+            assert _metric(gw, "dgw_session_waits_total") == 1
+            assert _metric(gw, "dgw_session_proceeded_total") == 0
+        finally:
+            gw.stop()
+    finally:
         cluster.stop()
