@@ -3,7 +3,7 @@ a sim worker whose KV cache holds one session's context and not two: a second se
 waits in the gateway while the first session is live (its next round comes back within the TTL
 and finds its whole context cached), then goes once the first session's TTL has run out; the same
 with flow control on beside it (its queue after the session's wait). A round whose prefix both of two
-full workers cache alike waits for whichever has room first.
+full workers cache alike waits for whichever has room first."""
 
 from __future__ import annotations
 
