@@ -38,8 +38,11 @@ def conversion_options(config: BridgeConfig, names: tuple[str, ...], thinking: b
 
 
 def sampling_of(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool, min_tokens: int = 0,
-                top_k: int = -1) -> Sampling:
+                top_k: int = -1, logprobs: tuple[bool, int] | None = None) -> Sampling:
+    """The engine's sampling; `logprobs`: (asked for, alternatives per token) where the protocol
+    says so outside the options deepseek-recipe reads (Responses' `include`)."""
     opts = conv.inference_options
+    wants_logprobs, top_logprobs = (opts.logprobs, opts.top_logprobs or 0) if logprobs is None else logprobs
     constraint = opts.output_constraint
     so_args = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
     return Sampling(
@@ -47,8 +50,8 @@ def sampling_of(conv: dr.ConversationRequest, max_tokens: int, ignore_eos: bool,
         top_p=opts.top_p if opts.top_p is not None else 1.0,
         top_k=top_k,
         max_tokens=max_tokens,
-        logprobs=opts.logprobs,
-        top_logprobs=opts.top_logprobs or 0,
+        logprobs=wants_logprobs,
+        top_logprobs=top_logprobs,
         seq_seed=opts.seed,
         so_args=so_args,
         ignore_eos=ignore_eos,

@@ -87,11 +87,10 @@ FIELDS: dict[ApiProtocol, Mapping[str, Refuse | None]] = {
         "prompt_cache_key": HONOURED, "cache_salt": HONOURED,
         # Stored Responses (gateway/serving/responses_api.py) answers or refuses these.
         "store": HONOURED, "previous_response_id": HONOURED, "background": HONOURED, "conversation": HONOURED,
+        "include": HONOURED,  # each value honoured or refused by recipe_bridge/includes.py
         "parallel_tool_calls": _PARALLEL,
         "service_tier": _TIER,
         "truncation": Refuse(_is(None, "disabled"), "a prompt over the context limit is refused, not truncated"),
-        "include": Refuse(_empty, "no additional output data is available (no encrypted reasoning, hosted tools "
-                                  "or logprobs includes)"),
         "max_tool_calls": Refuse(_is(None), "the number of tool calls cannot be capped"),
         "prompt": Refuse(_is(None), "stored prompt templates are not supported"),
         "stream_options": Refuse(lambda v: v is None or v == {} or v == {"include_obfuscation": False},

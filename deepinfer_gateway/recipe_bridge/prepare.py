@@ -43,6 +43,7 @@ from deepinfer_gateway.recipe_bridge.fields import (
     top_k_of,
 )
 from deepinfer_gateway.recipe_bridge.images import ImageInputs, ImageRefused, ResolvedImages
+from deepinfer_gateway.recipe_bridge.includes import NONE, includes_of, logprobs_asked
 from deepinfer_gateway.recipe_bridge.offload import OFFLOAD_BODY_BYTES, OFFLOAD_ENV, PrepareOffload, parse_offload
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol, BridgeConfig, PreparedRequest, TokenCount
 
@@ -83,6 +84,7 @@ class RequestPreparer:
         raw = RawBody(body)
         parsed = raw.parsed  # every field is checked (fields.py): nothing accepted and ignored
         check_fields(protocol, parsed)
+        includes = includes_of(parsed.get("include")) if protocol is ApiProtocol.RESPONSES else NONE
         if protocol is ApiProtocol.CHAT and _newer_chat_spellings(parsed):
             raw = RawBody(orjson.dumps(parsed))
         requested, target, conv, echo, namespace_map = convert(protocol, raw, self.catalog, self._options)
@@ -96,6 +98,9 @@ class RequestPreparer:
                                                      self.config.context_limit)
             except dr.ConversionError as exc:
                 raise BridgeError.from_conversion(exc) from None
+            logprobs = None
+            if protocol is ApiProtocol.RESPONSES:  # asked for by `include`, which deepseek-recipe does not read
+                logprobs = logprobs_asked(includes, conv.inference_options.top_logprobs)
         stream_options = parsed.get("stream_options")
         include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
         user = session_of(protocol, parsed)
@@ -107,7 +112,8 @@ class RequestPreparer:
             token_ids=token_ids,
             # `ignore_eos` (vLLM/SGLang extension): benchmarks replaying a trace's output lengths.
             sampling=sampling_of(conv, max_tokens, parsed.get("ignore_eos") is True,
-                                 min_tokens_of(parsed.get("min_tokens"), max_tokens), top_k_of(parsed.get("top_k"))),
+                                 min_tokens_of(parsed.get("min_tokens"), max_tokens), top_k_of(parsed.get("top_k")),
+                                 logprobs),
             stream=conv.stream,
             include_usage=include_usage,
             responses_echo=echo,

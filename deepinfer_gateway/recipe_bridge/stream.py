@@ -7,9 +7,10 @@ library emits (SSE event names and the final `[DONE]` come from the library too)
 One worker `tokens` event (one engine step: several ids with speculative decoding) is
 pushed whole and comes out as one protocol chunk carrying all its text, and its logprobs
 as a list (every protocol that has logprobs takes several tokens' worth per chunk: Chat's
-`logprobs.content`, legacy Completions' parallel arrays; Responses refuses them at the
-request and Messages has none). Several chunks come out of one event only where the
-protocol's own structure changes inside it (reasoning ends, a tool call opens).
+`logprobs.content`, Responses' `response.output_text.delta` `logprobs` when `include` asks
+(recipe_bridge/includes.py), legacy Completions' parallel arrays; Messages has none).
+Several chunks come out of one event only where the protocol's own structure changes inside
+it (reasoning ends, a tool call opens).
 
 Stop sequences are the exception: the client's usage must count the tokens up to the one
 that completed the match, not the step's later ones. `StopGuard` sees the step's raw bytes
@@ -34,6 +35,7 @@ from deepinfer_gateway.recipe_bridge.completion_stream import (
 from deepinfer_gateway.recipe_bridge.completions import LegacyOptions
 from deepinfer_gateway.recipe_bridge.detokenizer import TokenBytes, token_bytes
 from deepinfer_gateway.recipe_bridge.final_usage import corrected_json, set_cached
+from deepinfer_gateway.recipe_bridge.includes import STREAM_TEXT_EVENTS, stream_logprobs
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol, PreparedRequest
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 
@@ -109,6 +111,8 @@ class _Framing:
         self._stream = prepared.stream
         # Chat and legacy completions frame every chunk as a bare `data:` line (no SSE event names).
         self._named = prepared.protocol in (ApiProtocol.RESPONSES, ApiProtocol.MESSAGES)
+        # Responses' text events carry logprobs in the stream's own shape (includes.py).
+        self._stream_logprobs = prepared.protocol is ApiProtocol.RESPONSES and prepared.sampling.logprobs
         self.completion_tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0  # `ready`'s, then the worker's final count if `finish` brought one
@@ -203,6 +207,8 @@ class _Framing:
             if final and self._correct_usage and self._corrects_json:
                 data = corrected_json(self.prepared.protocol, data, self.prompt_tokens, self.cached_tokens)
             name = name_of(chunk)
+            if self._stream_logprobs and name in STREAM_TEXT_EVENTS:
+                data = stream_logprobs(data)
             if name:
                 parts.append(b"event: " + name.encode() + b"\n")
             parts.append(b"data: " + data.encode() + b"\n\n")

@@ -28,7 +28,7 @@ REFUSED_AND_ACCEPTED: dict[str, tuple[Any, Any]] = {
     "audio": ({"voice": "alloy", "format": "mp3"}, None), "prediction": ({"type": "content", "content": "x"}, None),
     "web_search_options": ({}, None), "verbosity": ("low", "medium"), "functions": ([{"name": "f"}], None),
     "function_call": ("auto", None), "truncation": ("auto", "disabled"),
-    "include": (["reasoning.encrypted_content"], []), "max_tool_calls": (3, None), "prompt": ({"id": "p"}, None),
+    "max_tool_calls": (3, None), "prompt": ({"id": "p"}, None),
     "stream_options": ({"include_obfuscation": True}, {"include_obfuscation": False}),
     "container": ("c", None), "mcp_servers": ([{"type": "url"}], []), "context_management": ({}, None),
 }
