@@ -97,7 +97,7 @@ def test_bad_conversation_requests_are_refused_in_openais_format(sim_gateway: Ga
         lambda: client.conversations.items.create(conv.id, items=[]),
         lambda: client.conversations.items.list(conv.id, limit=101),
         lambda: client.conversations.items.list(conv.id, after="msg_none"),
-        lambda: client.conversations.items.list(conv.id, include=["message.output_text.logprobs"]),
+        lambda: client.conversations.items.list(conv.id, include=["reasoning.encrypted_content"]),
         lambda: client.conversations.update(conv.id, metadata="x"),
     ]
     for case in cases:

@@ -8,8 +8,10 @@
   input, and the new input and the output are appended once the response is answered.
 
 Items are Responses input/output items, each with an id (one is given to an item sent
-without). What needs the store answers 503 `store_unavailable` with `Retry-After` while it
-fails (a Redis outage), like stored Responses; another key's conversation is 404.
+without). The item routes' `include` shows what a stored item holds beyond the default
+(recipe_bridge/includes.py): an answer's logprobs, input images' URLs. What needs the store
+answers 503 `store_unavailable` with `Retry-After` while it fails (a Redis outage), like
+stored Responses; another key's conversation is 404.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from deepinfer_gateway.gateway.serving.responses_api import (
     input_items,
     list_body,
     page,
+    query_includes,
     through_outage,
 )
+from deepinfer_gateway.recipe_bridge.includes import item_view, items_view
 
 T = TypeVar("T")
 
@@ -101,11 +105,6 @@ def _body(raw: bytes, allowed: set[str]) -> dict[str, Any]:
     if unknown:
         raise BadField(unknown[0], f"Unknown parameter: '{unknown[0]}'.")
     return body
-
-
-def _no_include(request: Request) -> None:
-    if "include" in request.query_params or "include[]" in request.query_params:  # the SDK sends include[]
-        raise BadField("include", "No additional item data is available to include.")
 
 
 class ConversationsState:
@@ -181,34 +180,34 @@ class ConversationsState:
         return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
     async def list_items(self, owner: str, conversation_id: str, request: Request) -> Response:
-        _no_include(request)
+        includes = query_includes(request)
         ids = await self._call(lambda s: s.item_ids(owner, conversation_id))
         if ids is None:
             raise ConversationNotFound(conversation_id)
         chosen, more = page(ids, request, "item", "this conversation")  # only the page's items are read
         items = await self._call(lambda s: s.items_by_id(owner, conversation_id, chosen))
-        return JSONResponse(list_body(items, more))
+        return JSONResponse(list_body(items_view(items, includes), more))
 
     async def add_items(self, owner: str, conversation_id: str, request: Request, raw: bytes) -> Response:
-        _no_include(request)
+        includes = query_includes(request)
         body = _body(raw, {"items"})
         items = conversation_items(body.get("items"))
         if not items:
             raise BadField("items", "items must hold at least one item.")
         if not await self._call(lambda s: s.add_items(owner, conversation_id, items)):
             raise ConversationNotFound(conversation_id)
-        return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"],
+        return JSONResponse({"object": "list", "data": items_view(items, includes), "first_id": items[0]["id"],
                              "last_id": items[-1]["id"], "has_more": False})
 
     async def retrieve_item(self, owner: str, conversation_id: str, item_id: str, request: Request) -> Response:
-        _no_include(request)
+        includes = query_includes(request)
         ids = await self._call(lambda s: s.item_ids(owner, conversation_id))
         if ids is None:
             raise ConversationNotFound(conversation_id)
         found = await self._call(lambda s: s.items_by_id(owner, conversation_id, [item_id])) if item_id in ids else []
         if not found:
             raise ItemNotFound(item_id)
-        return JSONResponse(found[0])
+        return JSONResponse(item_view(found[0], includes))
 
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> Response:
         deleted = await self._call(lambda s: s.delete_item(owner, conversation_id, item_id))

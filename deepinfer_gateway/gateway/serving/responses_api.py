@@ -41,6 +41,7 @@ from deepinfer_gateway.gateway.serving.background_responses import BackgroundRes
 from deepinfer_gateway.gateway.serving.background_store import BackgroundStore
 from deepinfer_gateway.gateway.serving.relay import RelayResponse
 from deepinfer_gateway.gateway.serving.response_store import ResponseStore, StoredResponse, StoreExhausted
+from deepinfer_gateway.recipe_bridge.includes import NONE, includes_of, items_view, replayable, response_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -395,15 +396,18 @@ class ResponsesState:
         return found
 
     async def retrieve(self, owner: str, response_id: str, request: Request) -> Response:
+        """The stored response (its logprobs as `include` asks), or with `stream=true` a background
+        response's events again, as they were sent."""
         params = request.query_params
         stream = params.get("stream", "false").lower()
         if stream not in ("true", "false"):
             raise BadField("stream", "stream must be true or false.")
+        includes = query_includes(request)
         stored = await self._stored(owner, response_id)
         if stream == "false":
             if "starting_after" in params:
                 raise BadField("starting_after", "starting_after needs stream=true.")
-            return JSONResponse(stored.response)
+            return JSONResponse(response_view(stored.response, includes))
         runs = self.background
         if runs is None or not await runs.streamable(owner, response_id):
             raise BadField("stream", "Only a response created with background: true and stream: true can be streamed "
@@ -425,7 +429,7 @@ class ResponsesState:
             raise BadField("response_id", "Only a background response can be cancelled.")
         if isinstance(outcome, str):
             raise BadField("response_id", f"Cannot cancel a response whose status is {outcome}.")
-        return JSONResponse(outcome)
+        return JSONResponse(response_view(outcome, NONE))
 
     async def delete(self, owner: str, response_id: str) -> Response:
         kept = self.store
@@ -434,10 +438,19 @@ class ResponsesState:
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def list_input_items(self, owner: str, response_id: str, request: Request) -> Response:
+        includes = query_includes(request)
         items = (await self._stored(owner, response_id)).input_items
         by_id = {item.get("id"): item for item in items}
         chosen, more = page([item.get("id") for item in items], request, "input item", "this response")
-        return JSONResponse(list_body([by_id[i] for i in chosen], more))
+        return JSONResponse(list_body(items_view([by_id[i] for i in chosen], includes), more))
+
+
+def query_includes(request: Request) -> frozenset[str]:
+    """A read's `include` query parameter (`include[]` as the OpenAI SDK sends it; repeated for
+    several values): the values it honours (recipe_bridge/includes.py), 400 for any other."""
+    params = request.query_params
+    values = params.getlist("include") + params.getlist("include[]")
+    return includes_of(values) if values else NONE
 
 
 def page(ids: list[Any], request: Request, what: str, where: str) -> tuple[list[Any], bool]:
@@ -470,8 +483,9 @@ def list_body(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
 
 def _replayable(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A stored response's output items as the next request's input: its messages, tool calls and
-    their results. Reasoning is left out: the chat template drops an earlier turn's reasoning."""
-    return [item for item in output if item.get("type") != "reasoning"]
+    their results, without logprobs. Reasoning is left out: the chat template drops an earlier
+    turn's reasoning."""
+    return [replayable(item) for item in output if item.get("type") != "reasoning"]
 
 
 def _final_response(chunk: bytes) -> dict[str, Any] | None:
