@@ -6,10 +6,10 @@ value shows of a stored item.
   alternatives, 0-20) on each `output_text` part and each `response.output_text.delta` /
   `.done` event. A stored response and its conversation items keep them; a read (retrieve,
   input items, conversation items) shows them only when its own `include` asks.
-- `message.input_image.image_url`: an input image is stored as sent (its URL or data URL); a
-  read shows its `image_url` only when `include` asks, else `null`, as the include's name says
-  in OpenAI's API (a data URL can be megabytes). A response object holds no input messages:
-  there it shows nothing more.
+- `message.input_image.image_url`: accepted, and always honoured: an input image is stored as
+  sent (its URL or data URL) and every read shows its `image_url`. Hiding it by default would
+  break clients that send listed items back as input (the Agents SDK's
+  `OpenAIConversationsSession` lists without `include`, and an image without a URL is a 400).
 
 Every other value is refused: the hosted tools' results (this gateway runs none) and
 `reasoning.encrypted_content` (reasoning is not encrypted for the client to carry).
@@ -82,7 +82,7 @@ def stream_logprobs(data: str) -> str:
 
 
 def item_view(item: dict[str, Any], includes: frozenset[str]) -> dict[str, Any]:
-    """A stored item as a read shows it: logprobs and input image URLs only if `includes` asks.
+    """A stored item as a read shows it: logprobs only if `includes` asks.
     `item` is not changed (a copy is returned where something is hidden)."""
     content = item.get("content")
     if item.get("type") != "message" or not isinstance(content, list):
@@ -92,11 +92,8 @@ def item_view(item: dict[str, Any], includes: frozenset[str]) -> dict[str, Any]:
 
 
 def _part_view(part: dict[str, Any], includes: frozenset[str]) -> dict[str, Any]:
-    kind = part.get("type")
-    if kind == "output_text" and LOGPROBS not in includes and part.get("logprobs"):
+    if part.get("type") == "output_text" and LOGPROBS not in includes and part.get("logprobs"):
         return {**part, "logprobs": []}
-    if kind == "input_image" and INPUT_IMAGE_URL not in includes and part.get("image_url") is not None:
-        return {**part, "image_url": None}
     return part
 
 
@@ -114,5 +111,5 @@ def response_view(response: dict[str, Any], includes: frozenset[str]) -> dict[st
 
 def replayable(item: dict[str, Any]) -> dict[str, Any]:
     """An item sent again as input to the model: without its logprobs (an answer's data, not the
-    prompt's); its image URLs kept (the model needs them)."""
-    return item_view(item, frozenset({INPUT_IMAGE_URL}))
+    prompt's)."""
+    return item_view(item, NONE)

@@ -102,7 +102,8 @@ def test_stored_logprobs_are_shown_only_when_a_read_asks(sim_gateway: Gateway) -
     assert again.usage.input_tokens > answer.usage.input_tokens + answer.usage.output_tokens
 
 
-def test_input_image_urls_are_shown_only_when_a_read_asks(sim_gateway: Gateway) -> None:
+def test_input_image_urls_are_shown_on_every_read(sim_gateway: Gateway) -> None:
+    """With or without the include: a client that sends listed items back as input needs them."""
     client = _client(sim_gateway)
     url = _png()
     picture = {"type": "message", "role": "user", "content": [
@@ -110,20 +111,24 @@ def test_input_image_urls_are_shown_only_when_a_read_asks(sim_gateway: Gateway) 
                                                                   "detail": "auto"}]}
     conv = client.conversations.create()
     added = client.conversations.items.create(conv.id, items=[picture])
-    assert added.data[0].content[1].image_url is None
+    assert added.data[0].content[1].image_url == url
     shown = client.conversations.items.create(conv.id, items=[{**picture, "id": "msg_second"}], include=[IMAGE_URL])
     assert shown.data[0].content[1].image_url == url
     listed = client.conversations.items.list(conv.id, order="asc")
-    assert [i.content[1].image_url for i in listed.data] == [None, None]
+    assert [i.content[1].image_url for i in listed.data] == [url, url]
     assert [i.content[1].image_url for i in client.conversations.items.list(conv.id, include=[IMAGE_URL])] == [url] * 2
-    item = client.conversations.items.retrieve("msg_second", conversation_id=conv.id, include=[IMAGE_URL])
+    item = client.conversations.items.retrieve("msg_second", conversation_id=conv.id)
     assert item.content[1].image_url == url and item.content[1].detail == "auto"
+    # listed items sent back as input, as the Agents SDK's session does
+    again = client.responses.create(model=MODEL, input=[i.model_dump(exclude_none=True) for i in listed.data][:1],
+                                    max_output_tokens=8)
+    assert again.output_text
 
     # The stored URL is what the model sees again (an image without one is a 400).
     answer = client.responses.create(model=MODEL, input=[picture], max_output_tokens=8, include=[IMAGE_URL])
     assert answer.output_text
     (stored,) = client.responses.input_items.list(answer.id).data
-    assert stored.content[1].image_url is None
+    assert stored.content[1].image_url == url
     (stored,) = client.responses.input_items.list(answer.id, include=[IMAGE_URL]).data
     assert stored.content[1].image_url == url
     follow = client.responses.create(model=MODEL, input="And now?", conversation=conv.id, max_output_tokens=8)
