@@ -32,10 +32,10 @@ class SessionCapacitySettings(BaseModel):
     hold_share: float = Field(
         0.5, gt=0, le=1,
         description="A round whose prompt a worker's cache holds at least this share of waits for that worker, "
-                    "unless other workers cache less than this share of it fewer (a prefix every session shares): "
-                    "then it goes to whichever of them has room, or waits for the first to have some. One cached "
-                    "less (a first round, a context already evicted) goes to a worker with room, or waits for the "
-                    "first of its pool to have some.")
+                    "unless other workers cache nearly as much of it (less than this share of the prompt short: a "
+                    "prefix every session shares): then it goes to whichever of them has room, or waits for the "
+                    "first to have some. One cached less (a first round, a context already evicted) goes to a "
+                    "worker with room, or waits for the first of its pool to have some.")
     shared: bool = Field(
         True,
         description="With redis.url: the routers that share the workers (gateway replicas, serve --processes) tell "
