@@ -37,7 +37,12 @@ policy keeps each worker's live sessions within its cache:
 Routers that share the workers (gateway replicas on one Redis) tell each other their live
 sessions (`live_report`; gateway/serving/session_share_sync.py): the blocks other routers'
 live sessions hold on a worker, those not live here (`external_use`), count against its room
-as this router's own do (`set_external`).
+as this router's own do (`set_external`). They also tell each other how long their rounds have
+waited for each worker (`wait_report`, `external_waits`), so first come first served holds
+across routers: a newcomer takes no worker another router's round waits for, and a waiting
+round starts only if no other router's round has waited longer for that worker
+(`set_external_waits`; arrivals within `ARRIVAL_SKEW_S` of each other count as together, both
+go, lest two routers each yield to the other).
 
 Cost: a dict lookup per decision plus one pass over the candidate workers; expiries come off
 a heap. No I/O, the clock is a parameter: the gateway (gateway/serving/session_gate.py) and the
@@ -55,6 +60,10 @@ from enum import StrEnum
 
 from deepinfer_gateway.config import SessionCapacitySettings
 from deepinfer_gateway.core.protocol import KV_BLOCK_TOKENS
+
+# Two routers' clocks meet through their reports' ages: an arrival less than this before a
+# local round's counts as at the same time (both go: a possible overfill, never a stall).
+ARRIVAL_SKEW_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,7 @@ class SessionCapacity:
         self._floating_on: dict[str, int] = {}  # worker -> unpinned rounds it is a candidate of
         self._expiring: list[tuple[float, str]] = []  # (until, session), stale entries skipped
         self._external = ExternalUse()  # other routers' live sessions
+        self._external_waits: dict[str, float] = {}  # worker -> other routers' oldest waiting round's arrival
 
     # --- what is live ----------------------------------------------------------------------
 
@@ -190,6 +200,29 @@ class SessionCapacity:
         """What other routers' live sessions hold (`external_use`)."""
         self._external = external
 
+    def set_external_waits(self, arrivals: dict[str, float]) -> None:
+        """worker -> when other routers' oldest round waiting for it arrived, on this clock
+        (`external_waits`)."""
+        self._external_waits = arrivals
+
+    def wait_report(self, now: float) -> dict[str, float]:
+        """worker -> how long the oldest round waiting here for it has waited (pinned to it, or
+        unpinned with it among its candidates): what other routers yield to."""
+        oldest: dict[str, float] = {}
+        for worker, queue in self._queues.items():
+            oldest[worker] = queue[0].arrival
+        for waiter in self._floating:
+            for worker in waiter.candidates:
+                if waiter.arrival < oldest.get(worker, math.inf):
+                    oldest[worker] = waiter.arrival
+        return {worker: max(0.0, now - arrival) for worker, arrival in oldest.items()}
+
+    def _yields(self, worker: str, arrival: float | None) -> bool:
+        """Whether a round that arrived at `arrival` (None: a newcomer, arriving now) gives
+        `worker` to another router's round that has waited for it longer."""
+        before = self._external_waits.get(worker)
+        return before is not None and (arrival is None or before < arrival - ARRIVAL_SKEW_S)
+
     def live_report(self, now: float) -> dict[str, dict[str, int]]:
         """worker -> {session: blocks} of the sessions live here: what other routers count."""
         self._expire(now)
@@ -203,8 +236,12 @@ class SessionCapacity:
         """The sessions live here."""
         return self._live.keys()
 
-    def _room(self, worker: str, blocks: int, capacity: int, now: float, session: str | None = None) -> bool:
-        return not self._queues.get(worker) and self.fits(worker, blocks, capacity, now, session)
+    def _room(self, worker: str, blocks: int, capacity: int, now: float, session: str | None = None,
+              arrival: float | None = None) -> bool:
+        """Whether a round that arrived at `arrival` (None: now) may start on `worker`: no round
+        waits for it before this one, here or at another router, and its context fits."""
+        return (not self._queues.get(worker) and not self._yields(worker, arrival)
+                and self.fits(worker, blocks, capacity, now, session))
 
     # --- decisions ------------------------------------------------------------------------
 
@@ -331,7 +368,8 @@ class SessionCapacity:
             head = queue[0]
             timed_out = False
             if not (self._live_on(head.session) == worker
-                    or self.fits(worker, head.blocks, capacity, now, head.session)):
+                    or (not self._yields(worker, head.arrival)
+                        and self.fits(worker, head.blocks, capacity, now, head.session))):
                 if now < head.arrival + self.limits.max_wait_s:  # as `next_change` computes it
                     break
                 timed_out = True
@@ -401,7 +439,7 @@ class SessionCapacity:
         for worker in waiter.candidates:
             capacity = capacities.get(worker)
             if capacity is None or worker in held or not self._room(worker, waiter.blocks, capacity, now,
-                                                                    waiter.session):
+                                                                    waiter.session, waiter.arrival):
                 continue
             free = (capacity * (1.0 - self.limits.headroom) - self._in_use(worker, waiter.session) if capacity > 0
                     else math.inf)
@@ -443,6 +481,18 @@ class ExternalUse:
 
     used: dict[str, int] = field(default_factory=dict)
     sessions: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+
+def external_waits(reports: Iterable[tuple[float, Mapping[str, float]]]) -> dict[str, float]:
+    """worker -> the arrival of the oldest round other routers hold waiting for it, on this
+    router's clock (`reports`: each `wait_report` with when it was written on this clock)."""
+    arrivals: dict[str, float] = {}
+    for at, waits in reports:
+        for worker, waited in waits.items():
+            arrival = at - waited
+            if arrival < arrivals.get(worker, math.inf):
+                arrivals[worker] = arrival
+    return arrivals
 
 
 def external_use(reports: Iterable[Mapping[str, Mapping[str, int]]], local: Container[str]) -> ExternalUse:

@@ -151,6 +151,44 @@ async def test_replicas_on_one_redis_count_each_others_live_sessions(redis_url: 
         cluster.stop()
 
 
+async def test_a_round_waiting_at_one_replica_goes_before_a_later_one_at_another(redis_url: str,
+                                                                                 tmp_path: Path) -> None:
+    """One worker that holds one context, session a live on it through replica one. b's round
+    waits at replica two, then c's at replica one: when a's TTL runs out, b goes first (it has
+    waited longer), though c waits at the replica that saw a end; c goes once b's TTL has run out."""
+    profile = tmp_path / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    toml = f'redis.url = "{redis_url}"\nredis.timeout_s = 10\n' + SESSIONS + "shared = true\n"
+    replicas = []
+    try:
+        for _ in range(2):
+            replicas.append(Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml))
+            replicas[-1].wait_ready(1)
+        one, two = (openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+                    for gw in replicas)
+        await _round(one, "agent-a", [{"role": "user", "content": _context("alpha")}])
+        a_done = time.perf_counter()
+
+        async def first_token_at(client: openai.AsyncOpenAI, session: str, word: str) -> float:
+            await _round(client, session, [{"role": "user", "content": _context(word)}])
+            return time.perf_counter()
+
+        b = asyncio.create_task(first_token_at(two, "agent-b", "bravo"))
+        await asyncio.sleep(0.4)  # b waits, and replica two has told replica one so
+        c = asyncio.create_task(first_token_at(one, "agent-c", "charlie"))
+        b_at, c_at = await asyncio.gather(b, c)
+        assert b_at - a_done >= TTL_S * 0.8  # b waited for a's TTL
+        assert c_at - b_at >= TTL_S * 0.8  # c waited for b's, though it waited where a ended
+        assert _metric(replicas[0], "dgw_session_proceeded_total") == 0
+        assert _metric(replicas[1], "dgw_session_proceeded_total") == 0
+        assert sum(_metric(gw, "dgw_redis_errors_total") for gw in replicas) == 0
+    finally:
+        for gw in replicas:
+            gw.stop()
+        cluster.stop()
+
+
 def _words(word: str, n: int) -> str:
     return " ".join(f"{word}{i}" for i in range(n))
 

@@ -5,8 +5,9 @@ first), the TTL after a round and the bounded wait."""
 from __future__ import annotations
 
 from deepinfer_gateway.config import SessionCapacitySettings
-from deepinfer_gateway.gateway.serving.session_share_sync import decode_live, encode_live
+from deepinfer_gateway.gateway.serving.session_share_sync import decode_live, decode_waits, encode_live, encode_waits
 from deepinfer_gateway.router.session_capacity import (
+    ARRIVAL_SKEW_S,
     CapacityLimits,
     Placement,
     SessionCapacity,
@@ -15,6 +16,7 @@ from deepinfer_gateway.router.session_capacity import (
     Waiter,
     blocks_of,
     external_use,
+    external_waits,
 )
 
 LIMITS = CapacityLimits(ttl_s=2.0, headroom=0.0, max_wait_s=10.0, hold_share=0.5)
@@ -326,3 +328,42 @@ def test_live_reports_round_trip_and_damaged_ones_are_dropped() -> None:
     assert decode_live(encode_live(live)) == live
     for damaged in ("", "{}", '[["a", "s1"]]', '[["a", "s1", "x"]]'):
         assert decode_live(damaged) is None
+
+
+def test_rounds_waiting_at_other_routers_are_served_first_come_first_served() -> None:
+    here, there = SessionCapacity(LIMITS), SessionCapacity(LIMITS)
+    there.begin("s0", "a", 60, 0.0)
+    here.set_external(external_use([there.live_report(0.0)], here.sessions))
+    there.wait(Waiter("s1", 60, "a", 1.0))  # pinned to a, at the other router
+    there.wait(Waiter("s2", 30, None, 2.0, candidates=frozenset(TWO)))  # unpinned, on a or b
+    assert there.wait_report(3.0) == {"a": 2.0, "b": 1.0}  # each worker's oldest wait
+    # written at 3.0 on the other router's clock, heard as written at 13.0 on this one's
+    waits = external_waits([(13.0, there.wait_report(3.0))])
+    assert waits == {"a": 11.0, "b": 12.0}
+    here.set_external_waits(waits)
+    # a newcomer takes neither worker: there is a round waiting for each
+    assert here.place("s3", 10, TWO, {}, 13.1) == Placement(Verdict.WAIT, candidates=frozenset(TWO))
+    assert here.place("s4", 10, TWO, {"b": 10}, 13.1) == Placement(Verdict.WAIT, "b")
+    # a round waiting here that arrived before the other router's starts once it fits; one that
+    # arrived after waits behind it, until its own wait runs out
+    early = Waiter("s5", 10, "b", 11.0)
+    late = Waiter("s6", 10, None, 12.5, candidates=frozenset({"b"}))
+    here.wait(early)
+    here.wait(late)
+    assert here.starts("b", 100, 13.2) == [Start(early, False, "b")]
+    assert here.starts_floating({"b": 100}, 13.2) == []
+    assert here.starts_floating({"b": 100}, 22.5) == [Start(late, True, "b")]
+    # arrivals within the clocks' skew count as together: both go, neither waits for the other
+    again = Waiter("s7", 10, "a", 11.0 + ARRIVAL_SKEW_S / 2)
+    here.wait(again)
+    assert here.starts("a", 100, 23.0) == [Start(again, False, "a")]
+    # once the other router's rounds have started, its reports hold no waits: newcomers go
+    here.set_external_waits(external_waits([(24.0, {})]))
+    assert here.place("s8", 10, TWO, {}, 24.0).verdict is Verdict.GO
+
+
+def test_wait_reports_round_trip_and_damaged_ones_are_dropped() -> None:
+    waits = {"a": 1.5, "b": 0.0}
+    assert decode_waits(encode_waits(waits)) == waits
+    for damaged in ("", "[]", '{"a": "x"}', '{"a": -1}', '{"a": NaN}'):
+        assert decode_waits(damaged) is None
