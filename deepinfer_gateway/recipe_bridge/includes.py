@@ -38,7 +38,7 @@ _REFUSED = {
     "reasoning.encrypted_content": "reasoning is not encrypted for the client to carry; keep the response stored "
                                    "(store: true) and continue it with previous_response_id or conversation",
 }
-_HONOURED = (LOGPROBS, INPUT_IMAGE_URL)
+HONOURED = (LOGPROBS, INPUT_IMAGE_URL)
 # The stream events whose logprobs OpenAI types without `bytes` (the output_text part has them).
 STREAM_TEXT_EVENTS = frozenset({"response.output_text.delta", "response.output_text.done"})
 
@@ -53,9 +53,9 @@ def includes_of(value: Any) -> frozenset[str]:
     for name in value:
         if name in _REFUSED:
             raise BridgeError(400, f"include: '{name}' is not supported: {_REFUSED[name]}.", param="include")
-        if name not in _HONOURED:
+        if name not in HONOURED:
             raise BridgeError(400, f"include: '{name}' is not an includable value; supported: "
-                                   f"{', '.join(_HONOURED)}.", param="include")
+                                   f"{', '.join(HONOURED)}.", param="include")
     return frozenset(value)
 
 

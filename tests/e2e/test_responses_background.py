@@ -82,13 +82,19 @@ def test_a_background_response_is_queued_then_polled_to_its_end(gateway: Gateway
     client = _client(gateway)
     started = time.monotonic()
     queued = client.responses.create(model=MODEL, input="in the background", background=True,
-                                     max_output_tokens=40, extra_body={"ignore_eos": True})
+                                     max_output_tokens=40, extra_body={"ignore_eos": True},
+                                     include=["message.output_text.logprobs"], top_logprobs=2)
     assert time.monotonic() - started < 1.0  # answered before the answer was generated
     assert queued.status == "queued" and queued.background is True and queued.output == []
+    assert queued.top_logprobs == 2  # what it asked, echoed from the start as when done
     done = _until(lambda: (r := client.responses.retrieve(queued.id)).status not in ("queued", "in_progress") and r,
                   30, "completion")
     assert done.status == "incomplete" and done.background is True and done.id == queued.id
     assert done.output_text and done.usage is not None and done.usage.output_tokens == 40
+    assert done.top_logprobs == 2
+    shown = client.responses.retrieve(queued.id, include=["message.output_text.logprobs"])
+    (message,) = [item for item in shown.output if item.type == "message"]
+    assert len(message.content[0].logprobs) == 40 and len(message.content[0].logprobs[0].top_logprobs) == 2
     assert [i.role for i in client.responses.input_items.list(queued.id).data] == ["user"]
     # It continues like any stored response.
     follow = client.responses.create(model=MODEL, input="and?", previous_response_id=queued.id, max_output_tokens=2)

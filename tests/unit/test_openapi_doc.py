@@ -14,6 +14,7 @@ from deepinfer_gateway.gateway.http.openapi_doc import ANTHROPIC_ERROR, FIELD_TY
 from deepinfer_gateway.gateway.http.routes import GENERATION_ROUTES
 from deepinfer_gateway.recipe_bridge.completions import CompletionRequest
 from deepinfer_gateway.recipe_bridge.fields import COUNT_TOKENS_FIELDS, FIELDS
+from deepinfer_gateway.recipe_bridge.includes import HONOURED
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 
 
@@ -87,3 +88,23 @@ def test_errors_and_content_types(spec: dict[str, Any]) -> None:
         for method, operation in item.items():
             assert "422" not in operation["responses"], (path, method)  # FastAPI's default: never answered
             assert any(code.startswith("4") for code in operation["responses"]), (path, method)
+
+
+def test_the_reads_of_stored_items_describe_their_query_parameters(spec: dict[str, Any]) -> None:
+    def query(path: str, method: str = "get") -> dict[str, Any]:
+        params = spec["paths"][path][method]["parameters"]
+        return {p["name"]: p["schema"] for p in params if p["in"] == "query"}
+
+    pages = {"after", "limit", "order"}
+    assert set(query("/v1/responses/{response_id}")) == {"include", "stream", "starting_after"}
+    assert set(query("/v1/responses/{response_id}/input_items")) == {"include"} | pages
+    assert set(query("/v1/conversations/{conversation_id}/items")) == {"include"} | pages
+    assert set(query("/v1/conversations/{conversation_id}/items", "post")) == {"include"}
+    assert set(query("/v1/conversations/{conversation_id}/items/{item_id}")) == {"include"}
+    assert query("/v1/responses/{response_id}")["include"]["items"]["enum"] == list(HONOURED)
+    assert query("/v1/conversations/{conversation_id}/items")["limit"] == {
+        "type": "integer", "minimum": 1, "maximum": 100, "default": 20}
+    # the path parameters FastAPI found are still there
+    item = spec["paths"]["/v1/conversations/{conversation_id}/items/{item_id}"]["get"]
+    names = [p["name"] for p in item["parameters"]]
+    assert names[:2] == ["conversation_id", "item_id"]

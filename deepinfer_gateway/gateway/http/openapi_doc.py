@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer_gateway.recipe_bridge.completions import CompletionRequest
 from deepinfer_gateway.recipe_bridge.fields import COUNT_TOKENS_FIELDS, FIELDS
+from deepinfer_gateway.recipe_bridge.includes import HONOURED
 from deepinfer_gateway.recipe_bridge.prepared import ApiProtocol
 
 JSON = "application/json"
@@ -147,6 +148,28 @@ def _body(schema: Schema) -> Schema:
     return {"required": True, "content": {JSON: {"schema": schema}}}
 
 
+def _query(name: str, schema: Schema, description: str) -> Schema:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+# The reads of stored responses and conversation items: what `include` adds (the OpenAI SDK
+# sends it as `include[]`, which the gateway reads too; any other value is a 400) and the pages.
+_INCLUDE = _query("include", {"type": "array", "items": {"type": "string", "enum": list(HONOURED)}},
+                  "Output to add to the items shown: logprobs kept with the response (the gateway also reads "
+                  "include[]; any other value is a 400).")
+_PAGE = [
+    _query("after", _STRING, "An item id: the page starts after it."),
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "Items per page."),
+    _query("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}, "Oldest first (asc) or not."),
+]
+_RETRIEVE = [
+    _query("stream", {"type": "boolean", "default": False},
+           "A background response created with stream: true: its events again, as they were sent."),
+    _query("starting_after", {"type": "integer", "minimum": 0},
+           "With stream=true: only the events after this sequence number."),
+]
+
+
 def _operations(admin_bodies: Mapping[tuple[str, str], Schema], models: tuple[str, ...]
                 ) -> dict[tuple[str, str], Schema]:
     """(path, method) -> the operation fields that replace FastAPI's."""
@@ -167,8 +190,10 @@ def _operations(admin_bodies: Mapping[tuple[str, str], Schema], models: tuple[st
     for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
         for method in ("get", "delete"):
             ops[path, method] = {"responses": stored}
+    ops["/v1/responses/{response_id}/input_items", "get"]["parameters"] = [_INCLUDE, *_PAGE]
     ops["/v1/responses/{response_id}", "get"] = {  # stream=true: a background response's events
-        "responses": {**_ok(stream=True), **_errors((400, 401, 404, 405, 500, 503), OPENAI_ERROR)}}
+        "responses": {**_ok(stream=True), **_errors((400, 401, 404, 405, 500, 503), OPENAI_ERROR)},
+        "parameters": [_INCLUDE, *_RETRIEVE]}
     ops["/v1/responses/{response_id}/cancel", "post"] = {"responses": stored}
     conversation_answers = {**_ok(), **_errors((400, 401, 404, 405, 413, 500, 503), OPENAI_ERROR)}
     items: Schema = {"type": "array", "maxItems": 20, "items": {"type": "object"}}
@@ -186,6 +211,9 @@ def _operations(admin_bodies: Mapping[tuple[str, str], Schema], models: tuple[st
             ops[path, method] = {"responses": conversation_answers}
             if (path, method) in conversation_bodies:
                 ops[path, method]["requestBody"] = _body(conversation_bodies[path, method])
+    ops["/v1/conversations/{conversation_id}/items", "get"]["parameters"] = [_INCLUDE, *_PAGE]
+    ops["/v1/conversations/{conversation_id}/items", "post"]["parameters"] = [_INCLUDE]
+    ops["/v1/conversations/{conversation_id}/items/{item_id}", "get"]["parameters"] = [_INCLUDE]
     ops["/health", "get"] = {"responses": {**_ok(), **_errors((405,), OPENAI_ERROR)}}
     ops["/ready", "get"] = {"responses": {
         **_ok(), "503": {"description": "No healthy worker, or shutting down", "content": {JSON: {"schema": _OBJECT}}},
@@ -218,7 +246,11 @@ def document(spec: Schema, admin_bodies: Mapping[tuple[str, str], Schema] | None
         operation = spec.get("paths", {}).get(path, {}).get(method)
         if operation is None:
             continue
+        fields = dict(fields)
+        added = fields.pop("parameters", [])
         operation.update(fields)
+        if added:  # beside the path parameters FastAPI found
+            operation["parameters"] = [*operation.get("parameters", []), *added]
         if "requestBody" in fields:
             defs = fields["requestBody"]["content"][JSON]["schema"].pop("$defs", {})
             components.update(defs)

@@ -507,7 +507,7 @@ async def _nothing() -> None:
 
 
 _ECHOED = ("instructions", "max_output_tokens", "metadata", "model", "parallel_tool_calls", "previous_response_id",
-           "reasoning", "temperature", "text", "tool_choice", "tools", "top_p", "truncation", "user")
+           "reasoning", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user")
 
 
 def queued_response(obj: dict[str, Any], response_id: str, conversation: str | None) -> dict[str, Any]:
