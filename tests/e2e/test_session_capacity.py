@@ -8,6 +8,7 @@ full workers cache alike waits for whichever has room first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -111,23 +112,37 @@ async def test_a_second_session_waits_for_room_instead_of_evicting_a_live_one(ga
     assert _metric(gateway, "dgw_flow_queued_requests") == 0
 
 
+@contextlib.contextmanager
+def _two_replicas(redis_url: str, tmp_path: Path, shared: bool) -> Iterator[list[Gateway]]:
+    """Two gateway replicas on one Redis in front of one worker whose cache holds one context."""
+    profile = tmp_path / "profiles.toml"
+    profile.write_text(PROFILE)
+    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
+    toml = f'redis.url = "{redis_url}"\nredis.timeout_s = 10\n' + SESSIONS + f"shared = {str(shared).lower()}\n"
+    replicas: list[Gateway] = []
+    try:
+        for _ in range(2):
+            replicas.append(Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml))
+            replicas[-1].wait_ready(1)
+        yield replicas
+    finally:
+        for gw in replicas:
+            gw.stop()
+        cluster.stop()
+
+
+def _clients(replicas: list[Gateway]) -> list[openai.AsyncOpenAI]:
+    return [openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60) for gw in replicas]
+
+
 @pytest.mark.parametrize("shared", [True, False])
 async def test_replicas_on_one_redis_count_each_others_live_sessions(redis_url: str, tmp_path: Path,
                                                                      shared: bool) -> None:
     """Session a's rounds through one replica, session b's through another, one worker that holds
     one context: shared, b waits for a's TTL as it would on one gateway; each replica alone, b
     goes at once, beside a's live context (the thrash the capacity exists to prevent)."""
-    profile = tmp_path / "profiles.toml"
-    profile.write_text(PROFILE)
-    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
-    toml = f'redis.url = "{redis_url}"\nredis.timeout_s = 10\n' + SESSIONS + f"shared = {str(shared).lower()}\n"
-    replicas = []
-    try:
-        for _ in range(2):
-            replicas.append(Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml))
-            replicas[-1].wait_ready(1)
-        one, two = (openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
-                    for gw in replicas)
+    with _two_replicas(redis_url, tmp_path, shared) as replicas:
+        one, two = _clients(replicas)
         first = [{"role": "user", "content": _context("alpha")}]
         _, answer, prompt, _ = await _round(one, "agent-a", first)
         other = asyncio.create_task(_round(two, "agent-b", [{"role": "user", "content": _context("bravo")}]))
@@ -145,10 +160,6 @@ async def test_replicas_on_one_redis_count_each_others_live_sessions(redis_url: 
             assert ttft_b < TTL_S
             assert _metric(replicas[1], "dgw_session_waits_total") == 0
         assert _metric(replicas[1], "dgw_redis_errors_total") == 0
-    finally:
-        for gw in replicas:
-            gw.stop()
-        cluster.stop()
 
 
 async def test_a_round_waiting_at_one_replica_goes_before_a_later_one_at_another(redis_url: str,
@@ -156,17 +167,8 @@ async def test_a_round_waiting_at_one_replica_goes_before_a_later_one_at_another
     """One worker that holds one context, session a live on it through replica one. b's round
     waits at replica two, then c's at replica one: when a's TTL runs out, b goes first (it has
     waited longer), though c waits at the replica that saw a end; c goes once b's TTL has run out."""
-    profile = tmp_path / "profiles.toml"
-    profile.write_text(PROFILE)
-    cluster = SimCluster("unified:sm100", time_scale=1.0, extra=["--profiles", str(profile)])
-    toml = f'redis.url = "{redis_url}"\nredis.timeout_s = 10\n' + SESSIONS + "shared = true\n"
-    replicas = []
-    try:
-        for _ in range(2):
-            replicas.append(Gateway(tmp_path, [(cluster.urls[0], "unified", "sm100")], extra_toml=toml))
-            replicas[-1].wait_ready(1)
-        one, two = (openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
-                    for gw in replicas)
+    with _two_replicas(redis_url, tmp_path, shared=True) as replicas:
+        one, two = _clients(replicas)
         await _round(one, "agent-a", [{"role": "user", "content": _context("alpha")}])
         a_done = time.perf_counter()
 
@@ -183,10 +185,6 @@ async def test_a_round_waiting_at_one_replica_goes_before_a_later_one_at_another
         assert _metric(replicas[0], "dgw_session_proceeded_total") == 0
         assert _metric(replicas[1], "dgw_session_proceeded_total") == 0
         assert sum(_metric(gw, "dgw_redis_errors_total") for gw in replicas) == 0
-    finally:
-        for gw in replicas:
-            gw.stop()
-        cluster.stop()
 
 
 def _words(word: str, n: int) -> str:
