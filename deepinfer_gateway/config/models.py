@@ -332,6 +332,11 @@ class RouterSettings(_Frozen):
     inflight_lease_s: float = Field(
         60.0, gt=0,
         description="Shared in-flight reservations expire after this if a replica dies.")
+    routed_prefix_s: float = Field(
+        0.0, ge=0, le=60,
+        description="How long a prompt just routed to a worker counts as cached there, before the worker's KV "
+                    "events can say so: requests sharing its prefix that arrive meanwhile follow it instead of "
+                    "each computing it elsewhere (kvcache/routed.py). Per process. 0: the KV events only.")
     kv_events_interval_s: float = Field(
         0.05, gt=0, description="Seconds between polls of each worker's KV events; a worker pushing them over worker "
                                 "protocol v2 sends at most one batch per this interval (docs/worker-protocol.md).")

@@ -149,7 +149,7 @@ class EndpointPicker:
                                                fallbacks=self.fallbacks, lineage=lineage)
         if prepared is not None:
             self.routing.admit(plan, views)
-        self.routing.record(plan, request_id)
+        self.routing.record(plan, request_id, hashes)
         chosen = [plan.worker.worker_id, *(w.worker_id for w in plan.fallbacks)]
         workers = [self.registry.workers[w] for w in chosen if w in self.registry.workers]
         if not workers:

@@ -29,6 +29,7 @@ from deepinfer_gateway.core.session_identity import SessionIdentity
 from deepinfer_gateway.kvcache.factory import create_prefix_index
 from deepinfer_gateway.kvcache.hashing import PrefixHasher, pack_tokens
 from deepinfer_gateway.kvcache.memory import InMemoryPrefixIndex
+from deepinfer_gateway.kvcache.routed import RoutedPrefixes
 from deepinfer_gateway.kvcache.types import Overlap
 from deepinfer_gateway.router.admission import pool_queued_tokens, retry_after
 from deepinfer_gateway.router.booking import Booking
@@ -107,6 +108,8 @@ class SimGateway:
         index = create_prefix_index(None, clock=clock)
         assert isinstance(index, InMemoryPrefixIndex)
         self.index = index
+        ttl = config.router.routed_prefix_s
+        self.routed = RoutedPrefixes(ttl) if ttl > 0 else None  # as the gateway's RouteInputs
         self.requests: dict[str, RequestState] = {}
         self.active = 0  # requests arrived and not finished
         self.on_end: Callable[[RequestState], None] | None = None  # told of every finish and failure
@@ -140,11 +143,16 @@ class SimGateway:
         views = self.current_views()
         # One view per KV format says what the salts need (every view of a format has one model).
         req.hashes = hashes = prompt_hashes(req.tokens, self._format_views, self.hasher, packed)
-        overlap = self.index.lookup_now(hashes, self.formats)
+        overlap = self._lookup(hashes, self.formats)
         if self.sessions is not None and req.session is not None and req.session.session is not None:
             if not self._session_arrive(req, req.session.session, views, overlap):
                 return None  # waits for room
         return self._admitted(req, views, hashes, overlap)
+
+    def _lookup(self, hashes: dict[str, list[int]], formats: dict[str, str]) -> Overlap:
+        """The index's overlap, with what was just routed (as `RouteInputs.overlap`)."""
+        overlap = self.index.lookup_now(hashes, formats)
+        return overlap if self.routed is None else self.routed.merged(overlap, hashes, formats, self.clock())
 
     def _admitted(self, req: RequestState, views: ViewList, hashes: dict[str, list[int]],
                   overlap: Overlap) -> SimWorker | None:
@@ -188,6 +196,8 @@ class SimGateway:
             return None
         req.worker = worker
         req.booking = worker.book(rid, len(req.tokens), plan.decision.predicted_memory_tokens)
+        if self.routed is not None:
+            self.routed.add(worker.worker_id, hashes[worker.kv_format], self.clock())
         return worker
 
     # --- session capacity -----------------------------------------------------------------
@@ -233,7 +243,7 @@ class SimGateway:
             self.stats.session_wait_s += t - start.waiter.arrival
             self.stats.session_proceeded += start.timed_out
             views = self.current_views()
-            placed = self._admitted(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
+            placed = self._admitted(req, views, req.hashes, self._lookup(req.hashes, self.formats))
             if placed is not None:
                 kicked.append(placed)
 
@@ -309,7 +319,7 @@ class SimGateway:
                 req = _held(request)
                 self._starting(req, pool, request.tier)
                 views = self.current_views()
-                worker = self._place(req, views, req.hashes, self.index.lookup_now(req.hashes, self.formats))
+                worker = self._place(req, views, req.hashes, self._lookup(req.hashes, self.formats))
                 if worker is not None:
                     kicked.append(worker)
         return kicked

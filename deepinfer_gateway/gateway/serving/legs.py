@@ -194,7 +194,7 @@ class Legs:
                 if room is not None:
                     room.placed(plan.worker.worker_id)
                 self.routing.admit(plan, now)
-            self.routing.record(plan, leg.request_id)
+            self.routing.record(plan, leg.request_id, hashes)
             plans.append(plan)
             return (plan.worker.worker_id,
                     dataclasses.replace(leg, role=plan.mode.first_role,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
 
 from deepinfer_gateway.config import GatewaySettings
 from deepinfer_gateway.core import tracing
@@ -20,6 +21,7 @@ from deepinfer_gateway.gateway.fleet.registry import WorkerRegistry, WorkerState
 from deepinfer_gateway.gateway.serving.shared_affinity import SharedAffinity
 from deepinfer_gateway.gateway.telemetry.metrics import GatewayMetrics
 from deepinfer_gateway.kvcache.hashing import PrefixHasher
+from deepinfer_gateway.kvcache.routed import RoutedPrefixes
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.admission import retry_after
@@ -66,6 +68,8 @@ class RouteInputs:
         self.metrics = metrics
         self.settings = settings
         self.hasher = PrefixHasher()
+        ttl = settings.router.routed_prefix_s
+        self.routed = RoutedPrefixes(ttl) if ttl > 0 else None
 
     async def views(self) -> list[WorkerView]:
         workers = self.registry.healthy()
@@ -107,8 +111,11 @@ class RouteInputs:
         """The prompt's hashes per KV format and their overlap with each of `views`' caches."""
         hashes = prompt_hashes(prepared.token_ids, views, self.hasher, prepared.packed_tokens, cache_salt)
         started = time.perf_counter()
-        overlap = await self.index.lookup(hashes, {v.worker_id: v.kv_format for v in views})
+        formats = {v.worker_id: v.kv_format for v in views}
+        overlap = await self.index.lookup(hashes, formats)
         self.metrics.prefix_lookup.observe(time.perf_counter() - started)
+        if self.routed is not None:
+            overlap = self.routed.merged(overlap, hashes, formats, self.registry.loop_lag.now())
         return hashes, overlap
 
     async def lineage(self, session: SessionIdentity) -> Lineage | None:
@@ -134,8 +141,11 @@ class RouteInputs:
         raise Overloaded(f"Pool {pool} is overloaded ({queued} queued prompt tokens); retry later.",
                          headers={"retry-after": str(wait)})
 
-    def record(self, plan: Plan, request_id: str) -> None:
+    def record(self, plan: Plan, request_id: str, hashes: Mapping[str, Sequence[int]]) -> None:
+        """The request goes to the plan's worker (`hashes`: its prompt's, per KV format)."""
         w = plan.worker
+        if self.routed is not None:
+            self.routed.add(w.worker_id, hashes.get(w.kv_format, ()), self.registry.loop_lag.now())
         self.metrics.routing_decisions.labels(w.pool, w.hardware, str(plan.decision.reason)).inc()
         tracing.current_span().set_attributes({"route.mode": plan.mode, "route.worker": w.worker_id,
                                                "route.reason": str(plan.decision.reason)})
