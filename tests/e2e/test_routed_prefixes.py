@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -26,6 +27,16 @@ async def _served(client: openai.AsyncOpenAI, tail: str) -> tuple[str, int]:
     return raw.headers["x-dgw-worker"], (details.cached_tokens or 0) if details is not None else 0
 
 
+async def _until_a_worker_holds_a_request(cluster: SimCluster) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        for _ in range(500):
+            loads = [(await http.get(url + "/v1/worker/load")).json() for url in cluster.urls]
+            if any(load["running"] + load["waiting"] for load in loads):
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the first request reached no worker within 5 s")
+
+
 @pytest.mark.parametrize("routed_prefix_s", [2.0, 0.0])
 async def test_a_prefix_routed_a_moment_ago_draws_the_requests_that_share_it(tmp_path: Path,
                                                                             routed_prefix_s: float) -> None:
@@ -39,7 +50,7 @@ async def test_a_prefix_routed_a_moment_ago_draws_the_requests_that_share_it(tmp
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=1)  # the client's connection, open
             first = asyncio.create_task(_served(client, " first question"))
-            await asyncio.sleep(0.08)  # routed, and its prefill (~0.3 s) under way
+            await _until_a_worker_holds_a_request(cluster)  # routed, and its prefill (~0.3 s) under way
             (worker_a, cached_a), (worker_b, cached_b) = await asyncio.gather(first, _served(client, " second one"))
             assert cached_a == 0
             if routed_prefix_s:
