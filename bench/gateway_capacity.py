@@ -97,6 +97,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # harness/, at the repository root
+from _granian import GranianGateway
 from _harness import (
     chat_body,
     closed_loop,
@@ -158,24 +159,31 @@ class Target:
             self.gateway.stop()
 
 
-def start_gateway(worker_url: str, tree: str | None = None, processes: int = 1, extra_toml: str = "") -> Gateway:
-    """A gateway in front of one worker; `tree`: import the package from that source tree."""
+def start_gateway(worker_url: str, tree: str | None = None, processes: int = 1, extra_toml: str = "",
+                  server: str = "uvicorn") -> Gateway:
+    """A gateway in front of one worker; `tree`: import the package from that source tree;
+    `server`: granian serves the same app instead of `serve`'s uvicorn (bench/_granian.py)."""
     env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": tree} if tree else None
-    kwargs: dict[str, object] = {"processes": processes} if processes != 1 else {}
-    gateway = Gateway(Path(tempfile.mkdtemp()), [(worker_url, "unified", "sm100")], extra_toml=extra_toml, env=env,
-                      **kwargs)  # type: ignore[arg-type]
+    gateway: Gateway
+    if server == "granian":
+        gateway = GranianGateway(worker_url, extra_toml, env)  # type: ignore[assignment]
+    else:
+        kwargs: dict[str, object] = {"processes": processes} if processes != 1 else {}
+        gateway = Gateway(Path(tempfile.mkdtemp()), [(worker_url, "unified", "sm100")], extra_toml=extra_toml,
+                          env=env, **kwargs)  # type: ignore[arg-type]
     gateway.wait_ready(1)
     return gateway
 
 
 def has_baseline(args: argparse.Namespace) -> bool:
-    return bool(args.baseline or args.baseline_toml)
+    return bool(args.baseline or args.baseline_toml or args.server != "uvicorn")
 
 
 def gateways(worker_url: str, args: argparse.Namespace, extra_toml: str = "") -> list[Target]:
     """The gateway under test, and the baseline one when asked for (another tree, or this one with
-    `--baseline-toml`: e.g. worker protocol v1 against v2)."""
-    targets = [Target("gateway", "", start_gateway(worker_url, args.tree, extra_toml=extra_toml + args.toml))]
+    `--baseline-toml`: e.g. worker protocol v1 against v2; or uvicorn where `--server` is another)."""
+    targets = [Target("gateway", "", start_gateway(worker_url, args.tree, extra_toml=extra_toml + args.toml,
+                                                   server=args.server))]
     if has_baseline(args):
         targets.append(Target("baseline", "", start_gateway(worker_url, args.baseline or args.tree,
                                                             extra_toml=extra_toml + args.baseline_toml)))
@@ -527,12 +535,17 @@ def main() -> None:
                         help="gateway settings (TOML) for the baseline only; without --baseline the baseline is "
                              "this tree with them, e.g. 'worker_protocol = \"v1\"' against v2")
     parser.add_argument("--tree", default=None, help="source tree of the gateway under test (default: this checkout)")
+    parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn",
+                        help="granian: the gateway under test served by granian (bench/_granian.py), one process, "
+                             "the baseline by uvicorn")
     parser.add_argument("--profile", default=None, help="directory for py-spy profiles of the gateway")
     parser.add_argument("--idle-workers", type=int, default=4)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--idle-rounds", type=int, default=3, help="0 skips idle_cpu_ms_per_s")
     args = parser.parse_args()
     levels = [int(x) for x in args.processes.split(",") if x]
+    if args.server != "uvicorn":
+        levels = [n for n in levels if n == 1]  # bench/_granian.py serves one process
     if not supports_processes():
         print("launch.Gateway takes no `processes`: rps_N for N > 1 not measured", flush=True)
         levels = [n for n in levels if n == 1]

@@ -109,7 +109,16 @@ class KvTier(StrEnum):
 
 
 class _Model(BaseModel):
+    """What a worker is asked: an unknown field is refused (nothing accepted and ignored)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Report(BaseModel):
+    """What a worker reports: a gateway reads a newer worker's reports and ignores the fields it
+    does not know, so additive changes keep the version (docs/worker-protocol.md "Versioning")."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class StructuredOutput(_Model):
@@ -173,14 +182,14 @@ class AbortRequest(_Model):
     request_id: str
 
 
-class DpRankLoad(_Model):
+class DpRankLoad(_Report):
     dp_rank: int
     running: int
     waiting: int
     queued_prefill_tokens: int
 
 
-class LoadReport(_Model):
+class LoadReport(_Report):
     worker_id: str
     role: Role
     hardware: Hardware
@@ -198,7 +207,7 @@ class LoadReport(_Model):
     epoch: str = ""
 
 
-class WorkerInfo(_Model):
+class WorkerInfo(_Report):
     protocol_version: int = PROTOCOL_VERSION
     worker_id: str
     engine: Literal["sim", "deepinfer", "vllm", "openai"]
@@ -233,7 +242,7 @@ class KvEventKind(StrEnum):
     CLEARED = "cleared"  # all blocks of `tier` are gone (worker restart)
 
 
-class KvEvent(_Model):
+class KvEvent(_Report):
     seq: int  # per worker, per epoch, gap-free from 1
     kind: KvEventKind
     tier: KvTier
@@ -241,7 +250,7 @@ class KvEvent(_Model):
     expires_at: float | None = None  # store tier: unix time of TTL expiry
 
 
-class KvEventBatch(_Model):
+class KvEventBatch(_Report):
     worker_id: str
     epoch: str
     events: list[KvEvent]
