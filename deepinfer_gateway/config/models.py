@@ -336,9 +336,7 @@ class RouterSettings(_Frozen):
         0.0, ge=0, le=60,
         description="How long a prompt just routed to a worker counts as cached there, before the worker's KV "
                     "events can say so: requests sharing its prefix that arrive meanwhile follow it instead of "
-                    "each computing it elsewhere (kvcache/routed.py), and the prefill step it starts on one DP "
-                    "rank is priced for the requests placed beside it (router/policy.py queue_wait_s). Per process. "
-                    "0: the KV events only.")
+                    "each computing it elsewhere (kvcache/routed.py). Per process. 0: the KV events only.")
     kv_events_interval_s: float = Field(
         0.05, gt=0, description="Seconds between polls of each worker's KV events; a worker pushing them over worker "
                                 "protocol v2 sends at most one batch per this interval (docs/worker-protocol.md).")

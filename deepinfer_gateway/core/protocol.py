@@ -219,8 +219,6 @@ class WorkerInfo(_Report):
     block_tokens: int = KV_BLOCK_TOKENS
     # Sequences one DP rank runs at once (the engine's max_num_seqs); None: not said.
     max_num_seqs: int | None = Field(None, ge=1)
-    # Prefill tokens one DP rank takes per step (the engine's max_num_batched_tokens); None: not said.
-    max_num_batched_tokens: int | None = Field(None, ge=1)
     # A decode worker that can also prefill a prompt itself (PD bypass of short uncached parts).
     # DeepInfer's COMPLETION engine cannot; absent (older workers) means it can.
     prefills: bool = True

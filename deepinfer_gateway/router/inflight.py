@@ -45,12 +45,6 @@ class MemoryInflight:
         """This process's bookings on `worker`, now."""
         return self._sums.get(worker, 0)
 
-    def largest(self, worker: str) -> int:
-        """This process's largest booking on `worker` (0 if none is above 0): the largest prompt it
-        sent there that no load report counts yet (router/booking.py `amount`)."""
-        booked = self._tokens.get(worker)
-        return max(0, max(booked.values())) if booked else 0
-
     def reserve(self, worker: str, request_id: str, tokens: int) -> None:
         booked = self._tokens.setdefault(worker, {})
         self._sums[worker] = self._sums.get(worker, 0) + tokens - booked.get(request_id, 0)
@@ -144,9 +138,6 @@ class RedisInflight:
 
     def own(self, worker: str) -> int:
         return self._local.own(worker)
-
-    def largest(self, worker: str) -> int:
-        return self._local.largest(worker)
 
     def reserve(self, worker: str, request_id: str, tokens: int) -> None:
         self._local.reserve(worker, request_id, tokens)

@@ -133,7 +133,6 @@ class RoutePlanner:
         return Candidate(
             worker_id=w.worker_id, hardware=w.hardware, pool=w.pool, kv_format=w.kv_format,
             queued_prefill_tokens=w.queued_prefill_tokens, running=w.running, dp_ranks=w.dp_ranks,
-            step_under_way=w.step_under_way, step_budget=w.step_budget,
             prefill_tokens_per_s=cost.prefill_tokens_per_s, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
             kv_bytes_per_token=cost.kv_bytes_per_token,
         )

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.router.policy import PROFILE, Candidate, Columns, queue_wait_s
+from deepinfer_gateway.router.policy import PROFILE, Candidate, Columns
 from deepinfer_gateway.router.worker_view import WorkerView
 
 
@@ -107,7 +107,7 @@ class PoolCandidates:
         self.store: Mapping[str, int] = {}
         self.queues = [c.queued_prefill_tokens for c in self.bases]
         self.running = [c.running for c in self.bases]
-        self.waits = list(map(queue_wait_s, self.bases))
+        self.waits = [c.queued_prefill_tokens / c.prefill_tokens_per_s for c in self.bases]
         self.profile_values: list[tuple[Any, ...]] = []
         self.profile_of: dict[tuple[Any, ...], int] = {}
         self.profiles = [self._profile(c) for c in self.bases]
@@ -167,7 +167,7 @@ class PoolCandidates:
             self.formats[i] = w.kv_format
             self.queues[i] = base.queued_prefill_tokens
             self.running[i] = base.running
-            self.waits[i] = queue_wait_s(base)
+            self.waits[i] = base.queued_prefill_tokens / base.prefill_tokens_per_s
             self.profiles[i] = self._profile(base)
         memory, store = overlap.memory, overlap.store
         if memory:

@@ -14,13 +14,10 @@ Estimated TTFT of a candidate (seconds), from the view only:
     mem   = min(memory_hit_blocks * B, P)                  tokens already in its memory
     store = max(0, min(store_hit_blocks * B, P) - mem)     tokens it can load from the store
     ttft  = queued_prefill_tokens / prefill_tokens_per_s   queue wait (all DP ranks drain it)
-          + step * (dp_ranks - 1) / prefill_tokens_per_s   but a step under way runs on one rank
           + (P - mem - store) / (prefill_tokens_per_s / dp_ranks)   its own prefill, on one rank
           + store * kv_bytes_per_token / kv_load_bytes_per_s        KV load at store bandwidth
 
-P = prompt tokens, B = 128-token blocks, step = min(step_under_way, step_budget): one rank's
-prefill step that the others step with (router/policy.py `queue_wait_s`; priced only where the
-view says one, with `router.routed_prefix_s`). Two adjustments on top of the cheapest candidate:
+P = prompt tokens, B = 128-token blocks. Two adjustments on top of the cheapest candidate:
 - Stickiness: the candidate holding the longest memory prefix is kept unless its cost
   exceeds `stick_ratio` x the cheapest + `stick_s` (default 1.5x + 50 ms). The formula
   prices only this request; moving a conversation off the worker that holds its history

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, truediv
 from typing import Any, Protocol
 
 
@@ -41,8 +41,6 @@ class Candidate:
     queued_prefill_tokens: int = 0  # last load report + this gateway's (and peers') in-flight prompts
     running: int = 0  # running sequences (decode load)
     dp_ranks: int = 1
-    step_under_way: int = 0  # one DP rank's prefill step under way, tokens (WorkerView)
-    step_budget: int = 0  # one DP rank's prefill tokens per step (0: unknown)
     memory_hit_blocks: int = 0  # leading blocks of the prompt in this worker's memory tier
     store_hit_blocks: int = 0  # leading blocks in the shared store for this worker's KV format
     prefill_tokens_per_s: float = 300_000.0  # instance throughput (hardware cost table)
@@ -66,21 +64,13 @@ class Columns:
     running: list[int]
     hits: list[int]  # memory_hit_blocks
     stored: list[int]  # store_hit_blocks
-    waits: list[float]  # `queue_wait_s`
+    waits: list[float]  # queued_prefill_tokens / prefill_tokens_per_s
     profiles: list[int]
     profile_values: list[tuple[Any, ...]]
 
 
 _QUEUE = attrgetter("queued_prefill_tokens")
-
-
-def queue_wait_s(c: Candidate) -> float:
-    """Seconds a request placed on c waits before its own prefill: the queue, drained by all DP
-    ranks, except a step under way. The ranks step together, so a step whose one rank computes a
-    prompt's chunk (up to the step budget) lasts as long as that rank takes, and a request placed
-    beside it joins the step after: the chunk counts at one rank's speed, not all ranks'."""
-    step = c.step_under_way if c.step_budget <= 0 else min(c.step_under_way, c.step_budget)
-    return (c.queued_prefill_tokens + step * (max(1, c.dp_ranks) - 1)) / c.prefill_tokens_per_s
+_SPEED = attrgetter("prefill_tokens_per_s")
 
 
 def columns_of(candidates: Sequence[Candidate]) -> Columns:
@@ -92,7 +82,7 @@ def columns_of(candidates: Sequence[Candidate]) -> Columns:
     return Columns(
         ids=[c.worker_id for c in candidates], queues=queues, running=[c.running for c in candidates],
         hits=[c.memory_hit_blocks for c in candidates], stored=[c.store_hit_blocks for c in candidates],
-        waits=list(map(queue_wait_s, candidates)),
+        waits=list(map(truediv, queues, map(_SPEED, candidates))),
         profiles=list(map(index.__getitem__, profiles)), profile_values=profile_values,
     )
 

@@ -24,11 +24,6 @@ class WorkerView:
     waiting: int = 0  # requests the engine holds, not yet running (last load report): flow control reads it
     kv_usage: float = 0.0  # of its KV memory, 0..1 (last load report)
     dp_ranks: int = 1
-    # The largest prompt routed here that no load report counts yet (tokens to compute, at most
-    # queued_prefill_tokens; 0 unless router.routed_prefix_s is on): one DP rank's step under way,
-    # which every rank's next request waits for (router/policy.py `queue_wait_s`).
-    step_under_way: int = 0
-    step_budget: int = 0  # prefill tokens one DP rank takes per step (max_num_batched_tokens; 0: unknown)
     slots: int = 0  # sequences it runs at once, all DP ranks (0: unknown); flow control's flex share
     prefills: bool = True  # a decode worker that can take a PD bypass
     preempts: bool = False  # it schedules by the requests' priority and preempts (flow control reads it)

@@ -10,9 +10,6 @@ same `WorkerView` the live gateway's `route_inputs.worker_view` builds:
                             router/booking.py `Booking`: what the report does not yet say)
     running               = last load report's running + this gateway's open legs
     dp_ranks              = DP ranks in the last load report
-    step_under_way        = with router.routed_prefix_s: the last load report's longest DP rank
-                            queue or the largest booking no load report counts yet, the larger
-                            (at most queued_prefill_tokens)
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ class SimWorker:
         "pending",
         "pool",
         "profile",
-        "report_longest",
         "report_queued",
         "report_ranks",
         "report_running",
@@ -52,13 +48,12 @@ class SimWorker:
         "unreported",
         "role",
         "stale",
-        "steps_seen",
         "version",
         "worker_id",
     )
 
     def __init__(self, worker_id: str, role: Role, pool: str, profile: HardwareProfile, model: str,
-                 store: InMemoryKvStore | None, time_scale: float, steps_seen: bool = False) -> None:
+                 store: InMemoryKvStore | None, time_scale: float) -> None:
         self.worker_id = worker_id
         self.role = role
         self.pool = pool
@@ -68,7 +63,6 @@ class SimWorker:
         self.core = CruisingCore(profile, self.events, model, store=store, time_scale=time_scale)
         self.report_queued = 0  # the gateway's last load report of this worker
         self.report_running = 0
-        self.report_longest = 0
         self.report_ranks = profile.dp_ranks
         self.reserved = 0  # in-flight bookings' sum (router/booking.py `Booking`)
         self.booked: dict[str, int] = {}  # each booking's amount, by request id
@@ -81,7 +75,6 @@ class SimWorker:
         self.version = 0  # invalidates a cruise's end event when an arrival interrupts it
         self._view: WorkerView | None = None
         self.stale: set[SimWorker] = set()  # where a changed view is announced (the simulator's)
-        self.steps_seen = steps_seen  # the view carries `step_under_way` (router.routed_prefix_s)
 
     @property
     def kv_format(self) -> str:
@@ -91,7 +84,7 @@ class SimWorker:
         """Take a load report now (what the gateway's health check reads): it counts every
         request sent so far (they reach the core at once), as a live report probed after the
         worker accepted them does."""
-        self.report_queued, self.report_running, self.report_longest = self.core.load_totals()
+        self.report_queued, self.report_running = self.core.load_totals()
         self.report_ranks = self.profile.dp_ranks  # len(rank_loads()), which has one per rank
         unreported, self.unreported = self.unreported, []
         for booking in unreported:
@@ -127,13 +120,10 @@ class SimWorker:
     def view(self) -> WorkerView:
         view = self._view
         if view is None:
-            queued = max(0, self.report_queued + self.reserved)
-            step = min(queued, max(self.report_longest, max(self.booked.values(), default=0))) if self.steps_seen else 0
             view = self._view = WorkerView(
                 worker_id=self.worker_id, role=self.role, pool=self.pool, hardware=str(self.profile.hardware),
                 kv_format=self.profile.kv_format, model=self.model,
-                queued_prefill_tokens=queued, booked_tokens=self.reserved,
-                step_under_way=step, step_budget=self.profile.max_num_batched_tokens,
+                queued_prefill_tokens=max(0, self.report_queued + self.reserved), booked_tokens=self.reserved,
                 running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
                 slots=self.profile.max_num_seqs * self.report_ranks,
                 preempts=self.profile.scheduling_policy == "priority",
@@ -146,7 +136,6 @@ def build_workers(config: ClusterConfig) -> tuple[list[SimWorker], InMemoryKvSto
     store = InMemoryKvStore(capacity_blocks=config.store.capacity_blocks) if config.store.enabled else None
     workers: list[SimWorker] = []
     counters: dict[str, int] = {}
-    steps_seen = config.router.routed_prefix_s > 0  # as the gateway's views (route_inputs.py)
     for group in config.workers:
         if group.hardware not in profiles:
             raise ValueError(f"workers: no hardware profile {group.hardware!r} (have {', '.join(sorted(profiles))})")
@@ -160,5 +149,5 @@ def build_workers(config: ClusterConfig) -> tuple[list[SimWorker], InMemoryKvSto
             key = f"{pool}-{group.hardware}"
             n = counters[key] = counters.get(key, -1) + 1
             workers.append(SimWorker(f"{key}-{n}", group.role, pool, profile, config.model, store,
-                                     config.time_scale, steps_seen))
+                                     config.time_scale))
     return workers, store

@@ -194,33 +194,6 @@ def test_estimated_ttft_prices_own_prefill_on_one_dp_rank() -> None:
     assert seconds == 40_000 * 4 / 400_000.0
 
 
-def test_a_step_under_way_counts_at_one_ranks_speed_up_to_its_budget() -> None:
-    """DP ranks step together: a request beside one rank's prefill step waits for that step."""
-    speed = 400_000.0
-
-    def wait(dp_ranks: int, **kw: object) -> float:
-        c = cand("a", prefill_tokens_per_s=speed, queued_prefill_tokens=20_000, dp_ranks=dp_ranks, **kw)
-        return estimated_ttft_s(c, RoutingView(1, (c,)))[0] - dp_ranks / speed  # less its own token's prefill
-
-    assert wait(4) == 20_000 / speed  # nothing said of a step: the queue spread over the ranks
-    assert wait(4, step_under_way=12_000) == (20_000 + 12_000 * 3) / speed
-    assert wait(4, step_under_way=20_000, step_budget=16_384) == (20_000 + 16_384 * 3) / speed
-    assert wait(1, step_under_way=20_000) == 20_000 / speed  # one rank: its queue, as before
-
-
-def test_a_request_leaves_a_holder_whose_step_under_way_outlasts_computing_its_prefix_elsewhere() -> None:
-    """A holder of 6k cached tokens computing a 16k prompt on one rank: the step under way (~0.19 s
-    at 340k tokens/s over 4 ranks) costs more than computing the 6k elsewhere (~0.07 s)."""
-    def holder(**kw: object) -> Candidate:
-        return cand("holder", dp_ranks=4, prefill_tokens_per_s=340_000.0, memory_hit_blocks=47,
-                    queued_prefill_tokens=16_000, step_budget=16_384, **kw)
-
-    idle = cand("idle", dp_ranks=4, prefill_tokens_per_s=340_000.0)
-    assert EstimatedTtft().choose(RoutingView(6_100, (holder(), idle))).worker_id == "holder"
-    decision = EstimatedTtft().choose(RoutingView(6_100, (holder(step_under_way=16_000), idle)))
-    assert decision.worker_id == "idle" and decision.reason is Reason.QUEUE_OVER_CACHE
-
-
 def test_estimated_ttft_sticks_to_the_history_holder_within_the_margin() -> None:
     holder = cand("holder", memory_hit_blocks=300, queued_prefill_tokens=60_000)
     idle = cand("idle")

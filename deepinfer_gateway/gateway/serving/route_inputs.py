@@ -35,23 +35,17 @@ log = logging.getLogger(__name__)
 LEG_ROLE = {"unified": "unified", "pd": "prefill", "bypass": "unified"}
 
 
-def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0, largest: int | None = None
-                ) -> WorkerView | None:
+def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0) -> WorkerView | None:
     """A worker as the planner sees it (`now`: loop time; `own`: of `booked`, this process's
-    bookings; `largest`, where the step under way is priced: this process's largest booking
-    there); None before its first info report."""
+    bookings); None before its first info report."""
     if worker.info is None:
         return None
     load = worker.load
     dp_ranks = len(load.dp_ranks) if load and load.dp_ranks else worker.info.dp_size
-    queued = max(0, (load.queued_prefill_tokens if load else 0) + booked)
-    step = 0  # WorkerView.step_under_way: the longest DP rank's queue or a prompt not yet reported
-    if largest is not None:
-        step = max(largest, max((rank.queued_prefill_tokens for rank in load.dp_ranks), default=0) if load else 0)
     return WorkerView(
         worker_id=worker.worker_id, role=worker.spec.role, pool=worker.pool, hardware=str(worker.spec.hardware),
-        kv_format=worker.kv_format, model=worker.info.model, queued_prefill_tokens=queued,
-        step_under_way=min(step, queued), step_budget=worker.info.max_num_batched_tokens or 0,
+        kv_format=worker.kv_format, model=worker.info.model,
+        queued_prefill_tokens=max(0, (load.queued_prefill_tokens if load else 0) + booked),
         booked_tokens=booked, own_booked=own, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
         waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
@@ -81,17 +75,9 @@ class RouteInputs:
         workers = self.registry.healthy()
         booked = await self.inflight.totals([w.worker_id for w in workers])
         now = self.registry.loop_lag.now()
-        own, largest = self.inflight.own, self._largest
+        own = self.inflight.own
         return [v for w in workers
-                if (v := worker_view(w, booked.get(w.worker_id, 0), now, own(w.worker_id), largest(w.worker_id)))
-                is not None]
-
-    def _largest(self, worker_id: str) -> int | None:
-        """This process's largest booking on the worker, where the step under way is priced
-        (`WorkerView.step_under_way`): only with `router.routed_prefix_s`, which draws a prompt's
-        followers onto its worker while it computes. Without it, pricing the step moved
-        conversations off their holders for no gain (`simulate`: docs/policies.md)."""
-        return self.inflight.largest(worker_id) if self.routed is not None else None
+                if (v := worker_view(w, booked.get(w.worker_id, 0), now, own(w.worker_id))) is not None]
 
     def current(self, views: list[WorkerView]) -> list[WorkerView]:
         """`views` with this process's bookings and open legs as they are now. Between reading its
@@ -106,8 +92,7 @@ class RouteInputs:
             if w is None or (mine == v.own_booked and v.running == w.inflight + (w.load.running if w.load else 0)):
                 fresh.append(v)  # nothing booked or opened since (a request alone): no copy
                 continue
-            fresh.append(worker_view(w, v.booked_tokens - v.own_booked + mine, now, mine, self._largest(v.worker_id))
-                         or v)
+            fresh.append(worker_view(w, v.booked_tokens - v.own_booked + mine, now, mine) or v)
         return fresh
 
     async def candidates(self, prepared: PreparedRequest, cache_salt: str | None = None

@@ -52,14 +52,13 @@ def decision_record(plan: Plan, request_id: str, ready: dict[str, Any], *, arriv
 
 
 def _queue_parts(view: WorkerView | None) -> dict[str, Any]:
-    """Where a candidate's queue came from: the load report (and its age), the bookings
-    (`reported_tokens` None where their sum was below 0 and the queue taken as 0) and, of them,
-    the step under way (`WorkerView.step_under_way`)."""
+    """Where a candidate's queue came from: the load report (and its age) and the bookings
+    (`reported_tokens` None where their sum was below 0 and the queue taken as 0)."""
     if view is None:
         return {}
     queued, booked = view.queued_prefill_tokens, view.booked_tokens
     return {"reported_tokens": queued - booked if queued or booked >= 0 else None, "booked_tokens": booked,
-            "step_tokens": view.step_under_way, "load_age_s": view.load_age_s}
+            "load_age_s": view.load_age_s}
 
 
 class DecisionLog:

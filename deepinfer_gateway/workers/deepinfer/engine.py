@@ -173,7 +173,6 @@ class DeepInferEngine:
             model=c.served_model,
             dp_size=c.dp_size,
             max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens,
             prefills=c.role is not Role.DECODE,  # a COMPLETION engine only continues handed-off KV
             epoch=self._events.epoch,
         )

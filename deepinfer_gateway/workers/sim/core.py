@@ -363,12 +363,11 @@ class SchedulerCore:
             s.remaining_prefill for s in self._running[rank] if not s.prefilled
         )
 
-    def load_totals(self) -> tuple[int, int, int]:
-        """(queued prefill tokens, running) summed over the DP ranks and the longest rank's queued
-        prefill tokens, as `rank_loads` reports them, without building the reports (the simulator
-        reads these every tick)."""
-        queued = list(map(self._queued_tokens, range(self.profile.dp_ranks)))
-        return sum(queued), sum(map(len, self._running)), max(queued)
+    def load_totals(self) -> tuple[int, int]:
+        """(queued prefill tokens, running) summed over the DP ranks, as `rank_loads` reports
+        them, without building the reports (the simulator reads these every tick)."""
+        ranks = range(self.profile.dp_ranks)
+        return sum(map(self._queued_tokens, ranks)), sum(map(len, self._running))
 
     def rank_loads(self) -> list[DpRankLoad]:
         return [

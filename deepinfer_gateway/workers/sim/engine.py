@@ -108,7 +108,6 @@ class SimEngine:
             model=self._model,
             dp_size=self.profile.dp_ranks,
             max_num_seqs=self.profile.max_num_seqs,
-            max_num_batched_tokens=self.profile.max_num_batched_tokens,
             scheduling_policy="priority" if self._core.by_priority else "fcfs",
             priority_preemption=self._core.by_priority,
             epoch=self._events.epoch,
