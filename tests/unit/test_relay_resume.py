@@ -31,16 +31,17 @@ class FlowControlled:
             raise
 
 
-def started(coroutine: Any) -> Any:
-    """Run `coroutine` up to its first wait outside any task, as the direct path does."""
-    waiting_on = coroutine.send(None)
+def started(write: Any) -> Any:
+    """Run `write` (an awaitable's iterator) up to its first wait outside any task, as the direct
+    path does."""
+    waiting_on = next(write)
     assert isinstance(waiting_on, asyncio.Future) and not waiting_on.done()
     return waiting_on
 
 
 async def test_a_started_write_is_finished_by_the_task() -> None:
     flow = FlowControlled()
-    write = flow.send(b"chunk")
+    write = flow.send(b"chunk").__await__()
     waiting_on = started(write)
     task = asyncio.ensure_future(_resume(write, waiting_on))
     await asyncio.sleep(0.01)
@@ -57,7 +58,7 @@ async def test_an_error_inside_the_write_comes_out_in_the_task() -> None:
         await ready
         raise OSError("client gone")
 
-    write = failing()
+    write = failing().__await__()
     task = asyncio.ensure_future(_resume(write, started(write)))
     ready.set_result(None)
     with pytest.raises(OSError, match="client gone"):
@@ -66,7 +67,7 @@ async def test_an_error_inside_the_write_comes_out_in_the_task() -> None:
 
 async def test_cancelling_the_task_cancels_the_write_where_it_waits() -> None:
     flow = FlowControlled()
-    write = flow.send(b"chunk")
+    write = flow.send(b"chunk").__await__()
     task = asyncio.ensure_future(_resume(write, started(write)))
     await asyncio.sleep(0.01)
     task.cancel()

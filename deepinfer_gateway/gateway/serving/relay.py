@@ -253,11 +253,13 @@ def _sink(exchange: Exchange, send: Send, event: dict[str, Any]) -> bool:
     try:
         out = _tokens(exchange, event, True)
         if out:
-            write = send({"type": "http.response.body", "body": out, "more_body": True})
+            # Its iterator, stepped with next(): uvicorn's `send` is a coroutine, granian's another
+            # awaitable whose iterator has no `send`.
+            write = send({"type": "http.response.body", "body": out, "more_body": True}).__await__()
             try:
                 # ASGI servers write at once unless the client's socket is full: then `send`
                 # waits on a future, and the relay's task finishes it (`_take_back`).
-                waiting_on = write.send(None)  # type: ignore[attr-defined]
+                waiting_on = next(write)
             except StopIteration:
                 pass
             else:
@@ -282,7 +284,9 @@ async def _take_back(exchange: Exchange) -> None:
         try:
             await _resume(write, waiting_on)
         finally:
-            write.close()  # a no-op once finished; ends it if this task was cancelled meanwhile
+            close = getattr(write, "close", None)  # a no-op once finished; ends it if this task was cancelled
+            if close is not None:
+                close()
     if exchange.sink_error is not None:
         error, exchange.sink_error = exchange.sink_error, None
         raise error
@@ -290,9 +294,10 @@ async def _take_back(exchange: Exchange) -> None:
 
 @types.coroutine
 def _resume(coroutine: Any, waiting_on: Any) -> Generator[Any, Any, None]:
-    """Run a coroutine started elsewhere to its end in this task: what it waits on (as it
-    yielded it to its caller) goes to the task, results and exceptions back into it. `await`
-    cannot take it over: a coroutine suspended in an await counts as awaited already."""
+    """Run an awaitable started elsewhere (`coroutine`: its `__await__()` iterator) to its end
+    in this task: what it waits on (as it yielded it to its caller) goes to the task, results
+    and exceptions back into it. `await` cannot take it over: a coroutine suspended in an await
+    counts as awaited already."""
     while True:
         try:
             yield waiting_on
@@ -303,7 +308,7 @@ def _resume(coroutine: Any, waiting_on: Any) -> Generator[Any, Any, None]:
                 return
         else:
             try:
-                waiting_on = coroutine.send(None)
+                waiting_on = next(coroutine)
             except StopIteration:
                 return
 
