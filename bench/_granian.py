@@ -4,7 +4,8 @@ for `bench/gateway_capacity.py --server granian`: the same settings file and the
 process, one runtime thread, uvloop). A measurement, not a shipped way to serve: it has none of
 `serve`'s drain, connection bounds or supervisor.
 
-`app` is granian's `--factory` target; the settings file comes from DGW_BENCH_CONFIG.
+`app` is granian's `--factory` target; the settings file comes from BENCH_GATEWAY_CONFIG (not a
+DGW_ variable: the settings loader would warn of one it does not know).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def app() -> Any:
     from deepinfer_gateway.config import load_settings
     from deepinfer_gateway.process.gateway_process import gateway_app
 
-    return gateway_app(load_settings(os.environ["DGW_BENCH_CONFIG"]))[0]
+    return gateway_app(load_settings(os.environ["BENCH_GATEWAY_CONFIG"]))[0]
 
 
 class GranianGateway:
@@ -37,7 +38,7 @@ class GranianGateway:
         self.proc = Proc([sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--host", "127.0.0.1",
                           "--port", str(self.port), "--loop", "uvloop", "--no-ws", "--log-level", "warning",
                           "--working-dir", str(Path(__file__).parent), "_granian:app"],
-                         env={**(env or {}), "DGW_BENCH_CONFIG": str(config)})
+                         env={**(env or {}), "BENCH_GATEWAY_CONFIG": str(config)})
         try:
             wait_for_port(self.port, START_TIMEOUT_S, self.proc)
         except BaseException:
