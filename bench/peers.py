@@ -359,8 +359,11 @@ def start_router(target: str, workers: Workers, tmp: Path, decision_log: Path | 
         # The target's own settings go first: top-level keys must precede any [section].
         own = {"gateway": gateway_toml, "gateway-base": baseline_toml}[target]
         own = own + "\n" if own else ""
-        log_toml = f"[router]\ndecision_log = {json.dumps(str(decision_log))}\n" if decision_log else ""
-        gateway = workers.gateway(tmp, own + log_toml, env)
+        if decision_log:  # into the target's own [router] table where it has one (TOML declares a table once)
+            log_line = f"decision_log = {json.dumps(str(decision_log))}\n"
+            own = own.replace("[router]\n", "[router]\n" + log_line, 1) if "[router]\n" in own \
+                else own + "[router]\n" + log_line
+        gateway = workers.gateway(tmp, own, env)
         gateway.wait_ready(len(workers.urls), timeout=60)
         return Router(gateway.url, gateway.proc.proc.pid, gateway.stop)
     if target == "epp":
