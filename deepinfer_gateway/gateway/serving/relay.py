@@ -293,22 +293,22 @@ async def _take_back(exchange: Exchange) -> None:
 
 
 @types.coroutine
-def _resume(coroutine: Any, waiting_on: Any) -> Generator[Any, Any, None]:
-    """Run an awaitable started elsewhere (`coroutine`: its `__await__()` iterator) to its end
+def _resume(steps: Any, waiting_on: Any) -> Generator[Any, Any, None]:
+    """Run an awaitable started elsewhere (`steps`: its `__await__()` iterator) to its end
     in this task: what it waits on (as it yielded it to its caller) goes to the task, results
     and exceptions back into it. `await` cannot take it over: a coroutine suspended in an await
     counts as awaited already."""
     while True:
         try:
             yield waiting_on
-        except BaseException as exc:  # the task's cancellation: into the coroutine, where it waits
+        except BaseException as exc:  # the task's cancellation: into the write, where it waits
             try:
-                waiting_on = coroutine.throw(exc)
+                waiting_on = steps.throw(exc)
             except StopIteration:
                 return
         else:
             try:
-                waiting_on = next(coroutine)
+                waiting_on = next(steps)
             except StopIteration:
                 return
 
