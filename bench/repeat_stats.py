@@ -5,7 +5,9 @@ One run of an 800-request p99 is the 8th-worst request of one replay: it swings 
 machine. A claim needs several interleaved repetitions; these summarise them:
 - `describe(values)`: median, min, max and spread (max / min) of one figure over the runs;
 - `ratio_ci(a, b)`: median(a) / median(b) with a percentile bootstrap interval (each
-  resample draws both targets' runs with replacement; seeded, so the report is stable).
+  resample draws both targets' runs with replacement; seeded, so the report is stable);
+- `across_slices(ratios)`: each ratio over several slices (trace parts or seeds), whose
+  absolute figures differ, so only their ratios are pooled.
 """
 
 from __future__ import annotations
@@ -78,3 +80,15 @@ def summarise(rows: Sequence[dict[str, Any]], reference: str = "gateway") -> dic
                                [float(r[f]) for r in theirs if r.get(f) is not None])
                 for name, f in RATIO_FIGURES.items()}
     return {"targets": targets, "ratios": ratios}
+
+
+def across_slices(slice_ratios: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each ratio over the slices: its per-slice values, their median, lowest and highest."""
+    out: dict[str, dict[str, Any]] = {}
+    for pair in slice_ratios[0] if slice_ratios else {}:
+        out[pair] = {}
+        for name in slice_ratios[0][pair]:
+            values = [r[pair][name]["ratio"] for r in slice_ratios if r.get(pair, {}).get(name, {}).get("ratio")]
+            out[pair][name] = {"per_slice": values, "median": round(statistics.median(values), 4) if values else None,
+                               "low": min(values, default=None), "high": max(values, default=None)}
+    return out

@@ -44,3 +44,15 @@ def test_summarise_per_target_and_ratios_to_each_peer() -> None:
     assert ratios["router_cpu"] == {"ratio": 2.0, "low": 2.0, "high": 2.0}
     assert ratios["workers_cpu"]["ratio"] is None  # no run reported it
     assert set(out["ratios"]) == {"gateway_vs_sglang-router"}
+
+
+def test_ratios_across_slices_pool_only_the_ratios() -> None:
+    def slice_ratios(p99: float, p50: float | None) -> dict[str, dict[str, dict[str, float | None]]]:
+        return {"gateway_vs_sglang-router": {"p99": {"ratio": p99, "low": p99, "high": p99},
+                                             "p50": {"ratio": p50, "low": p50, "high": p50}}}
+
+    out = repeat_stats.across_slices([slice_ratios(0.7, 0.9), slice_ratios(1.6, None), slice_ratios(1.1, 1.0)])
+    pair = out["gateway_vs_sglang-router"]
+    assert pair["p99"] == {"per_slice": [0.7, 1.6, 1.1], "median": 1.1, "low": 0.7, "high": 1.6}
+    assert pair["p50"] == {"per_slice": [0.9, 1.0], "median": 0.95, "low": 0.9, "high": 1.0}  # a slice without one
+    assert repeat_stats.across_slices([]) == {}
