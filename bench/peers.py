@@ -76,6 +76,9 @@ The load generator streams with a lean SSE reader (httpx + orjson, `ClientConfig
 openai SDK builds a model object per chunk, ~65 ms of client CPU per 800-token-average
 request of this trace, and on a 2-core host its saturated event loop delayed first chunks by
 seconds (send lag p99 9-14 s) for every router alike. `--sdk-client` uses the SDK.
+`--tool-calls` (with `--sessions`): each round offers a tool and the rounds go out as its calls
+and their results (loadgen/turns.py), so every router serves the protocol's tool calls and the
+template renders each call again in the next prompt.
 
 Scheduling
 On a shared Linux host with autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`),
@@ -454,6 +457,7 @@ class RunSpec:
     baseline_tree: str | None = None  # the `gateway-base` target's source tree
     gateway_toml: str = ""  # the `gateway` target's own settings
     baseline_toml: str = ""  # the `gateway-base` target's own settings
+    tool_calls: bool = False  # sessions: rounds as tool calls and results (loadgen/turns.py)
 
 
 def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None = None) -> dict[str, Any]:
@@ -483,6 +487,7 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         bench = BenchConfig(
             url=router.url, trace=spec.trace, out=spec.out / target, max_requests=spec.requests, plots=False,
             model=DEFAULT_MODEL, ignore_eos=True, request_timeout_s=600.0, lean_client=spec.lean_client,
+            tool_calls=spec.tool_calls,
             replay=ReplayConfig(mode="closed" if spec.sessions else "open", concurrency=spec.sessions or 16,
                                 speedup=spec.speedup * T, progress=False, drain_timeout_s=600.0))
         tokens0 = workers.tokens()
@@ -628,6 +633,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=0, metavar="N",
                         help="closed-loop agent sessions, N live (--trace a session trace: TraceLab, Dynamo "
                              "agentic, synthetic:agent:loop=closed); waits on the trace clock / --speedup")
+    parser.add_argument("--tool-calls", action="store_true",
+                        help="--sessions: rounds as calls of an offered tool and their results (loadgen/turns.py)")
     parser.add_argument("--baseline-tree", default=None, metavar="DIR",
                         help="source tree the gateway-base target's gateway runs from (module doc)")
     parser.add_argument("--gateway-toml", default="", metavar="TOML",
@@ -655,6 +662,8 @@ def main() -> None:
         parser.error("--trace-seeds needs a synthetic --trace that names no seed, on the sim cluster, no --slices")
     if args.sessions and (args.slices > 1 or args.vllm or not is_session_spec(args.trace)):
         parser.error("--sessions needs a session --trace, on the sim cluster, one slice")
+    if args.tool_calls and not args.sessions:
+        parser.error("--tool-calls needs --sessions")
     for target in targets:
         if target in PEER_TARGETS:
             ensure_venv(PEER_ROUTERS[PEER_TARGETS[target][0]])  # installs before any cluster starts
@@ -682,7 +691,8 @@ def main() -> None:
                         spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
                                        memory_blocks_for(args.memory_blocks, args.speedup), run_out,
                                        args.autogroup_nice, not args.sdk_client, args.decision_trace,
-                                       args.sessions, args.baseline_tree, args.gateway_toml, args.baseline_toml)
+                                       args.sessions, args.baseline_tree, args.gateway_toml, args.baseline_toml,
+                                       args.tool_calls)
                         print(f"--- slice {k} rep {rep} {target}: cold {'vLLM caches' if vllm else 'cluster'}, "
                               f"{args.requests} requests", file=sys.stderr, flush=True)
                         row = {"slice": k, "repeat": rep, **run_target(target, spec, Path(tmp), vllm)}
@@ -708,6 +718,7 @@ def main() -> None:
                                "requests": args.requests, "repeats": args.repeats, "speedup": args.speedup,
                                "trace": args.trace, "out": str(out), "autogroup_nice": args.autogroup_nice,
                                "gateway_toml": args.gateway_toml, "baseline_toml": args.baseline_toml,
+                               "tool_calls": args.tool_calls,
                                "sched_nice_applied": self_nice}
     if args.vllm:
         summary.update(vllm_servers=args.vllm, vllm_blocks=args.vllm_blocks, vllm_output=args.vllm_output)

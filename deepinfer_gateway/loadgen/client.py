@@ -16,7 +16,7 @@ later output chunk adds one inter-chunk gap to `itl_s`; e2e = end of the stream.
 `send` sends one user message; `converse` a whole conversation (closed-loop sessions), with
 the session's id in `X-Session-ID` and `X-Correlation-ID` (the headers AIPerf and Dynamo's
 clients pin sessions with; a subagent's parent in `x-parent-session-id`), and returns the
-answer's text.
+answer as the assistant's turn; on chat, with the agent's tool offered where asked (turns.py).
 """
 
 from __future__ import annotations
@@ -31,16 +31,11 @@ from typing import Any
 
 from deepinfer_gateway.core.headers import SESSIONS as SESSION_HEADERS
 from deepinfer_gateway.core.headers import WORKER as WORKER_HEADER
+from deepinfer_gateway.loadgen.turns import ToolCallParts, Turn, chat_message, chat_tools
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 PROTOCOLS = ("chat", "responses", "messages")
 PARENT_SESSION_HEADER = "x-parent-session-id"  # a subagent's parent session (docs/api.md "Sessions")
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    role: str  # "system", "user" or "assistant"
-    text: str
 
 
 @dataclass(frozen=True)
@@ -173,18 +168,26 @@ class ProtocolClient:
         await self.converse((Turn("user", prompt),), max_tokens, record)
 
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None, parent_session_id: str | None = None) -> str:
-        """Run one streamed request of a conversation, filling `record`; returns the answer's
-        text ("" on failure). Never raises except CancelledError. `parent_session_id`: a
-        subagent's parent, in `x-parent-session-id` (OpenCode's header)."""
+                       session_id: str | None = None, parent_session_id: str | None = None,
+                       tool_choice: str | None = None) -> Turn:
+        """Run one streamed request of a conversation, filling `record`; returns the answer as
+        the assistant's turn (its text "" on failure). Never raises except CancelledError.
+        `parent_session_id`: a subagent's parent, in `x-parent-session-id` (OpenCode's header).
+        `tool_choice`: offer the agent's tool with this choice (chat only; turns.py)."""
+        if tool_choice is not None and self.config.protocol != "chat":
+            raise ValueError("tool calls are replayed on the chat protocol only")
         start = time.perf_counter()
         timer = _Timer(record, start)
         headers = {name: session_id for name in SESSION_HEADERS} if session_id else None
         if headers is not None and parent_session_id:
             headers[PARENT_SESSION_HEADER] = parent_session_id
         answer: list[str] = []
+        calls = ToolCallParts()
         try:
-            stream = getattr(self, f"_{self.config.protocol}")(turns, max_tokens, record, headers)
+            if self.config.protocol == "chat":
+                stream = self._chat(turns, max_tokens, record, headers, tool_choice, calls)
+            else:
+                stream = getattr(self, f"_{self.config.protocol}")(turns, max_tokens, record, headers)
             async for text in stream:
                 timer.output()
                 if text is None:  # a reasoning chunk: not part of the answer's text
@@ -193,7 +196,7 @@ class ProtocolClient:
                     answer.append(text)
             record.e2e_s = time.perf_counter() - start
             record.status = "ok"
-            return "".join(answer)
+            return Turn("assistant", "".join(answer), calls.calls())
         except asyncio.CancelledError:
             record.status, record.error = "error", RecordError.CANCELLED
             raise
@@ -203,22 +206,24 @@ class ProtocolClient:
             record.http_status = status or record.http_status
             record.detail = f"{type(exc).__name__}: {exc}"[:300]
             record.ttft_s = record.e2e_s = None
-        return ""
+        return Turn("assistant", "")
 
-    def _extra(self) -> dict[str, Any]:
-        return {"ignore_eos": True} if self.config.ignore_eos else {}
+    def _extra(self, tool_choice: str | None = None) -> dict[str, Any]:
+        """`ignore_eos` where configured, except on a forced tool call: a call ends where the model ends it."""
+        return {"ignore_eos": True} if self.config.ignore_eos and tool_choice != "required" else {}
 
     # Each protocol method yields once per output chunk (the answer's text, None for reasoning) and fills usage fields.
     async def _chat(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                    headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+                    headers: dict[str, str] | None, tool_choice: str | None,
+                    calls: ToolCallParts) -> AsyncIterator[str | None]:
         if self._lean is not None:
-            async for text in self._chat_lean(turns, max_tokens, record, headers):
+            async for text in self._chat_lean(turns, max_tokens, record, headers, tool_choice, calls):
                 yield text
             return
         raw = await self._sdk.chat.completions.with_raw_response.create(
-            model=self.config.model, messages=[{"role": t.role, "content": t.text} for t in turns],
+            model=self.config.model, messages=[chat_message(t) for t in turns],
             max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-            extra_body=self._extra() or None, extra_headers=headers)
+            extra_body={**self._extra(tool_choice), **chat_tools(tool_choice)} or None, extra_headers=headers)
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
         async with await _parsed(raw) as stream:
@@ -227,20 +232,23 @@ class ProtocolClient:
                     _chat_usage(chunk.usage, record)
                 if chunk.choices:
                     delta = chunk.choices[0].delta
+                    if delta.tool_calls:
+                        calls.add(call.model_dump() for call in delta.tool_calls)
                     if delta.content or delta.tool_calls:
                         yield delta.content or ""
                     elif getattr(delta, "reasoning_content", None):
                         yield None
 
     async def _chat_lean(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                         headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+                         headers: dict[str, str] | None, tool_choice: str | None,
+                         calls: ToolCallParts) -> AsyncIterator[str | None]:
         """`_chat` without the SDK: the same request body over aiohttp (C HTTP parser), SSE
         `data:` lines parsed with orjson."""
         import orjson
 
-        body = {"model": self.config.model, "messages": [{"role": t.role, "content": t.text} for t in turns],
+        body = {"model": self.config.model, "messages": [chat_message(t) for t in turns],
                 "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
-                **self._extra()}
+                **self._extra(tool_choice), **chat_tools(tool_choice)}
         async with self._lean.post(
                 self.config.root + "/v1/chat/completions", data=orjson.dumps(body),
                 headers={"content-type": "application/json", "authorization": f"Bearer {self.config.api_key}",
@@ -263,6 +271,8 @@ class ProtocolClient:
                 choices = chunk.get("choices")
                 if choices:
                     delta = choices[0].get("delta") or {}
+                    if delta.get("tool_calls"):
+                        calls.add(delta["tool_calls"])
                     if delta.get("content") or delta.get("tool_calls"):
                         yield delta.get("content") or ""
                     elif delta.get("reasoning_content"):

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs serving the target, for cost and per-GPU throughput (default: not reported)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json for prompt synthesis (default: DeepSeek)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang) to get full outputs")
+    parser.add_argument("--tool-calls", action="store_true",
+                        help="session traces, chat: rounds as calls of an offered tool and their results "
+                             "(tool_choice required where a round is continued; its follower sends the result)")
     parser.add_argument("--hit-window", type=duration, default=None,
                         help="hit-rate-over-time window (default: a twentieth of the run, at least 1s)")
     parser.add_argument("--percentiles", type=percentiles, default=None,
@@ -98,6 +101,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit(f"bench: {', '.join(missing)} required")
     if args.gpu_hour_usd is not None and args.gpus is None:
         raise SystemExit("bench: --gpu-hour-usd needs --gpus")
+    if args.tool_calls and args.protocol != "chat":
+        raise SystemExit("bench: --tool-calls needs --protocol chat")
     replay = ReplayConfig(
         mode="closed" if args.concurrency else "open", speedup=args.speedup, concurrency=args.concurrency or 16,
         duration_s=args.duration, drain_timeout_s=args.drain_timeout, progress=not args.no_progress)
@@ -107,7 +112,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         url=args.url, trace=args.trace, out=args.out, protocol=args.protocol, model=args.model, api_key=args.api_key,
         replay=replay, max_requests=args.max_requests, slo=slo, cost=cost, tokenizer=args.tokenizer,
         max_connections=args.max_connections, request_timeout_s=args.request_timeout, ignore_eos=args.ignore_eos,
-        hit_window_s=args.hit_window, plots=not args.no_plots, percentiles=args.percentiles or PERCENTILES)
+        hit_window_s=args.hit_window, plots=not args.no_plots, percentiles=args.percentiles or PERCENTILES,
+        tool_calls=args.tool_calls)
 
 
 def _sweep(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:

@@ -24,9 +24,10 @@ from typing import Any
 
 from deepinfer_gateway.core.protocol import DEFAULT_MODEL
 from deepinfer_gateway.loadgen import gateway_metrics, plots
-from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
+from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient
 from deepinfer_gateway.loadgen.replay import ReplayConfig, ReplayResult, replay
 from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, SessionReplayResult, replay_sessions
+from deepinfer_gateway.loadgen.turns import Turn
 from deepinfer_gateway.workload.oracle import oracle_hit_rate
 from deepinfer_gateway.workload.sessions import Round, SessionTrace, is_session_spec, load_sessions
 from deepinfer_gateway.workload.summary import PERCENTILES, CostModel, Slo, TierTokens, session_figures, summarize
@@ -53,6 +54,7 @@ class BenchConfig:
     request_timeout_s: float = 600.0
     ignore_eos: bool = False
     lean_client: bool = False  # ClientConfig.lean
+    tool_calls: bool = False  # sessions: rounds as tool calls and their results (loadgen/turns.py)
     hit_window_s: float | None = None
     plots: bool = True
     percentiles: tuple[float, ...] = PERCENTILES
@@ -146,7 +148,8 @@ async def _replay_sessions(config: BenchConfig, trace: SessionTrace,
     replay_cfg = config.replay
     session_cfg = SessionReplayConfig(
         concurrency=replay_cfg.concurrency if replay_cfg.mode == "closed" else None, speedup=replay_cfg.speedup,
-        duration_s=replay_cfg.duration_s, drain_timeout_s=replay_cfg.drain_timeout_s, progress=replay_cfg.progress)
+        duration_s=replay_cfg.duration_s, drain_timeout_s=replay_cfg.drain_timeout_s, progress=replay_cfg.progress,
+        tool_calls=config.tool_calls)
     result: SessionReplayResult
     result, tiers = await _measured(config, model, lambda client: replay_sessions(trace, texts, client, session_cfg))
     return result, tiers
@@ -172,6 +175,8 @@ def _start(config: BenchConfig, before_run: Callable[[], None] | None) -> tuple[
 def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None) -> dict[str, Any]:
     if is_session_spec(config.trace):
         return _run_sessions(config, before_run)
+    if config.tool_calls:
+        raise ValueError("tool calls are replayed in session traces only")
     trace = load_trace(config.trace).head(config.max_requests)
     model, started = _start(config, before_run)
     result, tiers = _run_loop(_replay(config, trace, model))
@@ -202,6 +207,8 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
 
 
 def _run_sessions(config: BenchConfig, before_run: Callable[[], None] | None) -> dict[str, Any]:
+    if config.tool_calls and config.protocol != "chat":
+        raise ValueError("tool calls are replayed on the chat protocol only")
     trace = load_sessions(config.trace).head(config.max_requests)
     model, started = _start(config, before_run)
     result, tiers = _run_loop(_replay_sessions(config, trace, model))
@@ -214,7 +221,10 @@ def _run_sessions(config: BenchConfig, before_run: Callable[[], None] | None) ->
         "concurrency": replay_cfg.concurrency if replay_cfg.mode == "closed" else None,
         "prompt_synthesis": (
             "a conversation per session: a first round's shared system prompt and input, then per round the "
-            "previous round's actual answer as the assistant turn and the round's new input as a user turn"),
+            "previous round's actual answer as the assistant turn and the round's new input as a user turn"
+            + ("; with tool calls: a continued round's answer is a forced call of the agent's tool, and the "
+               "round continuing it sends its new input as that call's result" if config.tool_calls else "")),
+        "tool_calls": config.tool_calls,
     }
     summary = summarize(result.records, wall_s=result.wall_s, slo=config.slo, cost=config.cost, tiers=tiers,
                         client_cpu_s=result.client_cpu_s, synthesis_cpu_s=result.synthesis_cpu_s,

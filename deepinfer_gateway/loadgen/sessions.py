@@ -8,6 +8,10 @@ and is recorded as `dependency` (an agent stops when its model call fails).
 
 Per session, `makespan_s` is its first send to its last answer, and `service_s` the same with
 the waits on the path to its last answer removed: the time the serving stack cost the agent.
+
+`tool_calls`: the rounds go out as tool calls and their results (turns.py): a round that
+another round continues asks for a call, and the one continuing it sends its new input as
+the call's result.
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from deepinfer_gateway.loadgen.client import Turn
 from deepinfer_gateway.loadgen.replay import Progress, ReplayResult
+from deepinfer_gateway.loadgen.turns import Turn, results_of
 from deepinfer_gateway.workload.sessions import Round, Session, SessionTiming, SessionTrace
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 
 class Conversant(Protocol):
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None, parent_session_id: str | None = None) -> str: ...
+                       session_id: str | None = None, parent_session_id: str | None = None,
+                       tool_choice: str | None = None) -> Turn: ...
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class SessionReplayConfig:
     duration_s: float | None = None  # no round is sent after it
     drain_timeout_s: float = 60.0
     progress: bool = True
+    tool_calls: bool = False  # rounds as tool calls and results (module doc)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class _SessionRun:
         self.texts, self.client, self.config = texts, client, config
         self.start, self.deadline, self.progress = start, deadline, progress
         self.finished = {r.key: asyncio.Event() for r in session.rounds}
+        self.continued = {r.parent for r in session.rounds if r.parent is not None}
         self.conversation: dict[str, tuple[Turn, ...]] = {}
         self.records: dict[str, RequestRecord] = {}
         self.path_wait: dict[str, float] = {}
@@ -101,13 +108,18 @@ class _SessionRun:
             answered = 0 if parent.reasoning else parent.output_tokens or 0
             record.planned_cached_tokens = parent.prompt_tokens + answered
         history = self.conversation.get(r.parent, ()) if r.parent else ()
-        turns = (*history, *self.texts(r, record.index))
+        new_input = self.texts(r, record.index)
+        if history and history[-1].tool_calls:
+            new_input = results_of(history[-1].tool_calls, new_input)
+        turns = (*history, *new_input)
         # A subagent is a session of its own; it names the root agent's as its parent when the trace says so.
         parent_session = self.session.id if r.agent is not None and r.names_parent else None
-        answer = await self.client.converse(turns, max(1, r.output_tokens), record, r.agent_session, parent_session)
+        tool_choice = ("required" if r.key in self.continued else "auto") if self.config.tool_calls else None
+        answer = await self.client.converse(turns, max(1, r.output_tokens), record, r.agent_session, parent_session,
+                                            tool_choice)
         self.ends[r.key] = time.perf_counter()
         if record.ok:
-            self.conversation[r.key] = (*turns, Turn("assistant", answer))
+            self.conversation[r.key] = (*turns, answer)
         self.progress.done(record)
 
 

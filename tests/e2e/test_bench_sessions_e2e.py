@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient, Turn
+from deepinfer_gateway.core.protocol import DEFAULT_MODEL
+from deepinfer_gateway.loadgen.client import ClientConfig, ProtocolClient
 from deepinfer_gateway.loadgen.run import session_texts
 from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, replay_sessions
+from deepinfer_gateway.loadgen.turns import Turn
 from deepinfer_gateway.process.cli import main as cli_main
 from deepinfer_gateway.workload.sessions import load_sessions
 from deepinfer_gateway.workload.synthesis import PromptSynthesizer
@@ -41,12 +43,13 @@ class _Recording(ProtocolClient):
 
     def __init__(self, config: ClientConfig):
         super().__init__(config)
-        self.rounds: list[tuple[RequestRecord, tuple[Turn, ...], str]] = []
+        self.rounds: list[tuple[RequestRecord, tuple[Turn, ...], Turn, str | None]] = []
 
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None, parent_session_id: str | None = None) -> str:
-        answer = await super().converse(turns, max_tokens, record, session_id, parent_session_id)
-        self.rounds.append((record, tuple(turns), answer))
+                       session_id: str | None = None, parent_session_id: str | None = None,
+                       tool_choice: str | None = None) -> Turn:
+        answer = await super().converse(turns, max_tokens, record, session_id, parent_session_id, tool_choice)
+        self.rounds.append((record, tuple(turns), answer, tool_choice))
         return answer
 
 
@@ -69,17 +72,17 @@ def test_a_follow_up_round_carries_the_previous_answer_and_hits_the_cache(agent_
         return client
 
     client = asyncio.run(run())
-    assert len(client.rounds) == trace.rounds and all(record.ok for record, _, _ in client.rounds)
+    assert len(client.rounds) == trace.rounds and all(record.ok for record, *_ in client.rounds)
     by_key = {(record.session_id, record.round_idx): (record, turns, answer)
-              for record, turns, answer in client.rounds}
+              for record, turns, answer, _ in client.rounds}
     follow_ups = 0
     for (session, index), (record, turns, _) in by_key.items():
         if not index:
             continue
         parent, parent_turns, parent_answer = by_key[(session, index - 1)]
         # The prompt is the parent's conversation, the parent's actual answer, then the new input.
-        assert parent_answer and turns[:len(parent_turns)] == parent_turns
-        assert turns[len(parent_turns)] == Turn("assistant", parent_answer)
+        assert parent_answer.text and turns[:len(parent_turns)] == parent_turns
+        assert turns[len(parent_turns)] == parent_answer
         assert record.planned_cached_tokens == parent.prompt_tokens + parent.output_tokens
         assert record.prompt_tokens > record.planned_cached_tokens
         # The engine served the parent's prompt AND its answer from its cache: the answer came
@@ -91,6 +94,51 @@ def test_a_follow_up_round_carries_the_previous_answer_and_hits_the_cache(agent_
         assert record.worker == parent.worker  # the session header kept it on its worker
         follow_ups += 1
     assert follow_ups == trace.rounds - len(trace.sessions)
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["sdk", "lean"])
+def test_with_tool_calls_each_call_comes_back_as_the_next_prompt_and_stays_cached(agent_gateway: Gateway,
+                                                                                  lean: bool) -> None:
+    trace = load_sessions("synthetic:agent:loop=closed,sessions=2,seed=4,steps=3,tool_latency_s=0.05,"
+                          "system_tokens=600,task_tokens=300,tool_result_tokens=200,call_tokens=400")
+
+    async def run() -> _Recording:
+        # The served name, whose default is thinking: the replay turns it off on every round.
+        client = _Recording(ClientConfig(url=agent_gateway.url, model=DEFAULT_MODEL, api_key="test",
+                                         ignore_eos=True, lean=lean))
+        try:
+            await replay_sessions(trace, session_texts(PromptSynthesizer.for_default_tokenizer()), client,
+                                  SessionReplayConfig(concurrency=2, progress=False, tool_calls=True))
+        finally:
+            await client.aclose()
+        return client
+
+    client = asyncio.run(run())
+    assert len(client.rounds) == trace.rounds and all(record.ok for record, *_ in client.rounds)
+    by_key = {(record.session_id, record.round_idx): (record, turns, answer, choice)
+              for record, turns, answer, choice in client.rounds}
+    lengths = {session.id: len(session.rounds) for session in trace.sessions}
+    for (session, index), (record, turns, answer, choice) in by_key.items():
+        last = index == lengths[session] - 1
+        assert choice == ("auto" if last else "required")
+        if last and index:  # left to the model after a tool result: a text answer
+            assert answer.text and not answer.tool_calls
+        elif not last:  # the gateway parsed the sim's call of the offered tool out of the stream
+            (call,) = answer.tool_calls
+            assert call.name == "run" and call.id and "command" in json.loads(call.arguments)
+        if not index:
+            continue
+        parent, parent_turns, parent_answer, _ = by_key[(session, index - 1)]
+        # The parent's call, then its result carrying this round's new input.
+        assert turns[:len(parent_turns)] == parent_turns and turns[len(parent_turns)] == parent_answer
+        result = turns[len(parent_turns) + 1]
+        assert result.role == "tool" and result.tool_call_id == parent_answer.tool_calls[0].id and result.text
+        assert record.planned_cached_tokens == parent.prompt_tokens + parent.output_tokens
+        # The template rendered the call again exactly as the model wrote it: the cached prefix
+        # runs through the parent's answer.
+        reusable = (record.planned_cached_tokens // KV_BLOCK) * KV_BLOCK
+        assert record.cached_tokens >= reusable, (session, index, record.cached_tokens, reusable)
+        assert record.worker == parent.worker
 
 
 @needs_shared(MULTI)

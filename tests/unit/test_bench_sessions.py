@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import orjson
 import pytest
 
-from deepinfer_gateway.loadgen.client import Turn
 from deepinfer_gateway.loadgen.sessions import SessionReplayConfig, replay_sessions
+from deepinfer_gateway.loadgen.turns import ToolCall, Turn
 from deepinfer_gateway.workload.sessions import (
     Round,
     SessionFormatError,
@@ -147,7 +147,8 @@ class _Echo:
         self.most_live = 0
 
     async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                       session_id: str | None = None, parent_session_id: str | None = None) -> str:
+                       session_id: str | None = None, parent_session_id: str | None = None,
+                       tool_choice: str | None = None) -> Turn:
         self.sent.append((time.perf_counter(), session_id, tuple(turns)))
         self.parents.append(parent_session_id)
         n = len(self.sent)
@@ -157,10 +158,10 @@ class _Echo:
         self.live -= 1
         if n in self.fail:
             record.status, record.error = "error", RecordError.HTTP_5XX
-            return ""
+            return Turn("assistant", "")
         record.status, record.prompt_tokens, record.output_tokens = "ok", 10 * len(turns), 3
         record.cached_tokens = 0
-        return f"answer-{n}"
+        return Turn("assistant", f"answer-{n}")
 
 
 def _texts(r: Round, index: int) -> tuple[Turn, ...]:
@@ -182,6 +183,42 @@ def test_a_round_is_sent_after_its_parents_answer_plus_the_wait_with_that_answer
     assert result.records[1].planned_cached_tokens == 10 + 3  # the parent's prompt and answer
     (timing,) = result.sessions
     assert timing.makespan_s >= 0.26 and timing.service_s == pytest.approx(timing.makespan_s - 0.2, abs=1e-6)
+
+
+class _Caller(_Echo):
+    """Calls the tool when told to (`tool_choice` required), answers text otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choices: list[str | None] = []
+
+    async def converse(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
+                       session_id: str | None = None, parent_session_id: str | None = None,
+                       tool_choice: str | None = None) -> Turn:
+        self.choices.append(tool_choice)
+        answer = await super().converse(turns, max_tokens, record, session_id, parent_session_id)
+        if tool_choice != "required":
+            return answer
+        return Turn("assistant", "", (ToolCall(f"call-{len(self.sent)}", "run", '{"command": "ls"}'),))
+
+
+def test_with_tool_calls_a_continued_round_calls_and_its_follower_sends_the_result() -> None:
+    trace = parse_sessions("session_id,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms\n"
+                           "a,0,0,5,1,0\na,1,0,5,1,0\na,2,0,5,1,0\n", "x.csv")
+    assert trace is not None
+    caller = _Caller()
+    asyncio.run(replay_sessions(trace, _texts, caller,
+                                SessionReplayConfig(concurrency=1, progress=False, tool_calls=True)))
+    assert caller.choices == ["required", "required", "auto"]  # no round continues the last: the model decides
+    (_, _, turns0), (_, _, turns1), (_, _, turns2) = caller.sent
+    call1 = Turn("assistant", "", (ToolCall("call-1", "run", '{"command": "ls"}'),))
+    assert turns1 == (*turns0, call1, Turn("tool", "input-a/1", tool_call_id="call-1"))
+    call2 = Turn("assistant", "", (ToolCall("call-2", "run", '{"command": "ls"}'),))
+    assert turns2 == (*turns1, call2, Turn("tool", "input-a/2", tool_call_id="call-2"))
+    # Without tool calls nothing is offered and the input stays a user turn.
+    caller = _Caller()
+    asyncio.run(replay_sessions(trace, _texts, caller, SessionReplayConfig(concurrency=1, progress=False)))
+    assert caller.choices == [None, None, None] and caller.sent[1][2][-1] == Turn("user", "input-a/1")
 
 
 def test_a_failed_round_stops_its_followers_and_live_sessions_are_bounded() -> None:
