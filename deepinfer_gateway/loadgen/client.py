@@ -171,9 +171,10 @@ class ProtocolClient:
                        session_id: str | None = None, parent_session_id: str | None = None,
                        tool_choice: str | None = None) -> Turn:
         """Run one streamed request of a conversation, filling `record`; returns the answer as
-        the assistant's turn (its text "" on failure). Never raises except CancelledError.
+        the assistant's turn (its text "" on failure). Never raises except CancelledError (and
+        ValueError for tool calls asked of another protocol than chat, before sending).
         `parent_session_id`: a subagent's parent, in `x-parent-session-id` (OpenCode's header).
-        `tool_choice`: offer the agent's tool with this choice (chat only; turns.py)."""
+        `tool_choice`: offer the agent's tool with this choice (turns.py)."""
         if tool_choice is not None and self.config.protocol != "chat":
             raise ValueError("tool calls are replayed on the chat protocol only")
         start = time.perf_counter()
