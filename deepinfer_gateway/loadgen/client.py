@@ -16,7 +16,7 @@ later output chunk adds one inter-chunk gap to `itl_s`; e2e = end of the stream.
 `send` sends one user message; `converse` a whole conversation (closed-loop sessions), with
 the session's id in `X-Session-ID` and `X-Correlation-ID` (the headers AIPerf and Dynamo's
 clients pin sessions with; a subagent's parent in `x-parent-session-id`), and returns the
-answer as the assistant's turn; on chat, with the agent's tool offered where asked (turns.py).
+answer as the assistant's turn, with the agent's tool offered where asked (turns.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,16 @@ from typing import Any
 
 from deepinfer_gateway.core.headers import SESSIONS as SESSION_HEADERS
 from deepinfer_gateway.core.headers import WORKER as WORKER_HEADER
-from deepinfer_gateway.loadgen.turns import ToolCallParts, Turn, chat_message, chat_tools
+from deepinfer_gateway.loadgen.turns import (
+    ToolCallParts,
+    Turn,
+    chat_message,
+    chat_tools,
+    messages_of,
+    messages_tools,
+    responses_input,
+    responses_tools,
+)
 from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 PROTOCOLS = ("chat", "responses", "messages")
@@ -171,12 +180,9 @@ class ProtocolClient:
                        session_id: str | None = None, parent_session_id: str | None = None,
                        tool_choice: str | None = None) -> Turn:
         """Run one streamed request of a conversation, filling `record`; returns the answer as
-        the assistant's turn (its text "" on failure). Never raises except CancelledError (and
-        ValueError for tool calls asked of another protocol than chat, before sending).
+        the assistant's turn (its text "" on failure). Never raises except CancelledError.
         `parent_session_id`: a subagent's parent, in `x-parent-session-id` (OpenCode's header).
         `tool_choice`: offer the agent's tool with this choice (turns.py)."""
-        if tool_choice is not None and self.config.protocol != "chat":
-            raise ValueError("tool calls are replayed on the chat protocol only")
         start = time.perf_counter()
         timer = _Timer(record, start)
         headers = {name: session_id for name in SESSION_HEADERS} if session_id else None
@@ -185,10 +191,7 @@ class ProtocolClient:
         answer: list[str] = []
         calls = ToolCallParts()
         try:
-            if self.config.protocol == "chat":
-                stream = self._chat(turns, max_tokens, record, headers, tool_choice, calls)
-            else:
-                stream = getattr(self, f"_{self.config.protocol}")(turns, max_tokens, record, headers)
+            stream = getattr(self, f"_{self.config.protocol}")(turns, max_tokens, record, headers, tool_choice, calls)
             async for text in stream:
                 timer.output()
                 if text is None:  # a reasoning chunk: not part of the answer's text
@@ -280,14 +283,14 @@ class ProtocolClient:
                         yield None
 
     async def _responses(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                         headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+                         headers: dict[str, str] | None, tool_choice: str | None,
+                         calls: ToolCallParts) -> AsyncIterator[str | None]:
         system = "".join(t.text for t in turns if t.role == "system")
         rest = [t for t in turns if t.role != "system"]
-        text_input: Any = rest[0].text if len(rest) == 1 and rest[0].role == "user" else [
-            {"role": t.role, "content": t.text} for t in rest]
+        text_input: Any = rest[0].text if len(rest) == 1 and rest[0].role == "user" else responses_input(rest)
         raw = await self._sdk.responses.with_raw_response.create(
             model=self.config.model, input=text_input, max_output_tokens=max_tokens, stream=True,
-            extra_body=self._extra() or None, extra_headers=headers,
+            extra_body={**self._extra(tool_choice), **responses_tools(tool_choice)} or None, extra_headers=headers,
             **({"instructions": system} if system else {}))
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
@@ -298,6 +301,12 @@ class ProtocolClient:
                     yield event.delta
                 elif kind.startswith("response.reasoning") and kind.endswith(".delta"):
                     yield None
+                elif kind == "response.output_item.added" and event.item.type == "function_call":
+                    calls.add([{"index": event.output_index, "id": event.item.call_id,
+                                "function": {"name": event.item.name, "arguments": event.item.arguments}}])
+                elif kind == "response.function_call_arguments.delta":
+                    calls.add([{"index": event.output_index, "function": {"arguments": event.delta}}])
+                    yield ""
                 elif kind.endswith(".delta") and kind != "response.audio.delta":
                     yield ""
                 elif kind in ("response.completed", "response.incomplete") and event.response.usage:
@@ -310,12 +319,12 @@ class ProtocolClient:
                     raise ValueError(f"stream reported {kind}")
 
     async def _messages(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
-                        headers: dict[str, str] | None) -> AsyncIterator[str | None]:
+                        headers: dict[str, str] | None, tool_choice: str | None,
+                        calls: ToolCallParts) -> AsyncIterator[str | None]:
         system = "".join(t.text for t in turns if t.role == "system")
-        messages = [{"role": t.role, "content": t.text} for t in turns if t.role != "system"]
         raw = await self._sdk.messages.with_raw_response.create(
-            model=self.config.model, messages=messages,
-            max_tokens=max_tokens, stream=True, extra_body=self._extra() or None, extra_headers=headers,
+            model=self.config.model, messages=messages_of(turns), max_tokens=max_tokens, stream=True,
+            extra_body={**self._extra(tool_choice), **messages_tools(tool_choice)} or None, extra_headers=headers,
             **({"system": system} if system else {}))
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
@@ -323,7 +332,12 @@ class ProtocolClient:
         async with stream:
             async for event in stream:
                 kind = event.type
-                if kind == "content_block_delta":
+                if kind == "content_block_start" and event.content_block.type == "tool_use":
+                    block = event.content_block
+                    calls.add([{"index": event.index, "id": block.id, "function": {"name": block.name}}])
+                elif kind == "content_block_delta":
+                    if event.delta.type == "input_json_delta":
+                        calls.add([{"index": event.index, "function": {"arguments": event.delta.partial_json}}])
                     thinking = event.delta.type in ("thinking_delta", "signature_delta")
                     yield None if thinking else getattr(event.delta, "text", None) or ""
                 elif kind == "message_start":

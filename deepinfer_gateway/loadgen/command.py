@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json for prompt synthesis (default: DeepSeek)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang) to get full outputs")
     parser.add_argument("--tool-calls", action="store_true",
-                        help="session traces, chat: rounds as calls of an offered tool and their results "
+                        help="session traces: rounds as calls of an offered tool and their results "
                              "(tool_choice required where a round is continued; its follower sends the result)")
     parser.add_argument("--hit-window", type=duration, default=None,
                         help="hit-rate-over-time window (default: a twentieth of the run, at least 1s)")
@@ -101,8 +101,6 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit(f"bench: {', '.join(missing)} required")
     if args.gpu_hour_usd is not None and args.gpus is None:
         raise SystemExit("bench: --gpu-hour-usd needs --gpus")
-    if args.tool_calls and args.protocol != "chat":
-        raise SystemExit("bench: --tool-calls needs --protocol chat")
     replay = ReplayConfig(
         mode="closed" if args.concurrency else "open", speedup=args.speedup, concurrency=args.concurrency or 16,
         duration_s=args.duration, drain_timeout_s=args.drain_timeout, progress=not args.no_progress)

@@ -207,8 +207,6 @@ def run_bench(config: BenchConfig, before_run: Callable[[], None] | None = None)
 
 
 def _run_sessions(config: BenchConfig, before_run: Callable[[], None] | None) -> dict[str, Any]:
-    if config.tool_calls and config.protocol != "chat":
-        raise ValueError("tool calls are replayed on the chat protocol only")
     trace = load_sessions(config.trace).head(config.max_requests)
     model, started = _start(config, before_run)
     result, tiers = _run_loop(_replay_sessions(config, trace, model))

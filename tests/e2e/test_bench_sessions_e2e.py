@@ -96,16 +96,17 @@ def test_a_follow_up_round_carries_the_previous_answer_and_hits_the_cache(agent_
     assert follow_ups == trace.rounds - len(trace.sessions)
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["sdk", "lean"])
+@pytest.mark.parametrize(("protocol", "lean"), [("chat", False), ("chat", True), ("responses", False),
+                                               ("messages", False)], ids=["chat", "chat-lean", "responses", "messages"])
 def test_with_tool_calls_each_call_comes_back_as_the_next_prompt_and_stays_cached(agent_gateway: Gateway,
-                                                                                  lean: bool) -> None:
+                                                                                  protocol: str, lean: bool) -> None:
     trace = load_sessions("synthetic:agent:loop=closed,sessions=2,seed=4,steps=3,tool_latency_s=0.05,"
                           "system_tokens=600,task_tokens=300,tool_result_tokens=200,call_tokens=400")
 
     async def run() -> _Recording:
         # The served name, whose default is thinking: the replay turns it off on every round.
-        client = _Recording(ClientConfig(url=agent_gateway.url, model=DEFAULT_MODEL, api_key="test",
-                                         ignore_eos=True, lean=lean))
+        client = _Recording(ClientConfig(url=agent_gateway.url, model=DEFAULT_MODEL, protocol=protocol,
+                                         api_key="test", ignore_eos=True, lean=lean))
         try:
             await replay_sessions(trace, session_texts(PromptSynthesizer.for_default_tokenizer()), client,
                                   SessionReplayConfig(concurrency=2, progress=False, tool_calls=True))
