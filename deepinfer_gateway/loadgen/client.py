@@ -45,6 +45,7 @@ from deepinfer_gateway.workload.types import RecordError, RequestRecord
 
 PROTOCOLS = ("chat", "responses", "messages")
 PARENT_SESSION_HEADER = "x-parent-session-id"  # a subagent's parent session (docs/api.md "Sessions")
+CALL_CLOSE_TOKENS = 32  # a forced call's room beyond the length asked: its closing tags
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,8 @@ class ProtocolClient:
         the assistant's turn (its text "" on failure). Never raises except CancelledError.
         `parent_session_id`: a subagent's parent, in `x-parent-session-id` (OpenCode's header).
         `tool_choice`: offer the agent's tool with this choice (turns.py)."""
+        if tool_choice == "required" and self.config.ignore_eos:
+            max_tokens += CALL_CLOSE_TOKENS
         start = time.perf_counter()
         timer = _Timer(record, start)
         headers = {name: session_id for name in SESSION_HEADERS} if session_id else None
@@ -212,9 +215,13 @@ class ProtocolClient:
             record.ttft_s = record.e2e_s = None
         return Turn("assistant", "")
 
-    def _extra(self, tool_choice: str | None = None) -> dict[str, Any]:
-        """`ignore_eos` where configured, except on a forced tool call: a call ends where the model ends it."""
-        return {"ignore_eos": True} if self.config.ignore_eos and tool_choice != "required" else {}
+    def _extra(self, tool_choice: str | None, max_tokens: int) -> dict[str, Any]:
+        """`ignore_eos` where configured. On a forced call `min_tokens` instead (the length asked;
+        `converse` made room for the call's closing tags): past the call's end, ignore_eos would
+        append text to it."""
+        if not self.config.ignore_eos:
+            return {}
+        return {"min_tokens": max_tokens - CALL_CLOSE_TOKENS} if tool_choice == "required" else {"ignore_eos": True}
 
     # Each protocol method yields once per output chunk (the answer's text, None for reasoning) and fills usage fields.
     async def _chat(self, turns: Sequence[Turn], max_tokens: int, record: RequestRecord,
@@ -227,7 +234,8 @@ class ProtocolClient:
         raw = await self._sdk.chat.completions.with_raw_response.create(
             model=self.config.model, messages=[chat_message(t) for t in turns],
             max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-            extra_body={**self._extra(tool_choice), **chat_tools(tool_choice)} or None, extra_headers=headers)
+            extra_body={**self._extra(tool_choice, max_tokens), **chat_tools(tool_choice)} or None,
+            extra_headers=headers)
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
         async with await _parsed(raw) as stream:
@@ -252,7 +260,7 @@ class ProtocolClient:
 
         body = {"model": self.config.model, "messages": [chat_message(t) for t in turns],
                 "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
-                **self._extra(tool_choice), **chat_tools(tool_choice)}
+                **self._extra(tool_choice, max_tokens), **chat_tools(tool_choice)}
         async with self._lean.post(
                 self.config.root + "/v1/chat/completions", data=orjson.dumps(body),
                 headers={"content-type": "application/json", "authorization": f"Bearer {self.config.api_key}",
@@ -290,7 +298,8 @@ class ProtocolClient:
         text_input: Any = rest[0].text if len(rest) == 1 and rest[0].role == "user" else responses_input(rest)
         raw = await self._sdk.responses.with_raw_response.create(
             model=self.config.model, input=text_input, max_output_tokens=max_tokens, stream=True,
-            extra_body={**self._extra(tool_choice), **responses_tools(tool_choice)} or None, extra_headers=headers,
+            extra_body={**self._extra(tool_choice, max_tokens), **responses_tools(tool_choice)} or None,
+            extra_headers=headers,
             **({"instructions": system} if system else {}))
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)
@@ -324,7 +333,8 @@ class ProtocolClient:
         system = "".join(t.text for t in turns if t.role == "system")
         raw = await self._sdk.messages.with_raw_response.create(
             model=self.config.model, messages=messages_of(turns), max_tokens=max_tokens, stream=True,
-            extra_body={**self._extra(tool_choice), **messages_tools(tool_choice)} or None, extra_headers=headers,
+            extra_body={**self._extra(tool_choice, max_tokens), **messages_tools(tool_choice)} or None,
+            extra_headers=headers,
             **({"system": system} if system else {}))
         record.http_status = raw.status_code
         record.worker = raw.headers.get(WORKER_HEADER)

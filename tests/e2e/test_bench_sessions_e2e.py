@@ -127,6 +127,8 @@ def test_with_tool_calls_each_call_comes_back_as_the_next_prompt_and_stays_cache
         elif not last:  # the gateway parsed the sim's call of the offered tool out of the stream
             (call,) = answer.tool_calls
             assert call.name == "run" and call.id and "command" in json.loads(call.arguments)
+            # as long as the trace's answer (min_tokens, the call's argument longer), and whole
+            assert record.expected_output_tokens <= record.output_tokens <= record.expected_output_tokens + 32
         if not index:
             continue
         parent, parent_turns, parent_answer, _ = by_key[(session, index - 1)]

@@ -39,20 +39,24 @@ TOOLS = [
 ]
 
 
+message_tokens = [0]  # the last run_chat's output tokens
+
+
 @pytest.fixture(scope="module")
 def planner() -> OutputPlanner:
     return OutputPlanner(load_tokenizer())
 
 
-def run_chat(planner: OutputPlanner, body: dict[str, Any],
-             max_tokens: int = 4096) -> tuple[dict[str, Any], FinishReason]:
+def run_chat(planner: OutputPlanner, body: dict[str, Any], max_tokens: int = 4096,
+             min_tokens: int = 0) -> tuple[dict[str, Any], FinishReason]:
     """Prompt -> sim output -> StreamProcessor -> accumulated Chat Completions message."""
     bundle = load_tokenizer()
     conv = ChatCompletionRequest({"model": MODEL, **body}).convert(ConversionOptions())
     prompt = DeepseekV41Encoding().with_tokenizer(bundle.tokenizer).encode(conv.conversation)
     constraint = conv.inference_options.output_constraint
     so = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
-    plan = planner.plan(prompt, Sampling(max_tokens=max_tokens, so_args=so))
+    plan = planner.plan(prompt, Sampling(max_tokens=max_tokens, min_tokens=min_tokens, so_args=so))
+    message_tokens[0] = len(plan.token_ids)
     proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, "id", MODEL), conv.parsing_options,
                            bundle.tokenizer)
     chunks = proc.push(InferenceChunk.ready(prompt_usage=PromptUsage(prompt_tokens=len(prompt))))
@@ -108,6 +112,19 @@ def test_required_tool_choice_continues_the_opened_calls_block(planner: OutputPl
     msg, _ = run_chat(planner, body)
     (call,) = msg["tool_calls"].values()
     assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] == "Paris"
+
+
+def test_min_tokens_makes_a_call_longer_inside_its_string_argument(planner: OutputPlanner) -> None:
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "tool_choice": "required",
+            "thinking": {"type": "disabled"}}
+    run_chat(planner, body)
+    natural = message_tokens[0]
+    msg, reason = run_chat(planner, body, min_tokens=natural + 60)
+    assert message_tokens[0] >= natural + 60 and reason is FinishReason.STOP
+    (call,) = msg["tool_calls"].values()  # still one whole call, and nothing after it
+    arguments = json.loads(call["arguments"])
+    assert arguments["days"] == 1 and arguments["city"].startswith("Paris") and len(arguments["city"]) > 100
+    assert msg["finish_reason"] == "tool_calls" and not msg["content"]
 
 
 def test_tool_result_turn_is_answered_in_text(planner: OutputPlanner) -> None:

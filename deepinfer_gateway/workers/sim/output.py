@@ -17,7 +17,9 @@ unmatched regex, or one RE2 cannot run, gets plain text); `ebnf` is ignored.
 
 The output ends where the model would emit EOS (finish `stop`; like every stop token,
 EOS itself is not streamed) unless `max_tokens` cuts it (`length`); `ignore_eos` pads
-the answer out to `max_tokens`, `min_tokens` to at least that many tokens. Variants are picked by a hash of
+the answer out to `max_tokens`, `min_tokens` to at least that many tokens (a tool call
+inside its first string argument, so the call stays whole: a longer command, not text
+after the call). Variants are picked by a hash of
 (prompt, seed), so a retry on another worker produces the same text. Each distinct
 text is tokenized once and cached.
 """
@@ -69,6 +71,8 @@ _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False
 _RE2_OPTIONS.never_capture = True
 _REGEX_CANDIDATES = ("yes", "no", "a", "0", "42", "abc", "example", "2025-01-01", "a@example.com", "")
+_STRING_ARGUMENT = 'string="true">'  # where a call's first string argument's value begins
+_FILLER_WORD = " x"
 
 
 @dataclass(frozen=True)
@@ -131,9 +135,12 @@ class OutputPlanner:
     def plan(self, prompt: Sequence[int], sampling: Sampling) -> OutputPlan:
         shape = read_tail(self._detok.decode(prompt[-TAIL_TOKENS:]))
         pick = _picker(prompt, sampling.seq_seed)
-        ids = list(self._encode(self._text(shape, sampling, pick)))
+        text = self._text(shape, sampling, pick)
+        ids = list(self._encode(text))
         # ignore_eos pads the answer to max_tokens, min_tokens to its minimum (no EOS before it).
         length = sampling.max_tokens if sampling.ignore_eos else sampling.min_tokens
+        if len(ids) < length and _STRING_ARGUMENT in text:
+            ids = self._longer_call(text, length - len(ids))
         if len(ids) < length:
             filler = self._encode(" " + pick(_ANSWERS))
             while len(ids) < length:
@@ -142,6 +149,19 @@ class OutputPlanner:
         if len(ids) >= sampling.max_tokens:
             return OutputPlan(ids[: sampling.max_tokens], FinishReason.LENGTH)
         return OutputPlan(ids, FinishReason.STOP)
+
+    def _longer_call(self, text: str, tokens: int) -> list[int]:
+        """`text` (a calls block) with at least `tokens` more in its first string argument."""
+        head, marker, rest = text.partition(_STRING_ARGUMENT)
+        value, end, tail = rest.partition(f"</{DSML} parameter>")
+        target = len(self._encode(text)) + tokens
+        words, ids = tokens, list(self._encode(text))
+        for _ in range(3):  # a filler word is about one token: what is left after a try is added
+            ids = list(self._tokenizer.encode(head + marker + value + _FILLER_WORD * words + end + tail))
+            if len(ids) >= target:
+                break
+            words += target - len(ids)
+        return ids
 
     def _text(self, shape: PromptShape, sampling: Sampling, pick: _Pick) -> str:
         so = sampling.so_args
