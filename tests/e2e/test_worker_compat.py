@@ -201,3 +201,18 @@ async def test_max_completion_tokens_bounds_the_reply(url: str) -> None:
     reply = await client.chat.completions.create(model=MODEL, max_completion_tokens=7, extra_body={"ignore_eos": True},
                                                  messages=[{"role": "user", "content": "hi"}])
     assert reply.usage is not None and reply.usage.completion_tokens == 7
+
+
+async def test_min_tokens_is_honoured_and_a_bad_one_refused(url: str, http: aiohttp.ClientSession) -> None:
+    """As the gateway does: a peer router's benchmark gets the same lengths (`bench --tool-calls`)."""
+    body = {"model": MODEL, "max_tokens": 200, "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
+            "tool_choice": "required", "reasoning_effort": "none"}
+    async with http.post(url + "/v1/chat/completions", json=body) as resp:
+        natural = await resp.json()
+    async with http.post(url + "/v1/chat/completions", json={**body, "min_tokens": 120}) as resp:
+        longer = await resp.json()
+    assert natural["usage"]["completion_tokens"] < 120 <= longer["usage"]["completion_tokens"] <= 200
+    (call,) = longer["choices"][0]["message"]["tool_calls"]  # still one whole call
+    assert json.loads(call["function"]["arguments"])["city"].startswith("Paris")
+    async with http.post(url + "/v1/chat/completions", json={**body, "min_tokens": 201}) as resp:
+        assert resp.status == 400 and "min_tokens" in (await resp.json())["error"]["message"]

@@ -46,8 +46,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from deepinfer_gateway.core.errors import GatewayError
+from deepinfer_gateway.core.errors import BridgeError, GatewayError
 from deepinfer_gateway.core.protocol import GenerateRequest, Sampling, StructuredOutput
+from deepinfer_gateway.recipe_bridge.conversion import min_tokens_of
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
@@ -117,7 +118,10 @@ class CompatLayer:
         return RequestPreparer(self.encoder, BridgeConfig(model_names=(self.model,),
                                                           context_limit=self.engine.profile.max_model_len))
 
-    def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False) -> Sampling:
+    def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False,
+                      min_tokens: Any = None) -> Sampling:
+        """The engine's sampling for a converted chat request, with the vLLM/SGLang extensions the
+        gateway honours too (benchmarks): `ignore_eos`, `min_tokens` (BridgeError: a bad one)."""
         opts = conv.inference_options
         constraint = opts.output_constraint
         so = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
@@ -128,7 +132,8 @@ class CompatLayer:
             max_tokens=max(1, max_tokens),
             seq_seed=opts.seed,
             so_args=so,
-            ignore_eos=ignore_eos,  # vLLM/SGLang extension, as the gateway honours it (benchmarks)
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens_of(min_tokens, max(1, max_tokens)),
         )
 
     def text_prompt(self, prompt: Any) -> list[int]:
@@ -170,8 +175,7 @@ class CompatLayer:
             yield out.body()
 
     async def chat_chunks(self, conv: ConversationRequest, prompt: list[int], rid: str,
-                          ignore_eos: bool = False) -> AsyncIterator[Any]:
-        sampling = self.chat_sampling(conv, len(prompt), ignore_eos)
+                          sampling: Sampling) -> AsyncIterator[Any]:
         proc = StreamProcessor(ChatCompletionRequest.chunk_generator(conv, rid, self.model), conv.parsing_options,
                                self.bundle.tokenizer)
         try:
@@ -215,15 +219,17 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
             return body
         try:
             conv, prompt = layer.convert_chat(body)
+            sampling = layer.chat_sampling(conv, len(prompt), body.get("ignore_eos") is True, body.get("min_tokens"))
         except ConversionError as err:
             return Response(err.body, status_code=err.status_code, media_type="application/json")
+        except BridgeError as err:
+            return _error(err.status_code, str(err))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        ignore_eos = body.get("ignore_eos") is True
         if body.get("stream"):
 
             async def stream() -> AsyncIterator[bytes]:
                 try:
-                    async for chunk in layer.chat_chunks(conv, prompt, rid, ignore_eos):
+                    async for chunk in layer.chat_chunks(conv, prompt, rid, sampling):
                         yield _sse(chunk.to_json())
                 except RuntimeError as err:
                     yield _sse(orjson.dumps({"error": {"message": str(err), "type": "server_error"}}))
@@ -232,7 +238,7 @@ def compat_router(engine: SimEngine, bundle: TokenizerBundle, model: str) -> API
             return StreamingResponse(stream(), media_type=SSE)
         response: ChatCompletionResponse | None = None
         try:
-            async for chunk in layer.chat_chunks(conv, prompt, rid, ignore_eos):
+            async for chunk in layer.chat_chunks(conv, prompt, rid, sampling):
                 if response is None:
                     response = ChatCompletionResponse(rid, layer.model, created, len(prompt), 0)
                 response.accumulate(chunk)
