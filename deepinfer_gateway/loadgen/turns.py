@@ -8,7 +8,9 @@ it; after a tool result the sim answers text), and a round that continues a call
 input as that call's result (a `tool` message). The model's call comes back in the next prompt
 as the assistant's `tool_calls`, so the template renders it again: whether the cache still
 holds that prefix is then measured, not assumed. Never `none`: deepseek-recipe then leaves
-the tools out of the prompt, and the cached prefix ends where they began.
+the tools out of the prompt, and the cached prefix ends where they began. Every round turns
+thinking off (`chat_tools`). A forced call's length is the client's business (client.py:
+`min_tokens` where the run sends `ignore_eos`).
 
 The same turns on Responses (`function_call` / `function_call_output` items) and Anthropic
 Messages (`tool_use` blocks, `tool_result` blocks in a user message); a forced call there is a
@@ -22,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# One shell-like tool, as coding agents offer (its schema's one string makes the sim's call short).
+# One shell-like tool, as coding agents offer; its one string argument is what the sim lengthens.
 _NAME = "run"
 _DESCRIPTION = "Run a shell command in the task's workspace and return its output."
 _PARAMETERS = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
