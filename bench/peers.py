@@ -687,7 +687,8 @@ def main() -> None:
                 slice_rows = []
                 for rep in range(args.repeats):
                     for target in run_order(targets, rep):
-                        run_out = out / f"slice{k}" / f"rep{rep}" if args.repeats > 1 or args.slices > 1 else out
+                        several = args.repeats > 1 or args.slices > 1 or len(seeds) > 1
+                        run_out = out / f"slice{k}" / f"rep{rep}" if several else out
                         spec = RunSpec(trace_spec, args.requests, args.speedup, args.time_scale, args.workers,
                                        memory_blocks_for(args.memory_blocks, args.speedup), run_out,
                                        args.autogroup_nice, not args.sdk_client, args.decision_trace,
