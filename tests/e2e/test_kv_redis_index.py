@@ -195,9 +195,11 @@ async def test_one_replica_writes_a_workers_events_until_its_lease_lapses(redis_
     (pushing its snapshot over the gap) once the holder stops renewing."""
     namespace = f"lease:{uuid.uuid4().hex[:8]}"
     admin = aioredis.from_url(redis_server.url)
-    a = RedisPrefixIndex(redis_client(redis_server.url), namespace=namespace, writer_lease_s=0.5)
-    b = RedisPrefixIndex(redis_client(redis_server.url), namespace=namespace, writer_lease_s=0.5)
-    reader = RedisPrefixIndex(redis_client(redis_server.url), namespace=namespace)
+    # 5 s client timeouts: on a loaded machine one reply slower than the default 0.5 s would
+    # turn an index to its local view (the reader's is empty), which is not what this tests.
+    a = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace, writer_lease_s=0.5)
+    b = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace, writer_lease_s=0.5)
+    reader = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace)
     try:
         log = EventLog("w")
         log.store_mem(H[:10])
