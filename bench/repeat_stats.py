@@ -88,7 +88,8 @@ def across_slices(slice_ratios: list[dict[str, dict[str, Any]]]) -> dict[str, di
     for pair in slice_ratios[0] if slice_ratios else {}:
         out[pair] = {}
         for name in slice_ratios[0][pair]:
-            values = [r[pair][name]["ratio"] for r in slice_ratios if r.get(pair, {}).get(name, {}).get("ratio")]
+            values = [ratio for r in slice_ratios
+                      if (ratio := r.get(pair, {}).get(name, {}).get("ratio")) is not None]
             out[pair][name] = {"per_slice": values, "median": round(statistics.median(values), 4) if values else None,
                                "low": min(values, default=None), "high": max(values, default=None)}
     return out

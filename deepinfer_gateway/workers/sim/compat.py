@@ -47,8 +47,8 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from deepinfer_gateway.core.errors import BridgeError, GatewayError
-from deepinfer_gateway.core.protocol import GenerateRequest, Sampling, StructuredOutput
-from deepinfer_gateway.recipe_bridge.conversion import min_tokens_of
+from deepinfer_gateway.core.protocol import GenerateRequest, Sampling
+from deepinfer_gateway.recipe_bridge.conversion import min_tokens_of, sampling_of
 from deepinfer_gateway.recipe_bridge.detokenizer import token_bytes
 from deepinfer_gateway.recipe_bridge.encoder import PromptEncoder
 from deepinfer_gateway.recipe_bridge.prepare import RequestPreparer
@@ -120,21 +120,11 @@ class CompatLayer:
 
     def chat_sampling(self, conv: ConversationRequest, prompt_len: int, ignore_eos: bool = False,
                       min_tokens: Any = None) -> Sampling:
-        """The engine's sampling for a converted chat request, with the vLLM/SGLang extensions the
-        gateway honours too (benchmarks): `ignore_eos`, `min_tokens` (BridgeError: a bad one)."""
-        opts = conv.inference_options
-        constraint = opts.output_constraint
-        so = StructuredOutput(schema_type=constraint.kind, schema_=constraint.schema) if constraint else None
-        max_tokens = conv.resolve_max_tokens(prompt_len, self.engine.profile.max_model_len)
-        return Sampling(
-            temperature=opts.temperature if opts.temperature is not None else 1.0,
-            top_p=opts.top_p or 1.0,
-            max_tokens=max(1, max_tokens),
-            seq_seed=opts.seed,
-            so_args=so,
-            ignore_eos=ignore_eos,
-            min_tokens=min_tokens_of(min_tokens, max(1, max_tokens)),
-        )
+        """The engine's sampling for a converted chat request, as the gateway builds it, with the
+        vLLM/SGLang extensions it honours too (benchmarks): `ignore_eos`, `min_tokens`
+        (BridgeError: a bad one). No logprobs: this endpoint does not return them."""
+        max_tokens = max(1, conv.resolve_max_tokens(prompt_len, self.engine.profile.max_model_len))
+        return sampling_of(conv, max_tokens, ignore_eos, min_tokens_of(min_tokens, max_tokens), logprobs=(False, 0))
 
     def text_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):

@@ -140,7 +140,7 @@ class OutputPlanner:
         # ignore_eos pads the answer to max_tokens, min_tokens to its minimum (no EOS before it).
         length = sampling.max_tokens if sampling.ignore_eos else sampling.min_tokens
         if len(ids) < length and _STRING_ARGUMENT in text:
-            ids = self._longer_call(text, length - len(ids))
+            ids = self._longer_call(text, length)
         if len(ids) < length:
             filler = self._encode(" " + pick(_ANSWERS))
             while len(ids) < length:
@@ -150,17 +150,16 @@ class OutputPlanner:
             return OutputPlan(ids[: sampling.max_tokens], FinishReason.LENGTH)
         return OutputPlan(ids, FinishReason.STOP)
 
-    def _longer_call(self, text: str, tokens: int) -> list[int]:
-        """`text` (a calls block) with at least `tokens` more in its first string argument."""
+    def _longer_call(self, text: str, length: int) -> list[int]:
+        """`text` (a calls block) lengthened in its first string argument to at least `length` tokens."""
         head, marker, rest = text.partition(_STRING_ARGUMENT)
         value, end, tail = rest.partition(f"</{DSML} parameter>")
-        target = len(self._encode(text)) + tokens
-        words, ids = tokens, list(self._encode(text))
+        words = length - len(self._encode(text))
         for _ in range(3):  # a filler word is about one token: what is left after a try is added
             ids = list(self._tokenizer.encode(head + marker + value + _FILLER_WORD * words + end + tail))
-            if len(ids) >= target:
+            if len(ids) >= length:
                 break
-            words += target - len(ids)
+            words += length - len(ids)
         return ids
 
     def _text(self, shape: PromptShape, sampling: Sampling, pick: _Pick) -> str:
