@@ -199,6 +199,7 @@ class Simulator:
             worker.cruise = (t, seconds, steps)
             self._push(t + steps * seconds, _CRUISE, (worker, worker.version))
             return
+        worker.events.hold()  # its blocks are stored once its time has passed (workers/sim/kv_events.py)
         duration, updates = worker.core.step(self._unix(t))
         self.stats.steps += 1
         worker.pending = updates
@@ -209,6 +210,7 @@ class Simulator:
     def _step_done(self, worker: SimWorker, t: float) -> None:
         updates = worker.pending
         worker.pending = None
+        worker.events.publish()
         if updates:
             for update in updates:
                 self._deliver(worker, update, t)

@@ -151,6 +151,18 @@ def test_dp_ranks_share_the_load() -> None:
     assert [r.waiting for r in c.rank_loads()] == [2, 2, 2, 2]
 
 
+def test_a_request_beside_a_prefill_on_another_rank_cannot_hit_what_that_step_computes() -> None:
+    c = core(replace(SM100, nextn=0))
+    prompt = list(range(4000))
+    c.add_request(req("a", prompt, n_out=2))
+    c.add_request(req("b", [*prompt, 1, 2, 3], n_out=2))  # the next rank, admitted in the same step
+    _, first = c.step(0.0)
+    assert {u.request_id: u.ready for u in first} == {"a": (0, 0), "b": (0, 0)}
+    c.add_request(req("c", [*prompt, 4, 5], n_out=2))  # after that step: a's blocks are cached
+    _, second = c.step(0.0)
+    assert next(u.ready for u in second if u.request_id == "c") == (31 * 128, 0)
+
+
 def _decode_sizes(profile, rid: str = "s", n_out: int = 400) -> list[int]:
     """Tokens per decode step of one request (the prefill's single first token left out)."""
     c = core(profile)

@@ -27,8 +27,10 @@ its slowest rank), like DeepInfer/vLLM with chunked prefill:
 3. the rest of the `max_num_batched_tokens` budget prefills waiting prompt tokens in
    chunks, oldest first (under priority scheduling, most urgent first); a request whose
    prefill completes emits its first token.
-After prefill the prompt's blocks enter the memory cache and the store; at finish the
-full sequence's blocks do (multi-turn prompts re-send the previous answer).
+After prefill the prompt's blocks enter the memory cache and the store, once every rank's part
+of the step is done (a request admitted beside it on another rank cannot hit them); at finish
+the full sequence's blocks do (multi-turn prompts re-send the previous answer). The KV events
+these append are the worker's to publish when the step's time has passed (kv_events.py).
 
 Simplifications (documented, deliberate): one prefix cache per instance, not per DP
 rank; cached blocks and running requests' blocks are accounted separately; store
@@ -217,18 +219,23 @@ class SchedulerCore:
 
     def step(self, now: float) -> tuple[float, list[RequestUpdate]]:
         updates: dict[str, RequestUpdate] = {}
+        completed: list[_Seq] = []
         slowest = 0.0
         for rank in range(self.profile.dp_ranks):
-            slowest = max(slowest, self._step_rank(rank, now, updates))
+            slowest = max(slowest, self._step_rank(rank, now, updates, completed))
+        # The prompts this step prefilled are cached once every rank has admitted: a request
+        # admitted beside a prefill, on another rank, cannot hit what that step computes.
+        for seq in completed:
+            self._cache_blocks(seq.hashes, seq.req.workload_class, now)
         return slowest / self.time_scale, list(updates.values())
 
-    def _step_rank(self, rank: int, now: float, updates: dict[str, RequestUpdate]) -> float:
+    def _step_rank(self, rank: int, now: float, updates: dict[str, RequestUpdate], completed: list[_Seq]) -> float:
         load_s = self._admit(rank, now, updates)
         running = self._running[rank]
         decoding = [s for s in running if s.prefilled]
         budget = self.profile.max_num_batched_tokens - len(decoding)
         chunk = 0
-        completed: list[_Seq] = []
+        done: list[_Seq] = []
         # Priority scheduling prefills the most urgent first (SGLang builds its prefill batch from
         # the priority-ordered queue); otherwise the oldest first.
         for seq in sorted(running, key=lambda r: r.rank_key) if self.by_priority else running:
@@ -241,13 +248,13 @@ class SchedulerCore:
             chunk += take
             budget -= take
             if seq.remaining_prefill == 0:
-                completed.append(seq)
+                done.append(seq)
         for seq in decoding:
             self._emit(seq, self.step_tokens(seq), now, updates)
-        for seq in completed:
+        for seq in done:
             seq.prefilled = True
-            self._cache_blocks(seq.hashes, seq.req.workload_class, now)
             self._emit(seq, 1, now, updates)
+        completed += done
         return load_s + prefill_seconds(self.profile, chunk) + decode_seconds(self.profile, len(decoding))
 
     def step_tokens(self, seq: _Seq) -> int:

@@ -7,6 +7,7 @@ before one sleep and their tokens go out as one `tokens` event: the same shape a
 speculative decoding, and far fewer wake-ups. Steps end on fixed deadlines (previous
 deadline + step time), so the loop's own overhead and late wake-ups do not make the
 simulated clock drift; more than one step behind, the loop resyncs instead of bursting.
+A step's KV events are published when its time has passed, with its tokens (kv_events.py).
 
 Roles: `unified` serves any request; a `prefill` worker stops after the first token
 and returns a KvHandoff (KV written to the shared store when there is one, otherwise
@@ -242,6 +243,7 @@ class SimEngine:
                 continue
             merged: dict[str, RequestUpdate] = {}
             elapsed, steps = 0.0, 0
+            self._events.hold()  # its blocks are stored once its time has passed (kv_events.py)
             while self._core.has_work() and elapsed < self._min_sleep and steps < MAX_STEPS_PER_SLEEP:
                 duration, updates = self._core.step(time.time())
                 elapsed, steps = elapsed + duration, steps + 1
@@ -261,6 +263,7 @@ class SimEngine:
                 deadline = now
             deadline += elapsed
             await asyncio.sleep(deadline - now)
+            self._events.publish()
             for update in merged.values():
                 self._deliver(update)
 

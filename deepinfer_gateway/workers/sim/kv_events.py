@@ -10,6 +10,11 @@ when read, because appends sit on the scheduler's hot path.
 `wait_past` lets a reader long-poll: it returns at the next append (an asyncio.Event,
 created only while someone waits, so an append costs one `is None` test otherwise).
 Single-threaded: appends and waits run on the worker's event loop.
+
+A real engine reports a block stored once the forward pass that computed it is over, while the
+scheduler core computes a step's outcome when the step begins: between `hold` and `publish`
+(the step's time passing) appends wait unnumbered and unseen, so no reader learns of a block
+before the step that computes it has ended.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class SimKvEventLog:
         self._rows: deque[_Row] = deque(maxlen=retention)
         self._last_seq = 0
         self._appended: asyncio.Event | None = None  # set by the next append; only while someone waits
+        self._held: list[tuple[KvEventKind, KvTier, list[int], float | None]] | None = None  # hold() .. publish()
         self.append(KvEventKind.CLEARED, KvTier.MEMORY, [])
 
     @property
@@ -40,11 +46,25 @@ class SimKvEventLog:
     def append(self, kind: KvEventKind, tier: KvTier, hashes: list[int], expires_at: float | None = None) -> None:
         if not hashes and kind is not KvEventKind.CLEARED:
             return
+        if self._held is not None:
+            self._held.append((kind, tier, hashes, expires_at))
+            return
         self._last_seq += 1
         self._rows.append((self._last_seq, kind, tier, hashes, expires_at))
         if self._appended is not None:
             self._appended.set()
             self._appended = None
+
+    def hold(self) -> None:
+        """A step begins: what it appends stays unseen until `publish` (module doc)."""
+        if self._held is None:
+            self._held = []
+
+    def publish(self) -> None:
+        """The step is over: what it appended becomes readable, in order."""
+        held, self._held = self._held, None
+        for row in held or ():
+            self.append(*row)
 
     async def wait_past(self, after: int, timeout_s: float) -> None:
         """Return once `last_seq != after` (events past the cursor, or a cursor from
