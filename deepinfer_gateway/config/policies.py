@@ -85,6 +85,20 @@ class EstimatedTtftConfig(_Variant):
         description="Load guard: a pick whose queue exceeds this many times the mean queue, plus guard_tokens, "
                     "gives way to the cheapest worker under that bound.")
     guard_tokens: int = Field(65_536, ge=0, description="Queued tokens added to the load guard's bound.")
+    lockstep: bool = Field(
+        True,
+        description="Price the DP ranks' lockstep from the requests sent to a worker and not yet scheduled there: "
+                    "a request's step lasts as long as the largest prefill in it, so it waits for theirs, and its "
+                    "own, when larger, delays each of them (router/policies.py).")
+    lockstep_under_way: bool = Field(
+        False,
+        description="Lockstep: also wait out the step under way, from the largest prefill the worker scheduled and "
+                    "has not answered (agent bursts: lower TTFT p99 with routed_prefix_s; conversations: higher "
+                    "p99; docs/policies.md).")
+    step_tokens: int = Field(
+        16_384, ge=1,
+        description="Lockstep: the most prompt tokens a DP rank prefills in one step (the engines' chunked-prefill "
+                    "budget, DeepInfer's max_num_batched_tokens); a larger prefill takes several steps.")
 
 
 class SessionAffinityConfig(_Variant):

@@ -21,6 +21,7 @@ reports as the one that served (a fallback).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -65,7 +66,7 @@ class Pick:
 
     def on_ready(self) -> None:
         """The response's first bytes: the engine started the request."""
-        self.booking.on_ready()
+        self.booking.on_ready(time.monotonic())  # the planner's clock
         if self.grant is not None:
             self.grant.started()
 

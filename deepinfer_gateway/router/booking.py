@@ -19,6 +19,12 @@ queue + bookings" is the prefill work the worker has ahead (`amount`):
   since engines report a waiting request's whole prompt (docs/worker-protocol.md) though
   they will compute only its uncached part;
 - in a load report and scheduled (`ready`): nothing, the report counts its remaining prefill.
+
+A booked request's uncached part is also listed on the worker, for the estimated_ttft policy's
+lockstep pricing (router/policies.py): in `admitting` until the worker schedules it (`ready`):
+the requests that will share its next step; then in `prefilling`, with the time it was
+scheduled (the planner's clock: time.monotonic live, virtual in the simulator), until its first
+token: the step under way.
 Booking the whole prompt until the first token counted a follow-up turn's cached prefix up
 to twice (in the reservation and in the report): the workers holding conversations looked
 busier than they were, and the router left them for shorter-looking queues.
@@ -57,6 +63,8 @@ class Counted(Protocol):
     def worker_id(self) -> str: ...
 
     inflight: int
+    admitting: dict[str, int]  # request id -> uncached tokens, sent and not yet scheduled (module doc)
+    prefilling: dict[str, tuple[int, float]]  # the same, scheduled and no first token yet: (tokens, when scheduled)
 
 
 W = TypeVar("W", bound=Counted)
@@ -83,6 +91,7 @@ class Booking(Generic[W]):
         worker.inflight += 1
         if self.queued:
             reservations.reserve(worker.worker_id, request_id, self.prompt - self.cached)
+            worker.admitting[request_id] = self.prompt - self.cached
 
     def amount(self) -> int | None:
         return amount(self.prompt, self.cached, reported=self.reported, ready=self.ready)
@@ -93,16 +102,21 @@ class Booking(Generic[W]):
             self.reported = True
             self._rebook()
 
-    def on_ready(self) -> None:
-        """The worker scheduled the request (its `ready`; the EPP: the response's first bytes)."""
+    def on_ready(self, now: float) -> None:
+        """The worker scheduled the request at `now` (its `ready`; the EPP: the response's first bytes)."""
         if not self.ready:
             self.ready = True
+            tokens = self.worker.admitting.pop(self.request_id, None)
+            if tokens is not None:
+                self.worker.prefilling[self.request_id] = (tokens, now)
             self._rebook()
 
     def unqueue(self) -> None:
         """Its first token (or a failure before it): nothing in the worker's queue any more."""
         if self.queued:
             self.queued = False
+            self.worker.admitting.pop(self.request_id, None)
+            self.worker.prefilling.pop(self.request_id, None)
             self._reservations.release(self.worker.worker_id, self.request_id)
 
     def move(self, worker: W) -> None:

@@ -16,7 +16,8 @@ Modes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
@@ -93,8 +94,10 @@ def prompt_hashes(token_ids: Sequence[int], workers: Iterable[WorkerView],
 
 
 class RoutePlanner:
-    def __init__(self, settings: RouterSettings):
+    def __init__(self, settings: RouterSettings, clock: Callable[[], float] = time.monotonic):
+        """`clock`: what bookings time a request's scheduling on (router/booking.py); the simulator's is virtual."""
         self.settings = settings
+        self.clock = clock
         self._policies: dict[str, Policy] = {}
         self._caches = PlannerCaches(self._base)  # kept across requests (planner_caches.py)
 
@@ -133,6 +136,8 @@ class RoutePlanner:
         return Candidate(
             worker_id=w.worker_id, hardware=w.hardware, pool=w.pool, kv_format=w.kv_format,
             queued_prefill_tokens=w.queued_prefill_tokens, running=w.running, dp_ranks=w.dp_ranks,
+            admitting=w.admitting, admitting_tokens=w.admitting_tokens, admitting_max=w.admitting_max,
+            prefilling_max=w.prefilling_max, prefilling_since=w.prefilling_since,
             prefill_tokens_per_s=cost.prefill_tokens_per_s, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
             kv_bytes_per_token=cost.kv_bytes_per_token,
         )
@@ -177,6 +182,7 @@ class RoutePlanner:
             block_tokens=KV_BLOCK_TOKENS,
             session_key=session_key,
             lineage=lineage,
+            now=self.clock(),
             columns=candidates.columns(),
         )
         policy = self.policy_for(pool, role)
@@ -298,6 +304,6 @@ def _ranked(choice: _Choice, n: int) -> tuple[WorkerView, ...]:
     while left and len(ranked) < n:
         rest = RoutingView(prompt_tokens=view.prompt_tokens, candidates=tuple(c for c, _ in left.values()),
                            block_hashes=view.block_hashes, block_tokens=view.block_tokens,
-                           session_key=view.session_key, lineage=view.lineage)
+                           session_key=view.session_key, lineage=view.lineage, now=view.now)
         ranked.append(left.pop(choice.policy.choose(rest).worker_id)[1])
     return tuple(ranked)

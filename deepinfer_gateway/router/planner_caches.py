@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from deepinfer_gateway.core.protocol import Role
 from deepinfer_gateway.kvcache.types import Overlap
-from deepinfer_gateway.router.policy import PROFILE, Candidate, Columns
+from deepinfer_gateway.router.policy import CROWD, PROFILE, Candidate, Columns
 from deepinfer_gateway.router.worker_view import WorkerView
 
 
@@ -108,6 +108,7 @@ class PoolCandidates:
         self.queues = [c.queued_prefill_tokens for c in self.bases]
         self.running = [c.running for c in self.bases]
         self.waits = [c.queued_prefill_tokens / c.prefill_tokens_per_s for c in self.bases]
+        self.crowds = list(map(CROWD, self.bases))
         self.profile_values: list[tuple[Any, ...]] = []
         self.profile_of: dict[tuple[Any, ...], int] = {}
         self.profiles = [self._profile(c) for c in self.bases]
@@ -168,6 +169,7 @@ class PoolCandidates:
             self.queues[i] = base.queued_prefill_tokens
             self.running[i] = base.running
             self.waits[i] = base.queued_prefill_tokens / base.prefill_tokens_per_s
+            self.crowds[i] = CROWD(base)
             self.profiles[i] = self._profile(base)
         memory, store = overlap.memory, overlap.store
         if memory:
@@ -188,7 +190,8 @@ class PoolCandidates:
     def columns(self) -> Columns:
         """A snapshot (the lists change with the next request; a view may be kept)."""
         return Columns(ids=self.ids, queues=list(self.queues), running=list(self.running), hits=self.hits,
-                       stored=self.stored, waits=list(self.waits), profiles=list(self.profiles),
+                       stored=self.stored, waits=list(self.waits), crowds=list(self.crowds),
+                       profiles=list(self.profiles),
                        profile_values=list(self.profile_values))
 
 

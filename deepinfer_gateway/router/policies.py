@@ -17,7 +17,31 @@ Estimated TTFT of a candidate (seconds), from the view only:
           + (P - mem - store) / (prefill_tokens_per_s / dp_ranks)   its own prefill, on one rank
           + store * kv_bytes_per_token / kv_load_bytes_per_s        KV load at store bandwidth
 
-P = prompt tokens, B = 128-token blocks. Two adjustments on top of the cheapest candidate:
+P = prompt tokens, B = 128-token blocks.
+
+Lockstep (`lockstep`, on by default). A worker's DP ranks step together: a step lasts as long as
+its largest prefill chunk, and a request sent now joins the step after the one under way, with
+the requests sent there before it and not yet scheduled (`admitting` = n of them, A tokens
+uncached in all, the largest M; router/booking.py). Each request's chunk sits whole on one
+rank, so a step's busiest rank holds L(n, A, M) = max(M, ceil(n / dp_ranks) * A / n) tokens.
+With U = P - mem - store, its own part, S the largest uncached part the worker scheduled and
+has not answered yet (the step under way), every chunk at most `step_tokens` (a rank's budget
+per step), and r one rank's speed (prefill_tokens_per_s / dp_ranks):
+
+    ttft = queue wait for all but the n
+         + L(n + 1, A + U, max(M, U)) / r               then its own step, as long as its busiest rank
+         (+ the rest of U past step_tokens, + KV load)
+    pick by ttft + n * (L(n + 1, ...) - L(n, A, M)) / r   ...which it lengthens for each of the n
+
+With `lockstep_under_way` the queue wait is at least what is left of the step under way (S / r
+less the time since the last of them was scheduled; off by default: it moves conversation turns
+off the worker holding their history, docs/policies.md).
+
+Without the added pick term, a burst of requests that share a prompt (agent sessions starting
+together) follow its first one as hits while a cold prompt of another kind, as cheap there as
+anywhere on its own estimate, joins their step and holds every one of them for its prefill.
+
+Two adjustments on top of the cheapest candidate:
 - Stickiness: the candidate holding the longest memory prefix is kept unless its cost
   exceeds `stick_ratio` x the cheapest + `stick_s` (default 1.5x + 50 ms). The formula
   prices only this request; moving a conversation off the worker that holds its history
@@ -103,6 +127,57 @@ def _estimates(table: Columns, keys: list[tuple[int, int, int]], terms: _Terms) 
     prefill = {key: t[0] for key, t in terms.items()}
     load = {key: t[1] for key, t in terms.items()}
     return list(map(add, map(add, table.waits, map(prefill.__getitem__, keys)), map(load.__getitem__, keys)))
+
+
+def _with_lockstep(table: Columns, keys: list[tuple[int, int, int]], terms: _Terms, seconds: list[float],
+                   prompt: int, step_tokens: int, now: float | None) -> list[float]:
+    """The lockstep terms (module doc): each candidate's estimate in `seconds` becomes its queue
+    (with `now`: at least the step under way's rest) plus its next step's length, in place;
+    returned, the costs to pick by, which add what its chunk lengthens that step for the
+    requests admitting there. Only candidates with requests admitting or scheduled differ."""
+    crowds = table.crowds
+    busy = list(compress(range(len(crowds)), map(any, crowds)))
+    if not busy:
+        return seconds
+    costs = list(seconds)
+    profile_values, profiles, waits = table.profile_values, table.profiles, table.waits
+    for i in busy:
+        admitting, tokens, largest, under_way, since = crowds[i]
+        dp_ranks, prefill_tokens_per_s = profile_values[profiles[i]][:2]
+        dp_ranks = max(1, dp_ranks)
+        per_token = dp_ranks / prefill_tokens_per_s  # one rank's seconds per token
+        _, _, mem, store = terms[keys[i]]
+        own = prompt - mem - store
+        chunk = min(own, step_tokens)
+        capped, largest = min(tokens, admitting * step_tokens), min(largest, step_tokens)
+        before = _rank_load(admitting, capped, largest, dp_ranks)
+        after = _rank_load(admitting + 1, capped + chunk, max(largest, chunk), dp_ranks)
+        rest = max(0.0, waits[i] - tokens / prefill_tokens_per_s)  # the queue but the requests admitting
+        if now is not None:
+            rest = max(rest, _step_left(under_way, since, now, step_tokens, per_token))
+        estimate = rest + (after + own - chunk) * per_token
+        delta = estimate - (waits[i] + own * per_token)
+        seconds[i] += delta
+        costs[i] += delta + admitting * (after - before) * per_token
+    return costs
+
+
+def _step_left(under_way: int, since: float, now: float, step_tokens: int, per_token: float) -> float:
+    """Seconds left of the step under way: its largest prefill's chunk, begun when the last request
+    was scheduled (`since`), or the next chunk of a prefill longer than one step."""
+    if not under_way:
+        return 0.0
+    step = min(under_way, step_tokens) * per_token
+    elapsed = max(0.0, now - since)
+    return step - elapsed % step if under_way > step_tokens else max(0.0, step - elapsed)
+
+
+def _rank_load(requests: int, tokens: int, largest: int, dp_ranks: int) -> float:
+    """Prefill tokens on a step's busiest rank, `requests` chunks of `tokens` in all spread over the
+    ranks whole (the engines place a request on one rank), the largest `largest`."""
+    if not requests:
+        return 0.0
+    return max(largest, -(-requests // dp_ranks) * tokens / requests)
 
 
 def _cheapest(seconds: list[float], ids: list[str], among: Iterable[bool] | None = None) -> int | None:
@@ -267,6 +342,9 @@ class EstimatedTtft:
     name = "estimated_ttft"
 
     def __init__(self, config: EstimatedTtftConfig = EstimatedTtftConfig()) -> None:
+        self.lockstep = config.lockstep
+        self.step_tokens = config.step_tokens
+        self.under_way = config.lockstep_under_way
         self.guard_ratio = config.guard_ratio
         self.guard_tokens = config.guard_tokens
         self.stick_ratio = config.stick_ratio
@@ -279,18 +357,20 @@ class EstimatedTtft:
         table = view.table()
         keys, terms = _estimate_terms(table, view)
         seconds = _estimates(table, keys, terms)
+        costs = (_with_lockstep(table, keys, terms, seconds, view.prompt_tokens, self.step_tokens,
+                                view.now if self.under_way else None) if self.lockstep else seconds)
         ids, hits, queues = table.ids, table.hits, table.queues
-        first = _cheapest(seconds, ids)
+        first = _cheapest(costs, ids)
         assert first is not None  # candidates are never empty
         most = max(hits)
-        holder = first if hits[first] == most else _cheapest(seconds, ids, map(eq, hits, repeat(most)))
+        holder = first if hits[first] == most else _cheapest(costs, ids, map(eq, hits, repeat(most)))
         assert holder is not None
         bound = self.guard_ratio * (sum(queues) / len(queues)) + self.guard_tokens
         chosen, reason = first, None
-        if hits[holder] > hits[first] and seconds[holder] <= self.stick_ratio * seconds[first] + self.stick_s:
+        if hits[holder] > hits[first] and costs[holder] <= self.stick_ratio * costs[first] + self.stick_s:
             chosen = holder
         if queues[chosen] > bound:
-            under = _cheapest(seconds, ids, map(le, queues, repeat(bound)))
+            under = _cheapest(costs, ids, map(le, queues, repeat(bound)))
             if under is not None:
                 chosen, reason = under, Reason.LOAD_FALLBACK
         _, _, mem, store = terms[keys[chosen]]

@@ -40,6 +40,11 @@ class Candidate:
     kv_format: str
     queued_prefill_tokens: int = 0  # last load report + this gateway's (and peers') in-flight prompts
     running: int = 0  # running sequences (decode load)
+    admitting: int = 0  # requests sent to it and not yet scheduled: its next step's (router/booking.py)
+    admitting_tokens: int = 0  # their uncached parts' sum
+    admitting_max: int = 0  # the largest uncached part among them
+    prefilling_max: int = 0  # the largest uncached part of those it scheduled, no first token yet: the step under way
+    prefilling_since: float = 0.0  # when the last of them was scheduled (RoutingView.now's clock)
     dp_ranks: int = 1
     memory_hit_blocks: int = 0  # leading blocks of the prompt in this worker's memory tier
     store_hit_blocks: int = 0  # leading blocks in the shared store for this worker's KV format
@@ -65,11 +70,13 @@ class Columns:
     hits: list[int]  # memory_hit_blocks
     stored: list[int]  # store_hit_blocks
     waits: list[float]  # queued_prefill_tokens / prefill_tokens_per_s
+    crowds: list[tuple[int, int, int, int, float]]  # CROWD of each candidate
     profiles: list[int]
     profile_values: list[tuple[Any, ...]]
 
 
 _QUEUE = attrgetter("queued_prefill_tokens")
+CROWD: Any = attrgetter("admitting", "admitting_tokens", "admitting_max", "prefilling_max", "prefilling_since")
 _SPEED = attrgetter("prefill_tokens_per_s")
 
 
@@ -82,7 +89,7 @@ def columns_of(candidates: Sequence[Candidate]) -> Columns:
     return Columns(
         ids=[c.worker_id for c in candidates], queues=queues, running=[c.running for c in candidates],
         hits=[c.memory_hit_blocks for c in candidates], stored=[c.store_hit_blocks for c in candidates],
-        waits=list(map(truediv, queues, map(_SPEED, candidates))),
+        waits=list(map(truediv, queues, map(_SPEED, candidates))), crowds=list(map(CROWD, candidates)),
         profiles=list(map(index.__getitem__, profiles)), profile_values=profile_values,
     )
 
@@ -106,6 +113,7 @@ class RoutingView:
     block_tokens: int = 128
     session_key: str | None = None
     lineage: Lineage | None = None
+    now: float = 0.0  # the planner's clock (Candidate.prefilling_since)
     # The candidates as columns when the caller keeps them (the planner); else built on use.
     columns: Columns | None = field(default=None, compare=False, repr=False)
 

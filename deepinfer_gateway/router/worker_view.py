@@ -21,6 +21,11 @@ class WorkerView:
     own_booked: int = 0  # of which this process's own (the request path adds what it booked since)
     load_age_s: float = 0.0  # how old the load report is (since its probe began); the decision log reads it
     running: int = 0
+    admitting: int = 0  # this process's requests sent to it and not yet scheduled (router/booking.py)
+    admitting_tokens: int = 0  # their uncached parts' sum
+    admitting_max: int = 0  # the largest uncached part among them
+    prefilling_max: int = 0  # the largest uncached part of those it scheduled, no first token yet
+    prefilling_since: float = 0.0  # when the last of them was scheduled (the planner's clock)
     waiting: int = 0  # requests the engine holds, not yet running (last load report): flow control reads it
     kv_usage: float = 0.0  # of its KV memory, 0..1 (last load report)
     dp_ranks: int = 1

@@ -30,6 +30,8 @@ from deepinfer_gateway.workers.sim.profiles import HardwareProfile, load_profile
 class SimWorker:
     __slots__ = (
         "_view",
+        "admitting",
+        "prefilling",
         "booked",
         "busy",
         "core",
@@ -68,6 +70,8 @@ class SimWorker:
         self.booked: dict[str, int] = {}  # each booking's amount, by request id
         self.unreported: list[Booking[SimWorker]] = []  # bookings the next load report counts
         self.inflight = 0  # open legs on this worker (bookings)
+        self.admitting: dict[str, int] = {}  # of those, sent and not yet scheduled (router/booking.py)
+        self.prefilling: dict[str, tuple[int, float]] = {}  # scheduled, no first token yet: (tokens, when)
         self.busy = False  # a step is under way (its end is on the event heap)
         self.pending: list[RequestUpdate] | None = None  # what the step under way produces
         self.cursor = 0  # KV event feed: next `after`
@@ -125,6 +129,10 @@ class SimWorker:
                 kv_format=self.profile.kv_format, model=self.model,
                 queued_prefill_tokens=max(0, self.report_queued + self.reserved), booked_tokens=self.reserved,
                 running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
+                admitting=len(self.admitting), admitting_tokens=sum(self.admitting.values()),
+                admitting_max=max(self.admitting.values(), default=0),
+                prefilling_max=max((t for t, _ in self.prefilling.values()), default=0),
+                prefilling_since=max((at for _, at in self.prefilling.values()), default=0.0),
                 slots=self.profile.max_num_seqs * self.report_ranks,
                 preempts=self.profile.scheduling_policy == "priority",
             )

@@ -104,7 +104,7 @@ class SimGateway:
             w.stale = self._stale
         self.formats = {w.worker_id: w.kv_format for w in workers}
         self._format_views = list({w.kv_format: w.view() for w in workers}.values())
-        self.planner = RoutePlanner(config.router)
+        self.planner = RoutePlanner(config.router, clock)
         index = create_prefix_index(None, clock=clock)
         assert isinstance(index, InMemoryPrefixIndex)
         self.index = index

@@ -202,6 +202,9 @@ class Simulator:
         worker.events.hold()  # its blocks are stored once its time has passed (workers/sim/kv_events.py)
         duration, updates = worker.core.step(self._unix(t))
         self.stats.steps += 1
+        for update in updates:  # scheduled now: a live worker says so as its step begins (workers/sim/engine.py)
+            if update.ready is not None:
+                self._ready(update)
         worker.pending = updates
         if duration <= 0.0:
             duration = 1e-9  # nothing could run (cannot happen with a consistent core); keep time moving
@@ -250,19 +253,25 @@ class Simulator:
             req.last_token_t = end
             req.emitted += len(tokens)
 
+    def _ready(self, update: RequestUpdate) -> None:
+        """The worker scheduled the request: the first leg's ready carries its cached tokens."""
+        req = self._requests.get(update.request_id)
+        ready, update.ready = update.ready, None
+        if req is None or ready is None or req.emitted:
+            return
+        assert req.booking is not None
+        req.booking.on_ready(self.now)
+        mem, store = ready
+        req.record.cached_tokens = mem + store
+        self.stats.memory_tokens += mem
+        self.stats.store_tokens += store
+        self.stats.prompt_tokens += req.record.prompt_tokens or 0
+
     def _deliver(self, worker: SimWorker, update: RequestUpdate, t: float) -> None:
         req = self._requests.get(update.request_id)
         if req is None:
             return
         record = req.record
-        if update.ready is not None and req.emitted == 0:  # the first leg's ready: cached tokens
-            assert req.booking is not None
-            req.booking.on_ready()
-            mem, store = update.ready
-            record.cached_tokens = mem + store
-            self.stats.memory_tokens += mem
-            self.stats.store_tokens += store
-            self.stats.prompt_tokens += record.prompt_tokens or 0
         if update.token_ids:
             if req.emitted == 0:
                 record.ttft_s = self.preparation.relayed(t) - record.arrival_s

@@ -20,10 +20,10 @@ def test_booking_amount_through_a_requests_life() -> None:
 
 def test_ready_before_any_report_keeps_the_uncached_part() -> None:
     booking = _worker().book("r", prompt=5_000, cached=9_999)  # a prediction past the prompt counts as the prompt
-    booking.on_ready()
+    booking.on_ready(0.0)
     assert booking.amount() == 0
     booking = _worker().book("r", prompt=5_000, cached=1_000)
-    booking.on_ready()
+    booking.on_ready(0.0)
     assert booking.amount() == 4_000  # the report in hand predates it: it still adds its prefill
     assert booking.worker.reserved == 4_000
 
@@ -60,7 +60,23 @@ def test_a_follow_up_turn_counts_its_uncached_part_once() -> None:
     bookings = {"other": other, "t2": t2}
     for update in updates:
         if update.ready is not None:
-            bookings[update.request_id].on_ready()
+            bookings[update.request_id].on_ready(0.0)
     assert worker.booked == {} and worker.reserved == 0
     worker.report()
     assert worker.view().queued_prefill_tokens == core.load_totals()[0]
+
+
+def test_a_booking_lists_its_uncached_part_as_admitting_then_prefilling_until_its_first_token() -> None:
+    worker = _worker()
+    booking = worker.book("r", prompt=5_000, cached=1_024)
+    assert worker.admitting == {"r": 3_976} and worker.prefilling == {}
+    view = worker.view()
+    assert (view.admitting, view.admitting_tokens, view.admitting_max) == (1, 3_976, 3_976)
+    booking.on_ready(7.5)
+    assert worker.admitting == {} and worker.prefilling == {"r": (3_976, 7.5)}
+    assert (worker.view().prefilling_max, worker.view().prefilling_since) == (3_976, 7.5)
+    booking.unqueue()  # its first token
+    assert worker.admitting == {} and worker.prefilling == {}
+    failed = worker.book("f", prompt=2_000)
+    failed.end()  # refused before it was scheduled
+    assert worker.admitting == {} and worker.view().admitting == 0

@@ -46,7 +46,7 @@ def test_long_lived_planner_plans_as_a_fresh_one_while_the_fleet_churns() -> Non
     rng = random.Random(11)
     all_views = _fleet(60)
     views = list(all_views)
-    kept = RoutePlanner(RouterSettings(pd_bypass_tokens=256))
+    kept = RoutePlanner(RouterSettings(pd_bypass_tokens=256), clock=lambda: 0.0)
     for _ in range(600):
         views = _churn(rng, views, all_views)
         prompt = rng.randint(100, 20_000)
@@ -54,7 +54,7 @@ def test_long_lived_planner_plans_as_a_fresh_one_while_the_fleet_churns() -> Non
         store = {fmt: rng.choice((0, rng.randint(0, prompt // 128))) for fmt in ("fmt-sm100", "fmt-ascend950")}
         overlap = Overlap(memory, store) if rng.random() < 0.8 else Overlap()
         exclude = frozenset(rng.sample([v.worker_id for v in views], 2)) if rng.random() < 0.1 else frozenset()
-        fresh = RoutePlanner(RouterSettings(pd_bypass_tokens=256))
+        fresh = RoutePlanner(RouterSettings(pd_bypass_tokens=256), clock=lambda: 0.0)
         got = kept.plan_first(list(views), prompt, {}, overlap, exclude=exclude)
         want = fresh.plan_first(list(views), prompt, {}, overlap, exclude=exclude)
         assert (got.mode, got.worker, got.decision, got.view) == (want.mode, want.worker, want.decision, want.view)
@@ -68,7 +68,7 @@ def test_a_view_list_tells_the_planner_where_to_look() -> None:
     a long-lived planner plans as a fresh one on a copy."""
     rng = random.Random(5)
     views = ViewList(_fleet(30))
-    kept = RoutePlanner(RouterSettings(pd_bypass_tokens=256))
+    kept = RoutePlanner(RouterSettings(pd_bypass_tokens=256), clock=lambda: 0.0)
     for step in range(400):
         for i in rng.choices(range(len(views)), k=rng.choice((0, 1, 3, 200 if step % 50 == 0 else 2))):
             views[i] = replace(views[i], queued_prefill_tokens=rng.randint(0, 50_000), running=rng.randint(0, 9))
@@ -76,7 +76,7 @@ def test_a_view_list_tells_the_planner_where_to_look() -> None:
         memory = {v.worker_id: rng.choice((0, 0, rng.randint(1, prompt // 128 + 1))) for v in views}
         overlap = Overlap(memory, {"fmt-sm100": rng.randint(0, 3)})
         exclude = frozenset([views[rng.randrange(len(views))].worker_id]) if rng.random() < 0.1 else frozenset()
-        fresh = RoutePlanner(RouterSettings(pd_bypass_tokens=256))
+        fresh = RoutePlanner(RouterSettings(pd_bypass_tokens=256), clock=lambda: 0.0)
         got = kept.plan_first(views, prompt, {}, overlap, exclude=exclude)
         want = fresh.plan_first(list(views), prompt, {}, overlap, exclude=exclude)
         assert (got.mode, got.worker, got.decision, got.view) == (want.mode, want.worker, want.decision, want.view)

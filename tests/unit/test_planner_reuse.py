@@ -40,7 +40,7 @@ def test_long_lived_planner_decides_as_a_fresh_one() -> None:
     rng = random.Random(7)
     views = _fleet(64)
     settings = RouterSettings(pd_bypass_tokens=256)
-    kept = RoutePlanner(settings)
+    kept = RoutePlanner(settings, clock=lambda: 0.0)
     for _ in range(300):
         for i in rng.sample(range(len(views)), rng.randint(0, 4)):  # a few views change
             views[i] = replace(views[i], queued_prefill_tokens=rng.randint(0, 50_000), running=rng.randint(0, 9))
@@ -48,7 +48,7 @@ def test_long_lived_planner_decides_as_a_fresh_one() -> None:
         memory = {v.worker_id: rng.choice((0, 0, 0, rng.randint(1, prompt // 128 + 1))) for v in views}
         store = {fmt: rng.choice((0, rng.randint(0, prompt // 128))) for fmt in ("fmt-sm100", "fmt-ascend950")}
         overlap = Overlap(memory, store) if rng.random() < 0.8 else Overlap()
-        fresh = RoutePlanner(settings)
+        fresh = RoutePlanner(settings, clock=lambda: 0.0)
         got = kept.plan_first(list(views), prompt, {}, overlap)
         want = fresh.plan_first(list(views), prompt, {}, overlap)
         assert (got.mode, got.worker, got.decision, got.view) == (want.mode, want.worker, want.decision, want.view)

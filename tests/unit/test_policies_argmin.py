@@ -29,5 +29,6 @@ def test_cheapest_is_the_tuple_min(rows: list[tuple[float, str, int, int, bool]]
 def test_least_load_index_is_the_tuple_min(rows: list[tuple[float, str, int, int, bool]]) -> None:
     ids, queues, running = [r[1] for r in rows], [r[2] * 100 for r in rows], [r[3] for r in rows]
     table = Columns(ids=ids, queues=queues, running=running, hits=[0] * len(ids), stored=[0] * len(ids),
-                    waits=[0.0] * len(ids), profiles=[0] * len(ids), profile_values=[(1, 1.0, 1.0, 1.0)])
+                    waits=[0.0] * len(ids), crowds=[(0, 0, 0, 0, 0.0)] * len(ids), profiles=[0] * len(ids),
+                    profile_values=[(1, 1.0, 1.0, 1.0)])
     assert least_load_index(table) == min(zip(queues, running, ids, range(len(ids)), strict=True))[3]

@@ -59,6 +59,8 @@ class WorkerState:
     # (at, hook): run `hook` once a load report probed at or after `at` is in
     report_hooks: list[tuple[float, Callable[[], None]]] = field(default_factory=list)
     inflight: int = 0  # requests this gateway has open on the worker
+    admitting: dict[str, int] = field(default_factory=dict)  # of those, sent and not yet scheduled (router/booking.py)
+    prefilling: dict[str, tuple[int, float]] = field(default_factory=dict)  # scheduled, no first token yet
     draining: bool = False  # no new requests: it is on its way out
     push_start: asyncio.Task[None] | None = field(default=None, repr=False)  # asking it to push
     pushed_success_at: float = float("-inf")  # loop time a pushed report last counted as a check

@@ -298,7 +298,7 @@ class Legs:
                 self.registry.after_report(worker, self.registry.loop_lag.now(), booking.on_report)
             ready = await lease.next_event()
             lease.ready_at = time.perf_counter()
-            booking.on_ready()
+            booking.on_ready(time.monotonic())  # the planner's clock
             if ready is not None and ready["event"] == "finish":
                 raise_if_error(ready)  # refused before scheduling: finish without ready
             if ready is None or ready["event"] != "ready":

@@ -48,6 +48,10 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0
         queued_prefill_tokens=max(0, (load.queued_prefill_tokens if load else 0) + booked),
         booked_tokens=booked, own_booked=own, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
+        admitting=len(worker.admitting), admitting_tokens=sum(worker.admitting.values()),
+        admitting_max=max(worker.admitting.values(), default=0),
+        prefilling_max=max((t for t, _ in worker.prefilling.values()), default=0),
+        prefilling_since=max((at for _, at in worker.prefilling.values()), default=0.0),
         waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
         dp_ranks=dp_ranks, slots=(worker.spec.max_num_seqs or worker.info.max_num_seqs or 0) * dp_ranks,
         prefills=worker.info.prefills, preempts=worker.info.priority_preemption,
@@ -89,7 +93,9 @@ class RouteInputs:
         fresh = []
         for v in views:
             w, mine = workers.get(v.worker_id), own(v.worker_id)
-            if w is None or (mine == v.own_booked and v.running == w.inflight + (w.load.running if w.load else 0)):
+            if w is None or (mine == v.own_booked and v.admitting == len(w.admitting)
+                             and v.prefilling_since == max((at for _, at in w.prefilling.values()), default=0.0)
+                             and v.running == w.inflight + (w.load.running if w.load else 0)):
                 fresh.append(v)  # nothing booked or opened since (a request alone): no copy
                 continue
             fresh.append(worker_view(w, v.booked_tokens - v.own_booked + mine, now, mine) or v)
