@@ -86,13 +86,14 @@ class EstimatedTtftConfig(_Variant):
                     "gives way to the cheapest worker under that bound.")
     guard_tokens: int = Field(65_536, ge=0, description="Queued tokens added to the load guard's bound.")
     lockstep: bool = Field(
-        True,
+        False,
         description="Price the DP ranks' lockstep from the requests sent to a worker and not yet scheduled there: "
                     "a request's step lasts as long as the largest prefill in it, so it waits for theirs, and its "
-                    "own, when larger, delays each of them (router/policies.py).")
+                    "own, when larger, delays each of them (router/policies.py). Conversations: TTFT p50 down "
+                    "about a quarter, p99 up and hit rate down a little (docs/policies.md).")
     lockstep_under_way: bool = Field(
         False,
-        description="Lockstep: also wait out the step under way, from the largest prefill the worker scheduled and "
+        description="With lockstep: also wait out the step under way, from the largest prefill the worker scheduled and "
                     "has not answered (agent bursts: lower TTFT p99 with routed_prefix_s; conversations: higher "
                     "p99; docs/policies.md).")
     step_tokens: int = Field(

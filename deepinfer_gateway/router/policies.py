@@ -19,7 +19,7 @@ Estimated TTFT of a candidate (seconds), from the view only:
 
 P = prompt tokens, B = 128-token blocks.
 
-Lockstep (`lockstep`, on by default). A worker's DP ranks step together: a step lasts as long as
+Lockstep (`lockstep`, off by default: docs/policies.md weighs it). A worker's DP ranks step together: a step lasts as long as
 its largest prefill chunk, and a request sent now joins the step after the one under way, with
 the requests sent there before it and not yet scheduled (`admitting` = n of them, A tokens
 uncached in all, the largest M; router/booking.py). Each request's chunk sits whole on one

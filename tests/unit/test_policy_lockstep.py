@@ -9,6 +9,7 @@ from deepinfer_gateway.config.policies import EstimatedTtftConfig
 from deepinfer_gateway.router.policies import EstimatedTtft, _rank_load
 from deepinfer_gateway.router.policy import Candidate, RoutingView
 
+LOCKSTEP = EstimatedTtftConfig(lockstep=True)
 RANK = 75_000.0  # one rank's prefill tokens/s: 4 ranks of a 300k/s instance
 PER_TOKEN = 1 / RANK
 
@@ -37,8 +38,8 @@ def test_a_cold_prompt_keeps_off_a_step_full_of_followers() -> None:
     followers = cand("a", **crowd(9, 600))
     other = cand("b", queued_prefill_tokens=8_000)  # a cold prompt ahead, nobody waiting beside it
     view = RoutingView(8_751, (followers, other))
-    unpriced = EstimatedTtft(EstimatedTtftConfig(lockstep=False)).choose(view)
-    priced = EstimatedTtft().choose(view)
+    unpriced = EstimatedTtft().choose(view)  # the default: off
+    priced = EstimatedTtft(LOCKSTEP).choose(view)
     assert unpriced.worker_id == "a"  # a's queue is shorter
     assert priced.worker_id == "b"
     # On its own it would do better on `a` than the queue term says (the nine share its step,
@@ -50,7 +51,7 @@ def test_a_cold_prompt_keeps_off_a_step_full_of_followers() -> None:
 def test_a_small_request_waits_for_the_largest_chunk_beside_it() -> None:
     heavy = cand("a", **crowd(1, 12_000))  # a 12k-token prefill will share its step
     view = RoutingView(1_000, (heavy, cand("b", queued_prefill_tokens=3_000)))
-    decision = EstimatedTtft().choose(view)
+    decision = EstimatedTtft(LOCKSTEP).choose(view)
     assert decision.worker_id == "b"
     # queue wait for the others (none) + the busiest rank of its step: the 12k chunk
     assert decision.costs["a"] == pytest.approx(12_000 * PER_TOKEN, abs=1e-6)
@@ -60,20 +61,20 @@ def test_a_small_request_waits_for_the_largest_chunk_beside_it() -> None:
 
 def test_chunks_count_up_to_a_ranks_step_budget() -> None:
     long = cand("a", **crowd(1, 100_000))
-    decision = EstimatedTtft(EstimatedTtftConfig(step_tokens=16_384)).choose(RoutingView(1_000, (long,)))
+    decision = EstimatedTtft(EstimatedTtftConfig(lockstep=True, step_tokens=16_384)).choose(RoutingView(1_000, (long,)))
     assert decision.costs["a"] == pytest.approx(16_384 * PER_TOKEN, abs=1e-6)  # its first chunk, not all of it
 
 
 def test_the_step_under_way_counts_what_is_left_of_it_when_asked() -> None:
     started = 10.0
     busy = cand("a", prefilling_max=7_500, prefilling_since=started)  # a 0.1 s step began at 10.0
-    on = EstimatedTtft(EstimatedTtftConfig(lockstep_under_way=True))
+    on = EstimatedTtft(EstimatedTtftConfig(lockstep=True, lockstep_under_way=True))
     fresh = on.choose(RoutingView(750, (busy,), now=started + 0.02)).costs["a"]
     later = on.choose(RoutingView(750, (busy,), now=started + 0.07)).costs["a"]
     assert fresh == pytest.approx(0.08 + 750 * PER_TOKEN, abs=1e-6)
     assert later == pytest.approx(0.03 + 750 * PER_TOKEN, abs=1e-6)
-    assert EstimatedTtft().choose(RoutingView(750, (busy,), now=started)).costs["a"] == pytest.approx(
-        750 * PER_TOKEN, abs=1e-6)  # off by default: the queue term alone (empty here)
+    assert EstimatedTtft(LOCKSTEP).choose(RoutingView(750, (busy,), now=started)).costs["a"] == pytest.approx(
+        750 * PER_TOKEN, abs=1e-6)  # without lockstep_under_way: the queue term alone (empty here)
     chunked = cand("a", prefilling_max=50_000, prefilling_since=started)  # past one step: its next chunk's
     step = 16_384 * PER_TOKEN
     left = on.choose(RoutingView(750, (chunked,), now=started + step + 0.05)).costs["a"]
