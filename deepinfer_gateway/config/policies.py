@@ -93,9 +93,9 @@ class EstimatedTtftConfig(_Variant):
                     "about a quarter, p99 up and hit rate down a little (docs/policies.md).")
     lockstep_under_way: bool = Field(
         False,
-        description="With lockstep: also wait out the step under way, from the largest prefill the worker scheduled and "
-                    "has not answered (agent bursts: lower TTFT p99 with routed_prefix_s; conversations: higher "
-                    "p99; docs/policies.md).")
+        description="With lockstep: also wait out the step under way, from the largest prefill the worker "
+                    "scheduled and has not answered (agent bursts: lower TTFT p99 with routed_prefix_s in simulate; "
+                    "conversations: higher p99; docs/policies.md).")
     step_tokens: int = Field(
         16_384, ge=1,
         description="Lockstep: the most prompt tokens a DP rank prefills in one step (the engines' chunked-prefill "

@@ -19,14 +19,15 @@ Estimated TTFT of a candidate (seconds), from the view only:
 
 P = prompt tokens, B = 128-token blocks.
 
-Lockstep (`lockstep`, off by default: docs/policies.md weighs it). A worker's DP ranks step together: a step lasts as long as
-its largest prefill chunk, and a request sent now joins the step after the one under way, with
-the requests sent there before it and not yet scheduled (`admitting` = n of them, A tokens
-uncached in all, the largest M; router/booking.py). Each request's chunk sits whole on one
-rank, so a step's busiest rank holds L(n, A, M) = max(M, ceil(n / dp_ranks) * A / n) tokens.
-With U = P - mem - store, its own part, S the largest uncached part the worker scheduled and
-has not answered yet (the step under way), every chunk at most `step_tokens` (a rank's budget
-per step), and r one rank's speed (prefill_tokens_per_s / dp_ranks):
+Lockstep (`lockstep`, off by default: docs/policies.md weighs it). A worker's DP ranks step
+together: a step lasts as long as its largest prefill chunk, and a request sent now joins the
+step after the one under way, with the requests sent there before it and not yet scheduled
+(`admitting` = n of them, A tokens uncached in all, the largest M; router/booking.py). Each
+request's chunk sits whole on one rank, so a step's busiest rank holds L(n, A, M) = max(M,
+ceil(n / dp_ranks) * A / n) tokens. With U = P - mem - store, its own part, S the largest
+uncached part the worker scheduled and has not answered yet (the step under way), every chunk
+at most `step_tokens` (a rank's budget per step), and r one rank's speed (prefill_tokens_per_s
+/ dp_ranks):
 
     ttft = queue wait for all but the n
          + L(n + 1, A + U, max(M, U)) / r               then its own step, as long as its busiest rank

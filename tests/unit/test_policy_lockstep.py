@@ -16,7 +16,7 @@ PER_TOKEN = 1 / RANK
 
 def cand(wid: str, **kw: object) -> Candidate:
     return Candidate(worker_id=wid, hardware="sm100", pool="p", kv_format="f", dp_ranks=4,
-                     prefill_tokens_per_s=4 * RANK, **kw)  # type: ignore[arg-type]
+                     prefill_tokens_per_s=4 * RANK, **kw)
 
 
 def crowd(n: int, each: int, **kw: object) -> dict[str, object]:
