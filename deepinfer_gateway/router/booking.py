@@ -20,14 +20,15 @@ queue + bookings" is the prefill work the worker has ahead (`amount`):
   they will compute only its uncached part;
 - in a load report and scheduled (`ready`): nothing, the report counts its remaining prefill.
 
+Booking the whole prompt until the first token counted a follow-up turn's cached prefix up
+to twice (in the reservation and in the report): the workers holding conversations looked
+busier than they were, and the router left them for shorter-looking queues.
+
 A booked request's uncached part is also listed on the worker, for the estimated_ttft policy's
 lockstep pricing (router/policies.py): in `admitting` until the worker schedules it (`ready`):
 the requests that will share its next step; then in `prefilling`, with the time it was
 scheduled (the planner's clock: time.monotonic live, virtual in the simulator), until its first
-token: the step under way.
-Booking the whole prompt until the first token counted a follow-up turn's cached prefix up
-to twice (in the reservation and in the report): the workers holding conversations looked
-busier than they were, and the router left them for shorter-looking queues.
+token: the step under way. Per process, as `worker.inflight` is.
 
 Pure: the I/O is the `Reservations`' (writes queued there, never awaited here), so the
 lifecycle is the same under the event loop and in the simulator's virtual time.
