@@ -163,6 +163,16 @@ def test_a_request_beside_a_prefill_on_another_rank_cannot_hit_what_that_step_co
     assert next(u.ready for u in second if u.request_id == "c") == (31 * 128, 0)
 
 
+def test_a_long_prompts_finished_chunks_are_cached_before_its_last_chunk() -> None:
+    c = core(replace(SM100, nextn=0))
+    prompt = list(range(20_000))  # two chunks of the 16,384-token step budget
+    c.add_request(req("long", prompt, n_out=2))
+    c.step(0.0)
+    c.add_request(req("next", [*prompt[:18_000], 7], n_out=2))  # admitted at the next step
+    _, updates = c.step(0.0)
+    assert next(u.ready for u in updates if u.request_id == "next") == (16_384, 0)  # the first chunk's 128 blocks
+
+
 def _decode_sizes(profile, rid: str = "s", n_out: int = 400) -> list[int]:
     """Tokens per decode step of one request (the prefill's single first token left out)."""
     c = core(profile)

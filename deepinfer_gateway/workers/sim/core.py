@@ -27,10 +27,12 @@ its slowest rank), like DeepInfer/vLLM with chunked prefill:
 3. the rest of the `max_num_batched_tokens` budget prefills waiting prompt tokens in
    chunks, oldest first (under priority scheduling, most urgent first); a request whose
    prefill completes emits its first token.
-After prefill the prompt's blocks enter the memory cache and the store, once every rank's part
-of the step is done (a request admitted beside it on another rank cannot hit them); at finish
-the full sequence's blocks do (multi-turn prompts re-send the previous answer). The KV events
-these append are the worker's to publish when the step's time has passed (kv_events.py).
+The blocks a step's prefill chunks complete enter the memory cache once every rank's part of
+the step is done (a request admitted beside them on another rank cannot hit them; one admitted
+at a later step can, before the prompt's last chunk, as with vLLM's and SGLang's chunked
+prefill); a completed prompt's blocks enter the store too; at finish the full sequence's
+blocks do (multi-turn prompts re-send the previous answer). The KV events these append are
+the worker's to publish when the step's time has passed (kv_events.py).
 
 Simplifications (documented, deliberate): one prefix cache per instance, not per DP
 rank; cached blocks and running requests' blocks are accounted separately; store
@@ -219,17 +221,20 @@ class SchedulerCore:
 
     def step(self, now: float) -> tuple[float, list[RequestUpdate]]:
         updates: dict[str, RequestUpdate] = {}
-        completed: list[_Seq] = []
+        prefilled: list[_Seq] = []
         slowest = 0.0
         for rank in range(self.profile.dp_ranks):
-            slowest = max(slowest, self._step_rank(rank, now, updates, completed))
-        # The prompts this step prefilled are cached once every rank has admitted: a request
-        # admitted beside a prefill, on another rank, cannot hit what that step computes.
-        for seq in completed:
-            self._cache_blocks(seq.hashes, seq.req.workload_class, now)
+            slowest = max(slowest, self._step_rank(rank, now, updates, prefilled))
+        # What this step prefilled is cached once every rank has admitted: a request admitted
+        # beside a prefill, on another rank, cannot hit what that step computes.
+        for seq in prefilled:
+            if seq.prefilled:
+                self._cache_blocks(seq.hashes, seq.req.workload_class, now)
+            else:
+                self.cache.insert(seq.hashes[: seq.computed // KV_BLOCK_TOKENS])
         return slowest / self.time_scale, list(updates.values())
 
-    def _step_rank(self, rank: int, now: float, updates: dict[str, RequestUpdate], completed: list[_Seq]) -> float:
+    def _step_rank(self, rank: int, now: float, updates: dict[str, RequestUpdate], prefilled: list[_Seq]) -> float:
         load_s = self._admit(rank, now, updates)
         running = self._running[rank]
         decoding = [s for s in running if s.prefilled]
@@ -247,6 +252,7 @@ class SchedulerCore:
             seq.computed += take
             chunk += take
             budget -= take
+            prefilled.append(seq)
             if seq.remaining_prefill == 0:
                 done.append(seq)
         for seq in decoding:
@@ -254,7 +260,6 @@ class SchedulerCore:
         for seq in done:
             seq.prefilled = True
             self._emit(seq, 1, now, updates)
-        completed += done
         return load_s + prefill_seconds(self.profile, chunk) + decode_seconds(self.profile, len(decoding))
 
     def step_tokens(self, seq: _Seq) -> int:
