@@ -36,7 +36,7 @@ lifecycle is the same under the event loop and in the simulator's virtual time.
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 
 def amount(prompt: int, cached: int, *, reported: bool, ready: bool) -> int | None:
@@ -69,6 +69,23 @@ class Counted(Protocol):
 
 
 W = TypeVar("W", bound=Counted)
+
+
+def scheduled_since(worker: Counted) -> float:
+    """When the last of the worker's `prefilling` requests was scheduled (0: none)."""
+    return max(at for _, at in worker.prefilling.values()) if worker.prefilling else 0.0
+
+
+def crowd_fields(worker: Counted) -> dict[str, Any]:
+    """The `WorkerView` fields of the worker's admitting and prefilling requests (router/worker_view.py);
+    none when it has neither, their defaults: a view is built per worker per request."""
+    admitting, prefilling = worker.admitting, worker.prefilling
+    if not admitting and not prefilling:
+        return {}
+    return {"admitting": len(admitting), "admitting_tokens": sum(admitting.values()),
+            "admitting_max": max(admitting.values(), default=0),
+            "prefilling_max": max((tokens for tokens, _ in prefilling.values()), default=0),
+            "prefilling_since": scheduled_since(worker)}
 
 
 class Booking(Generic[W]):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deepinfer_gateway.core.protocol import Role
-from deepinfer_gateway.router.booking import Booking
+from deepinfer_gateway.router.booking import Booking, crowd_fields
 from deepinfer_gateway.router.planner import WorkerView
 from deepinfer_gateway.simulate.config import ClusterConfig
 from deepinfer_gateway.simulate.cruise import CruisingCore
@@ -129,10 +129,7 @@ class SimWorker:
                 kv_format=self.profile.kv_format, model=self.model,
                 queued_prefill_tokens=max(0, self.report_queued + self.reserved), booked_tokens=self.reserved,
                 running=self.report_running + self.inflight, dp_ranks=self.report_ranks,
-                admitting=len(self.admitting), admitting_tokens=sum(self.admitting.values()),
-                admitting_max=max(self.admitting.values(), default=0),
-                prefilling_max=max((t for t, _ in self.prefilling.values()), default=0),
-                prefilling_since=max((at for _, at in self.prefilling.values()), default=0.0),
+                **crowd_fields(self),
                 slots=self.profile.max_num_seqs * self.report_ranks,
                 preempts=self.profile.scheduling_policy == "priority",
             )

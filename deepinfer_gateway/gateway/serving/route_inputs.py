@@ -25,6 +25,7 @@ from deepinfer_gateway.kvcache.routed import RoutedPrefixes
 from deepinfer_gateway.kvcache.types import Overlap, PrefixIndex
 from deepinfer_gateway.recipe_bridge.prepare import PreparedRequest
 from deepinfer_gateway.router.admission import retry_after
+from deepinfer_gateway.router.booking import crowd_fields, scheduled_since
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Plan, RoutePlanner, WorkerView, prompt_hashes
 from deepinfer_gateway.router.policy import Lineage
@@ -48,10 +49,7 @@ def worker_view(worker: WorkerState, booked: int, now: float = 0.0, own: int = 0
         queued_prefill_tokens=max(0, (load.queued_prefill_tokens if load else 0) + booked),
         booked_tokens=booked, own_booked=own, load_age_s=round(now - worker.load_probed_at, 4) if load else 0.0,
         running=(load.running if load else 0) + worker.inflight,
-        admitting=len(worker.admitting), admitting_tokens=sum(worker.admitting.values()),
-        admitting_max=max(worker.admitting.values(), default=0),
-        prefilling_max=max((t for t, _ in worker.prefilling.values()), default=0),
-        prefilling_since=max((at for _, at in worker.prefilling.values()), default=0.0),
+        **crowd_fields(worker),
         waiting=load.waiting if load else 0, kv_usage=load.kv_usage if load else 0.0,
         dp_ranks=dp_ranks, slots=(worker.spec.max_num_seqs or worker.info.max_num_seqs or 0) * dp_ranks,
         prefills=worker.info.prefills, preempts=worker.info.priority_preemption,
@@ -94,7 +92,7 @@ class RouteInputs:
         for v in views:
             w, mine = workers.get(v.worker_id), own(v.worker_id)
             if w is None or (mine == v.own_booked and v.admitting == len(w.admitting)
-                             and v.prefilling_since == max((at for _, at in w.prefilling.values()), default=0.0)
+                             and v.prefilling_since == scheduled_since(w)
                              and v.running == w.inflight + (w.load.running if w.load else 0)):
                 fresh.append(v)  # nothing booked or opened since (a request alone): no copy
                 continue
