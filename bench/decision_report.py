@@ -72,6 +72,16 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
+def _crowd(candidate: dict[str, Any]) -> str:
+    """The requests lockstep pricing saw on the candidate (traces of older gateways lack them)."""
+    parts = []
+    if candidate.get("admitting"):
+        parts.append(f"a{candidate['admitting']}:{candidate['admitting_tokens']}")
+    if candidate.get("prefilling_max"):
+        parts.append(f"p{candidate['prefilling_max']}@{candidate['prefilling_age_s']}")
+    return f"[{' '.join(parts)}]" if parts else ""
+
+
 def tail(records: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
     n = max(1, round(share * len(records)))
     return sorted(records, key=lambda r: r["first_token_s"], reverse=True)[:n]
@@ -105,13 +115,15 @@ def main() -> None:
               f"{w['reported_queue_median_tokens']}/{w['booked_queue_median_tokens']} age {w['load_age_median_s']}")
     slow = tail(records, args.tail)
     print(f"\nslowest {len(slow)}: arrival (s since the first), worker, reason, prompt, predicted/reported cached, "
-          f"queue, first token, gateway loop stall; candidates: worker hit/queued tokens/estimate")
+          f"queue, first token, gateway loop stall; candidates: worker hit/queued tokens/estimate "
+          f"[admitting n:tokens, prefilling largest@age s]")
     overridden = 0
     for r in sorted(slow, key=lambda r: r["t"] - r["first_token_s"]):
         best = model_best(r)
         overridden += best is not None and best != r["worker"]
         cands = " ".join(f"{c['worker'].rsplit(':', 1)[-1]}:{c['hit_tokens']}/{c['queued_tokens']}/"
-                         f"{'-' if c['estimate_s'] is None else round(c['estimate_s'], 2)}" for c in r["candidates"])
+                         f"{'-' if c['estimate_s'] is None else round(c['estimate_s'], 2)}{_crowd(c)}"
+                         for c in r["candidates"])
         print(f"{(r['t'] - r['first_token_s'] - t0) * T:8.2f} {r['worker'].rsplit(':', 1)[-1]:>6s} {r['reason']:16s}"
               f"{r['prompt_tokens']:7d} {r['predicted']['memory']}/{r['reported']['memory']:<7d}"
               f" q {r['queue_s'] * T:6.2f} ft {r['first_token_s'] * T:6.2f} stall {r['loop_stall_s'] * T:5.2f}"

@@ -131,10 +131,14 @@ class Booking(Generic[W]):
 
     def unqueue(self) -> None:
         """Its first token (or a failure before it): nothing in the worker's queue any more."""
+        self.worker.admitting.pop(self.request_id, None)
+        self.worker.prefilling.pop(self.request_id, None)
+        self._release()
+
+    def _release(self) -> None:
+        """Nothing reserved any more (the step lists keep the request until its first token)."""
         if self.queued:
             self.queued = False
-            self.worker.admitting.pop(self.request_id, None)
-            self.worker.prefilling.pop(self.request_id, None)
             self._reservations.release(self.worker.worker_id, self.request_id)
 
     def move(self, worker: W) -> None:
@@ -160,7 +164,7 @@ class Booking(Generic[W]):
         if not self.queued:  # first token, end or failure: gone already
             return
         tokens = self.amount()
-        if tokens is None:
-            self.unqueue()
+        if tokens is None:  # the report counts what is left of its prefill; it is still in the step
+            self._release()
         else:
             self._reservations.reserve(self.worker.worker_id, self.request_id, tokens)

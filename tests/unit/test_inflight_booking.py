@@ -80,3 +80,16 @@ def test_a_booking_lists_its_uncached_part_as_admitting_then_prefilling_until_it
     failed = worker.book("f", prompt=2_000)
     failed.end()  # refused before it was scheduled
     assert worker.admitting == {} and worker.view().admitting == 0
+
+
+def test_a_report_that_counts_a_scheduled_request_keeps_it_in_the_step_under_way() -> None:
+    """Once a load report counts a scheduled request, its reservation goes (the report holds what
+    is left of its prefill), but the step it is in lasts until its first token."""
+    worker = _worker()
+    booking = worker.book("r", prompt=5_000)
+    booking.on_report()
+    booking.on_ready(2.0)
+    assert worker.reserved == 0 and worker.prefilling == {"r": (5_000, 2.0)}
+    assert worker.view().prefilling_max == 5_000
+    booking.unqueue()  # its first token
+    assert worker.prefilling == {}

@@ -4,10 +4,12 @@ Each line says what the router saw and chose and what then happened, so a benchm
 tail can be traced to its decisions (bench/decision_report.py): the chosen worker and the
 policy's reason; per candidate its predicted memory-tier hit (tokens), queued prefill tokens
 and running sequences at decision time (the queue's parts: the load report's figure, the
-report's age, this gateway's bookings), and the policy's estimated seconds where it has
-them; the index's prediction against the cached tokens the worker reported in `ready`; and
-the request's own timings (arrival to the worker's `ready`, to the first token), plus how far
-this process's event loop was held up meanwhile. Off by default: a line costs ~20 us.
+report's age, this gateway's bookings), the requests this process has sent it that share its
+next step or are in the step under way (what lockstep pricing reads), and the policy's
+estimated seconds where it has them; the index's prediction against the cached tokens the
+worker reported in `ready`; and the request's own timings (arrival to the worker's `ready`, to
+the first token), plus how far this process's event loop was held up meanwhile. Off by
+default: a line costs ~20 us.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import IO, Any
 import orjson
 
 from deepinfer_gateway.router.planner import Plan, WorkerView
+from deepinfer_gateway.router.policy import Candidate
 
 
 def decision_record(plan: Plan, request_id: str, ready: dict[str, Any], *, arrival: float, ready_at: float,
@@ -46,7 +49,8 @@ def decision_record(plan: Plan, request_id: str, ready: dict[str, Any], *, arriv
             {"worker": c.worker_id, "hardware": c.hardware, "hit_tokens": min(c.memory_hit_blocks * block,
                                                                                view.prompt_tokens),
              "queued_tokens": c.queued_prefill_tokens, "running": c.running,
-             "estimate_s": costs.get(c.worker_id) if costs else None, **_queue_parts(parts.get(c.worker_id))}
+             "estimate_s": costs.get(c.worker_id) if costs else None, **_queue_parts(parts.get(c.worker_id)),
+             **_crowd(c, view.now)}
             for c in view.candidates],
     }
 
@@ -59,6 +63,16 @@ def _queue_parts(view: WorkerView | None) -> dict[str, Any]:
     queued, booked = view.queued_prefill_tokens, view.booked_tokens
     return {"reported_tokens": queued - booked if queued or booked >= 0 else None, "booked_tokens": booked,
             "load_age_s": view.load_age_s}
+
+
+def _crowd(candidate: Candidate, now: float) -> dict[str, Any]:
+    """What lockstep pricing reads (router/booking.py): this process's requests sent to the worker and
+    not yet scheduled, the largest one it scheduled that has no first token yet, and how long ago the
+    last of those was scheduled (None: none)."""
+    since = candidate.prefilling_since
+    return {"admitting": candidate.admitting, "admitting_tokens": candidate.admitting_tokens,
+            "admitting_max": candidate.admitting_max, "prefilling_max": candidate.prefilling_max,
+            "prefilling_age_s": round(now - since, 4) if since else None}
 
 
 class DecisionLog:
