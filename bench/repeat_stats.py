@@ -21,9 +21,15 @@ FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate", "errors", "rout
            "workers_cpu_ms_per_req",
            "proxy_cpu_ms_per_req",  # the epp target's Envoy
            "client_send_lag_p99_s", "others_cpu_cores",
-           "follow_up_hit_rate", "follow_up_vs_planned", "session_makespan_p50_s")  # the last three: --sessions
+           "follow_up_hit_rate", "follow_up_vs_planned", "session_makespan_p50_s",  # these three: --sessions
+           "evicted_recomputed_share")  # sim workers only
 RATIO_FIGURES = {"p99": "ttft_p99_s", "p90": "ttft_p90_s", "p50": "ttft_p50_s", "hit": "hit_rate",
-                 "router_cpu": "router_cpu_ms_per_req", "workers_cpu": "workers_cpu_ms_per_req"}
+                 "router_cpu": "router_cpu_ms_per_req", "workers_cpu": "workers_cpu_ms_per_req",
+                 # where the runs have them (a ratio of figures no run has is left out)
+                 "follow_up_hit": "follow_up_hit_rate", "makespan": "session_makespan_p50_s",
+                 "evicted_recomputed": "evicted_recomputed_share"}
+
+ALWAYS = ("p99", "p90", "p50", "hit", "router_cpu", "workers_cpu")  # ratios given even where a run lacks them
 
 
 def describe(values: Sequence[float]) -> dict[str, float | None]:
@@ -75,10 +81,11 @@ def summarise(rows: Sequence[dict[str, Any]], reference: str = "gateway") -> dic
         for peer, theirs in by_target.items():
             if peer == reference:
                 continue
-            ratios[f"{reference}_vs_{peer}"] = {
-                name: ratio_ci([float(r[f]) for r in mine if r.get(f) is not None],
-                               [float(r[f]) for r in theirs if r.get(f) is not None])
-                for name, f in RATIO_FIGURES.items()}
+            pairs = {name: ([float(r[f]) for r in mine if r.get(f) is not None],
+                            [float(r[f]) for r in theirs if r.get(f) is not None])
+                     for name, f in RATIO_FIGURES.items()}
+            ratios[f"{reference}_vs_{peer}"] = {name: ratio_ci(a, b) for name, (a, b) in pairs.items()
+                                                if name in ALWAYS or (a and b)}
     return {"targets": targets, "ratios": ratios}
 
 

@@ -204,6 +204,9 @@ class LoadReport(_Report):
     prompt_tokens_total: int = 0
     cached_tokens_total: dict[KvTier, int] = Field(default_factory=dict)
     preemptions_total: int = 0  # running requests preempted by a more urgent one (vLLM's num_preemptions)
+    # Prompt tokens prefilled again because this worker had cached and evicted them: what cache
+    # pressure costs (the sim reports it; 0 where an engine cannot tell).
+    evicted_recomputed_tokens_total: int = 0
     epoch: str = ""
 
 

@@ -93,6 +93,8 @@ def _simulation_meta(config: ClusterConfig, sim: Simulator) -> dict[str, Any]:
         "events_per_s": round(stats.events_per_s), "virtual_s": stats.sim_s, "modes": stats.modes,
         "load_report_interval_s": config.load_report_interval_s,
         "kv_events_interval_s": config.kv_events_interval_s,
+        # prompt tokens prefilled again after their worker evicted them (workers/sim/prefix_cache.py)
+        "evicted_recomputed_tokens": sum(w.core.evicted_recomputed_tokens_total for w in sim.workers),
         **({"session_capacity": {"waits": stats.session_waits, "wait_s": round(stats.session_wait_s, 3),
                                  "proceeded": stats.session_proceeded}} if config.session_capacity.enabled else {}),
     }

@@ -115,6 +115,22 @@ def test_abort_frees_capacity_and_max_num_seqs() -> None:
     assert c.abort("b") and not c.has_work() and c.kv_usage == 0
 
 
+def test_a_context_prefilled_again_after_its_eviction_is_counted() -> None:
+    c = core(replace(ONE_RANK, memory_capacity_blocks=70))
+    session = list(range(8000))  # 62 full blocks
+    c.add_request(req("a", session, n_out=1))
+    run(c)
+    c.add_request(req("a2", session + [1], n_out=1))  # its next round, still cached
+    run(c)
+    assert c.evicted_recomputed_tokens_total == 0
+    c.add_request(req("other", list(range(10**6, 10**6 + 8000)), n_out=1))  # evicts most of it
+    run(c)
+    c.add_request(req("a3", session + [1, 2], n_out=1))
+    _, seen = run(c)
+    mem, _ = seen["a3"][0].ready  # type: ignore[misc]
+    assert c.evicted_recomputed_tokens_total == 62 * 128 - mem > 0
+
+
 def test_memory_capacity_makes_requests_wait() -> None:
     c = core(replace(ONE_RANK, memory_capacity_blocks=3))
     c.add_request(req("a", [1] * 200, n_out=100))  # 3 blocks

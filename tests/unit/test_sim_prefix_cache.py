@@ -5,7 +5,7 @@ from __future__ import annotations
 from deepinfer_gateway.core.protocol import KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
-from deepinfer_gateway.workers.sim.prefix_cache import PrefixCache
+from deepinfer_gateway.workers.sim.prefix_cache import EVICTED_MEMORY, PrefixCache
 
 DAY = 86_400.0
 
@@ -84,3 +84,20 @@ def test_store_ttl_by_workload_class_and_capacity() -> None:
     again = store.put([1, 2, 3, 4], "chat", now=3 * DAY + 2)  # 2 had expired too
     assert again.stored == [1, 2, 3] and len(store) == 3
     assert again.evicted == [5]
+
+
+def test_evicted_blocks_are_remembered_until_cached_again() -> None:
+    cache, _ = make(3)
+    cache.insert([1, 2, 3])
+    cache.insert([7, 8])  # evicts 3, then 2
+    assert cache.evicted_among([1, 2, 3, 4]) == 2  # 4 was never held
+    cache.insert([1, 2])
+    assert cache.evicted_among([1, 2, 3]) == 1  # 2 is cached again
+
+
+def test_the_evicted_memory_is_bounded() -> None:
+    cache, _ = make(1)
+    for h in range(100):
+        cache.insert([h])
+    assert cache.evicted_among(range(100)) == EVICTED_MEMORY  # the latest ones
+    assert cache.evicted_among([98]) == 1 and cache.evicted_among([0]) == 0

@@ -151,6 +151,7 @@ class SchedulerCore:
         self.preemptions_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = {KvTier.MEMORY: 0, KvTier.STORE: 0}
+        self.evicted_recomputed_tokens_total = 0  # prefilled again after this worker evicted them (prefix_cache.py)
 
     # --- requests ---------------------------------------------------------------------
 
@@ -304,6 +305,8 @@ class SchedulerCore:
             mem_tokens = in_memory * KV_BLOCK_TOKENS
             store_tokens = max(0, in_store - in_memory) * KV_BLOCK_TOKENS
             seq.computed = mem_tokens + store_tokens
+            self.evicted_recomputed_tokens_total += KV_BLOCK_TOKENS * self.cache.evicted_among(
+                usable[max(in_memory, in_store):])
             load_s += kv_load_seconds(self.profile, store_tokens, self.profile.store_read_bytes_per_s)
             self.prompt_tokens_total += prompt
             self.cached_tokens_total[KvTier.MEMORY] += mem_tokens

@@ -328,6 +328,7 @@ class SimEngine:
             dp_ranks=ranks,
             prompt_tokens_total=self._core.prompt_tokens_total,
             cached_tokens_total=dict(self._core.cached_tokens_total),
+            evicted_recomputed_tokens_total=self._core.evicted_recomputed_tokens_total,
             preemptions_total=self._core.preemptions_total,
             epoch=self._events.epoch,
         )

@@ -7,6 +7,12 @@ LRU eviction then takes a prefix's extensions before the prefix itself.
 
 Every insertion and eviction is appended to the worker's SimKvEventLog (tier `memory`).
 Cost: O(blocks) per call, dict operations only.
+
+It also remembers the hashes it evicted (the latest `EVICTED_MEMORY` x its capacity), so that
+`evicted_among` can say how much of a prompt it prefills again because it let it go: an
+eviction that costs something, since only a live session's (or a shared prefix's) blocks are
+asked for again. Cache pressure's cost in one figure (the load report's
+`evicted_recomputed_tokens_total`; bench/peers.py reports it per run).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from collections.abc import Sequence
 from deepinfer_gateway.core.protocol import KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 
+EVICTED_MEMORY = 8  # evicted hashes remembered, in multiples of the capacity
+
 
 class PrefixCache:
     def __init__(self, capacity_blocks: int, events: SimKvEventLog) -> None:
@@ -25,6 +33,7 @@ class PrefixCache:
         self.capacity = capacity_blocks
         self._events = events
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._evicted: OrderedDict[int, None] = OrderedDict()  # oldest first, at most EVICTED_MEMORY x capacity
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -59,5 +68,21 @@ class PrefixCache:
                 add(h)
         stored.reverse()
         evicted = [self._lru.popitem(last=False)[0] for _ in range(len(self._lru) - self.capacity)]
+        self._remember(stored, evicted)
         self._events.append(KvEventKind.STORED, KvTier.MEMORY, stored)
         self._events.append(KvEventKind.EVICTED, KvTier.MEMORY, evicted)
+
+    def evicted_among(self, hashes: Sequence[int]) -> int:
+        """How many of `hashes` (blocks a prompt prefills) this cache held and evicted."""
+        was = self._evicted
+        return sum(1 for h in hashes if h in was) if was else 0
+
+    def _remember(self, stored: list[int], evicted: list[int]) -> None:
+        was = self._evicted
+        if was:
+            for h in stored:
+                was.pop(h, None)
+        for h in evicted:
+            was[h] = None
+        for _ in range(len(was) - EVICTED_MEMORY * self.capacity):
+            was.popitem(last=False)
