@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deepinfer_gateway.core.protocol import KvEventKind, KvTier
+from deepinfer_gateway.workers.sim import prefix_cache
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 from deepinfer_gateway.workers.sim.kv_store import InMemoryKvStore
 from deepinfer_gateway.workers.sim.prefix_cache import EVICTED_MEMORY, PrefixCache
@@ -101,3 +104,11 @@ def test_the_evicted_memory_is_bounded() -> None:
         cache.insert([h])
     assert cache.evicted_among(range(100)) == EVICTED_MEMORY  # the latest ones
     assert cache.evicted_among([98]) == 1 and cache.evicted_among([0]) == 0
+
+
+def test_a_large_caches_evicted_memory_is_bounded_absolutely(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefix_cache, "EVICTED_MAX", 5)
+    cache, _ = make(10)  # 8 x 10 would be 80
+    for h in range(0, 40, 2):
+        cache.insert([h, h + 1])
+    assert cache.evicted_among(range(40)) == 5

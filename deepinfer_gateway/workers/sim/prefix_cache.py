@@ -8,7 +8,8 @@ LRU eviction then takes a prefix's extensions before the prefix itself.
 Every insertion and eviction is appended to the worker's SimKvEventLog (tier `memory`).
 Cost: O(blocks) per call, dict operations only.
 
-It also remembers the hashes it evicted (the latest `EVICTED_MEMORY` x its capacity), so that
+It also remembers the hashes it evicted (the latest `EVICTED_MEMORY` x its capacity, at most
+`EVICTED_MAX`: a real profile's cache holds over a million blocks), so that
 `evicted_among` can say how much of a prompt it prefills again because it let it go: an
 eviction that costs something, since only a live session's (or a shared prefix's) blocks are
 asked for again. Cache pressure's cost in one figure (the load report's
@@ -23,7 +24,8 @@ from collections.abc import Sequence
 from deepinfer_gateway.core.protocol import KvEventKind, KvTier
 from deepinfer_gateway.workers.sim.kv_events import SimKvEventLog
 
-EVICTED_MEMORY = 8  # evicted hashes remembered, in multiples of the capacity
+EVICTED_MEMORY = 8  # evicted hashes remembered, in multiples of the capacity...
+EVICTED_MAX = 1 << 18  # ...and at most this many (~30 MB)
 
 
 class PrefixCache:
@@ -33,7 +35,8 @@ class PrefixCache:
         self.capacity = capacity_blocks
         self._events = events
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self._evicted: OrderedDict[int, None] = OrderedDict()  # oldest first, at most EVICTED_MEMORY x capacity
+        self._evicted: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._evicted_limit = min(EVICTED_MEMORY * capacity_blocks, EVICTED_MAX)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -84,5 +87,5 @@ class PrefixCache:
                 was.pop(h, None)
         for h in evicted:
             was[h] = None
-        for _ in range(len(was) - EVICTED_MEMORY * self.capacity):
+        for _ in range(len(was) - self._evicted_limit):
             was.popitem(last=False)
