@@ -13,6 +13,9 @@ limits; the ext_proc and health servers) it builds on these parts.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from redis import asyncio as aioredis
 
 from deepinfer_gateway.config import GatewaySettings
@@ -33,6 +36,8 @@ from deepinfer_gateway.kvcache.types import PrefixIndex
 from deepinfer_gateway.recipe_bridge.tokenizer import TokenizerBundle
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import RoutePlanner
+
+LEGS_END_S = 2.0  # at shutdown, the longest the cancelled requests get to end their legs
 
 
 class RoutingCore:
@@ -85,6 +90,7 @@ class RoutingCore:
         await self.discovery.start()  # the workers DNS names now, before the first request
 
     async def stop(self) -> None:
+        await self._legs_ended()
         await self.discovery.stop()
         await self.admin.stop()
         await self.registry.stop()
@@ -94,3 +100,13 @@ class RoutingCore:
         await self.inflight.flush()  # the drained requests' releases reach Redis, not their lease expiry
         if self.redis is not None:
             await self.redis.aclose()
+
+    async def _legs_ended(self, timeout_s: float = LEGS_END_S) -> None:
+        """Up to `timeout_s` for the legs still open to end. The server cancels the requests the
+        grace period left and goes on to shut the app down without waiting for them: a leg's
+        release is queued only when its task runs its cancellation, and it must be queued before
+        the flush that sends it."""
+        deadline = time.monotonic() + timeout_s
+        workers = self.registry.workers
+        while any(w.inflight for w in workers.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
