@@ -24,12 +24,10 @@ FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate", "errors", "rout
            "follow_up_hit_rate", "follow_up_vs_planned", "session_makespan_p50_s",  # these three: --sessions
            "evicted_recomputed_share")  # sim workers only
 RATIO_FIGURES = {"p99": "ttft_p99_s", "p90": "ttft_p90_s", "p50": "ttft_p50_s", "hit": "hit_rate",
-                 "router_cpu": "router_cpu_ms_per_req", "workers_cpu": "workers_cpu_ms_per_req",
-                 # where the runs have them (a ratio of figures no run has is left out)
-                 "follow_up_hit": "follow_up_hit_rate", "makespan": "session_makespan_p50_s",
-                 "evicted_recomputed": "evicted_recomputed_share"}
-
-ALWAYS = ("p99", "p90", "p50", "hit", "router_cpu", "workers_cpu")  # ratios given even where a run lacks them
+                 "router_cpu": "router_cpu_ms_per_req", "workers_cpu": "workers_cpu_ms_per_req"}
+# Ratios given only where both targets' runs have the figure (--sessions; sim workers).
+RATIO_FIGURES_WHERE_RUN = {"follow_up_hit": "follow_up_hit_rate", "makespan": "session_makespan_p50_s",
+                           "evicted_recomputed": "evicted_recomputed_share"}
 
 
 def describe(values: Sequence[float]) -> dict[str, float | None]:
@@ -61,6 +59,10 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], resamples: int = 2000, leve
             "low": round(pick(tail), 3) if ratios else None, "high": round(pick(1 - tail), 3) if ratios else None}
 
 
+def _values(runs: Sequence[dict[str, Any]], figure: str) -> list[float]:
+    return [float(r[figure]) for r in runs if r.get(figure) is not None]
+
+
 def summarise(rows: Sequence[dict[str, Any]], reference: str = "gateway") -> dict[str, Any]:
     """Per target: each figure described over its runs (keys `<figure>_median`, `_min`,
     `_max`, `_spread`); ratios of `reference` to every other target."""
@@ -71,8 +73,7 @@ def summarise(rows: Sequence[dict[str, Any]], reference: str = "gateway") -> dic
     for target, runs in by_target.items():
         entry: dict[str, Any] = {"runs": len(runs)}
         for figure in FIGURES:
-            values = [float(r[figure]) for r in runs if r.get(figure) is not None]
-            for stat, value in describe(values).items():
+            for stat, value in describe(_values(runs, figure)).items():
                 entry[f"{figure}_{stat}"] = value
         targets[target] = entry
     ratios: dict[str, dict[str, Any]] = {}
@@ -81,11 +82,11 @@ def summarise(rows: Sequence[dict[str, Any]], reference: str = "gateway") -> dic
         for peer, theirs in by_target.items():
             if peer == reference:
                 continue
-            pairs = {name: ([float(r[f]) for r in mine if r.get(f) is not None],
-                            [float(r[f]) for r in theirs if r.get(f) is not None])
-                     for name, f in RATIO_FIGURES.items()}
-            ratios[f"{reference}_vs_{peer}"] = {name: ratio_ci(a, b) for name, (a, b) in pairs.items()
-                                                if name in ALWAYS or (a and b)}
+            pair = ratios[f"{reference}_vs_{peer}"] = {
+                name: ratio_ci(_values(mine, f), _values(theirs, f)) for name, f in RATIO_FIGURES.items()}
+            for name, f in RATIO_FIGURES_WHERE_RUN.items():
+                if (a := _values(mine, f)) and (b := _values(theirs, f)):
+                    pair[name] = ratio_ci(a, b)
     return {"targets": targets, "ratios": ratios}
 
 
