@@ -558,6 +558,8 @@ def main() -> None:
         target = Target("gateway", "", start_gateway(worker_url, args.tree))
         target.url = target.gateway.url + "/v1/chat/completions"  # type: ignore[union-attr]
         try:
+            # a fresh process's first requests pay one-time set-up (tokenizer tables, connections)
+            asyncio.run(closed_loop(target.url, min(args.requests, 300), args.concurrency))
             summary["profile_top"] = profile_gateway(
                 target, lambda: asyncio.run(closed_loop(target.url, args.requests, args.concurrency)),
                 Path(args.profile), "gateway")[:10]

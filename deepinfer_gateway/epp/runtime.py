@@ -64,6 +64,7 @@ class EppRuntime:
             PromptEncoder(self.bundle),
             BridgeConfig(model_names=settings.model_names, model_aliases=settings.model_aliases,
                          context_limit=settings.context_limit, images=settings.images))
+        self.preparer.warm_up()
         self.health = health.aio.HealthServicer()
         self.ports: dict[str, int] = {}
         self._stack: list[Any] = []

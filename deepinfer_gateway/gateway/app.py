@@ -156,6 +156,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None,
         BridgeConfig(model_names=settings.model_names, model_aliases=settings.model_aliases,
                      context_limit=settings.context_limit, images=settings.images),
     )
+    preparer.warm_up()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

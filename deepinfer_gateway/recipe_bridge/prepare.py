@@ -126,6 +126,18 @@ class RequestPreparer:
             service_tier=parsed.get("service_tier"),
         )
 
+    def warm_up(self) -> None:
+        """Prepare one small chat request (a system prompt, a tool, a user turn) so the first
+        client's request does not pay the one-time set-up of the tokenizer (its tables, built on
+        its first call, and the thread pool of its batch call) and the renderer: 60-190 ms on a
+        2-core box (bench/first_request.py). Call it before the process says it is ready."""
+        self.prepare(ApiProtocol.CHAT, orjson.dumps({
+            "model": self.config.model_names[0], "max_tokens": 1,
+            "tools": [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}],
+            "messages": [{"role": "system", "content": "You are a coding agent."},
+                         {"role": "user", "content": "Read README.md and say what it is for."}],
+        }))
+
     def count_tokens(self, body: bytes) -> TokenCount:
         """Anthropic `count_tokens`: the prompt tokens the engine would prefill for this
         Messages body's prompt fields (COUNT_TOKENS_FIELDS; `max_tokens` is not needed)."""
