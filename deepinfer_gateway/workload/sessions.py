@@ -19,6 +19,7 @@ Formats, told apart by content (`load_sessions`):
   (the conversation it continues); its new input is what its `input_length` adds to the
   parent's context (input + output), at least one token. `branches` (a parent's fan-out) is
   implied by several rounds naming the same `wait_for`.
+- `FILE?copies=N[,stagger_s=S]`: a session file's sessions N times over (`SessionTrace.copies`).
 - `synthetic:agent:loop=closed,...`: `agent_sessions`, the synthetic agent as sessions, with
   `subagents=K`: at one step the agent fans out K parallel subagents (each its own conversation
   starting with the agent's system prompt and tools, `subagent_steps` rounds on average), and
@@ -106,6 +107,25 @@ class SessionTrace:
             kept.append(session)
             total += len(session.rounds)
         return SessionTrace(self.name, tuple(kept))
+
+    def copies(self, count: int, stagger_s: float = 0.0) -> SessionTrace:
+        """Every session `count` times, copy k's ids and round keys suffixed `~k` and its arrival
+        `k x stagger_s` later (copies of one session in a row): many agents working in the shape
+        of a few recorded sessions. Every copy's texts are its own (a replay draws them per
+        round), so copies share no prefix."""
+        if count < 1 or stagger_s < 0:
+            raise SessionFormatError(f"copies must be >= 1 and stagger_s >= 0, not {count} and {stagger_s}")
+        if count == 1:
+            return self
+
+        def renamed(r: Round, k: int) -> Round:
+            return dataclasses.replace(r, key=f"{r.key}~{k}", session_id=f"{r.session_id}~{k}",
+                                       parent=None if r.parent is None else f"{r.parent}~{k}",
+                                       wait_for=tuple(f"{w}~{k}" for w in r.wait_for))
+
+        sessions = (Session(f"{s.id}~{k}", s.arrival_s + k * stagger_s, tuple(renamed(r, k) for r in s.rounds))
+                    for s in self.sessions for k in range(count))
+        return SessionTrace(f"{self.name} x{count}", tuple(sorted(sessions, key=lambda s: s.arrival_s)))
 
 
 # --- building ---------------------------------------------------------------------------------
@@ -343,10 +363,21 @@ def is_session_spec(spec: str) -> bool:
     """Whether `spec` names a closed-loop session workload (a synthetic form or a session file)."""
     if spec.startswith("synthetic:"):
         return spec.startswith("synthetic:agent:") and "loop=closed" in spec
-    path = Path(spec)
+    path = Path(spec.partition("?")[0])
     if not path.is_file():
         return False
     return _sniff(path) is not None
+
+
+def _params(text: str, spec: str) -> dict[str, str]:
+    """`k=v,k=v` -> {k: v}."""
+    params: dict[str, str] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise SessionFormatError(f"{spec}: parameter {part!r} is not key=value")
+        params[key.strip()] = value.strip()
+    return params
 
 
 def _read(path: Path) -> str:
@@ -366,14 +397,10 @@ def _sniff(path: Path) -> SessionTrace | None:
 
 
 def load_sessions(spec: str) -> SessionTrace:
-    """A session file (format told by content) or `synthetic:agent:loop=closed[,k=v...]`."""
+    """A session file (format told by content), optionally `FILE?copies=N[,stagger_s=S]`
+    (`SessionTrace.copies`), or `synthetic:agent:loop=closed[,k=v...]`."""
     if spec.startswith("synthetic:agent:"):
-        params: dict[str, str] = {}
-        for part in filter(None, spec[len("synthetic:agent:"):].split(",")):
-            key, sep, value = part.partition("=")
-            if not sep:
-                raise SessionFormatError(f"synthetic parameter {part!r} is not key=value")
-            params[key.strip()] = value.strip()
+        params = _params(spec[len("synthetic:agent:"):], spec)
         if params.pop("loop", None) != "closed":
             raise SessionFormatError(f"{spec}: session workloads are synthetic:agent:loop=closed[,...]")
         allowed = set(agent_sessions.__code__.co_varnames[:agent_sessions.__code__.co_argcount])
@@ -381,10 +408,19 @@ def load_sessions(spec: str) -> SessionTrace:
         if unknown:
             raise SessionFormatError(f"{spec}: unknown parameter(s) {unknown}; known: {sorted(allowed)}")
         return agent_sessions(**params)
-    path = Path(spec)
+    file, _, query = spec.partition("?")
+    copies = _params(query, spec)
+    unknown = sorted(set(copies) - {"copies", "stagger_s"})
+    if unknown:
+        raise SessionFormatError(f"{spec}: unknown parameter(s) {unknown}; known: ['copies', 'stagger_s']")
+    path = Path(file)
     if not path.is_file():
-        raise SessionFormatError(f"session trace {spec} does not exist")
+        raise SessionFormatError(f"session trace {file} does not exist")
     trace = parse_sessions(_read(path), path.name)
     if trace is None:
-        raise SessionFormatError(f"{spec} is not a session trace (TraceLab CSV or JSONL, Dynamo agentic JSONL)")
-    return trace
+        raise SessionFormatError(f"{file} is not a session trace (TraceLab CSV or JSONL, Dynamo agentic JSONL)")
+    try:
+        count, stagger_s = int(copies.get("copies", "1")), float(copies.get("stagger_s", "0"))
+    except ValueError as exc:
+        raise SessionFormatError(f"{spec}: {exc}") from None
+    return trace.copies(count, stagger_s)

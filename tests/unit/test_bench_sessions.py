@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 import pytest
@@ -16,6 +17,7 @@ from deepinfer_gateway.workload.sessions import (
     Round,
     SessionFormatError,
     agent_sessions,
+    is_session_spec,
     load_sessions,
     parse_sessions,
 )
@@ -73,6 +75,28 @@ def test_other_formats_are_not_sessions_and_cycles_are_refused() -> None:
         parse_sessions("\n".join(orjson.dumps(o).decode() for o in cyclic), "cyc")
     with pytest.raises(SessionFormatError, match="unknown parameter"):
         load_sessions("synthetic:agent:loop=closed,bogus=1")
+
+
+def test_copies_of_a_session_trace_are_sessions_of_their_own(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(CSV)
+    trace = load_sessions(f"{path}?copies=3,stagger_s=0.5")
+    assert len(trace.sessions) == 6 and trace.rounds == 12
+    assert [(s.id, s.arrival_s) for s in trace.sessions][:4] == [("s1~0", 0.0), ("s1~1", 0.5), ("s1~2", 1.0),
+                                                                 ("s0~0", 2.0)]
+    keys = [r.key for s in trace.sessions for r in s.rounds]
+    assert len(set(keys)) == len(keys)
+    for session in trace.sessions:  # each copy a chain of its own rounds, as the original
+        first, second = session.rounds
+        copy = session.id.partition("~")[2]
+        assert first.session_id == second.session_id == session.id and first.key.endswith("~" + copy)
+        assert second.parent == first.key and second.wait_for == (first.key,)
+    original = parse_sessions(CSV, "t.csv")
+    assert original is not None and load_sessions(f"{path}?copies=1") == original
+    assert is_session_spec(f"{path}?copies=2")
+    for bad in ("copies=0", "copies=two", "stagger=1"):
+        with pytest.raises(SessionFormatError):
+            load_sessions(f"{path}?{bad}")
 
 
 @needs_shared(TRACELAB)
