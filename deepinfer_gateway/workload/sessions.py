@@ -409,8 +409,8 @@ def load_sessions(spec: str) -> SessionTrace:
             raise SessionFormatError(f"{spec}: unknown parameter(s) {unknown}; known: {sorted(allowed)}")
         return agent_sessions(**params)
     file, _, query = spec.partition("?")
-    copies = _params(query, spec)
-    unknown = sorted(set(copies) - {"copies", "stagger_s"})
+    tiling = _params(query, spec)
+    unknown = sorted(set(tiling) - {"copies", "stagger_s"})
     if unknown:
         raise SessionFormatError(f"{spec}: unknown parameter(s) {unknown}; known: ['copies', 'stagger_s']")
     path = Path(file)
@@ -420,7 +420,7 @@ def load_sessions(spec: str) -> SessionTrace:
     if trace is None:
         raise SessionFormatError(f"{file} is not a session trace (TraceLab CSV or JSONL, Dynamo agentic JSONL)")
     try:
-        count, stagger_s = int(copies.get("copies", "1")), float(copies.get("stagger_s", "0"))
+        count, stagger_s = int(tiling.get("copies", "1")), float(tiling.get("stagger_s", "0"))
     except ValueError as exc:
         raise SessionFormatError(f"{spec}: {exc}") from None
     return trace.copies(count, stagger_s)
