@@ -41,6 +41,8 @@ from typing import Any
 
 import orjson
 
+from deepinfer_gateway.workload.types import key_values
+
 
 class SessionFormatError(ValueError):
     """A session trace this module cannot read; the message names the line or field."""
@@ -369,17 +371,6 @@ def is_session_spec(spec: str) -> bool:
     return _sniff(path) is not None
 
 
-def _params(text: str, spec: str) -> dict[str, str]:
-    """`k=v,k=v` -> {k: v}."""
-    params: dict[str, str] = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise SessionFormatError(f"{spec}: parameter {part!r} is not key=value")
-        params[key.strip()] = value.strip()
-    return params
-
-
 def _read(path: Path) -> str:
     import gzip
 
@@ -400,7 +391,7 @@ def load_sessions(spec: str) -> SessionTrace:
     """A session file (format told by content), optionally `FILE?copies=N[,stagger_s=S]`
     (`SessionTrace.copies`), or `synthetic:agent:loop=closed[,k=v...]`."""
     if spec.startswith("synthetic:agent:"):
-        params = _params(spec[len("synthetic:agent:"):], spec)
+        params = key_values(spec[len("synthetic:agent:"):], SessionFormatError)
         if params.pop("loop", None) != "closed":
             raise SessionFormatError(f"{spec}: session workloads are synthetic:agent:loop=closed[,...]")
         allowed = set(agent_sessions.__code__.co_varnames[:agent_sessions.__code__.co_argcount])
@@ -409,7 +400,7 @@ def load_sessions(spec: str) -> SessionTrace:
             raise SessionFormatError(f"{spec}: unknown parameter(s) {unknown}; known: {sorted(allowed)}")
         return agent_sessions(**params)
     file, _, query = spec.partition("?")
-    tiling = _params(query, spec)
+    tiling = key_values(query, SessionFormatError)
     unknown = sorted(set(tiling) - {"copies", "stagger_s"})
     if unknown:
         raise SessionFormatError(f"{spec}: unknown parameter(s) {unknown}; known: ['copies', 'stagger_s']")

@@ -21,7 +21,7 @@ import orjson
 
 from deepinfer_gateway.workload.synthetic import GENERATORS
 from deepinfer_gateway.workload.trace_sources import SOURCES, fetch
-from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
+from deepinfer_gateway.workload.types import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest, key_values
 
 
 class TraceFormatError(ValueError):
@@ -81,22 +81,12 @@ def load_azure(path: Path) -> Trace:
     return _rebased(path.name, rows, MOONCAKE_BLOCK_TOKENS)
 
 
-def _parse_params(text: str) -> dict[str, str]:
-    params: dict[str, str] = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise TraceFormatError(f"synthetic parameter {part!r} is not key=value")
-        params[key.strip()] = value.strip()
-    return params
-
-
 def load_trace(spec: str) -> Trace:
     if spec.startswith("synthetic:"):
         kind, _, params = spec[len("synthetic:"):].partition(":")
         if kind not in GENERATORS:
             raise TraceFormatError(f"unknown synthetic workload {kind!r}; choose from {sorted(GENERATORS)}")
-        return GENERATORS[kind](**_parse_params(params))
+        return GENERATORS[kind](**key_values(params, TraceFormatError))
     if spec.partition(":")[0] in {name.partition(":")[0] for name in SOURCES}:
         return dataclasses.replace(load_file(fetch(spec)), name=spec)
     return load_file(Path(spec))

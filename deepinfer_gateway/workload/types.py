@@ -119,3 +119,14 @@ def write_records(path: Path, records: list[RequestRecord]) -> None:
 def read_records(path: Path) -> list[RequestRecord]:
     with open(path, "rb") as f:
         return [RequestRecord.from_dict(orjson.loads(line)) for line in f if line.strip()]
+
+
+def key_values(text: str, error: type[ValueError] = ValueError) -> dict[str, str]:
+    """`k=v,k=v` (a trace spec's parameters) -> {k: v}; `error` names a part without `=`."""
+    params: dict[str, str] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise error(f"parameter {part!r} is not key=value")
+        params[key.strip()] = value.strip()
+    return params
