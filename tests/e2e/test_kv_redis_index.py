@@ -197,8 +197,9 @@ async def test_one_replica_writes_a_workers_events_until_its_lease_lapses(redis_
     admin = aioredis.from_url(redis_server.url)
     # 5 s client timeouts: on a loaded machine one reply slower than the default 0.5 s would
     # turn an index to its local view (the reader's is empty), which is not what this tests.
-    a = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace, writer_lease_s=0.5)
-    b = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace, writer_lease_s=0.5)
+    # A 2 s lease: the steps below that must fall inside one lease period do on a loaded box.
+    a = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace, writer_lease_s=2.0)
+    b = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace, writer_lease_s=2.0)
     reader = RedisPrefixIndex(redis_client(redis_server.url, timeout_s=5), namespace=namespace)
     try:
         log = EventLog("w")
@@ -220,7 +221,7 @@ async def test_one_replica_writes_a_workers_events_until_its_lease_lapses(redis_
         b_cursor = await b.apply("w", log.batch(after=b_cursor))
         assert (await reader.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 50}
         assert (await b.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 50}  # b routes by Redis
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(2.1)
         log.store_mem(H[60:70])
         await b.apply("w", log.batch(after=b_cursor))  # takes the lease; Redis misses seq 6: snapshot
         assert (await reader.lookup({"f1": H}, {"w": "f1"})).memory == {"w": 70}
