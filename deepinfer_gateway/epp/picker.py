@@ -125,6 +125,8 @@ class EndpointPicker:
         if prepared is not None:
             prompt_tokens = prepared.prompt_tokens
             hashes, overlap = await self.routing.overlap(prepared, views)
+            if session is not None:
+                self.routing.observe_session(session, hashes)
         grant = None
         if self.gate is not None and flow is not None and prepared is not None:
             pool = self.routing.planner.first_pool(views, prompt_tokens, overlap)

@@ -100,6 +100,31 @@ def test_without_a_session_requests_move_round_robin(gateway: Gateway) -> None:
     assert len({_chat(gateway) for _ in range(3)}) == 3
 
 
+def test_a_sessions_rounds_count_as_extending_or_breaking_its_prefix(gateway: Gateway) -> None:
+    """Why a session's follow-up hit is low, on /metrics: a round whose prompt does not start with
+    the session's previous one (the agent compacted its history) counts apart from those that
+    extend it, whichever worker serves it."""
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
+    headers = {"x-claude-code-session-id": uuid.uuid4().hex}
+    history: list[anthropic.types.MessageParam] = [
+        {"role": "user", "content": " ".join(f"step{i}" for i in range(400))}]  # several KV blocks
+
+    def send(messages: list[anthropic.types.MessageParam]) -> None:
+        client.messages.create(model=MODEL, max_tokens=2, system="You are a coding agent.", messages=messages,
+                               extra_headers=headers)
+
+    before = scrape(gateway.url)
+    send(history)
+    history += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Now the tests."}]
+    send(history)
+    send([{"role": "user", "content": "Summary of the session so far: the steps are done. Now the tests."}])
+    _chat(gateway)  # no session: not counted
+    after = scrape(gateway.url)
+    counted = {prefix: total(after, "dgw_session_rounds_total", prefix=prefix)
+               - total(before, "dgw_session_rounds_total", prefix=prefix) for prefix in ("unseen", "extends", "breaks")}
+    assert counted == {"unseen": 1, "extends": 1, "breaks": 1}
+
+
 def test_claude_codes_metadata_user_id_names_the_session(gateway: Gateway) -> None:
     """Claude Code's metadata.user_id (a JSON string carrying its session_id) in the Anthropic SDK."""
     user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": str(uuid.uuid4())})

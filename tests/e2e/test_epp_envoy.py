@@ -7,6 +7,7 @@ cached tokens are compared with its prediction through its /metrics."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,6 +151,18 @@ def test_shared_prefix_goes_back_to_its_holder_and_matches_the_prediction(stack:
         time.sleep(0.05)
     assert stack.metric("dgw_cached_prompt_tokens_total", tier="memory") - cached == reported
     assert stack.metric("dgw_predicted_cached_tokens_total", tier="memory") - predicted == reported
+
+
+def test_a_sessions_rounds_count_as_extending_or_breaking_its_prefix(stack: Stack) -> None:
+    before = {p: stack.metric("dgw_session_rounds_total", prefix=p) for p in ("unseen", "extends", "breaks")}
+    history = [{"role": "user", "content": "Read the repository, file by file. " * 40}]
+    session = {"x-session-id": uuid.uuid4().hex}
+    stack.client.chat.completions.create(**chat("", messages=history), extra_headers=session)
+    history += [{"role": "assistant", "content": "Read."}, {"role": "user", "content": "Now fix the bug."}]
+    stack.client.chat.completions.create(**chat("", messages=history), extra_headers=session)
+    stack.client.chat.completions.create(**chat("The repository is read; fix the bug."), extra_headers=session)
+    after = {p: stack.metric("dgw_session_rounds_total", prefix=p) for p in ("unseen", "extends", "breaks")}
+    assert {p: after[p] - before[p] for p in after} == {"unseen": 1, "extends": 1, "breaks": 1}
 
 
 def test_subset_hint_restricts_the_pick(trusting: Stack) -> None:

@@ -156,6 +156,7 @@ class Legs:
                      flow: FlowTicket | None, arrival: float
                      ) -> tuple[Lease, Plan, dict[str, Any], dict[str, Any], list[WorkerView]]:
         views, hashes, overlap = await self.routing.candidates(prepared, leg.cache_salt)
+        self.routing.observe_session(session, hashes)
         planner = self.routing.planner
         plans: list[Plan] = []
         lineage = await self.routing.lineage(session)

@@ -29,6 +29,7 @@ from deepinfer_gateway.router.booking import crowd_fields, scheduled_since
 from deepinfer_gateway.router.inflight import MemoryInflight, RedisInflight
 from deepinfer_gateway.router.planner import Plan, RoutePlanner, WorkerView, prompt_hashes
 from deepinfer_gateway.router.policy import Lineage
+from deepinfer_gateway.router.session_continuity import SessionPrefixes
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class RouteInputs:
         self.hasher = PrefixHasher()
         ttl = settings.router.routed_prefix_s
         self.routed = RoutedPrefixes(ttl) if ttl > 0 else None
+        self.session_prefixes = SessionPrefixes()
 
     async def views(self) -> list[WorkerView]:
         workers = self.registry.healthy()
@@ -121,6 +123,11 @@ class RouteInputs:
         if self.routed is not None:
             overlap = self.routed.merged(overlap, hashes, formats, self.registry.loop_lag.now())
         return hashes, overlap
+
+    def observe_session(self, session: SessionIdentity, hashes: Mapping[str, Sequence[int]]) -> None:
+        """Count whether a named session's round extends its previous prompt (session_continuity.py)."""
+        if session.session is not None:
+            self.metrics.session_rounds.labels(self.session_prefixes.observe(session.session, hashes)).inc()
 
     async def lineage(self, session: SessionIdentity) -> Lineage | None:
         """The session's parent and, with a shared store, where it and its parent last went."""

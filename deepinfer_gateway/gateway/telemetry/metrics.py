@@ -187,6 +187,11 @@ class GatewayMetrics:
         self.session_live = Gauge("dgw_session_live_sessions", "Sessions live on the worker: a round in flight or "
                                   "ended less than session_capacity.ttl_ms ago (several processes on a host: their "
                                   "sum)", [WORKER_LABEL], multiprocess_mode="livesum", registry=r)
+        self.session_rounds = Counter("dgw_session_rounds", "Rounds of named sessions, by whether their prompt "
+                                      "starts with the session's previous prompt in this process (to its last "
+                                      "full KV block): extends, breaks (compaction, an edited history: prefilled "
+                                      "again whatever the routing), unseen (its first, or another replica's)",
+                                      ["prefix"], registry=r)
         self.redis_errors = Counter("dgw_redis_errors", "Failed Redis operations (the gateway degrades, not fails)",
                                     ["component"], registry=r)
         self.responses_not_stored = Counter(

@@ -25,6 +25,7 @@ from deepinfer_gateway.kvcache.types import KvIndexMetrics
 from deepinfer_gateway.recipe_bridge.prepare import ApiProtocol
 from deepinfer_gateway.router.flow import ShedReason, Tier
 from deepinfer_gateway.router.policy import Reason
+from deepinfer_gateway.router.session_continuity import Continuity
 
 
 def _values(enum: type[StrEnum]) -> str:
@@ -58,6 +59,7 @@ LABELS: dict[str, str] = {
     "version": "the installed `deepinfer-gateway` version",
     "python": "the interpreter's version",
     "pid": "the process id of a gateway process on this host (one series per live process)",
+    "prefix": f"a session round's prompt against the session's previous one: {_values(Continuity)}",
     "git_sha": "12 hex digits of the source commit when known (a VCS install or a source checkout), else `unknown`",
 }
 
