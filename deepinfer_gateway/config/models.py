@@ -540,7 +540,11 @@ class GatewaySettings(_Frozen):
                     "empty: only those (the workers' token goes to every worker; gateway/fleet/worker_allow.py).")
     health: HealthSettings = Field(HealthSettings(), description="Worker health checks.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Connecting to a worker.")
-    first_event_timeout_s: float = Field(30.0, gt=0, description="Waiting for a worker's first stream event.")
+    first_event_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Waiting for a worker's first stream event (then retried elsewhere). Over worker protocol v2, "
+                    "the worker's silence: while it streams other requests, a request queued in its engine keeps "
+                    "its place up to between_events_timeout_s.")
     between_events_timeout_s: float = Field(120.0, gt=0, description="Waiting between stream events.")
     worker_protocol: Literal["auto", "v1"] = Field(
         "auto",

@@ -345,27 +345,50 @@ class Stalling:
             self.closed.append(request.request_id)
 
 
+async def _timed_out_after(stalling: Stalling, stream: Any) -> tuple[float, str]:
+    """Reads `stream` until it times out: (seconds it took, the error's detail); then closes it
+    as the lease does and waits for the engine to see the abort."""
+    started = time.perf_counter()
+    with pytest.raises(UpstreamError) as timed_out:
+        while await stream.next_event():
+            pass
+    took = time.perf_counter() - started
+    assert timed_out.value.kind is UpstreamKind.TIMEOUT and timed_out.value.retryable
+    stream.close()
+    for _ in range(100):
+        if stalling.closed:
+            break
+        await asyncio.sleep(0.05)
+    assert stalling.closed == [stream.request_id]
+    return took, str(timed_out.value)
+
+
 async def test_a_silent_engine_times_the_stream_out_and_aborts_it(engine: Engine) -> None:
     stalling = Stalling(engine)
     served = await serve(create_worker_app(stalling))
-    http = await pool(timeouts=Timeouts(first_event_s=2.0, between_events_s=2.0))
+    http = await pool(timeouts=Timeouts(first_event_s=1.0, between_events_s=3.0))
+    try:
+        upstream = DgwUpstream(DgwWorkerSpec(url=served.url), http)
+        took, detail = await _timed_out_after(stalling, await upstream.generate(leg("stuck-1")))
+        assert 0.95 <= took < 2.5 and "within 1.0s" in detail
+    finally:
+        await http.close()
+        await served.stop()
+
+
+async def test_a_request_queued_behind_other_streams_waits_longer_for_its_first_event(engine: Engine) -> None:
+    """While its worker streams other requests' tokens the engine is alive and busy: a request not
+    scheduled yet keeps its place past first_event_s, up to between_events_s, then fails."""
+    stalling = Stalling(engine)
+    served = await serve(create_worker_app(stalling))
+    http = await pool(timeouts=Timeouts(first_event_s=1.0, between_events_s=3.0))
     try:
         upstream = DgwUpstream(DgwWorkerSpec(url=served.url), http)
         stream = await upstream.generate(leg("stuck-1"))
-        other = await upstream.generate(leg("fine", max_tokens=100))
-        started = time.perf_counter()
-        with pytest.raises(UpstreamError) as timed_out:
-            while await stream.next_event():
-                pass
-        assert timed_out.value.kind is UpstreamKind.TIMEOUT and timed_out.value.retryable
-        assert 1.95 <= time.perf_counter() - started < 6.0
-        stream.close()  # as the lease does
+        other = await upstream.generate(leg("busy", max_tokens=1000))  # 5 s of tokens
+        took, detail = await _timed_out_after(stalling, stream)
+        assert 2.95 <= took < 4.5 and "not scheduled" in detail
         assert (await read_all(other))[-1]["reason"] == "length"
-        for _ in range(100):
-            if stalling.closed:
-                break
-            await asyncio.sleep(0.05)
-        assert stalling.closed == ["stuck-1"]
     finally:
         await http.close()
         await served.stop()

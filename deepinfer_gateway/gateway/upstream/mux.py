@@ -18,9 +18,14 @@ reader's own call (one step's chunk is framed and written there), instead of a q
 future and a task switch per stream per step; the sink declines what only the relay's task
 can handle (`finish`, errors), and `hand_back` wakes the task when the sink needs it.
 
-Timeouts: per request as in v1 (`first_event_s` for the first event, `between_events_s`
-after), checked by one timer per connection (`_sweep`) instead of one per read. A
-connection that stops answering pings (HEARTBEAT_S) is closed by aiohttp.
+Timeouts: `between_events_s` per request as in v1 once a request has an event. Before its
+first, a request fails after `first_event_s` of the worker's silence: no event for any of
+its requests on the connection. A worker that streams other requests' tokens meanwhile is
+alive and busy, and this request is queued in its engine: failing it to retry elsewhere
+would lose its place in that queue and start it again at the back of another's; it then
+waits up to `between_events_s` in all. One timer per connection checks both (`_sweep`)
+instead of one per read. A connection that stops answering pings (HEARTBEAT_S) is closed
+by aiohttp.
 
 Faults: the connection closing (a worker that died or restarted) fails every stream on
 it with a `disconnect` UpstreamError, retryable before the first token as in v1; the next
@@ -201,6 +206,7 @@ class MuxConnection:
         self.loop = asyncio.get_running_loop()
         self.coalesced = 0  # `tokens` events merged into a lagging stream's queue
         self.messages = 0  # worker messages read
+        self.progress_at = 0.0  # loop time of the last message carrying a request's event (the engine moves)
         self._ws = ws
         self._timeouts = timeouts
         self._streams: dict[str, MuxStream] = {}
@@ -363,6 +369,7 @@ class MuxConnection:
                 self._pushed(frames)
                 return
             streams = self._streams
+            self.progress_at = self.loop.time()
             for rid, event in frames:
                 stream = streams.get(rid)
                 if stream is None:
@@ -410,15 +417,22 @@ class MuxConnection:
             self.on_shut(self)
 
     def _sweep(self) -> None:
-        """Time out streams whose worker has been silent too long (v1's per-read timeouts)."""
+        """Time out streams whose worker has been silent too long (module doc)."""
         if self._closed:
             return
         now = self.loop.time()
         first_s, between_s = self._timeouts.first_event_s, self._timeouts.between_events_s
         for stream in list(self._streams.values()):
-            if stream.waiting:
-                limit = between_s if stream.got_any else first_s
-                if now - stream.wait_since >= limit:
-                    stream.fail(UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {limit}s"))
+            if not stream.waiting:
+                continue
+            waited = now - stream.wait_since
+            if stream.got_any:
+                if waited >= between_s:
+                    stream.fail(UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {between_s}s"))
+            elif now - max(stream.wait_since, self.progress_at) >= first_s:
+                stream.fail(UpstreamError(UpstreamKind.TIMEOUT, f"no event from worker within {first_s}s"))
+            elif waited >= max(first_s, between_s):
+                stream.fail(UpstreamError(UpstreamKind.TIMEOUT, f"not scheduled by its busy worker within "
+                                                               f"{max(first_s, between_s)}s"))
         # Re-armed while streams are open; the next submit arms it again.
         self._sweeper = self.loop.call_later(self._sweep_s, self._sweep) if self._streams else None
