@@ -15,7 +15,10 @@ import pytest
 from harness.launch import Gateway, SimCluster
 
 MODEL = "DeepSeek-V4.1-Flash"
-PREFIX = " ".join(f"shared{i}" for i in range(6000))  # ~18k tokens: a prefill of some 0.3 s in real time
+PREFIX = " ".join(f"shared{i}" for i in range(6000))  # ~18k tokens: a prefill of ~0.3 sim s, ~1.2 s at TIME_SCALE
+# The sim at a quarter of real speed: the second request, prepared on a loaded box, still comes
+# while the first is being prefilled, before its KV events can say where the prefix is.
+TIME_SCALE = 0.25
 
 
 async def _served(client: openai.AsyncOpenAI, tail: str) -> tuple[str, int]:
@@ -40,7 +43,7 @@ async def _until_a_worker_holds_a_request(cluster: SimCluster) -> None:
 @pytest.mark.parametrize("routed_prefix_s", [2.0, 0.0])
 async def test_a_prefix_routed_a_moment_ago_draws_the_requests_that_share_it(tmp_path: Path,
                                                                             routed_prefix_s: float) -> None:
-    cluster = SimCluster("unified:sm100,unified:sm100", time_scale=1.0)
+    cluster = SimCluster("unified:sm100,unified:sm100", time_scale=TIME_SCALE)
     try:
         gw = Gateway(tmp_path, [(url, "unified", "sm100") for url in cluster.urls],
                      extra_toml=f"[router]\nrouted_prefix_s = {routed_prefix_s}\n")
@@ -50,7 +53,7 @@ async def test_a_prefix_routed_a_moment_ago_draws_the_requests_that_share_it(tmp
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=1)  # the client's connection, open
             first = asyncio.create_task(_served(client, " first question"))
-            await _until_a_worker_holds_a_request(cluster)  # routed, and its prefill (~0.3 s) under way
+            await _until_a_worker_holds_a_request(cluster)  # routed, and its prefill under way
             (worker_a, cached_a), (worker_b, cached_b) = await asyncio.gather(first, _served(client, " second one"))
             assert cached_a == 0
             if routed_prefix_s:
